@@ -1,0 +1,98 @@
+"""WebShop product catalogs: the real 1k catalog on disk, or a synthetic one serl generates.
+
+Both give the same thing: the processed product dicts of upstream's ``load_products``
+(keys ``asin``, ``name``, ``Title``, ``Description``, ``BulletPoints``, ``Attributes``,
+``options``, ``pricing``, ``Price``, ``Rating``, ``Reviews``, ``query``, ``category``,
+``product_category``), the text BM25 indexes for each, and the synthetic instructions of
+``items_ins_v2_1000.json`` (``instruction``, ``instruction_attributes``) by ASIN.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from envs.base import EnvError
+
+DATA_ENV_VAR = "SERL_DATA_DIR"
+DOCUMENTS_FILE = "documents_1k.jsonl"
+INSTRUCTIONS_FILE = "items_ins_v2_1000.json"
+
+
+@dataclass
+class Catalog:
+    products: list[dict]  # processed product dicts in document (docid) order
+    texts: list[str]  # the text BM25 indexes, one per product
+    instructions: dict[str, dict]  # asin -> {"attributes", "instruction"?, "instruction_attributes"?}
+    source: str  # "webshop-1k:<dir>" or "synthetic:n=<n>,seed=<seed>"
+
+    def __post_init__(self) -> None:
+        self.by_asin = {p["asin"]: p for p in self.products}
+
+    def __len__(self) -> int:
+        return len(self.products)
+
+
+def document_text(product: dict) -> str:
+    """The per-product text upstream indexed: title, description, first bullet, options, lower-cased.
+
+    Mirrors ``search_engine/convert_product_file_format.py`` of princeton-nlp/WebShop.
+    """
+    option_text = ", and ".join(f"{name}: {', '.join(values)}" for name, values in product.get("options", {}).items())
+    bullets = product.get("BulletPoints") or [""]
+    return " ".join([product["Title"], product["Description"], bullets[0], option_text]).lower()
+
+
+def webshop_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """Where the real catalog lives: the argument, else ``$SERL_DATA_DIR/webshop``."""
+    if data_dir is None:
+        root = os.environ.get(DATA_ENV_VAR)
+        if not root:
+            raise EnvError(f"{DATA_ENV_VAR} is not set: point it at the folder holding webshop/{DOCUMENTS_FILE}, or use catalog=synthetic")
+        data_dir = Path(root) / "webshop"
+    path = Path(data_dir)
+    for name in (DOCUMENTS_FILE, INSTRUCTIONS_FILE):
+        if not (path / name).is_file():
+            raise EnvError(f"WebShop data not found: {path / name} is missing (set {DATA_ENV_VAR} to the folder holding webshop/)")
+    return path
+
+
+def load_real_catalog(data_dir: str | os.PathLike | None = None) -> Catalog:
+    path = webshop_data_dir(data_dir)
+    products, texts = [], []
+    with open(path / DOCUMENTS_FILE, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                doc = json.loads(line)
+                products.append(doc["product"])
+                texts.append(doc["contents"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise EnvError(f"{path / DOCUMENTS_FILE}:{lineno}: not a WebShop document record ({e.__class__.__name__})") from None
+    try:
+        with open(path / INSTRUCTIONS_FILE, encoding="utf-8") as f:
+            instructions = json.load(f)
+    except json.JSONDecodeError as e:
+        raise EnvError(f"{path / INSTRUCTIONS_FILE}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(instructions, dict):
+        raise EnvError(f"{path / INSTRUCTIONS_FILE}: expected a JSON object keyed by ASIN")
+    return Catalog(products=products, texts=texts, instructions=instructions, source=f"webshop-1k:{path}")
+
+
+def load_catalog(kind: str = "auto", *, data_dir: str | None = None, synthetic_size: int = 200, synthetic_seed: int = 0) -> Catalog:
+    """``real`` (the 1k catalog), ``synthetic``, or ``auto``.
+
+    ``auto`` takes the real catalog whenever a data folder is named (the argument or
+    ``$SERL_DATA_DIR``) -- and then a folder without the files is an error, not a silent
+    fallback -- and the synthetic catalog when none is.
+    """
+    if kind == "auto":
+        kind = "real" if (data_dir or os.environ.get(DATA_ENV_VAR)) else "synthetic"
+    if kind == "real":
+        return load_real_catalog(data_dir)
+    if kind == "synthetic":
+        from envs.webshop.synthetic import make_synthetic_catalog
+
+        return make_synthetic_catalog(num_products=synthetic_size, seed=synthetic_seed)
+    raise EnvError(f"unknown WebShop catalog {kind!r}: choose real, synthetic or auto")

@@ -1,0 +1,228 @@
+"""The WebShop environment: a world (catalog, search index, goals) and cheap episodes.
+
+Actions follow upstream's text environment (``web_agent_text_env.py``): ``search[query]``
+and ``click[target]``, the argument lower-cased; ``click`` works only on a current
+clickable, never on the search button. One deliberate difference: upstream runs a search
+from any page although only the start page shows a search bar; serl accepts ``search``
+only where the bar is shown, so the admissible actions it lists are exactly the ones that
+work. An invalid action leaves the page unchanged with reward 0 and is reported as
+``error`` feedback with its reason. The episode ends on ``click[buy now]`` or, with
+reward 0, at the turn limit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from envs.base import EnvError, Feedback, Step, state_key
+from envs.webshop import pages
+from envs.webshop.catalog import Catalog, load_catalog
+from envs.webshop.goals import build_goals, split_indices, SPLITS
+from envs.webshop.pages import PageState
+from envs.webshop.reward import total_reward
+from envs.webshop.search import SearchEngine
+
+DEFAULT_MAX_TURNS = 15
+ACTION_RE = re.compile(r"(search|click)\[(.+)\]", re.DOTALL)
+
+RULES = """You are shopping on WebShop, a simulated web store, to buy the product the instruction describes.
+Each turn you see the current page: its visible texts separated by [SEP].
+Act with exactly one action per turn:
+- search[query]  type a query into the search bar (only on the page that shows a search bar)
+- click[target]  click a button, a product's ASIN, or an option value shown on the page
+The episode ends when you click[buy now]; your score is how well the product you bought,
+its options and its price match the instruction."""
+
+
+@dataclass
+class WebShopConfig:
+    catalog: str = "auto"  # real | synthetic | auto (real where SERL_DATA_DIR is set)
+    data_dir: str | None = None  # folder holding documents_1k.jsonl; default $SERL_DATA_DIR/webshop
+    synthetic_size: int = 200
+    synthetic_seed: int = 0
+    max_turns: int = DEFAULT_MAX_TURNS
+
+
+class WebShopWorld:
+    """Shared read-only state: catalog, search engine, goals and their split."""
+
+    name = "webshop"
+    rules = RULES
+
+    def __init__(self, config: WebShopConfig | None = None, catalog: Catalog | None = None):
+        self.config = config or WebShopConfig()
+        self.catalog = catalog or load_catalog(
+            self.config.catalog,
+            data_dir=self.config.data_dir,
+            synthetic_size=self.config.synthetic_size,
+            synthetic_seed=self.config.synthetic_seed,
+        )
+        self.engine = SearchEngine(self.catalog.texts)
+        self.goals, self.prices = build_goals(self.catalog)
+        if not self.goals:
+            raise EnvError(f"WebShop catalog {self.catalog.source} yields no goals (no product has an instruction)")
+        self._search_cache: dict[str, list[int]] = {}
+        self._expert_queries: dict[str, str] = {}
+        self._index_of = {p["asin"]: i for i, p in enumerate(self.catalog.products)}
+
+    def splits(self) -> list[str]:
+        return list(SPLITS)
+
+    def num_tasks(self, split: str) -> int:
+        return len(split_indices(len(self.goals), split))
+
+    def goal(self, split: str, task_id: int) -> dict:
+        idx = split_indices(len(self.goals), split)
+        if not 0 <= task_id < len(idx):
+            raise EnvError(f"task id {task_id} out of range: WebShop split {split!r} has tasks 0..{len(idx) - 1}")
+        return self.goals[idx[task_id]]
+
+    def search(self, query: str) -> list[int]:
+        """Cached search: many rollouts of one task issue the same queries."""
+        hits = self._search_cache.get(query)
+        if hits is None:
+            if len(self._search_cache) > 50_000:
+                self._search_cache.clear()
+            hits = self._search_cache[query] = self.engine.search(query)
+        return hits
+
+    def expert_query(self, goal: dict) -> str:
+        """The expert's search: the instruction's words, or the product title when that misses the target."""
+        key = goal["asin"] + "|" + goal["instruction_text"]
+        if key not in self._expert_queries:
+            base = self.catalog.instructions[goal["asin"]]["instruction"].lower()
+            query = base if self._index_of[goal["asin"]] in self.search(base) else goal["name"].lower()
+            self._expert_queries[key] = query
+        return self._expert_queries[key]
+
+    def new_episode(self, split: str = "test", max_turns: int | None = None) -> "WebShopEpisode":
+        split_indices(len(self.goals), split)  # validate the split name early
+        return WebShopEpisode(self, split, max_turns or self.config.max_turns)
+
+
+class WebShopEpisode:
+    def __init__(self, world: WebShopWorld, split: str, max_turns: int):
+        self.world, self.split, self.max_turns = world, split, max_turns
+        self.task_id = -1
+        self.goal: dict = {}
+        self.instruction = ""
+        self.state = PageState()
+        self.turns = 0
+        self.done = True
+
+    # -- protocol -------------------------------------------------------------------------
+    def reset(self, task_id: int) -> Step:
+        self.goal = self.world.goal(self.split, task_id)
+        self.task_id, self.instruction = task_id, self.goal["instruction_text"]
+        self.state, self.turns, self.done = PageState(), 0, False
+        return self._step_result(0.0, Feedback(error=None, diff="page start"), {})
+
+    def step(self, action: str) -> Step:
+        if self.done:
+            raise EnvError("the episode is over: reset it before stepping")
+        before = self.state
+        error = self._apply(action)
+        self.turns += 1
+        truncated = not self.done and self.turns >= self.max_turns
+        if truncated:
+            self.done = True
+        diff = "no change" if error else pages.describe_change(before, self.state, self.world.catalog.products)
+        reward = self.state.reward if self.state.page == "done" else 0.0
+        return self._step_result(reward, Feedback(error=error, diff=diff), {"truncated": truncated, "invalid": error is not None})
+
+    # -- mechanics ------------------------------------------------------------------------
+    def clickables(self) -> dict[str, tuple[str, str | None]]:
+        return pages.clickables(self.state, self.world.catalog.products, self.world.catalog.by_asin)
+
+    def admissible_actions(self) -> list[str]:
+        if self.done:
+            return []
+        acts = ["search[<query>]"] if self.state.page == "start" else []
+        return acts + [f"click[{c}]" for c in self.clickables() if c != "search"]
+
+    def _apply(self, action: str) -> str | None:
+        """Change the page for a valid action; return the reason when the action is invalid."""
+        m = ACTION_RE.fullmatch(action.strip())
+        if m is None:
+            shown = action if len(action) <= 80 else action[:77] + "..."
+            return f"unparseable action {shown!r}: expected search[query] or click[target]"
+        verb, arg = m.group(1), m.group(2).strip().lower()
+        if verb == "search":
+            if self.state.page != "start":
+                return "there is no search bar on this page: click[back to search] first"
+            if not arg:
+                return "empty search query"
+            self.state = PageState(page="results", query=arg, hits=self.world.search(arg))
+            return None
+        targets = self.clickables()
+        if arg == "search":
+            return "click[search] does nothing: type a query with search[...]"
+        if arg not in targets:
+            return f"'{arg}' is not clickable on this page"
+        kind, option_name = targets[arg]
+        s = self.state.copy()
+        if kind == "product":
+            s.page, s.asin = "item", arg.upper()
+        elif kind == "option":
+            s.options[option_name] = arg
+        elif arg == pages.BACK_TO_SEARCH:
+            s = PageState()
+        elif arg == pages.NEXT:
+            s.results_page += 1
+        elif arg == pages.PREV:
+            if s.page == "results":
+                s.results_page -= 1
+            elif s.page == "item":
+                s.page, s.asin, s.options = "results", None, {}  # back to the same results page
+            else:
+                s.page = "item"
+        elif arg in pages.SUB_PAGES:
+            s.page = arg
+        elif arg == pages.BUY_NOW:
+            product = self.world.catalog.by_asin[s.asin]
+            s.page, s.reward = "done", total_reward(product, self.goal, self.world.prices[s.asin], s.options)
+            self.done = True
+        self.state = s
+        return None
+
+    def expert_action(self) -> str | None:
+        """The reference action from the current state: search, open the target, pick the goal's options, buy."""
+        s, goal = self.state, self.goal
+        target = goal["asin"]
+        if self.done:
+            return None
+        if s.page == "start":
+            return f"search[{self.world.expert_query(goal)}]"
+        if s.page == "results":
+            products = self.world.catalog.products
+            listed = [products[i]["asin"] for i in s.listed()]
+            if target in listed:
+                return f"click[{target.lower()}]"
+            ranks = [products[i]["asin"] for i in s.hits]
+            if target in ranks:
+                wanted_page = ranks.index(target) // pages.PRODUCTS_PER_PAGE + 1
+                return "click[next >]" if wanted_page > s.results_page else "click[< prev]"
+            return "click[back to search]"
+        if s.page == "item":
+            if s.asin != target:
+                return "click[< prev]"
+            for name in sorted(goal["goal_options"]):
+                if s.options.get(name) != goal["goal_options"][name]:
+                    return f"click[{goal['goal_options'][name]}]"
+            return "click[buy now]"
+        return "click[< prev]"  # a sub-page: back to the item
+
+    def _step_result(self, reward: float, feedback: Feedback, info: dict) -> Step:
+        obs = pages.render(self.state, self.instruction, self.world.catalog.products, self.world.catalog.by_asin)
+        info = {"page": self.state.page, "turn": self.turns, "won": self.done and reward >= 1.0, **info}
+        return Step(
+            observation=obs,
+            reward=float(reward),
+            done=self.done,
+            feedback=feedback,
+            admissible_actions=self.admissible_actions(),
+            state_key=state_key(obs),
+            expert_action=self.expert_action(),
+            info=info,
+        )

@@ -1,0 +1,3 @@
+from serl_cli.cli import main
+
+main()

@@ -1,0 +1,7 @@
+"""The algorithms' math: small pure functions over tensors (no model, no I/O).
+
+core   -- group advantages, masked reductions, the PPO-clip surrogate, k3 KL, policy_loss
+serl   -- SERL hindsight weights, lambda schedule, blending, placement (METHOD.md 5-6)
+sdpo   -- self-distillation term on failed rollouts
+gigpo  -- Group-in-Group step advantages (arXiv 2505.10978)
+"""

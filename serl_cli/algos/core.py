@@ -1,0 +1,128 @@
+"""Math shared by every algorithm (METHOD.md sections 6-7).
+
+Shapes: B samples (one sample = one turn), T token positions. `mask` marks the tokens
+that carry loss (generated tokens; prompt and padding are 0). Everything is pure.
+"""
+import torch
+from torch import Tensor
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6,
+                     std_norm: bool = True) -> Tensor:
+    """GRPO advantage (R - mean_g) / (std_g + eps) within each group id.
+
+    std is the unbiased (Bessel) std, torch's default, as in verl and TRL. A group of
+    size 1 or with all-equal rewards gives exactly 0: it has nothing to compare against
+    (verl instead returns the raw reward for a singleton; we do not). std_norm=False
+    gives the mean-only variant (Dr. GRPO; GiGPO's "mean_norm").
+    """
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    r = rewards.detach().to(torch.float64)  # float64: stats exact enough to test by hand
+    count = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inv, torch.ones_like(r))
+    mean = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inv, r) / count
+    centred = r - mean[inv]
+    var = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inv, centred ** 2)
+    std = (var / (count - 1).clamp_min(1)).sqrt()
+    gmax = torch.full((n_groups,), -torch.inf, dtype=r.dtype).scatter_reduce(0, inv, r, "amax")
+    gmin = torch.full((n_groups,), torch.inf, dtype=r.dtype).scatter_reduce(0, inv, r, "amin")
+    # Test equality directly, not std == 0: a float mean can leave a tiny residue.
+    degenerate = (count < 2) | (gmax == gmin)
+    adv = centred / (std[inv] + eps) if std_norm else centred
+    adv = torch.where(degenerate[inv], torch.zeros_like(adv), adv)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def _zero_outside(x: Tensor, mask: Tensor) -> Tensor:
+    # Zero masked-out entries BEFORE exp(): an inf there would turn its (zero) gradient
+    # into 0 * inf = nan in backward, which where() after the fact cannot stop.
+    return torch.where(mask.bool(), x, torch.zeros_like(x))
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    # where(), not x * mask: a masked-out inf or nan must not leak in as nan.
+    return _zero_outside(x, mask).sum()
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean over masked entries; 0 when the mask is empty (no tokens, no loss)."""
+    return masked_sum(x, mask) / mask.sum().clamp_min(1)
+
+
+def kl_k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(pi || ref) from tokens sampled from pi (Schulman 2020).
+
+    With d = logp_ref - logp: exp(d) - d - 1 >= 0, unbiased, lower variance than -d.
+    Used as a loss (as in DeepSeekMath/verl "low_var_kl"), its expected gradient on
+    on-policy samples is that of KL(ref || pi); both vanish at pi = ref.
+    """
+    d = logp_ref - logp
+    return torch.exp(d) - d - 1
+
+
+def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor,
+                  weights: Tensor | None, mask: Tensor, clip_eps: float = 0.2,
+                  num_tokens: float | None = None) -> tuple[Tensor, dict]:
+    """Token-level PPO clip on the reweighted advantage w * A (METHOD.md section 6).
+
+    loss = sum_k -min(r_k w_k A, clip(r_k, 1-eps, 1+eps) w_k A) / N_tokens over masked k.
+    advantages: [B] (one per sample, broadcast over tokens) or [B, T]. weights: [B, T]
+    SERL weights (constants, no gradient), None for all ones (GRPO). num_tokens: the
+    token count of the whole batch when this call sees one micro-batch (gradient
+    accumulation must divide by the batch total, not the micro-batch's).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    wa = advantages if weights is None else weights.detach() * advantages
+    wa = wa.detach().expand_as(logp)
+    log_ratio = _zero_outside(logp - logp_old.detach(), mask)
+    ratio = torch.exp(log_ratio)
+    surr = ratio * wa
+    surr_clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * wa
+    n = mask.sum().clamp_min(1) if num_tokens is None else num_tokens
+    loss = masked_sum(-torch.min(surr, surr_clipped), mask) / n
+    with torch.no_grad():
+        # The clipped branch binds where it is strictly smaller: A>0 and r>1+eps, or
+        # A<0 and r<1-eps. There its gradient is zero.
+        clipped = (surr_clipped < surr).to(logp.dtype)
+        stats = {"clip_frac": masked_mean(clipped, mask).item(),
+                 "ratio_mean": masked_mean(ratio, mask).item(),
+                 "approx_kl": masked_mean(-log_ratio, mask).item()}
+    return loss, stats
+
+
+def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor, *,
+                weights: Tensor | None = None, clip_eps: float = 0.2,
+                logp_ref: Tensor | None = None, kl_coef: float = 0.0,
+                logp_teacher: Tensor | None = None, distill_coef: float = 0.0,
+                distill_mask: Tensor | None = None,
+                num_tokens: float | None = None) -> tuple[Tensor, dict]:
+    """The one loss every algorithm trains on:
+
+        PPO-clip(w * A)  +  kl_coef * mean_k3(pi || ref)  +  distill_coef * mean_k3(pi || T)
+
+    grpo/gigpo: weights None. rlsd/serl: SERL weights. sdpo: advantages all 0 and a
+    distill term; its per-token value is sdpo.distill_kl (= kl_k3 with the teacher),
+    averaged over distill_mask (action tokens of selected turns of failed rollouts).
+    A term whose coefficient is 0 is skipped, so it needs no inputs. num_tokens (see
+    ppo_clip_loss) normalizes the PPO and KL terms; the distill term is a mean over
+    the distill_mask tokens of this call.
+    """
+    pg, stats = ppo_clip_loss(logp, logp_old, advantages, weights, mask, clip_eps, num_tokens)
+    loss = pg
+    stats["pg_loss"] = pg.item()
+    if kl_coef:
+        # Same normalizer as the PPO term, so micro-batches add up to the batch mean.
+        n = mask.sum().clamp_min(1) if num_tokens is None else num_tokens
+        k3 = kl_k3(_zero_outside(logp, mask), _zero_outside(logp_ref.detach(), mask))
+        kl = masked_sum(k3, mask) / n
+        loss = loss + kl_coef * kl
+        stats["kl_ref"] = kl.item()
+    if distill_coef:
+        dmask = mask if distill_mask is None else distill_mask.bool() & mask.bool()
+        k3 = kl_k3(_zero_outside(logp, dmask), _zero_outside(logp_teacher.detach(), dmask))
+        distill = masked_mean(k3, dmask)
+        loss = loss + distill_coef * distill
+        stats["distill_kl"] = distill.item()
+    stats["loss"] = loss.item()
+    return loss, stats

@@ -12,34 +12,35 @@ query are hits, as in Lucene; ties are broken by catalog order so results are st
 
 from __future__ import annotations
 
+import re
+
 import bm25s
 import numpy as np
 import Stemmer
+from bm25s.stopwords import STOPWORDS_EN  # Lucene's 33 English stop words
 
 K1, B = 0.9, 0.4
 TOP_N = 50
-TOKEN_PATTERN = r"(?u)\b\w+\b"  # Lucene keeps one-letter tokens; bm25s's default drops them
+TOKEN_RE = re.compile(r"(?u)\b\w+\b")  # Lucene keeps one-letter tokens; bm25s's default pattern drops them
+STOPWORDS = frozenset(STOPWORDS_EN)
 
 
 class SearchEngine:
     def __init__(self, texts: list[str]):
         self.stemmer = Stemmer.Stemmer("porter")
-        tokens = self._tokenize(texts)
+        corpus = [self.terms(t) for t in texts]
         self.retriever = bm25s.BM25(k1=K1, b=B, method="lucene")
-        self.retriever.index(tokens, show_progress=False)
-        self.vocab = tokens.vocab
-        self._order = np.arange(len(texts))
+        self.retriever.index(corpus, show_progress=False)
+        self.vocab = {term for doc in corpus for term in doc}
 
-    def _tokenize(self, texts: list[str]):
-        return bm25s.tokenize(
-            texts, lower=True, token_pattern=TOKEN_PATTERN, stopwords="en", stemmer=self.stemmer, show_progress=False
-        )
+    def terms(self, text: str) -> list[str]:
+        """Lower-case word tokens, stop words removed, Porter-stemmed; empty stems dropped."""
+        words = [w for w in TOKEN_RE.findall(text.lower()) if w not in STOPWORDS]
+        return [t for t in self.stemmer.stemWords(words) if t]
 
     def query_terms(self, query: str) -> list[str]:
-        """The query's stemmed terms that occur in the index (unknown terms score nothing)."""
-        words = bm25s.tokenize([query], lower=True, token_pattern=TOKEN_PATTERN, stopwords="en",
-                               stemmer=self.stemmer, return_ids=False, show_progress=False)[0]
-        return [w for w in words if w in self.vocab]
+        """The query's terms that occur in the index (unknown terms score nothing)."""
+        return [t for t in self.terms(query) if t in self.vocab]
 
     def search(self, query: str, k: int = TOP_N) -> list[int]:
         """Indices of the top-k matching documents, best first."""

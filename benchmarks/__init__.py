@@ -1,0 +1,1 @@
+"""serl's benchmarks: each script prints a table and writes JSON under benchmarks/results/."""

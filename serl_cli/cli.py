@@ -7,6 +7,7 @@ input raises :class:`SerlError`, printed here as one line with exit code 2.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -44,7 +45,15 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     pass
 
 
+def _quiet_libraries() -> None:
+    """Library progress bars and warnings would bury serl's own output."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def main() -> None:
+    _quiet_libraries()
     try:
         app()
     except (SerlError, EnvError) as e:
@@ -53,7 +62,7 @@ def main() -> None:
 
 
 # Commands live in their own modules; importing them registers them on `app`.
-from serl_cli.commands import env_play, eval_cmd  # noqa: E402,F401
+from serl_cli.commands import env_play, eval_cmd, model_cmd, rollout_cmd  # noqa: E402,F401
 
 if __name__ == "__main__":
     main()

@@ -90,8 +90,17 @@ def from_dict(cls, data: dict, where: str = ""):
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
+        default = _default_of(fields[name])
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            value = merge(dataclasses.asdict(default), value)  # a partial section keeps the field's own defaults
         kwargs[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
     return cls(**kwargs)
+
+
+def _default_of(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def _coerce(tp, value, where: str):

@@ -128,3 +128,10 @@ def prepare_output(path: str | Path, *, overwrite: bool, what: str) -> Path:
     if path.exists() and not overwrite:
         raise SerlError(f"{what} already exists at {path}: pass --overwrite to replace it (or --resume where supported)")
     return path
+
+
+def to_plain(obj) -> dict:
+    """A config dataclass as plain JSON-able data."""
+    import dataclasses
+
+    return dataclasses.asdict(obj)

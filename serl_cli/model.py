@@ -27,6 +27,8 @@ from transformers import (
 # Import (not copy) the regex: if transformers changes what Qwen2Tokenizer rebuilds, we follow.
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from serl_cli.errors import SerlError
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
 
@@ -59,7 +61,7 @@ PRESETS: dict[str, dict] = {
 }
 
 
-class ModelError(ValueError):
+class ModelError(SerlError, ValueError):
     """A model name or directory that cannot be used; the message is one line for the CLI."""
 
 
@@ -168,11 +170,11 @@ def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except (OSError, ValueError) as e:
-        if local:
-            raise  # a real model dir that fails to load is a bug worth a full traceback
-        offline = " (HF_HUB_OFFLINE is set and it is not cached)" if is_offline_mode() else ""
+    except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if local:
+            raise ModelError(f"cannot load model directory {name}: {first}") from None
+        offline = " (HF_HUB_OFFLINE is set and it is not cached)" if is_offline_mode() else ""
         raise ModelError(f"cannot load model {name!r}: no such local directory and not loadable "
                          f"from the Hugging Face hub{offline}: {first}") from None
     return model, tokenizer

@@ -68,7 +68,7 @@ def run_episodes(
         for (i, ep, step, rec), d in zip(live, decisions):
             nxt = ep.step(d.action)
             feedback = nxt.feedback.to_dict()
-            if d.parse_error and not feedback["error"]:
+            if d.parse_error:  # the policy's reply held no well-formed action: say so, not just "invalid"
                 feedback["error"] = d.parse_error
             rec["turns"].append(
                 {

@@ -96,6 +96,10 @@ class WebShopWorld:
             self._expert_queries[key] = query
         return self._expert_queries[key]
 
+    def corpus_texts(self) -> list[str]:
+        """The catalog's own text, for training a tokenizer that reads these pages well."""
+        return list(self.catalog.texts)
+
     def new_episode(self, split: str = "test", max_turns: int | None = None) -> "WebShopEpisode":
         split_indices(len(self.goals), split)  # validate the split name early
         return WebShopEpisode(self, split, max_turns or self.config.max_turns)

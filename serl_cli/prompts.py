@@ -1,0 +1,93 @@
+"""Prompts (METHOD.md section 2) and the action parser.
+
+A turn's prompt is a chat: a system message with the environment's rules and the action
+format, then one user message with the task instruction, the last K turns (observation
+and the action taken), the current observation and the admissible actions. It is rendered
+with the tokenizer's own chat template, and the rendered token ids are what gets stored.
+
+The policy may think before it acts; the action is the text inside the last
+``<action>...</action>``, or, with no tags, the whole reply (a bare action).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ACTION_FORMAT = "Reply with your action inside <action></action>, for example <action>click[buy now]</action>."
+ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
+BARE_ACTION_RE = re.compile(r"[a-z][a-z ]*\[.*\]", re.DOTALL)
+
+
+@dataclass
+class PromptConfig:
+    history_turns: int = 2  # K: how many past turns to show; -1 = all
+    history_obs_chars: int = 400  # each past observation is cut to this many characters
+    max_admissible: int = 40  # list at most this many admissible actions
+
+
+def build_messages(rules: str, instruction: str, history: list[dict], observation: str, admissible: list[str],
+                   cfg: PromptConfig) -> list[dict]:
+    """``history`` holds the episode's past turns (dicts with ``observation`` and ``action``)."""
+    k = len(history) if cfg.history_turns < 0 else cfg.history_turns
+    shown = history[-k:] if k > 0 else []
+    lines = [f"Task: {instruction}"]
+    if shown:
+        first = len(history) - len(shown)
+        lines.append(f"Your last {len(shown)} turn(s):")
+        for i, t in enumerate(shown, start=first + 1):
+            obs = t["observation"]
+            if len(obs) > cfg.history_obs_chars:
+                obs = obs[: cfg.history_obs_chars] + " ..."
+            lines.append(f"[turn {i}] observation: {obs}\n[turn {i}] action: {t['action']}")
+    lines.append(f"Turn {len(history) + 1}. Current observation: {observation}")
+    if admissible:
+        listed = admissible[: cfg.max_admissible]
+        more = f" (and {len(admissible) - len(listed)} more)" if len(admissible) > len(listed) else ""
+        lines.append("Admissible actions: " + ", ".join(listed) + more)
+    return [{"role": "system", "content": f"{rules}\n{ACTION_FORMAT}"}, {"role": "user", "content": "\n".join(lines)}]
+
+
+def render_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some transformers versions
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def format_action(action: str) -> str:
+    """How an action is written as a reply (expert demonstrations for SFT use this too)."""
+    return f"<action>{action}</action>"
+
+
+def parse_action(text: str) -> tuple[str, str | None]:
+    """(action, error): the action inside the last <action> tag, or a bare action.
+
+    A reply with neither gives the reply itself as the action (the environment will
+    reject it) and an error naming what was wrong, which becomes ``error`` feedback.
+    """
+    tagged = ACTION_TAG_RE.findall(text)
+    if tagged:
+        return tagged[-1].strip(), None
+    stripped = text.strip()
+    if "<action>" in stripped:
+        return stripped, "malformed action: <action> is not closed by </action>"
+    if BARE_ACTION_RE.fullmatch(stripped):
+        return stripped, None
+    shown = stripped if len(stripped) <= 60 else stripped[:57] + "..."
+    return stripped, f"malformed action {shown!r}: expected <action>verb[argument]</action>"
+
+
+def action_span(text: str) -> tuple[int, int] | None:
+    """Character span of the parsed action inside the reply: the tokens SERL reweights.
+
+    Reasoning before ``<action>`` lies outside the span and keeps weight 1 (METHOD.md 5).
+    """
+    matches = list(ACTION_TAG_RE.finditer(text))
+    if matches:
+        return matches[-1].start(1), matches[-1].end(1)
+    stripped = text.strip()
+    if BARE_ACTION_RE.fullmatch(stripped):
+        start = text.index(stripped)
+        return start, start + len(stripped)
+    return None

@@ -1,0 +1,92 @@
+"""Artifact schemas in one place: what each JSONL record holds, and how it is read back.
+
+A run directory (``serl rollout --out RUN``)::
+
+    RUN/manifest.json       serl version, git commit, command, resolved config, seeds,
+                            stage status, artifact schema version
+    RUN/rollout.yaml        the resolved rollout config
+    RUN/rollouts.jsonl      one record per episode (ROLLOUT_KEYS), each with its turns (TURN_KEYS)
+    RUN/annotations.jsonl   one record per turn (serl annotate)
+    RUN/checkpoint/         a Hugging Face model directory (serl train)
+    RUN/metrics.jsonl       one record per update (serl train)
+
+Token ids are stored exactly as generated and never rebuilt from text: ``prompt_ids`` is
+the chat-templated prompt the policy saw, ``action_ids`` what it generated (ending in the
+end-of-turn token when it stopped on its own) and ``behaviour_logprobs`` the sampling
+policy's log-probability of each action token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from serl_cli import io
+from serl_cli.errors import SerlError
+
+ROLLOUT_KEYS = ("task_id", "group_id", "rollout_index", "reward", "success", "turns")
+TURN_KEYS = ("prompt_ids", "action_ids", "action_text", "behaviour_logprobs", "feedback", "reward", "done", "state_key")
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+def read_rollouts(run_dir: str | Path, *, need_tokens: bool = True) -> list[dict]:
+    """Episodes of a run, checked: schema version, keys, token/log-prob alignment."""
+    run_dir = Path(run_dir)
+    io.load_manifest(run_dir)
+    path = run_dir / ROLLOUTS_FILE
+    if not path.is_file():
+        raise SerlError(f"{run_dir} holds no rollouts ({ROLLOUTS_FILE} missing): run `serl rollout --out {run_dir}` first")
+    episodes = list(io.iter_jsonl(path, required=ROLLOUT_KEYS))
+    if not episodes:
+        raise SerlError(f"{path} holds no episodes")
+    for n, ep in enumerate(episodes, 1):
+        if not isinstance(ep["turns"], list):
+            raise SerlError(f"{path}:{n}: 'turns' must be a list")
+        for t in ep["turns"]:
+            missing = [k for k in TURN_KEYS if k not in t]
+            if missing:
+                raise SerlError(f"{path}:{n}: a turn lacks {', '.join(missing)} (rollouts without feedback or token fields)")
+            if need_tokens and (not t["prompt_ids"] or not t["action_ids"]):
+                raise SerlError(f"{path}:{n}: a turn has no token ids: these rollouts were not recorded with a model tokenizer")
+            if need_tokens and t["behaviour_logprobs"] and len(t["behaviour_logprobs"]) != len(t["action_ids"]):
+                raise SerlError(f"{path}:{n}: behaviour_logprobs and action_ids differ in length")
+            if not isinstance(t["feedback"], dict) or "error" not in t["feedback"]:
+                raise SerlError(f"{path}:{n}: a turn's feedback lacks the environment's fields (error, diff)")
+    return episodes
+
+
+@dataclass
+class TurnSample:
+    """One turn as a training sample: the prompt it saw, the tokens it wrote, its episode's place."""
+
+    episode: int  # index of the episode in the run
+    turn: int
+    group_key: tuple  # (task_id, group_id): the GRPO group
+    prompt_ids: list[int]
+    action_ids: list[int]
+    behaviour_logprobs: list[float]
+    episode_reward: float
+    success: bool
+    state_key: str
+    turn_reward: float
+
+
+def turn_samples(episodes: list[dict]) -> list[TurnSample]:
+    out = []
+    for e, ep in enumerate(episodes):
+        for t in ep["turns"]:
+            out.append(
+                TurnSample(
+                    episode=e,
+                    turn=t.get("turn", 0),
+                    group_key=(ep["task_id"], ep["group_id"]),
+                    prompt_ids=t["prompt_ids"],
+                    action_ids=t["action_ids"],
+                    behaviour_logprobs=t["behaviour_logprobs"],
+                    episode_reward=float(ep["reward"]),
+                    success=bool(ep["success"]),
+                    state_key=t["state_key"],
+                    turn_reward=float(t["reward"]),
+                )
+            )
+    return out

@@ -70,10 +70,11 @@ def make_policy(cfg: EvalConfig):
                         max_new_tokens=cfg.max_new_tokens, threads=cfg.threads)
 
 
-def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None) -> dict:
+def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=None) -> dict:
+    """Evaluate and write ``eval.json``; ``policy`` may be passed in (the online loop's in-memory model)."""
     if cfg.model and cfg.policy == "expert":
         cfg.policy = "model"
-    if cfg.policy == "model" and not cfg.model:
+    if cfg.policy == "model" and not cfg.model and policy is None:
         raise SerlError("policy 'model' needs --model DIR (a Hugging Face model directory or name)")
     out = Path(cfg.out)
     io.prepare_output(out / "eval.json", overwrite=overwrite, what="an evaluation")
@@ -82,7 +83,7 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None) -> dict
     n = total if cfg.episodes is None else cfg.episodes
     if not 0 < n <= total:
         raise SerlError(f"--episodes {n} out of range: the {cfg.env.name} {cfg.env.split} panel has {total} tasks")
-    policy = make_policy(cfg)
+    policy = policy or make_policy(cfg)
     started = time.time()
     records = run_episodes(world, cfg.env.split, [EpisodeSpec(task_id=i) for i in range(n)], policy,
                            max_turns=cfg.env.max_turns, batch_size=cfg.batch_size, on_episode_done=progress)

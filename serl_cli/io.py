@@ -135,3 +135,10 @@ def to_plain(obj) -> dict:
     import dataclasses
 
     return dataclasses.asdict(obj)
+
+
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """Add one record to a JSONL file by rewriting it atomically: a crash leaves the old file whole."""
+    path = Path(path)
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    atomic_write_text(path, old + json.dumps(record, separators=(",", ":")) + "\n")

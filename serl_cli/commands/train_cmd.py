@@ -1,0 +1,68 @@
+"""``serl train``: one update on a run's rollouts, or the online loop with ``--iterations``."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from serl_cli.cli import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
+from serl_cli.commands.common import resolve, save_resolved, summary_table
+from serl_cli.errors import SerlError
+from serl_cli.online import OnlineConfig, run_online
+from serl_cli.train import train_on_run
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+@app.command("train")
+def train_command(
+    run: Optional[str] = typer.Argument(None, help="A run directory with rollouts (one update). Omit for the online loop."),
+    algo: Optional[str] = typer.Option(None, "--algo", help="sft | grpo."),
+    model: Optional[str] = typer.Option(None, "--model", help="Policy to start from (default: the rollouts' model)."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="Training backend: torch."),
+    iterations: Optional[int] = typer.Option(None, "--iterations", help="Online loop: K x (rollout -> update)."),
+    env: Optional[str] = typer.Option(None, "--env", help="Environment for the online loop."),
+    tasks: Optional[int] = typer.Option(None, "--tasks", help="Online loop: tasks per iteration."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Online loop: rollouts per task."),
+    max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Online loop: turn limit."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Online loop: the run directory."),
+    resume: bool = typer.Option(False, "--resume", help="Online loop: continue after the last finished iteration."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing checkpoint or run."),
+    config: Optional[str] = ConfigOpt,
+    set_: Optional[List[str]] = SetOpt,
+    seed: Optional[int] = SeedOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+):
+    """Update a policy: --algo on RUN's rollouts, or the online loop (rollout -> update, K times)."""
+    online = iterations is not None or run is None
+    cfg = resolve(OnlineConfig, config_file=config, overrides=set_, flags={
+        "train.algo": algo, "model": model, "train.backend": backend, "iterations": iterations, "env.name": env,
+        "rollout.tasks": tasks, "rollout.group_size": group_size, "env.max_turns": max_turns,
+        "train.threads": threads, "rollout.threads": threads, "out": out or (run if online else None), "seed": seed,
+        "train.seed": seed})
+    if not online:
+        if resume:
+            raise SerlError("--resume applies to the online loop (--iterations); a single update reruns with --overwrite")
+        cfg.train.model = cfg.train.model or model
+        m = train_on_run(run, cfg.train, overwrite=overwrite)
+        console.print(summary_table(f"train {cfg.train.algo}: {run}", [(k, _fmt(v)) for k, v in m.items() if k != "timing"]))
+        return
+
+    def show(m: dict) -> None:
+        if not quiet:
+            extra = f"  eval success {m['eval_success_rate']:.3f}" if "eval_success_rate" in m else ""
+            console.print(f"iteration {m['iteration']}: reward {m['mean_reward']:.3f}  success {m['success_rate']:.3f}  "
+                          f"loss {m.get('loss', float('nan')):.4f}  |A| {m.get('mean_abs_advantage', 0):.3f}{extra}",
+                          highlight=False)
+
+    history = run_online(cfg, resume=resume, overwrite=overwrite, on_iteration=show)
+    save_resolved(cfg.out, "online.yaml", cfg)
+    if history:
+        last = history[-1]
+        console.print(summary_table(f"online {cfg.train.algo}: {cfg.out}", [(k, _fmt(v)) for k, v in last.items()]))
+    console.print(f"final policy: {cfg.out}/checkpoint")

@@ -1,0 +1,122 @@
+"""The online loop: K times rollout -> (annotate) -> update, resumable.
+
+Layout of ``RUN``::
+
+    RUN/manifest.json              stages: one entry per finished iteration
+    RUN/online.yaml                the resolved configuration
+    RUN/iter_0000/                 rollouts.jsonl, manifest.json (+ annotations, eval.json)
+    RUN/iter_0000/checkpoint/      the policy after this iteration's update (only the last is kept)
+    RUN/metrics.jsonl              one record per iteration (deterministic on CPU)
+    RUN/timings.jsonl              wall times and throughput (machine-dependent, kept apart)
+    RUN/checkpoint/                the final policy
+
+An iteration counts as finished once the manifest says so; ``--resume`` restarts after
+the last finished one from its checkpoint (model, optimizer and update counter), so a
+resumed run's artifacts equal an uninterrupted run's. Iteration k's rollouts use seed
+``seed * 1000 + k``.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from serl_cli import io
+from serl_cli.engines import ModelPolicy, SamplingConfig, make_engine
+from serl_cli.errors import SerlError
+from serl_cli.evaluate import EvalConfig, run_eval
+from serl_cli.rollout import RolloutConfig, resolve_model, run_rollout
+from serl_cli.schema import read_rollouts
+from serl_cli.settings import EnvConfig, build_world
+from serl_cli.train import Learner, TrainConfig
+
+
+@dataclass
+class OnlineEvalConfig:
+    episodes: int = 0  # test-panel episodes evaluated after every `every` iterations; 0 = none
+    every: int = 1
+    split: str = "test"
+
+
+@dataclass
+class OnlineConfig:
+    env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))
+    model: str | None = None  # the starting policy; None = the embedded default tiny model
+    iterations: int = 1
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: OnlineEvalConfig = field(default_factory=OnlineEvalConfig)
+    seed: int = 0
+    out: str = "runs/online"
+
+
+def _iter_dir(run: Path, k: int) -> Path:
+    return run / f"iter_{k:04d}"
+
+
+def finished_iterations(manifest: dict) -> int:
+    done = [int(name.split("_")[1]) for name, s in manifest.get("stages", {}).items()
+            if name.startswith("iter_") and s.get("status") == "done"]
+    return max(done) + 1 if done else 0
+
+
+def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = False, on_iteration=None) -> list[dict]:
+    run = Path(cfg.out)
+    if cfg.iterations < 1:
+        raise SerlError(f"--iterations must be at least 1, got {cfg.iterations}")
+    world = build_world(cfg.env)
+    start = 0
+    if resume and (run / "manifest.json").exists():
+        manifest = io.load_manifest(run)
+        start = finished_iterations(manifest)
+    elif run.exists() and any(run.iterdir()):
+        if not overwrite:
+            raise SerlError(f"run directory {run} already exists: pass --resume to continue it or --overwrite to replace it")
+        shutil.rmtree(run)
+    if start == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        cfg.model = resolve_model(RolloutConfig(env=cfg.env, model=cfg.model), world)
+        io.write_json(run / "manifest.json", io.new_manifest("online", io.to_plain(cfg), cfg.seed))
+        learner = Learner(cfg.model, cfg.train)
+    else:
+        last = _iter_dir(run, start - 1) / "checkpoint"
+        if not (last / "config.json").is_file():
+            raise SerlError(f"cannot resume {run}: iteration {start - 1} is marked done but {last} is missing")
+        learner = Learner(str(last), cfg.train, state_file=last / "trainer_state.pt")
+    history = []
+    for k in range(start, cfg.iterations):
+        t0 = time.perf_counter()
+        it = _iter_dir(run, k)
+        rcfg = copy.deepcopy(cfg.rollout)
+        rcfg.env, rcfg.model, rcfg.seed, rcfg.out = cfg.env, cfg.model, cfg.seed * 1000 + k, str(it)
+        summary = run_rollout(rcfg, overwrite=True, model=learner.model, tokenizer=learner.tokenizer)
+        episodes = read_rollouts(it)
+        temperature = rcfg.sampling.temperature if rcfg.sampling.temperature > 0 else 1.0
+        metrics = learner.update(episodes, temperature)
+        timing = metrics.pop("timing")
+        metrics.update(iteration=k, env_steps=summary["turns"])
+        if cfg.eval.episodes and (k + 1) % cfg.eval.every == 0:
+            ecfg = EvalConfig(env=EnvConfig(cfg.env.name, cfg.eval.split, cfg.env.max_turns, cfg.env.settings),
+                              policy="model", episodes=cfg.eval.episodes, out=str(it), seed=cfg.seed,
+                              batch_size=rcfg.batch_size, history_turns=rcfg.prompt.history_turns)
+            greedy = ModelPolicy(make_engine(rcfg.engine, learner.model, learner.tokenizer),
+                                 SamplingConfig(0.0, 1.0, rcfg.sampling.max_new_tokens), rcfg.prompt, seed=cfg.seed)
+            ev = run_eval(ecfg, overwrite=True, policy=greedy)
+            metrics.update(eval_success_rate=ev["success_rate"], eval_score=ev["score"])
+        learner.save(it / "checkpoint")
+        io.append_jsonl(run / "metrics.jsonl", metrics)
+        io.append_jsonl(run / "timings.jsonl", {"iteration": k, "update": timing, "rollout_s": summary["wall_time_s"],
+                                                "rollout_tokens_per_s": summary["tokens_per_s"],
+                                                "iteration_s": round(time.perf_counter() - t0, 3)})
+        io.mark_stage(run, it.name, "done")
+        if k > 0 and (_iter_dir(run, k - 1) / "checkpoint").exists():
+            shutil.rmtree(_iter_dir(run, k - 1) / "checkpoint")  # keep only the newest policy
+        history.append(metrics)
+        if on_iteration:
+            on_iteration(metrics)
+    learner.save(run / "checkpoint")
+    io.mark_stage(run, "online", "done", iterations=cfg.iterations)
+    return history

@@ -1,0 +1,268 @@
+"""The generation engine and the rollout stage it drives (serl_cli.engines, serl_cli.rollout).
+
+The acceptance test: the behaviour log-probs stored with a rollout are what a plain
+forward pass of the same model gives for the stored tokens, ``log_softmax(logits / T)``
+(T = 1 for greedy), to 1e-4 in fp32 on CPU. Rollouts come from the real path
+(``run_rollout`` on WebShop's synthetic catalog, 2 tasks x 3 rollouts, a tiny model
+directory; episodes capped at 4 turns to keep the module fast). Sampled runs use the
+``stopping_model_dir`` fixture so that one batch holds replies that stopped on the
+end-of-turn token and replies cut at ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fixtures_model import rollout_config, stopping_model_dir, synthetic_env, tiny_model_dir  # noqa: F401  (fixtures)
+from serl_cli.engines import SamplingConfig
+from serl_cli.engines.hf import HFEngine
+from serl_cli.model import EOS_TOKEN, PAD_TOKEN, load_model
+from serl_cli.prompts import format_action
+from serl_cli.rollout import run_rollout
+from serl_cli.schema import ROLLOUTS_FILE, read_rollouts
+
+torch.set_num_threads(1)
+
+TOL = 1e-4
+MAX_NEW = 16
+
+
+def _run(model_dir, out: Path, temperature: float, seed: int = 0, **kw) -> Path:
+    run_rollout(rollout_config(model_dir, out, temperature=temperature, seed=seed, max_new_tokens=MAX_NEW, **kw))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir, stopping_model_dir) -> dict:
+    """Rollout directories by name; built once for the module (each ~2 s)."""
+    root = tmp_path_factory.mktemp("rollouts")
+    return {
+        "T1.0": _run(stopping_model_dir, root / "t10", 1.0),
+        "T0.7": _run(stopping_model_dir, root / "t07", 0.7),
+        "greedy": _run(tiny_model_dir, root / "greedy", 0.0),  # the plain model: the stopping one stops at once
+    }
+
+
+RUN_MODEL = {"T1.0": ("stopping", 1.0), "T0.7": ("stopping", 0.7), "greedy": ("plain", 1.0)}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_model_dir, stopping_model_dir) -> dict:
+    """Plain ``AutoModelForCausalLM`` loads (not serl's loader): the scorer a trainer would use."""
+    out = {}
+    for name, path in (("plain", tiny_model_dir), ("stopping", stopping_model_dir)):
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        out[name] = (model, AutoTokenizer.from_pretrained(str(path)))
+    return out
+
+
+def _turns(run_dir: Path) -> list[dict]:
+    return [t for ep in read_rollouts(run_dir) for t in ep["turns"]]
+
+
+@torch.no_grad()
+def _score_one(model, prompt_ids: list[int], action_ids: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each action token, one unpadded sequence."""
+    ids = torch.tensor([prompt_ids + action_ids])
+    logits = model(input_ids=ids).logits[0].float()
+    p = len(prompt_ids)
+    lp = torch.log_softmax(logits[p - 1: p - 1 + len(action_ids)] / temperature, dim=-1)
+    return lp.gather(-1, torch.tensor(action_ids).unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def _score_right_padded(model, pad_id: int, turns: list[dict], temperature: float) -> list[torch.Tensor]:
+    """The same, for all turns in one right-padded batch with an attention mask."""
+    seqs = [t["prompt_ids"] + t["action_ids"] for t in turns]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float() / temperature, dim=-1)
+    out = []
+    for i, t in enumerate(turns):
+        p, a = len(t["prompt_ids"]), t["action_ids"]
+        out.append(logp[i, p - 1: p - 1 + len(a)].gather(-1, torch.tensor(a).unsqueeze(-1)).squeeze(-1))
+    return out
+
+
+# ---------------------------------------------------------------- acceptance: re-scoring
+
+
+@pytest.mark.parametrize("run", ["T1.0", "T0.7", "greedy"])
+def test_rescoring_reproduces_behaviour_logprobs(runs, hf_models, run):
+    model_name, temperature = RUN_MODEL[run]
+    model, _ = hf_models[model_name]
+    turns = _turns(runs[run])
+    assert len(turns) >= 6
+    worst = 0.0
+    for t in turns:
+        stored = torch.tensor(t["behaviour_logprobs"], dtype=torch.float32)
+        assert len(stored) == len(t["action_ids"]) > 0
+        assert (stored <= 0).all()
+        rescored = _score_one(model, t["prompt_ids"], t["action_ids"], temperature)
+        worst = max(worst, (rescored - stored).abs().max().item())
+    assert worst < TOL, f"{run}: re-scored log-probs differ from the stored ones by up to {worst:.2e}"
+
+
+@pytest.mark.parametrize("run", ["T1.0", "greedy"])
+def test_rescoring_right_padded_batch(runs, hf_models, run):
+    model_name, temperature = RUN_MODEL[run]
+    model, tok = hf_models[model_name]
+    turns = _turns(runs[run])
+    assert len({len(t["prompt_ids"]) + len(t["action_ids"]) for t in turns}) > 1  # padding really happens
+    for t, rescored in zip(turns, _score_right_padded(model, tok.pad_token_id, turns, temperature)):
+        stored = torch.tensor(t["behaviour_logprobs"], dtype=torch.float32)
+        assert (rescored - stored).abs().max().item() < TOL
+
+
+def test_logprobs_are_of_tempered_logits(runs, hf_models):
+    """The T = 0.7 run's log-probs are of logits / 0.7: scoring it at T = 1 does not match."""
+    model, _ = hf_models["stopping"]
+    turns = _turns(runs["T0.7"])
+    gap = max((_score_one(model, t["prompt_ids"], t["action_ids"], 1.0)
+               - torch.tensor(t["behaviour_logprobs"])).abs().max().item() for t in turns)
+    assert gap > 1e-2
+
+
+def test_greedy_takes_the_argmax(runs, hf_models):
+    model, _ = hf_models["plain"]
+    for t in _turns(runs["greedy"]):
+        ids = torch.tensor([t["prompt_ids"] + t["action_ids"]])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0]
+        p = len(t["prompt_ids"])
+        assert logits[p - 1: p - 1 + len(t["action_ids"])].argmax(-1).tolist() == t["action_ids"]
+
+
+# ---------------------------------------------------------------- what a turn holds
+
+
+@pytest.mark.parametrize("run", ["T1.0", "T0.7", "greedy"])
+def test_action_ids_end_on_eos_and_hold_no_padding(runs, hf_models, run):
+    _, tok = hf_models[RUN_MODEL[run][0]]
+    eos, pad = tok.convert_tokens_to_ids(EOS_TOKEN), tok.convert_tokens_to_ids(PAD_TOKEN)
+    assert tok.eos_token_id == eos and tok.pad_token_id == pad and eos != pad
+    stopped = cut = 0
+    for t in _turns(runs[run]):
+        ids = t["action_ids"]
+        assert len(t["behaviour_logprobs"]) == len(ids) > 0
+        assert pad not in ids
+        assert eos not in ids[:-1]  # nothing generated after the end of the turn is kept
+        if ids[-1] == eos:
+            stopped += 1
+        else:
+            assert len(ids) == MAX_NEW  # it did not stop: cut at the token budget, never shorter
+            cut += 1
+        assert t["action_text"] == tok.decode(ids, skip_special_tokens=True)
+        assert tok.decode(t["prompt_ids"]).endswith("<|im_start|>assistant\n")
+    if run != "greedy":  # the sampled runs hold both kinds in the same batches
+        assert stopped and cut, (stopped, cut)
+
+
+def test_engine_batch_with_early_stop(hf_models):
+    """A row that stops early is not padded in the result; its neighbours keep going."""
+    model, tok = hf_models["stopping"]
+    engine = HFEngine(model, tok)
+    prompts = [tok("<|im_start|>user\n" + "i need a blue mug " * k + "<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+               for k in (1, 4, 9, 2, 6, 3)]
+    gens = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW), seed=3)
+    assert len(gens) == len(prompts)
+    lengths = [len(g.token_ids) for g in gens]
+    assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW, lengths
+    for g in gens:
+        assert len(g.logprobs) == len(g.token_ids)
+        assert tok.pad_token_id not in g.token_ids
+        assert g.token_ids[-1] == tok.eos_token_id or len(g.token_ids) == MAX_NEW
+
+
+# ---------------------------------------------------------------- batching and seeds
+
+
+def _prompts_of_many_lengths(run_dir: Path, tok) -> list[list[int]]:
+    turns = _turns(run_dir)
+    prompts = [turns[0]["prompt_ids"], turns[-1]["prompt_ids"], max((t["prompt_ids"] for t in turns), key=len)]
+    prompts.append(tok("<|im_start|>user\nbuy a mug<|im_end|>\n<|im_start|>assistant\n")["input_ids"])  # very short
+    assert len({len(p) for p in prompts}) == len(prompts)
+    return prompts
+
+
+@pytest.mark.parametrize("model_name", ["plain", "stopping"])
+def test_batched_greedy_equals_one_by_one(runs, hf_models, model_name):
+    model, tok = hf_models[model_name]
+    engine = HFEngine(model, tok)
+    prompts = _prompts_of_many_lengths(runs["greedy"], tok)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
+    batched = engine.generate(prompts, greedy, seed=0)
+    for prompt, b in zip(prompts, batched):
+        (single,) = engine.generate([prompt], greedy, seed=123)  # greedy: the seed plays no part
+        assert b.token_ids == single.token_ids
+        assert max(abs(x - y) for x, y in zip(b.logprobs, single.logprobs)) < TOL
+
+
+def test_same_seed_same_generations_other_seed_differs(runs, hf_models):
+    model, tok = hf_models["plain"]
+    engine = HFEngine(model, tok)
+    prompts = _prompts_of_many_lengths(runs["greedy"], tok)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW)
+    first = engine.generate(prompts, sampling, seed=7)
+    torch.manual_seed(999)  # global RNG state before the call does not matter: the engine seeds it
+    again = engine.generate(prompts, sampling, seed=7)
+    other = engine.generate(prompts, sampling, seed=8)
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    assert [g.logprobs for g in first] == [g.logprobs for g in again]
+    assert [g.token_ids for g in first] != [g.token_ids for g in other]
+
+
+# ---------------------------------------------------------------- the rollout stage
+
+
+def test_same_seed_byte_identical_rollouts(runs, stopping_model_dir, tmp_path):
+    """The pipeline's acceptance test: the same command twice gives the same rollouts.jsonl."""
+    again = _run(stopping_model_dir, tmp_path / "again", 1.0)
+    assert (again / ROLLOUTS_FILE).read_bytes() == (runs["T1.0"] / ROLLOUTS_FILE).read_bytes()
+    other = _run(stopping_model_dir, tmp_path / "other", 1.0, seed=1)
+    assert (other / ROLLOUTS_FILE).read_bytes() != (runs["T1.0"] / ROLLOUTS_FILE).read_bytes()
+
+
+def test_rollout_groups(runs):
+    episodes = read_rollouts(runs["T1.0"])
+    assert len(episodes) == 6
+    assert [(e["group_id"], e["rollout_index"]) for e in episodes] == [(g, r) for g in range(2) for r in range(3)]
+    for g in range(2):
+        assert len({e["task_id"] for e in episodes if e["group_id"] == g}) == 1
+    assert episodes[0]["task_id"] != episodes[3]["task_id"]
+    # group members share their first prompt but (sampling at T = 1) not their first reply
+    firsts = [e["turns"][0] for e in episodes[:3]]
+    assert len({tuple(t["prompt_ids"]) for t in firsts}) == 1
+    assert len({tuple(t["action_ids"]) for t in firsts}) > 1
+
+
+def test_expert_rollouts_are_sft_data(runs, tiny_model_dir, tmp_path):
+    out = tmp_path / "expert"
+    summary = run_rollout(rollout_config(tiny_model_dir, out, policy="expert", env=synthetic_env(max_turns=None)))
+    assert summary["success_rate"] == 1.0
+    _, tok = load_model(str(tiny_model_dir))
+    episodes = read_rollouts(out)
+    assert len(episodes) == 6
+    for ep in episodes:
+        assert ep["success"] and ep["reward"] == 1.0
+        for t in ep["turns"]:
+            assert t["behaviour_logprobs"] == []
+            assert t["action_ids"][-1] == tok.eos_token_id
+            assert tok.decode(t["action_ids"]) == format_action(t["action"]) + EOS_TOKEN
+            assert t["action_text"] == format_action(t["action"]) and t["action"] == t["expert_action"]
+            assert not t["feedback"]["error"]
+            prompt = tok.decode(t["prompt_ids"])
+            assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+            assert t["observation"] in prompt
+    # the expert sees exactly the prompt a model sees: same tasks (same seed), same first page
+    model_first = {e["task_id"]: e["turns"][0]["prompt_ids"] for e in read_rollouts(runs["greedy"])}
+    for ep in episodes:
+        assert ep["turns"][0]["prompt_ids"] == model_first[ep["task_id"]]

@@ -105,9 +105,9 @@ def build_config(preset: str, tokenizer=None) -> Qwen2Config:
         raise ModelError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
     cfg = Qwen2Config(**PRESETS[preset])
     if tokenizer is not None:
-        # Small corpora give fewer merges than asked; keep the preset's vocab rows
-        # (stable parameter count) but never fewer than the tokenizer needs.
-        cfg.vocab_size = max(cfg.vocab_size, len(tokenizer))
+        # A small corpus gives fewer merges than asked: the model gets exactly the tokenizer's
+        # ids, so it can never sample one that decodes to nothing.
+        cfg.vocab_size = len(tokenizer)  # no embedding rows for ids the tokenizer cannot decode
         cfg.eos_token_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
         cfg.pad_token_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     return cfg

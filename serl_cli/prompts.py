@@ -85,7 +85,9 @@ def action_span(text: str) -> tuple[int, int] | None:
     """
     matches = list(ACTION_TAG_RE.finditer(text))
     if matches:
-        return matches[-1].start(1), matches[-1].end(1)
+        start, end = matches[-1].span(1)
+        inner = text[start:end]  # the span covers what parse_action returns: stripped
+        return start + len(inner) - len(inner.lstrip()), end - len(inner) + len(inner.rstrip())
     stripped = text.strip()
     if BARE_ACTION_RE.fullmatch(stripped):
         start = text.index(stripped)

@@ -90,3 +90,23 @@ def turn_samples(episodes: list[dict]) -> list[TurnSample]:
                 )
             )
     return out
+
+
+# -- annotations (serl annotate) ------------------------------------------------------------
+ANNOTATIONS_FILE = "annotations.jsonl"
+SELECTION_REPORT_FILE = "selection_report.json"
+# One record per turn, in rollouts.jsonl order (episode, then turn):
+#   episode          index of the episode in rollouts.jsonl
+#   task_id, group_id, rollout_index, turn
+#   selected         the turn is in the critical set S of the placement rule
+#   sources          names of the feedback sources that produced text for this turn
+#   fired            names of the sources whose evidence counts for placement `feedback`
+#   hindsight        the hindsight block shown to the teacher (None: no block)
+#   action_mask      per action token: 1 inside the parsed action, 0 for reasoning/tags/end token
+#   teacher_logprobs per action token, log pi_T (None: the teacher did not score this turn)
+#   weights          per action token, the blended SERL weight w' (None: all 1)
+#   advantage        the episode's group-normalized advantage
+#   log_ratio_mean   mean over action tokens of log pi_T - log pi_old (None: not scored)
+#   distill          the turn carries the distillation term (selected turn of a failed rollout)
+ANNOTATION_KEYS = ("episode", "task_id", "group_id", "rollout_index", "turn", "selected", "sources", "fired",
+                   "hindsight", "action_mask", "teacher_logprobs", "weights", "advantage", "log_ratio_mean", "distill")

@@ -65,13 +65,23 @@ def _turns(run_dir: Path) -> list[dict]:
 
 
 @torch.no_grad()
-def _score_one(model, prompt_ids: list[int], action_ids: list[int], temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of each action token, one unpadded sequence."""
-    ids = torch.tensor([prompt_ids + action_ids])
-    logits = model(input_ids=ids).logits[0].float()
+def _action_logits(model, prompt_ids: list[int], action_ids: list[int]) -> torch.Tensor:
+    """Logits that predict each action token: one plain forward pass, batch of 1, no padding."""
+    logits = model(input_ids=torch.tensor([prompt_ids + action_ids])).logits[0].float()
     p = len(prompt_ids)
-    lp = torch.log_softmax(logits[p - 1: p - 1 + len(action_ids)] / temperature, dim=-1)
-    return lp.gather(-1, torch.tensor(action_ids).unsqueeze(-1)).squeeze(-1)
+    return logits[p - 1: p - 1 + len(action_ids)]
+
+
+def _logprobs(logits: torch.Tensor, action_ids: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) at the action tokens."""
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(action_ids).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def scored(runs, hf_models) -> dict:
+    """Per run: (turn, action logits) for every stored turn, from a fresh forward pass."""
+    return {run: [(t, _action_logits(hf_models[RUN_MODEL[run][0]][0], t["prompt_ids"], t["action_ids"]))
+                  for t in _turns(runs[run])] for run in runs}
 
 
 @torch.no_grad()
@@ -84,11 +94,11 @@ def _score_right_padded(model, pad_id: int, turns: list[dict], temperature: floa
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
-    logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float() / temperature, dim=-1)
+    logits = model(input_ids=ids, attention_mask=mask).logits
     out = []
     for i, t in enumerate(turns):
         p, a = len(t["prompt_ids"]), t["action_ids"]
-        out.append(logp[i, p - 1: p - 1 + len(a)].gather(-1, torch.tensor(a).unsqueeze(-1)).squeeze(-1))
+        out.append(_logprobs(logits[i, p - 1: p - 1 + len(a)].float(), a, temperature))
     return out
 
 
@@ -96,23 +106,22 @@ def _score_right_padded(model, pad_id: int, turns: list[dict], temperature: floa
 
 
 @pytest.mark.parametrize("run", ["T1.0", "T0.7", "greedy"])
-def test_rescoring_reproduces_behaviour_logprobs(runs, hf_models, run):
-    model_name, temperature = RUN_MODEL[run]
-    model, _ = hf_models[model_name]
-    turns = _turns(runs[run])
-    assert len(turns) >= 6
+def test_rescoring_reproduces_behaviour_logprobs(scored, run):
+    temperature = RUN_MODEL[run][1]
+    assert len(scored[run]) >= 6
     worst = 0.0
-    for t in turns:
+    for t, logits in scored[run]:
         stored = torch.tensor(t["behaviour_logprobs"], dtype=torch.float32)
         assert len(stored) == len(t["action_ids"]) > 0
         assert (stored <= 0).all()
-        rescored = _score_one(model, t["prompt_ids"], t["action_ids"], temperature)
+        rescored = _logprobs(logits, t["action_ids"], temperature)
         worst = max(worst, (rescored - stored).abs().max().item())
     assert worst < TOL, f"{run}: re-scored log-probs differ from the stored ones by up to {worst:.2e}"
 
 
-@pytest.mark.parametrize("run", ["T1.0", "greedy"])
-def test_rescoring_right_padded_batch(runs, hf_models, run):
+def test_rescoring_right_padded_batch(runs, hf_models):
+    """A trainer scores many turns at once: right padding with an attention mask gives the same."""
+    run = "T1.0"
     model_name, temperature = RUN_MODEL[run]
     model, tok = hf_models[model_name]
     turns = _turns(runs[run])
@@ -122,23 +131,16 @@ def test_rescoring_right_padded_batch(runs, hf_models, run):
         assert (rescored - stored).abs().max().item() < TOL
 
 
-def test_logprobs_are_of_tempered_logits(runs, hf_models):
+def test_logprobs_are_of_tempered_logits(scored):
     """The T = 0.7 run's log-probs are of logits / 0.7: scoring it at T = 1 does not match."""
-    model, _ = hf_models["stopping"]
-    turns = _turns(runs["T0.7"])
-    gap = max((_score_one(model, t["prompt_ids"], t["action_ids"], 1.0)
-               - torch.tensor(t["behaviour_logprobs"])).abs().max().item() for t in turns)
+    gap = max((_logprobs(logits, t["action_ids"], 1.0) - torch.tensor(t["behaviour_logprobs"])).abs().max().item()
+              for t, logits in scored["T0.7"])
     assert gap > 1e-2
 
 
-def test_greedy_takes_the_argmax(runs, hf_models):
-    model, _ = hf_models["plain"]
-    for t in _turns(runs["greedy"]):
-        ids = torch.tensor([t["prompt_ids"] + t["action_ids"]])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0]
-        p = len(t["prompt_ids"])
-        assert logits[p - 1: p - 1 + len(t["action_ids"])].argmax(-1).tolist() == t["action_ids"]
+def test_greedy_takes_the_argmax(scored):
+    for t, logits in scored["greedy"]:
+        assert logits.argmax(-1).tolist() == t["action_ids"]
 
 
 # ---------------------------------------------------------------- what a turn holds
@@ -166,14 +168,13 @@ def test_action_ids_end_on_eos_and_hold_no_padding(runs, hf_models, run):
         assert stopped and cut, (stopped, cut)
 
 
-def test_engine_batch_with_early_stop(hf_models):
-    """A row that stops early is not padded in the result; its neighbours keep going."""
+def test_engine_batch_with_early_stop(runs, hf_models):
+    """Rows that stop early are not padded in the result; their neighbours keep going."""
     model, tok = hf_models["stopping"]
     engine = HFEngine(model, tok)
-    prompts = [tok("<|im_start|>user\n" + "i need a blue mug " * k + "<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
-               for k in (1, 4, 9, 2, 6, 3)]
-    gens = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW), seed=3)
-    assert len(gens) == len(prompts)
+    prompts = _prompts_of_many_lengths(runs["greedy"], tok)
+    gens = engine.generate(prompts + prompts, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW), seed=0)
+    assert len(gens) == 2 * len(prompts)
     lengths = [len(g.token_ids) for g in gens]
     assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW, lengths
     for g in gens:
@@ -186,9 +187,11 @@ def test_engine_batch_with_early_stop(hf_models):
 
 
 def _prompts_of_many_lengths(run_dir: Path, tok) -> list[list[int]]:
-    turns = _turns(run_dir)
-    prompts = [turns[0]["prompt_ids"], turns[-1]["prompt_ids"], max((t["prompt_ids"] for t in turns), key=len)]
-    prompts.append(tok("<|im_start|>user\nbuy a mug<|im_end|>\n<|im_start|>assistant\n")["input_ids"])  # very short
+    """Stored prompts of distinct lengths (first pages, later pages with history) and a short one."""
+    by_length = {len(t["prompt_ids"]): t["prompt_ids"] for t in _turns(run_dir)}
+    lengths = sorted(by_length)
+    prompts = [by_length[n] for n in (lengths[0], lengths[len(lengths) // 2], lengths[-1])]
+    prompts.append(tok("<|im_start|>user\nbuy a mug<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
     assert len({len(p) for p in prompts}) == len(prompts)
     return prompts
 

@@ -20,6 +20,7 @@ def eval_command(
     model: Optional[str] = typer.Option(None, "--model", help="A Hugging Face model directory or name."),
     episodes: Optional[int] = typer.Option(None, "--episodes", help="How many tasks of the panel (default: all)."),
     max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Turn limit per episode."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads for a model policy (default: all cores)."),
     out: Optional[str] = typer.Option(None, "--out", help="Output directory (eval.json, episodes.jsonl)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing evaluation in --out."),
     config: Optional[str] = ConfigOpt,
@@ -31,7 +32,7 @@ def eval_command(
     """Evaluate a policy on a split's fixed panel: success with a 95 % interval, score, turns."""
     cfg = resolve(EvalConfig, config_file=config, overrides=set_, flags={
         "env.name": env, "env.split": split, "env.max_turns": max_turns, "policy": policy, "model": model,
-        "episodes": episodes, "out": out, "seed": seed})
+        "episodes": episodes, "threads": threads, "out": out, "seed": seed})
     with Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task("episodes", total=cfg.episodes)

@@ -6,9 +6,19 @@ from typing import List, Optional
 
 import typer
 
-from serl_cli.cli import SetOpt, app, console
+from dataclasses import dataclass, field
+
+from serl_cli.cli import ConfigOpt, SetOpt, app, console
 from serl_cli.commands.common import resolve, summary_table
 from serl_cli.settings import EnvConfig, build_world
+
+
+@dataclass
+class ModelInitConfig:
+    preset: str = "tiny"
+    env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))  # whose text trains the tokenizer
+    seed: int = 0
+    out: str = "runs/model"
 
 model_app = typer.Typer(no_args_is_help=True, help="Models: build a local model for tests and demos.")
 app.add_typer(model_app, name="model")
@@ -16,22 +26,24 @@ app.add_typer(model_app, name="model")
 
 @model_app.command("init")
 def init(
-    preset: str = typer.Option("tiny", "--preset", help="tiny (~4M parameters) | small (~25M)."),
-    out: str = typer.Option(..., "--out", help="Directory to create (a Hugging Face model directory)."),
-    env: str = typer.Option("webshop", "--env", help="Environment whose text trains the tokenizer."),
-    seed: int = typer.Option(0, "--seed", help="Initialization seed."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="tiny (~4M parameters) | small (~25M)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Directory to create (a Hugging Face model directory)."),
+    env: Optional[str] = typer.Option(None, "--env", help="Environment whose text trains the tokenizer."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Initialization seed."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing directory."),
+    config: Optional[str] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
 ):
     """Random-init a Qwen2 model with a byte-level BPE tokenizer trained on environment text."""
     from serl_cli.default_model import tokenizer_corpus
     from serl_cli.model import PRESETS, ModelError, count_parameters, init_model, load_model
 
-    if preset not in PRESETS:
-        raise ModelError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
-    cfg = resolve(EnvConfig, config_file=None, overrides=set_, flags={"name": env, "split": "train"})
-    world = build_world(cfg)
-    path = init_model(preset, out, tokenizer_corpus(world), seed=seed, overwrite=overwrite)
+    cfg = resolve(ModelInitConfig, config_file=config, overrides=set_,
+                  flags={"preset": preset, "out": out, "env.name": env, "seed": seed})
+    if cfg.preset not in PRESETS:
+        raise ModelError(f"unknown preset {cfg.preset!r}: choose one of {', '.join(PRESETS)}")
+    world = build_world(cfg.env)
+    path = init_model(cfg.preset, cfg.out, tokenizer_corpus(world), seed=cfg.seed, overwrite=overwrite)
     model, tokenizer = load_model(str(path))
-    console.print(summary_table(f"model init: {preset}", [
+    console.print(summary_table(f"model init: {cfg.preset}", [
         ("directory", str(path)), ("parameters", f"{count_parameters(model):,}"), ("vocabulary", f"{len(tokenizer):,}")]))

@@ -33,9 +33,11 @@ class DemoConfig:
     env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))
     model: str | None = None  # None: the embedded default tiny model
     expert_tasks: int = 60  # expert episodes for SFT
-    prompt: PromptConfig = field(default_factory=lambda: PromptConfig(history_turns=1))
+    # no history: the expert's next action depends only on the page and the task, and short
+    # prompts let a tiny model take many more optimizer steps in the same CPU time
+    prompt: PromptConfig = field(default_factory=lambda: PromptConfig(history_turns=0))
     sft: TrainConfig = field(default_factory=lambda: TrainConfig(
-        algo="sft", epochs=3, mini_batches=8, optim=OptimConfig(lr=1e-3)))
+        algo="sft", epochs=4, mini_batches=32, optim=OptimConfig(lr=2e-3)))
     online: OnlineConfig = field(default_factory=lambda: OnlineConfig(
         iterations=3,
         rollout=RolloutConfig(tasks=4, group_size=4, sampling=SamplingConfig(1.0, 1.0, 32)),

@@ -24,13 +24,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from serl_cli import io
+from serl_cli.annotate import AnnotateConfig, annotate_episodes, write_annotations
 from serl_cli.engines import ModelPolicy, SamplingConfig, make_engine
 from serl_cli.errors import SerlError
 from serl_cli.evaluate import EvalConfig, run_eval
 from serl_cli.rollout import RolloutConfig, resolve_model, run_rollout
 from serl_cli.schema import read_rollouts
 from serl_cli.settings import EnvConfig, build_world
+from serl_cli.objectives import get_objective
 from serl_cli.train import Learner, TrainConfig
 
 
@@ -48,6 +52,7 @@ class OnlineConfig:
     iterations: int = 1
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    annotate: AnnotateConfig = field(default_factory=AnnotateConfig)  # serl, rlsd, sdpo: between rollout and update
     eval: OnlineEvalConfig = field(default_factory=OnlineEvalConfig)
     seed: int = 0
     out: str = "runs/online"
@@ -86,6 +91,18 @@ def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = Fal
         if not (last / "config.json").is_file():
             raise SerlError(f"cannot resume {run}: iteration {start - 1} is marked done but {last} is missing")
         learner = Learner(str(last), cfg.train, state_file=last / "trainer_state.pt")
+    objective = get_objective(cfg.train.algo)
+    acfg = copy.deepcopy(cfg.annotate)
+    if objective.placement:
+        acfg.placement = objective.placement  # rlsd is SERL's weights on every turn
+    if cfg.train.algo == "sdpo" or cfg.train.distill_coef:
+        acfg.skip_zero_advantage = False  # the distillation term needs the teacher on failed rollouts too
+    teacher = None
+    if objective.needs_annotations:
+        teacher = copy.deepcopy(learner.model).eval().requires_grad_(False)
+        saved = _iter_dir(run, start - 1) / "checkpoint" / "teacher_state.pt" if start > 0 else None
+        if saved is not None and saved.is_file():
+            teacher.load_state_dict(torch.load(saved))
     history = []
     for k in range(start, cfg.iterations):
         t0 = time.perf_counter()
@@ -95,8 +112,19 @@ def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = Fal
         summary = run_rollout(rcfg, overwrite=True, model=learner.model, tokenizer=learner.tokenizer)
         episodes = read_rollouts(it)
         temperature = rcfg.sampling.temperature if rcfg.sampling.temperature > 0 else 1.0
-        metrics = learner.update(episodes, temperature)
+        annotations = meta = None
+        if objective.needs_annotations:
+            if learner.updates % max(acfg.teacher_sync_interval, 1) == 0:
+                teacher.load_state_dict(learner.model.state_dict())  # sync: the teacher becomes this rollout policy
+            acfg.update_step, acfg.seed = learner.updates, cfg.seed * 1000 + k
+            annotations, stats = annotate_episodes(episodes, acfg, teacher, learner.tokenizer,
+                                                   env_cfg=io.to_plain(cfg.env), temperature=temperature)
+            write_annotations(it, annotations, episodes, acfg, stats)
+            meta = {"config": io.to_plain(acfg), "stats": stats}
+        metrics = learner.update(episodes, temperature, annotations, meta)
         timing = metrics.pop("timing")
+        if meta:
+            timing["teacher_s"] = meta["stats"]["teacher_s"]
         metrics.update(iteration=k, env_steps=summary["turns"])
         if cfg.eval.episodes and (k + 1) % cfg.eval.every == 0:
             ecfg = EvalConfig(env=EnvConfig(cfg.env.name, cfg.eval.split, cfg.env.max_turns, cfg.env.settings),
@@ -107,6 +135,8 @@ def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = Fal
             ev = run_eval(ecfg, overwrite=True, policy=greedy)
             metrics.update(eval_success_rate=ev["success_rate"], eval_score=ev["score"])
         learner.save(it / "checkpoint")
+        if teacher is not None:  # the snapshot survives a restart, so a resumed run matches
+            torch.save(teacher.state_dict(), it / "checkpoint" / "teacher_state.pt")
         io.append_jsonl(run / "metrics.jsonl", metrics)
         io.append_jsonl(run / "timings.jsonl", {"iteration": k, "update": timing, "rollout_s": summary["wall_time_s"],
                                                 "rollout_tokens_per_s": summary["tokens_per_s"],

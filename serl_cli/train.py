@@ -35,6 +35,9 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per pass
     clip_eps: float = 0.2
     kl_coef: float = 0.0  # k3 KL to the frozen starting policy
+    distill_coef: float = 0.0  # KL(pi || teacher) on selected turns of failed rollouts (off in serl, on in sdpo)
+    omega: float = 1.0  # gigpo: weight of the step advantage
+    gamma: float = 0.95  # gigpo: discount of the per-turn return
     adv_eps: float = 1e-6
     seed: int = 0
     threads: int | None = None
@@ -67,7 +70,8 @@ class Learner:
             if self.reference is not None and "reference" in state:
                 self.reference.load_state_dict(state["reference"])
 
-    def update(self, episodes: list[dict], temperature: float, annotations: dict | None = None) -> dict:
+    def update(self, episodes: list[dict], temperature: float, annotations: list[dict] | None = None,
+               annotate_meta: dict | None = None) -> dict:
         """Train on a batch of episodes; returns the update's metrics."""
         cfg = self.cfg
         objective = get_objective(cfg.algo)
@@ -75,7 +79,9 @@ class Learner:
         if objective.uses_behaviour_logprobs and any(not s.behaviour_logprobs for s in samples):
             raise SerlError(f"--algo {cfg.algo} needs behaviour log-probs: these rollouts have none "
                             f"(expert data is for --algo sft)")
-        prepared = objective.prepare(samples, {"episodes": episodes, "annotations": annotations, "update": self.updates}, cfg)
+        meta = annotate_meta or {}
+        prepared = objective.prepare(samples, {"episodes": episodes, "annotations": annotations, "update": self.updates,
+                                               "annotate_config": meta.get("config"), "annotate_stats": meta.get("stats")}, cfg)
         num_tokens = float(sum(len(s.action_ids) for s in samples))
         active = self._contributing(objective, samples, prepared)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -112,7 +118,7 @@ class Learner:
         metrics.update(_mean_stats(step_stats))
         metrics.update(prepared.stats)
         metrics.update(_episode_stats(episodes))
-        metrics["timing"] = {"update_s": round(wall, 4), "tokens_per_s": round(num_tokens * cfg.epochs / wall, 2) if wall else 0.0}
+        metrics["timing"] = {"update_s": round(wall, 4), "action_tokens_per_s": round(num_tokens * cfg.epochs / wall, 2) if wall else 0.0}
         return metrics
 
     def _contributing(self, objective, samples, prepared) -> list[int]:
@@ -166,8 +172,14 @@ def train_on_run(run_dir: str, cfg: TrainConfig, *, overwrite: bool = False) -> 
     if not model_name:
         raise SerlError(f"no model to train: {run}/manifest.json names none; pass --model")
     cfg.model = model_name
+    annotations, meta = None, None
+    if get_objective(cfg.algo).needs_annotations:
+        from serl_cli.annotate import read_annotations
+
+        annotations = read_annotations(run)
+        meta = manifest["stages"]["annotate"]
     learner = Learner(model_name, cfg)
-    metrics = learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest))
+    metrics = learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
     learner.save(checkpoint)
     io.append_jsonl(run / "metrics.jsonl", metrics)
     io.mark_stage(run, f"train:{cfg.algo}", "done", config=io.to_plain(cfg), checkpoint=str(checkpoint))

@@ -45,6 +45,9 @@ def block_ids(tokenizer, text: str) -> list[int]:
 def action_token_mask(tokenizer, action_ids: list[int]) -> list[int]:
     """1 for tokens inside the parsed action, 0 for reasoning, tags and the end token (METHOD.md 5).
 
+    A reply with no parseable action was handed to the environment whole: all its visible
+    tokens count as the action.
+
     Character offsets come from decoding growing prefixes, so the mask follows the
     tokenizer's own detokenization; a token overlapping the action's span counts.
     """
@@ -52,10 +55,9 @@ def action_token_mask(tokenizer, action_ids: list[int]) -> list[int]:
     for k in range(len(action_ids)):
         text = tokenizer.decode(action_ids[: k + 1], skip_special_tokens=True)
         ends.append(len(text))
-    span = action_span(text)
-    if span is None:
-        return [0] * len(action_ids)
-    start, end = span
+    # No parseable action: the whole reply is what the environment received, so every
+    # visible token is the action (the end-of-turn token still keeps weight 1).
+    start, end = action_span(text) or (0, len(text))
     mask, prev = [], 0
     for e in ends:
         mask.append(1 if (e > prev and prev < end and e > start) else 0)

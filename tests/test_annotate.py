@@ -1,0 +1,193 @@
+"""The annotate stage on real tiny-model rollouts, and the algorithms that consume it.
+
+Rewards of a random-init model are all 0, so each test gives half of every group reward 1
+(success) in the stored records -- rewards are data here -- to make advantages nonzero.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from serl_cli import io
+from serl_cli.annotate import AnnotateConfig, annotate_episodes, read_annotations, run_annotate
+from serl_cli.errors import SerlError
+from serl_cli.rollout import run_rollout
+from serl_cli.schema import read_rollouts
+from serl_cli.teacher import action_token_mask, teacher_prompt_ids
+from serl_cli.train import Learner, TrainConfig
+from serl_cli.trainer import OptimConfig
+
+from fixtures_model import rollout_config, stopping_model_dir, tiny_model_dir  # noqa: F401  (fixtures)
+from test_cli_env import assert_one_line_error, serl
+from test_pipeline_bad_input import tree_hash
+
+
+def make_half_successful(run) -> None:
+    episodes = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    for ep in episodes:
+        if ep["rollout_index"] % 2 == 0:
+            ep["reward"], ep["success"] = 1.0, True
+            ep["turns"][-1]["reward"] = 1.0
+    io.write_jsonl(run / "rollouts.jsonl", episodes)
+
+
+@pytest.fixture(scope="module")
+def run_dir(stopping_model_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("annot") / "run"
+    run_rollout(rollout_config(stopping_model_dir, run, tasks=2, group_size=4, max_new_tokens=12))
+    make_half_successful(run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(stopping_model_dir):
+    from serl_cli.model import load_model
+
+    model, tok = load_model(str(stopping_model_dir))
+    return model.eval(), tok
+
+
+def annotate(run_dir, model_and_tokenizer, **kw):
+    model, tok = model_and_tokenizer
+    episodes = read_rollouts(run_dir)
+    cfg = AnnotateConfig(**{"sources": "error", **kw})
+    return episodes, *annotate_episodes(episodes, cfg, model, tok, env_cfg=None)
+
+
+def test_teacher_prompt_splices_block_before_end_of_turn():
+    # prompt: ... user text <eot> \n <assistant header>; the block goes before that <eot>
+    assert teacher_prompt_ids([1, 5, 6, 2, 9, 1, 7], [40, 41], end_of_turn_id=2) == [1, 5, 6, 40, 41, 2, 9, 1, 7]
+    with pytest.raises(SerlError, match="end-of-turn"):
+        teacher_prompt_ids([1, 5, 6], [40], end_of_turn_id=2)
+
+
+def test_action_mask_excludes_reasoning_tags_and_end(model_and_tokenizer):
+    _, tok = model_and_tokenizer
+    ids = tok.encode("<think>look first</think><action>click[buy now]</action>", add_special_tokens=False) + [tok.eos_token_id]
+    mask = action_token_mask(tok, ids)
+    inside = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert "click[buy now]" in inside and "think" not in inside and "look" not in inside
+    assert mask[-1] == 0  # the end-of-turn token keeps weight 1
+    bare = tok.encode("search[red shoes]", add_special_tokens=False)
+    assert all(action_token_mask(tok, bare))
+    # no parseable action: the environment got the whole reply, so all of it is the action
+    assert all(action_token_mask(tok, tok.encode("hello there", add_special_tokens=False)))
+    assert action_token_mask(tok, tok.encode("hello", add_special_tokens=False) + [tok.eos_token_id])[-1] == 0
+
+
+def test_feedback_placement_selects_fired_turns_and_scores_only_those(run_dir, model_and_tokenizer):
+    episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="feedback")
+    assert len(records) == sum(len(e["turns"]) for e in episodes)
+    for r in records:
+        assert r["selected"] == bool(r["fired"])
+        scored = r["teacher_logprobs"] is not None
+        assert scored == (r["selected"] and r["advantage"] != 0)  # A = 0 keeps weight 1: not scored
+        if r["weights"] is not None:
+            assert len(r["weights"]) == len(r["teacher_logprobs"]) == len(r["action_mask"])
+            for w, m in zip(r["weights"], r["action_mask"]):
+                assert (0.9 - 1e-9 <= w <= 1.1 + 1e-9) if m else w == 1.0  # lambda 0.5, c 0.2
+    assert stats["teacher_turns_scored"] == sum(r["teacher_logprobs"] is not None for r in records)
+
+
+def test_random_matches_feedback_budget_and_all_scores_more(run_dir, model_and_tokenizer):
+    _, fb_records, fb_stats = annotate(run_dir, model_and_tokenizer, sources="diff", placement="feedback")
+    _, rnd_records, _ = annotate(run_dir, model_and_tokenizer, sources="diff", placement="random", seed=3)
+    _, all_records, all_stats = annotate(run_dir, model_and_tokenizer, sources="diff", placement="all")
+    n_fb = sum(r["selected"] for r in fb_records)
+    assert sum(r["selected"] for r in rnd_records) == n_fb
+    assert all(r["selected"] for r in all_records)
+    assert all_stats["teacher_turns_scored"] >= fb_stats["teacher_turns_scored"]
+
+
+def test_weights_follow_the_formula(run_dir, model_and_tokenizer):
+    from serl_cli.algos.serl import blend_weights, hindsight_weights
+
+    episodes, records, _ = annotate(run_dir, model_and_tokenizer, placement="all", weight_clip=0.2, mixing_lambda=0.5)
+    turns = [t for e in episodes for t in e["turns"]]
+    checked = 0
+    for r, t in zip(records, turns):
+        if r["weights"] is None:
+            continue
+        lp_t = torch.tensor(r["teacher_logprobs"], dtype=torch.float64)
+        lp_o = torch.tensor(t["behaviour_logprobs"], dtype=torch.float64)
+        expect = blend_weights(hindsight_weights(lp_t, lp_o, torch.tensor(r["advantage"]), 0.2), 0.5)
+        for w, e, m in zip(r["weights"], expect.tolist(), r["action_mask"]):
+            assert w == pytest.approx(e if m else 1.0, abs=1e-12)
+        checked += 1
+    assert checked > 0
+
+
+def _grads(model_dir, episodes, algo, annotations=None, meta=None):
+    cfg = TrainConfig(algo=algo, optim=OptimConfig(lr=0.0, micro_batch_tokens=4096), threads=1)
+    learner = Learner(str(model_dir), cfg)
+    learner.optimizer.step = lambda *a, **k: None  # keep weights; read the accumulated gradient
+    metrics = learner.update(episodes, 1.0, annotations, meta)
+    return metrics, {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.grad is not None}
+
+
+def test_serl_at_lambda_zero_is_grpo(run_dir, model_and_tokenizer, stopping_model_dir):
+    episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="all", mixing_lambda=0.0)
+    assert all(w == 1.0 for r in records if r["weights"] for w in r["weights"])
+    meta = {"config": {"placement": "all", "weight_clip": 0.2}, "stats": stats}
+    m_serl, g_serl = _grads(stopping_model_dir, episodes, "serl", records, meta)
+    m_grpo, g_grpo = _grads(stopping_model_dir, episodes, "grpo")
+    assert m_serl["loss"] == m_grpo["loss"] and m_grpo["loss"] != 0.0
+    assert g_serl.keys() == g_grpo.keys() and all(torch.equal(g_serl[k], g_grpo[k]) for k in g_grpo)
+
+
+def test_serl_with_weights_differs_from_grpo(run_dir, model_and_tokenizer, stopping_model_dir):
+    episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="all", mixing_lambda=1.0)
+    meta = {"config": {"placement": "all", "weight_clip": 0.2}, "stats": stats}
+    m_serl, _ = _grads(stopping_model_dir, episodes, "serl", records, meta)
+    m_grpo, _ = _grads(stopping_model_dir, episodes, "grpo")
+    assert m_serl["loss"] != m_grpo["loss"]
+    assert m_serl["selected_fraction"] == 1.0 and m_serl["lambda"] == 1.0
+    assert 0.8 - 1e-9 <= m_serl["weight_min"] <= m_serl["weight_max"] <= 1.2 + 1e-9
+
+
+def test_run_annotate_writes_and_train_checks_provenance(run_dir, tmp_path, stopping_model_dir):
+    run = tmp_path / "r"
+    run.mkdir()
+    for f in ("manifest.json", "rollouts.jsonl"):
+        (run / f).write_bytes((run_dir / f).read_bytes())
+    summary = run_annotate(str(run), AnnotateConfig(sources="error,diff", placement="feedback", threads=1))
+    assert (run / "annotations.jsonl").is_file() and (run / "selection_report.json").is_file()
+    report = json.loads((run / "selection_report.json").read_text())
+    assert report["counts"]["turns"] == summary["turns"] and "verdict" in report["tests"]
+    assert len(read_annotations(run)) == summary["turns"]
+    # rollouts replaced after annotating: the annotations belong to another run
+    episodes = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    episodes[0]["reward"] = 0.5
+    io.write_jsonl(run / "rollouts.jsonl", episodes)
+    before = tree_hash(run)
+    assert_one_line_error(serl("train", str(run), "--algo", "serl"), "made from other rollouts")
+    assert tree_hash(run) == before
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--sources", "ref|"], "empty"),
+    (["--sources", "smell"], "unknown"),
+    (["--placement", "everywhere"], "unknown placement"),
+    (["--granularity", "paragraph"], "unknown granularity"),
+])
+def test_annotate_bad_input(run_dir, tmp_path, args, needle):
+    run = tmp_path / "r"
+    run.mkdir()
+    for f in ("manifest.json", "rollouts.jsonl"):
+        (run / f).write_bytes((run_dir / f).read_bytes())
+    before = tree_hash(run)
+    assert_one_line_error(serl("annotate", str(run), *args), needle)
+    assert tree_hash(run) == before
+
+
+def test_serl_without_annotations_is_refused(run_dir, tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    for f in ("manifest.json", "rollouts.jsonl"):
+        (run / f).write_bytes((run_dir / f).read_bytes())
+    assert_one_line_error(serl("train", str(run), "--algo", "serl"), "has no annotations")
+    assert not (run / "checkpoint").exists()

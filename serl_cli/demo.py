@@ -30,7 +30,8 @@ from serl_cli.trainer import OptimConfig
 
 @dataclass
 class DemoConfig:
-    env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))
+    # 10 turns: the expert needs about 6; a tiny model that never buys would burn 15 per episode
+    env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train", max_turns=10))
     model: str | None = None  # None: the embedded default tiny model
     expert_tasks: int = 60  # expert episodes for SFT
     # no history: the expert's next action depends only on the page and the task, and short
@@ -39,10 +40,10 @@ class DemoConfig:
     sft: TrainConfig = field(default_factory=lambda: TrainConfig(
         algo="sft", epochs=4, mini_batches=32, optim=OptimConfig(lr=2e-3)))
     online: OnlineConfig = field(default_factory=lambda: OnlineConfig(
-        iterations=3,
+        iterations=2,
         rollout=RolloutConfig(tasks=4, group_size=4, sampling=SamplingConfig(1.0, 1.0, 32)),
         train=TrainConfig(algo="grpo", optim=OptimConfig(lr=5e-5))))
-    eval_episodes: int = 50  # first tasks of the test panel
+    eval_episodes: int = 30  # first tasks of the test panel
     seed: int = 0
     threads: int | None = None
     out: str = "runs/demo"

@@ -1,0 +1,406 @@
+"""Cost of one update step: grpo against serl, rlsd and sdpo on the same rollouts and model.
+
+    python -m benchmarks.train_step [--catalog auto|real|synthetic] [--rollouts model|scripted]
+                                    [--tasks 4] [--group-size 4] [--max-turns 6] [--max-new-tokens 24]
+                                    [--temperature 1.0] [--deviate 0.3] [--threads 1] [--model DIR]
+                                    [--seed 0] [--repeats 3] [--out FILE]
+
+Writes ``benchmarks/results/train_step.json`` (``train_step_scripted.json`` with
+``--rollouts scripted``) unless ``--out`` is given.
+
+One step is what the online loop (``serl_cli.online``) does between a rollout and the
+next: for serl, rlsd and sdpo ``annotate_episodes`` (feedback sources and the hindsight
+block, the placement rule, teacher scoring of the turns that need it, the weights), then
+``Learner.update`` (prepare + the gradient step); for grpo ``Learner.update`` alone.
+Variants, as ``serl online`` configures them:
+
+* ``grpo``: no annotate;
+* ``serl``: sources ``ref|error``, step granularity, placement ``feedback``;
+* ``rlsd``: the same with placement ``all`` (SERL's weights on every turn with a block);
+* ``sdpo``: placement ``feedback``, ``skip_zero_advantage`` false, ``distill_coef`` 1.0.
+
+Rollouts (collected once, untimed; every variant trains on the same episodes):
+
+* ``--rollouts model`` (default): ``run_rollout`` with the default tiny model on the train
+  split (``--tasks`` x ``--group-size`` G episodes, temperature 1, fixed seed).
+* ``--rollouts scripted``: the same tasks and groups, but the actions are scripted and
+  only scored by the tiny model. The randomly initialised model never writes a
+  well-formed action, so on its own rollouts the ``error`` source fires on every turn and
+  placement ``feedback`` selects exactly what ``all`` does (see the JSON's
+  ``selection``), and no scored turn has an action span for a weight to act on. The
+  scripted rollouts look like a policy partway through training: the successful half of
+  each group follows the expert; in the other half each turn takes, with probability
+  ``--deviate`` (seeded per episode and turn), a random admissible action
+  (``serl_cli.policies.RandomPolicy``) instead of the expert's, and the expert recovers
+  from wherever that leads. Each reply is ``<action>...</action>`` + end-of-turn,
+  tokenized; its behaviour log-probs are the tiny model's teacher-forced log-probs at
+  ``--temperature`` -- what the model would have recorded had it sampled those tokens.
+
+Synthetic rewards: the randomly initialised model never succeeds, so every group's
+rewards would be equal, every advantage 0, and no algorithm would do any work. The
+benchmark therefore overwrites the outcome in memory: in every group the episodes with
+``rollout_index < G // 2`` get reward 1.0 / success True, the others reward 0.0 / success
+False (so with an even G every episode's advantage is +-1). This reward assignment is
+synthetic. What an algorithm costs does not depend on *which* episodes succeed, only on
+how many turns have a nonzero advantage (the update skips the others), how many turns
+the teacher scores and how long they are -- all reported.
+
+Timing: every variant starts from the same weights (a fresh ``Learner`` with the same
+seed, built untimed) and its teacher is a copy of the learner's policy (the online loop's
+teacher at a sync step; copying it is not timed, nor is writing annotations to disk).
+Runs on ``--threads`` torch threads, 1 by default. An untimed full serl step pays the
+lazy setup first (and grows the heap to its working size); then the variants run
+``--repeats`` times, interleaved (the order rotates each repeat), and the median of each
+time is reported. Columns (seconds): ``annotate`` is the whole ``annotate_episodes`` call,
+``teacher`` its part that builds the teacher prompts and scores them (its ``teacher_s``),
+``rest`` the remainder (hindsight blocks, action masks, placement, weights, the expert's
+trajectories for the ``ref`` fallback; the last two are timed apart in the JSON);
+``update`` is the whole ``Learner.update`` call (prepare + gradient step); ``x grpo`` is
+the total over grpo's. A second table counts the work: turns selected, turns and tokens
+(prompt with the hindsight block + action) the teacher scored, scored turns without a
+parsed action, turns carrying the distillation term, turns run through the gradient step.
+
+Memory: before each variant's step the process's peak-RSS mark is reset (``5`` written to
+``/proc/self/clear_refs``, Linux 4.0+); after it, ``VmHWM`` from ``/proc/self/status`` is
+the step's own RSS high-water mark (``peak RSS``), and
+``resource.getrusage(RUSAGE_SELF).ru_maxrss`` is recorded too (the kernel resets both
+together; where the reset is unavailable ru_maxrss is the process's monotone peak and the
+JSON says ``peak_reset: false``). ``+RSS`` is the peak minus the RSS at the start of the
+step (taken after ``gc`` and glibc's ``malloc_trim``, with the model, the teacher copy and
+the rollouts already resident): what the step itself adds -- activations, gradients, the
+AdamW state. Memory is the maximum over repeats. tracemalloc is not used: it does not see
+torch's tensor allocations and slows Python code down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import random
+import re
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.common import report
+from serl_cli import annotate as annotate_mod
+from serl_cli import io
+from serl_cli.annotate import AnnotateConfig, annotate_episodes
+from serl_cli.engines import SamplingConfig
+from serl_cli.policies import Decision, ExpertPolicy, RandomPolicy
+from serl_cli.prompts import PromptConfig, format_action
+from serl_cli.rollout import RolloutConfig, episode_specs, run_rollout, sample_tasks
+from serl_cli.schema import read_rollouts
+from serl_cli.settings import EnvConfig, build_world
+from serl_cli.train import Learner, TrainConfig
+
+VARIANTS = ("grpo", "serl", "rlsd", "sdpo")
+
+
+def variant_configs(name: str, args) -> tuple[TrainConfig, AnnotateConfig | None]:
+    """The train and annotate settings of a variant, as ``serl online`` derives them."""
+    tcfg = TrainConfig(algo=name, seed=args.seed, threads=args.threads, distill_coef=1.0 if name == "sdpo" else 0.0)
+    if name == "grpo":
+        return tcfg, None
+    acfg = AnnotateConfig(sources="ref|error", granularity="step", placement="all" if name == "rlsd" else "feedback",
+                          skip_zero_advantage=name != "sdpo", seed=args.seed, update_step=0, threads=args.threads)
+    return tcfg, acfg
+
+
+# -- memory ----------------------------------------------------------------------------------
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def _trim_heap() -> None:
+    """Hand freed heap back to the OS (glibc), so a step's RSS starts from what is live."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+# -- timers around annotate's parts (module attributes: wrapped, not changed) ----------------
+class PartTimer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, module, attr: str):
+        fn = getattr(module, attr)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds[attr] = self.seconds.get(attr, 0.0) + time.perf_counter() - t0
+
+        setattr(module, attr, timed)
+
+
+# -- rollouts ----------------------------------------------------------------------------------
+class ScriptedPolicy:
+    """Expert replies with seeded random deviations in the failing half of each group,
+    tokenized as a model's reply and scored by ``model`` for the behaviour log-probs."""
+
+    name = "scripted"
+
+    def __init__(self, model, tokenizer, prompt: PromptConfig, group_size: int, deviate: float, seed: int,
+                 temperature: float):
+        from serl_cli.engines import ModelPolicy
+
+        self.model, self.tokenizer, self.group_size = model, tokenizer, group_size
+        self.deviate, self.seed, self.temperature = deviate, seed, temperature
+        self._prompter = ModelPolicy(engine=_TokenizerOnly(tokenizer), sampling=SamplingConfig(), prompt=prompt)
+        self._expert, self._random = ExpertPolicy(), RandomPolicy(seed)
+        self._episode: dict[int, int] = {}  # id of the record's turn list -> spec index
+
+    def act(self, steps, contexts) -> list[Decision]:
+        from serl_cli.teacher import ScoreItem, score
+
+        prompt_ids = self._prompter.prompts(steps, contexts)
+        out = []
+        for step, ctx, ids in zip(steps, contexts, prompt_ids):
+            ep = self._episode.setdefault(id(ctx["turns"]), len(self._episode))  # run_episodes starts specs in order
+            turn = len(ctx["turns"])
+            failing = ep % self.group_size >= self.group_size // 2
+            action = self._expert.act([step], [ctx])[0].action
+            if failing and random.Random(f"{self.seed}:{ep}:{turn}").random() < self.deviate:
+                action = self._random.act([step], [ctx])[0].action
+            reply = format_action(action)
+            action_ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            out.append(Decision(action=action, text=reply, prompt_ids=ids, action_ids=action_ids))
+        logps = score(self.model, self.tokenizer, [ScoreItem(d.prompt_ids, d.action_ids) for d in out], self.temperature)
+        for d, lp in zip(out, logps):
+            d.logprobs = lp
+        return out
+
+
+class _TokenizerOnly:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+
+def collect_rollouts(args, env: EnvConfig, world, model_name: str) -> list[dict]:
+    sampling = SamplingConfig(temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens)
+    n = args.tasks * args.group_size
+    if args.rollouts == "model":
+        with tempfile.TemporaryDirectory(prefix="serl-train-step-") as tmp:
+            cfg = RolloutConfig(env=env, model=model_name, tasks=args.tasks, group_size=args.group_size,
+                                sampling=sampling, batch_size=n, seed=args.seed, threads=args.threads, out=tmp)
+            run_rollout(cfg, overwrite=True)
+            return read_rollouts(tmp)
+    from serl_cli.model import load_model
+    from serl_cli.runner import run_episodes
+
+    model, tokenizer = load_model(model_name)
+    model.eval()
+    specs = episode_specs(sample_tasks(world.num_tasks("train"), args.tasks, args.seed), args.group_size)
+    policy = ScriptedPolicy(model, tokenizer, PromptConfig(), args.group_size, args.deviate, args.seed, args.temperature)
+    records = run_episodes(world, "train", specs, policy, max_turns=args.max_turns, batch_size=n)
+    return records
+
+
+def assign_synthetic_rewards(episodes: list[dict], group_size: int) -> None:
+    """In every group the first half (rollout_index < G // 2) succeeds, the rest fails."""
+    for e in episodes:
+        win = e["rollout_index"] < group_size // 2
+        e["reward"], e["success"] = (1.0 if win else 0.0), win
+
+
+# -- one step ----------------------------------------------------------------------------------
+def run_step(name: str, args, model_name: str, episodes: list[dict], env: EnvConfig, parts: PartTimer) -> dict:
+    tcfg, acfg = variant_configs(name, args)
+    learner = Learner(model_name, tcfg)
+    teacher = copy.deepcopy(learner.model).eval().requires_grad_(False) if acfg else None
+    episodes = copy.deepcopy(episodes)
+    gc.collect()
+    _trim_heap()
+    parts.seconds.clear()
+    rss_start_kb = _status_kb("VmRSS")
+    reset = _reset_peak()
+    t0 = time.perf_counter()
+    annotations = meta = None
+    stats: dict = {}
+    if acfg is not None:
+        annotations, stats = annotate_episodes(episodes, acfg, teacher, learner.tokenizer, env_cfg=io.to_plain(env),
+                                               temperature=args.temperature)
+        meta = {"config": io.to_plain(acfg), "stats": stats}
+    t1 = time.perf_counter()
+    metrics = learner.update(episodes, args.temperature, annotations, meta)
+    t2 = time.perf_counter()
+    hwm_kb, maxrss = _status_kb("VmHWM"), _maxrss_mb()
+    scored = [a for a in annotations or [] if a["teacher_logprobs"] is not None]
+    out = {
+        "variant": name,
+        "annotate_s": t1 - t0,
+        "teacher_s": float(stats.get("teacher_s", 0.0)),
+        "expert_trajectories_s": parts.seconds.get("expert_trajectories", 0.0),
+        "action_mask_s": parts.seconds.get("action_token_mask", 0.0),
+        "update_s": t2 - t1,
+        "gradient_loop_s": metrics["timing"]["update_s"],
+        "total_s": t2 - t0,
+        "turns": metrics["turns"],
+        "action_tokens": metrics["action_tokens"],
+        "turns_with_gradient": metrics["turns_with_gradient"],
+        "selected_turns": int(stats.get("selected", 0)),
+        "teacher_turns_scored": int(stats.get("teacher_turns_scored", 0)),
+        "teacher_tokens_scored": int(stats.get("teacher_tokens_scored", 0)),
+        "teacher_action_tokens": int(stats.get("teacher_action_tokens", 0)),
+        # a scored turn whose reply has no parsed action keeps weight 1 and no distillation term
+        "teacher_turns_without_action_span": sum(not any(a["action_mask"]) for a in scored),
+        "distill_turns": sum(bool(a["distill"]) for a in annotations or []),
+        "loss": metrics.get("loss"),
+        "rss_start_mb": (rss_start_kb or 0) / 1024.0,
+        "peak_rss_mb": (hwm_kb / 1024.0) if hwm_kb is not None else maxrss,
+        "ru_maxrss_mb": maxrss,
+        "peak_reset": reset,
+    }
+    out["step_extra_mb"] = out["peak_rss_mb"] - out["rss_start_mb"]
+    out["annotate_other_s"] = out["annotate_s"] - out["teacher_s"]
+    del learner, teacher
+    gc.collect()
+    return out
+
+
+def summarize(runs: list[dict]) -> dict:
+    med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
+    out = dict(runs[0])
+    for k in ("annotate_s", "teacher_s", "annotate_other_s", "expert_trajectories_s", "action_mask_s", "update_s",
+              "gradient_loop_s", "total_s"):
+        out[k] = med(k)
+    for k in ("peak_rss_mb", "ru_maxrss_mb", "step_extra_mb"):
+        out[k] = max(r[k] for r in runs)
+    out["peak_reset"] = all(r["peak_reset"] for r in runs)
+    out["all_total_s"] = [r["total_s"] for r in runs]
+    del out["rss_start_mb"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--catalog", default="auto", choices=["auto", "real", "synthetic"])
+    ap.add_argument("--rollouts", default="model", choices=["model", "scripted"],
+                    help="model: the tiny model's own; scripted: the expert with random deviations (module docstring)")
+    ap.add_argument("--model", default=None, help="model directory or hub name (default: the embedded tiny model)")
+    ap.add_argument("--tasks", type=int, default=4, help="train tasks to sample")
+    ap.add_argument("--group-size", type=int, default=4, help="episodes per task (G, at least 2)")
+    ap.add_argument("--max-turns", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--deviate", type=float, default=0.3, help="scripted: chance a failing episode's turn is random")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of each variant; the median is kept")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.group_size < 2:
+        ap.error("--group-size must be at least 2: half of each group succeeds")
+    if args.temperature <= 0:
+        ap.error("--temperature must be positive (behaviour log-probs are taken at it)")
+
+    from serl_cli.model import set_torch_threads
+
+    set_torch_threads(args.threads)
+    env = EnvConfig(name="webshop", split="train", max_turns=args.max_turns, settings={"catalog": args.catalog})
+    world = build_world(env)
+    if args.model:
+        model_name = args.model
+    else:
+        from serl_cli.default_model import default_model_dir
+
+        model_name = str(default_model_dir(world, "webshop"))
+
+    t0 = time.perf_counter()
+    episodes = collect_rollouts(args, env, world, model_name)
+    rollout_s = time.perf_counter() - t0
+    assign_synthetic_rewards(episodes, args.group_size)
+    turns = sum(len(e["turns"]) for e in episodes)
+    print(f"rollouts ({args.rollouts}): {len(episodes)} episodes, {turns} turns in {rollout_s:.1f} s")
+
+    parts = PartTimer()
+    parts.wrap(annotate_mod, "expert_trajectories")
+    parts.wrap(annotate_mod, "action_token_mask")
+
+    # warm-up, untimed: spaCy (the expert's purchases), bm25s, torch's first forward/backward
+    from envs.webshop.reward import title_nouns
+
+    world.engine.search("warm up")
+    title_nouns("warm up the tagger")
+    run_step("serl", args, model_name, episodes, env, parts)
+
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for r in range(args.repeats):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+        for v in order:
+            res = run_step(v, args, model_name, episodes, env, parts)
+            runs[v].append(res)
+            print(f"  repeat {r + 1}/{args.repeats} {v}: annotate {res['annotate_s']:.2f} s "
+                  f"(teacher {res['teacher_s']:.2f} s), update {res['update_s']:.2f} s", flush=True)
+    results = [summarize(runs[v]) for v in VARIANTS]
+    base = results[0]
+    ratios = {f"{r['variant']}/grpo": r["total_s"] / base["total_s"] for r in results[1:]}
+    for r in results:
+        r["total_over_grpo"] = r["total_s"] / base["total_s"]
+        r["update_over_grpo"] = r["update_s"] / base["update_s"]
+
+    rows = [[r["variant"], r["annotate_s"], r["teacher_s"], r["annotate_other_s"], r["update_s"], r["total_s"],
+             f"{r['total_over_grpo']:.2f}", f"{r['peak_rss_mb']:.0f}", f"{r['step_extra_mb']:.0f}"] for r in results]
+    source = world.catalog.source.split(":")[0]
+    sel = {r["variant"]: r["selected_turns"] for r in results[1:]}
+    selection = {"turns": turns, "selected": sel,
+                 "feedback_scores_fewer_than_all": results[1]["teacher_turns_scored"] < results[2]["teacher_turns_scored"]}
+    report("train_step" if args.rollouts == "model" else f"train_step_{args.rollouts}",
+           f"One update step (WebShop {source}, train, {args.rollouts} rollouts, {len(episodes)} episodes = "
+           f"{args.tasks} x G={args.group_size}, {turns} turns, {base['action_tokens']} action tokens, synthetic "
+           f"rewards, {args.threads} thread(s), median of {args.repeats}); seconds, RSS in MB",
+           ["variant", "annotate", "teacher", "rest", "update", "total", "x grpo", "peak RSS", "+RSS"], rows,
+           {"catalog": world.catalog.source, "model": model_name, "rollouts": args.rollouts, "split": "train",
+            "tasks": args.tasks, "group_size": args.group_size, "episodes": len(episodes), "turns": turns,
+            "action_tokens": base["action_tokens"], "max_turns": args.max_turns,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "deviate": args.deviate if args.rollouts == "scripted" else None, "threads": args.threads,
+            "seed": args.seed, "repeats": args.repeats, "rollout_s": rollout_s,
+            "synthetic_rewards": "rollout_index < G // 2: reward 1.0, success True; else reward 0.0, success False",
+            "selection": selection, "variants": results, "ratios_total": ratios}, args.out)
+    work = Table(title="Work per step: turns the placement selected, what the teacher scored, turns with a gradient")
+    for c in ("variant", "selected", "teacher turns", "teacher tokens", "of them action", "no action span",
+              "distill turns", "grad turns"):
+        work.add_column(c, justify="left" if c == "variant" else "right")
+    for r in results:
+        work.add_row(r["variant"], *(str(r[k]) for k in ("selected_turns", "teacher_turns_scored", "teacher_tokens_scored",
+                                                         "teacher_action_tokens", "teacher_turns_without_action_span",
+                                                         "distill_turns", "turns_with_gradient")))
+    Console().print(work)
+    print("  ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+    if not selection["feedback_scores_fewer_than_all"]:
+        print(f"note: placement feedback scored as many turns as all ({results[1]['teacher_turns_scored']}): "
+              "every turn carries evidence that fires (try --rollouts scripted)")
+
+
+if __name__ == "__main__":
+    main()

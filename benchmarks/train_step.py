@@ -27,8 +27,8 @@ Rollouts (collected once, untimed; every variant trains on the same episodes):
   only scored by the tiny model. The randomly initialised model never writes a
   well-formed action, so on its own rollouts the ``error`` source fires on every turn and
   placement ``feedback`` selects exactly what ``all`` does (see the JSON's
-  ``selection``), and no scored turn has an action span for a weight to act on. The
-  scripted rollouts look like a policy partway through training: the successful half of
+  ``selection``): the default measures serl's worst case, where it costs what rlsd does.
+  The scripted rollouts look like a policy partway through training: the successful half of
   each group follows the expert; in the other half each turn takes, with probability
   ``--deviate`` (seeded per episode and turn), a random admissible action
   (``serl_cli.policies.RandomPolicy``) instead of the expert's, and the expert recovers
@@ -51,21 +51,26 @@ teacher at a sync step; copying it is not timed, nor is writing annotations to d
 Runs on ``--threads`` torch threads, 1 by default. An untimed full serl step pays the
 lazy setup first (and grows the heap to its working size); then the variants run
 ``--repeats`` times, interleaved (the order rotates each repeat), and the median of each
-time is reported. Columns (seconds): ``annotate`` is the whole ``annotate_episodes`` call,
-``teacher`` its part that builds the teacher prompts and scores them (its ``teacher_s``),
-``rest`` the remainder (hindsight blocks, action masks, placement, weights, the expert's
-trajectories for the ``ref`` fallback; the last two are timed apart in the JSON);
-``update`` is the whole ``Learner.update`` call (prepare + gradient step); ``x grpo`` is
-the total over grpo's. A second table counts the work: turns selected, turns and tokens
-(prompt with the hindsight block + action) the teacher scored, scored turns without a
-parsed action, turns carrying the distillation term, turns run through the gradient step.
+time is reported. Columns: ``annotate s`` is the whole ``annotate_episodes`` call,
+``teacher s`` its part that builds the teacher prompts and scores them (its
+``teacher_s``); the rest of annotate (hindsight blocks, action masks, placement, weights,
+the expert's trajectories for the ``ref`` fallback) is ``annotate_other_s`` in the JSON,
+with the last two also timed apart. ``update s`` is the whole ``Learner.update`` call
+(prepare + gradient step); ``x grpo`` is the total over grpo's (the JSON adds
+``annotate_over_grpo_update``: where a variant's gradient step does grpo's work -- serl
+and rlsd, the same turns and tokens -- 1 + it is the ratio without the noise of two
+update timings). A second table counts the work: turns the placement chose, turns and
+tokens (prompt with the hindsight block + action) the teacher scored, scored turns whose
+action mask is empty (their weights stay 1 and they carry no distillation term: teacher
+work without effect), turns carrying the distillation term, turns run through the
+gradient step.
 
 Memory: before each variant's step the process's peak-RSS mark is reset (``5`` written to
 ``/proc/self/clear_refs``, Linux 4.0+); after it, ``VmHWM`` from ``/proc/self/status`` is
-the step's own RSS high-water mark (``peak RSS``), and
+the step's own RSS high-water mark (``peak RSS MB``), and
 ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` is recorded too (the kernel resets both
 together; where the reset is unavailable ru_maxrss is the process's monotone peak and the
-JSON says ``peak_reset: false``). ``+RSS`` is the peak minus the RSS at the start of the
+JSON says ``peak_reset: false``). ``+RSS MB`` is the peak minus the RSS at the start of the
 step (taken after ``gc`` and glibc's ``malloc_trim``, with the model, the teacher copy and
 the rollouts already resident): what the step itself adds -- activations, gradients, the
 AdamW state. Memory is the maximum over repeats. tracemalloc is not used: it does not see
@@ -271,8 +276,8 @@ def run_step(name: str, args, model_name: str, episodes: list[dict], env: EnvCon
         "teacher_turns_scored": int(stats.get("teacher_turns_scored", 0)),
         "teacher_tokens_scored": int(stats.get("teacher_tokens_scored", 0)),
         "teacher_action_tokens": int(stats.get("teacher_action_tokens", 0)),
-        # a scored turn whose reply has no parsed action keeps weight 1 and no distillation term
-        "teacher_turns_without_action_span": sum(not any(a["action_mask"]) for a in scored),
+        # a scored turn with an empty action mask keeps weight 1 and adds no distillation term
+        "teacher_turns_empty_mask": sum(not any(a["action_mask"]) for a in scored),
         "distill_turns": sum(bool(a["distill"]) for a in annotations or []),
         "loss": metrics.get("loss"),
         "rss_start_mb": (rss_start_kb or 0) / 1024.0,
@@ -367,9 +372,10 @@ def main() -> None:
     for r in results:
         r["total_over_grpo"] = r["total_s"] / base["total_s"]
         r["update_over_grpo"] = r["update_s"] / base["update_s"]
+        r["annotate_over_grpo_update"] = r["annotate_s"] / base["update_s"]  # robust to noise in equal-work updates
 
-    rows = [[r["variant"], r["annotate_s"], r["teacher_s"], r["annotate_other_s"], r["update_s"], r["total_s"],
-             f"{r['total_over_grpo']:.2f}", f"{r['peak_rss_mb']:.0f}", f"{r['step_extra_mb']:.0f}"] for r in results]
+    rows = [[r["variant"], *(f"{r[k]:.2f}" for k in ("annotate_s", "teacher_s", "update_s", "total_s", "total_over_grpo")),
+             f"{r['peak_rss_mb']:.0f}", f"{r['step_extra_mb']:.0f}"] for r in results]
     source = world.catalog.source.split(":")[0]
     sel = {r["variant"]: r["selected_turns"] for r in results[1:]}
     selection = {"turns": turns, "selected": sel,
@@ -377,8 +383,8 @@ def main() -> None:
     report("train_step" if args.rollouts == "model" else f"train_step_{args.rollouts}",
            f"One update step (WebShop {source}, train, {args.rollouts} rollouts, {len(episodes)} episodes = "
            f"{args.tasks} x G={args.group_size}, {turns} turns, {base['action_tokens']} action tokens, synthetic "
-           f"rewards, {args.threads} thread(s), median of {args.repeats}); seconds, RSS in MB",
-           ["variant", "annotate", "teacher", "rest", "update", "total", "x grpo", "peak RSS", "+RSS"], rows,
+           f"rewards, {args.threads} thread(s), median of {args.repeats})",
+           ["algo", "annotate s", "teacher s", "update s", "total s", "x grpo", "peak RSS MB", "+RSS MB"], rows,
            {"catalog": world.catalog.source, "model": model_name, "rollouts": args.rollouts, "split": "train",
             "tasks": args.tasks, "group_size": args.group_size, "episodes": len(episodes), "turns": turns,
             "action_tokens": base["action_tokens"], "max_turns": args.max_turns,
@@ -387,13 +393,13 @@ def main() -> None:
             "seed": args.seed, "repeats": args.repeats, "rollout_s": rollout_s,
             "synthetic_rewards": "rollout_index < G // 2: reward 1.0, success True; else reward 0.0, success False",
             "selection": selection, "variants": results, "ratios_total": ratios}, args.out)
-    work = Table(title="Work per step: turns the placement selected, what the teacher scored, turns with a gradient")
-    for c in ("variant", "selected", "teacher turns", "teacher tokens", "of them action", "no action span",
+    work = Table(title="Work per step: turns the placement chose, what the teacher scored, turns with a gradient")
+    for c in ("algo", "chosen turns", "teacher turns", "teacher tokens", "of them action", "empty mask",
               "distill turns", "grad turns"):
-        work.add_column(c, justify="left" if c == "variant" else "right")
+        work.add_column(c, justify="left" if c == "algo" else "right")
     for r in results:
         work.add_row(r["variant"], *(str(r[k]) for k in ("selected_turns", "teacher_turns_scored", "teacher_tokens_scored",
-                                                         "teacher_action_tokens", "teacher_turns_without_action_span",
+                                                         "teacher_action_tokens", "teacher_turns_empty_mask",
                                                          "distill_turns", "turns_with_gradient")))
     Console().print(work)
     print("  ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))

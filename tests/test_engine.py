@@ -155,9 +155,10 @@ def test_action_ids_end_on_eos_and_hold_no_padding(runs, hf_models, run):
     for t in _turns(runs[run]):
         ids = t["action_ids"]
         assert len(t["behaviour_logprobs"]) == len(ids) > 0
-        assert pad not in ids
-        assert eos not in ids[:-1]  # nothing generated after the end of the turn is kept
-        if ids[-1] == eos:
+        # a reply ends at the end-of-turn token or the end-of-text token (also the pad id); nothing
+        # generated after it is kept, and no padding is
+        assert pad not in ids[:-1] and eos not in ids[:-1]
+        if ids[-1] in (eos, pad):
             stopped += 1
         else:
             assert len(ids) == MAX_NEW  # it did not stop: cut at the token budget, never shorter

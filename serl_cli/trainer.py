@@ -97,7 +97,7 @@ def pad_right_aligned(values: list[list[float]], mb: MicroBatch) -> torch.Tensor
     return out
 
 
-ADDITIVE_STATS = frozenset({"loss", "pg_loss", "kl_ref", "nll"})
+ADDITIVE_STATS = frozenset({"loss", "pg_loss", "kl_ref", "nll", "distill_kl"})
 LossFn = Callable[[MicroBatch, torch.Tensor, float], tuple[torch.Tensor, dict]]
 
 
@@ -107,6 +107,7 @@ def accumulate_step(model, optimizer, micro_batches: list[MicroBatch], loss_fn: 
     optimizer.zero_grad(set_to_none=True)
     stats: dict[str, float] = {}
     total_loss = 0.0
+    run_tokens = sum(mb.action_mask.sum().item() for mb in micro_batches)  # the turns run, not the skipped ones
     for mb in micro_batches:
         logp = action_logprobs(model, mb, temperature)
         loss, s = loss_fn(mb, logp, num_tokens)
@@ -115,7 +116,7 @@ def accumulate_step(model, optimizer, micro_batches: list[MicroBatch], loss_fn: 
             return {"skipped": 1.0, "loss": float("nan")}
         loss.backward()
         total_loss += loss.item()
-        share = mb.action_mask.sum().item() / max(num_tokens, 1)
+        share = mb.action_mask.sum().item() / max(run_tokens, 1)
         for key, v in s.items():
             # loss terms are already divided by the batch's token count: they add up;
             # per-micro-batch means (clip_frac, ratio_mean, ...) are averaged by token share

@@ -1,0 +1,251 @@
+"""``serl ablate``: grid rule, end to end on a tiny model, the SLURM array, kill and resume, bad input, report maths.
+
+Commands run through ``serl_cli.ablate.SELF_CMD`` (imports the command module, then the
+CLI's ``main``), so these tests do not depend on cli.py's import line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from scipy import stats
+
+from serl_cli import ablate as ab
+from serl_cli.ablate_report import write_report
+from serl_cli.errors import SerlError
+
+from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
+from test_cli_env import assert_one_line_error
+
+WRAPPER = "import serl_cli.commands.ablate_cmd\nfrom serl_cli.cli import main\nmain()\n"
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = {**os.environ, "COLUMNS": "200", "SERL_THREADS": "1", **(env or {})}
+    return subprocess.run([*ab.SELF_CMD, "ablate", *args], capture_output=True, text=True, env=full, timeout=300)
+
+
+def tiny_grid(tmp_path: Path, model: Path, *, algos=("grpo", "serl"), seeds=2, iterations=1, name="grid.yaml",
+              tasks=1, max_turns=2) -> Path:
+    grid = {
+        "base": {
+            "env": {"name": "webshop", "split": "train", "max_turns": max_turns, "settings": {"catalog": "synthetic"}},
+            "model": str(model), "iterations": iterations,
+            "rollout": {"tasks": tasks, "group_size": 2, "threads": 1, "sampling": {"temperature": 1.0, "max_new_tokens": 8}},
+            "train": {"optim": {"lr": 1.0e-3}, "threads": 1},
+            "annotate": {"threads": 1},
+        },
+        "grid": {"algo": list(algos), "sources": ["ref|error"], "seeds": seeds},
+        "final_eval": {"episodes": 2, "split": "test"},
+        "slurm": {"partition": "gpu", "time": "01:00:00", "cpus_per_task": 2, "gpus": 1, "mem": "8G"},
+    }
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(grid), encoding="utf-8")
+    return path
+
+
+def _csv(path: Path) -> dict[str, dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return {r["arm"]: r for r in csv.DictReader(f)}
+
+
+# -- the grid rule (no training) ------------------------------------------------------------
+
+def test_flags_shorthand_builds_each_all_and_grpo():
+    grid = ab.load_grid(flags={"env": "webshop", "sources": "error,obs,ref", "seeds": 3})
+    names = [a["name"] for a in ab.arms(grid)]
+    assert names == ["webshop-grpo", "webshop-serl-error-step-feedback", "webshop-serl-obs-step-feedback",
+                     "webshop-serl-ref-step-feedback", "webshop-serl-error+obs+ref-step-feedback"]
+    cells = ab.cells(grid)
+    assert len(cells) == 15 and [c["seed"] for c in cells[:3]] == [0, 1, 2]
+    assert cells[0]["name"] == "webshop-grpo-s0" and cells[3]["overrides"]["annotate"]["sources"] == "error"
+    assert cells[-1]["overrides"]["annotate"]["sources"] == "error,obs,ref"
+
+
+def test_non_annotating_algos_get_one_arm_and_names_are_safe():
+    grid = ab.load_grid(flags={"algo": "grpo,gigpo,serl,rlsd", "sources": "ref|error", "placement": "feedback,random",
+                               "granularity": "step,anchor"})
+    names = [a["name"] for a in ab.arms(grid)]
+    assert names.count("webshop-grpo") == 1 and names.count("webshop-gigpo") == 1
+    assert len([n for n in names if "-serl-" in n]) == 4  # 2 granularities x 2 placements
+    assert len([n for n in names if "-rlsd-" in n]) == 2 and all(n.endswith("-all") for n in names if "-rlsd-" in n)
+    assert "webshop-serl-ref_or_error-step-feedback" in names
+    assert len(set(names)) == len(names)
+    assert all(c not in n for n in names for c in "|/ ,")
+
+
+def test_grid_json_is_fixed_and_a_different_grid_is_refused(tmp_path):
+    rec = ab.grid_record(ab.load_grid(flags={"sources": "error,ref", "seeds": 2}), ["--sources", "error,ref"])
+    ab.write_grid(tmp_path, rec)
+    first = (tmp_path / "grid.json").read_bytes()
+    ab.write_grid(tmp_path, ab.grid_record(ab.load_grid(flags={"sources": "error,ref", "seeds": 2}), ["x"]))
+    assert (tmp_path / "grid.json").read_bytes() == first
+    with pytest.raises(SerlError, match="different ablation grid"):
+        ab.write_grid(tmp_path, ab.grid_record(ab.load_grid(flags={"sources": "error", "seeds": 2}), []))
+
+
+def test_ready_made_grids_load():
+    folder = Path(__file__).parent.parent / "experiments" / "ablations"
+    files = sorted(folder.glob("*.yaml"))
+    assert {f.stem for f in files} >= {"sources", "granularity", "placement", "baselines", "sources_paper",
+                                        "granularity_paper", "placement_paper", "baselines_paper"}
+    for f in files:
+        grid = ab.load_grid(str(f))
+        assert ab.cells(grid), f
+
+
+# -- the report's numbers, on cells with known results -----------------------------------------
+
+def test_report_numbers_match_scipy_on_known_cells(tmp_path):
+    grid = ab.load_grid(flags={"sources": "error", "seeds": 3})  # grpo, serl-error
+    rec = ab.grid_record(grid, [])
+    ab.write_grid(tmp_path, rec)
+    results = {"webshop-grpo": [0.2, 0.4, 0.3], "webshop-serl-error-step-feedback": [0.5, 0.45, 0.6]}
+    for cell in rec["cells"][:-1]:  # leave the last one unfinished
+        d = ab.cell_dir(tmp_path, cell)
+        d.mkdir(parents=True)
+        s = results[cell["arm"]][cell["seed"]]
+        (d / "eval.json").write_text(json.dumps({"success_rate": s, "score": 100 * s, "episodes": 20}))
+        (d / "cell.json").write_text(json.dumps({"status": "done", "wall_time_s": 2.0, "teacher_tokens_scored": 10}))
+    res = write_report(tmp_path)
+    assert [u["index"] for u in res["unfinished"]] == [5]
+    rows = _csv(tmp_path / "report.csv")
+    g, s = rows["webshop-grpo"], rows["webshop-serl-error-step-feedback"]
+    assert float(g["success_mean"]) == pytest.approx(0.3) and int(s["seeds_done"]) == 2
+    lo, hi = stats.t.interval(0.95, 2, loc=0.3, scale=stats.sem([0.2, 0.4, 0.3]))
+    assert float(g["success_ci_lo"]) == pytest.approx(lo) and float(g["success_ci_hi"]) == pytest.approx(hi)
+    ref = stats.ttest_rel([0.5, 0.45], [0.2, 0.4])  # paired by seed over the seeds both finished
+    assert float(s["p_success"]) == pytest.approx(ref.pvalue) and float(s["diff_success"]) == pytest.approx(0.175)
+    assert float(s["teacher_tokens_total"]) == 20 and float(s["wall_time_s_total"]) == 4.0
+    md = (tmp_path / "report.md").read_text()
+    assert "0.300 ± 0.100" in md and "+0.175" in md and "Unfinished cells" in md
+    assert "webshop-serl-error-step-feedback-s2" in md
+
+
+# -- end to end on the tiny model ----------------------------------------------------------
+
+def test_tiny_grid_end_to_end(tmp_path, tiny_model_dir):
+    grid = tiny_grid(tmp_path, tiny_model_dir)
+    out = tmp_path / "abl"
+    p = run(str(grid), "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    for name in ("report.md", "report.csv", "curves.png", "grid.json"):
+        assert (out / name).is_file(), name
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rec = json.loads((out / "grid.json").read_text())
+    assert len(rec["cells"]) == 4
+    rows = _csv(out / "report.csv")
+    md = (out / "report.md").read_text()
+    for arm in rec["arms"]:
+        evals = [json.loads((out / "cells" / c["name"] / "eval.json").read_text())
+                 for c in rec["cells"] if c["arm"] == arm["name"]]
+        mean_success = sum(e["success_rate"] for e in evals) / len(evals)
+        mean_score = sum(e["score"] for e in evals) / len(evals)
+        assert float(rows[arm["name"]]["success_mean"]) == pytest.approx(mean_success)
+        assert float(rows[arm["name"]]["score_mean"]) == pytest.approx(mean_score)
+        assert f"| {arm['name']} | 2 | {mean_success:.3f} ±" in md
+    for c in rec["cells"]:
+        info = json.loads((out / "cells" / c["name"] / "cell.json").read_text())
+        assert info["status"] == "done" and info["params"] == c["params"] and info["wall_time_s"] > 0
+    assert sorted(p.name for p in (out / "cells").iterdir()) == sorted(c["name"] for c in rec["cells"])
+    # --report over the finished directory alone
+    p = run("--report", str(out))
+    assert p.returncode == 0, p.stderr
+
+
+def test_emit_slurm_is_valid_bash_and_task_k_runs_cell_k(tmp_path, tiny_model_dir):
+    grid = tiny_grid(tmp_path, tiny_model_dir)
+    out = tmp_path / "abl"
+    p = run(str(grid), "--out", str(out), "--emit", "slurm")
+    assert p.returncode == 0, p.stderr
+    script = out / "ablate.sbatch"
+    text = script.read_text()
+    assert "#SBATCH --array=0-3" in text and "#SBATCH --partition=gpu" in text and "#SBATCH --gres=gpu:1" in text
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert '--cell "$SLURM_ARRAY_TASK_ID"' in text
+    assert not (out / "cells").exists()
+    wrapper = tmp_path / "serl_wrapper.py"
+    wrapper.write_text(WRAPPER)
+    env = {**os.environ, "SLURM_ARRAY_TASK_ID": "2", "SERL": f"{sys.executable} {wrapper}", "SERL_THREADS": "1"}
+    p = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rec = json.loads((out / "grid.json").read_text())
+    assert [d.name for d in (out / "cells").iterdir()] == [rec["cells"][2]["name"]]
+    assert json.loads((out / "cells" / rec["cells"][2]["name"] / "cell.json").read_text())["status"] == "done"
+
+
+def test_user_template(tmp_path):
+    tpl = tmp_path / "tpl.sh"
+    tpl.write_text("#!/bin/bash\n#SBATCH --array={array}\n#SBATCH --qos=low\nmodule load cuda\n{command}\n")
+    p = run("--sources", "error", "--out", str(tmp_path / "abl"), "--emit", "slurm", "--slurm-template", str(tpl))
+    assert p.returncode == 0, p.stderr
+    text = (tmp_path / "abl" / "ablate.sbatch").read_text()
+    assert "#SBATCH --array=0-1\n" in text and "#SBATCH --qos=low" in text and "--sources error" in text
+    assert subprocess.run(["bash", "-n", str(tmp_path / "abl" / "ablate.sbatch")]).returncode == 0
+
+
+def test_killed_cell_resumes_and_finished_cells_are_not_redone(tmp_path, tiny_model_dir):
+    grid = tiny_grid(tmp_path, tiny_model_dir, algos=("grpo",), iterations=3, tasks=2, max_turns=3)
+    out = tmp_path / "abl"
+    p = run(str(grid), "--out", str(out), "--cell", "0")
+    assert p.returncode == 0, p.stderr
+    rec = json.loads((out / "grid.json").read_text())
+    done0 = out / "cells" / rec["cells"][0]["name"] / "eval.json"
+    mtime0 = done0.stat().st_mtime_ns
+
+    cell1 = out / "cells" / rec["cells"][1]["name"]
+    proc = subprocess.Popen([*ab.SELF_CMD, "ablate", str(grid), "--out", str(out), "--cell", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "SERL_THREADS": "1"})
+    manifest = cell1 / "train" / "manifest.json"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if json.loads(manifest.read_text())["stages"].get("iter_0000", {}).get("status") == "done":
+                break
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            pass
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not ab.is_done(out, rec["cells"][1]), "the cell finished before it could be killed"
+    iter0 = (cell1 / "train" / "iter_0000" / "rollouts.jsonl").stat().st_mtime_ns
+
+    p = run(str(grid), "--out", str(out))  # rerun the whole array
+    assert p.returncode == 0, p.stderr
+    assert "skipped" in p.stdout and "resuming" in p.stdout
+    assert done0.stat().st_mtime_ns == mtime0
+    assert (cell1 / "train" / "iter_0000" / "rollouts.jsonl").stat().st_mtime_ns == iter0  # not redone
+    info = json.loads((cell1 / "cell.json").read_text())
+    assert info["status"] == "done" and info["attempts"] == 2 and (cell1 / "eval.json").is_file()
+    iters = [json.loads(x)["iteration"] for x in (cell1 / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(set(iters)) == [0, 1, 2]
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+def test_bad_input_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grid: {algo: [grpo]}\nbase: {iterations: 1}\nsedes: 3\n")
+    assert_one_line_error(run(str(bad), "--out", str(tmp_path / "a")), "unknown key sedes")
+    bad.write_text("grid: {algoz: [grpo]}\n")
+    assert_one_line_error(run(str(bad), "--out", str(tmp_path / "a")), "grid.algoz")
+    bad.write_text("base: {iterationz: 2}\ngrid: {algo: [grpo]}\n")
+    assert_one_line_error(run(str(bad), "--out", str(tmp_path / "a")), "base.iterationz")
+    bad.write_text("grid: {algo: []}\n")
+    assert_one_line_error(run(str(bad), "--out", str(tmp_path / "a")), "empty grid")
+    bad.write_text("grid: {}\n")
+    assert_one_line_error(run(str(bad), "--out", str(tmp_path / "a")), "empty grid")
+    assert_one_line_error(run("--sources", "error", "--out", str(tmp_path / "b"), "--cell", "7"), "--cell 7 out of range")
+    assert not (tmp_path / "b").exists()
+    (tmp_path / "c").mkdir()
+    assert_one_line_error(run("--report", str(tmp_path / "c")), "not an ablation")

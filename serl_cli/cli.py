@@ -63,7 +63,7 @@ def main() -> None:
 
 # Commands live in their own modules; importing them registers them on `app`.
 from serl_cli.commands import (  # noqa: E402,F401
-    annotate_cmd, demo_cmd, env_play, eval_cmd, model_cmd, rollout_cmd, show_cmd, train_cmd)
+    ablate_cmd, annotate_cmd, demo_cmd, env_play, eval_cmd, model_cmd, rollout_cmd, show_cmd, train_cmd)
 
 if __name__ == "__main__":
     main()

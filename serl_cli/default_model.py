@@ -9,6 +9,7 @@ by environment, preset, data source and seed, so a changed catalog builds a new 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 from pathlib import Path
@@ -46,5 +47,10 @@ def default_model_dir(world, env_name: str, preset: str = "tiny", seed: int = 0)
     path = cache_root() / "models" / f"{env_name}-{preset}-{key}"
     if (path / "config.json").is_file():
         return path
-    init_model(preset, path, tokenizer_corpus(world), seed=seed, overwrite=path.exists())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # many processes (an ablation's array tasks) may start at once: one builds, the others wait
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            init_model(preset, path, tokenizer_corpus(world), seed=seed, overwrite=path.exists())
     return path

@@ -28,6 +28,8 @@ first alternative that renders): ``"ref|error,diff"`` -> ``[["ref", "error"], ["
 
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -122,13 +124,13 @@ def _lines(steps: list[tuple[int, str, str]]) -> str:
     return "\n".join(f"  turn {k + 1}: {_short(a)}" + (f" -> {e}" if e else "") for k, a, e in steps)
 
 
-class Source:
+class Source(abc.ABC):
     """``render``: a labelled section, or None (nothing to say); ``fires``: counts for placement."""
 
     name = ""
 
-    def render(self, ctx: TurnContext) -> str | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def render(self, ctx: TurnContext) -> str | None: ...
 
     def fires(self, ctx: TurnContext) -> bool:
         return False
@@ -148,8 +150,8 @@ class TurnField(Source):
 
     label = pooled_label = ""
 
-    def value(self, turn: dict) -> str | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def value(self, turn: dict) -> str | None: ...
 
     def bad(self, turn: dict) -> bool:
         return False

@@ -62,6 +62,11 @@ def _iter_dir(run: Path, k: int) -> Path:
     return run / f"iter_{k:04d}"
 
 
+def _keep_iterations_before(path: Path, start: int) -> None:
+    if path.exists():
+        io.write_jsonl(path, [r for r in io.iter_jsonl(path) if r.get("iteration", -1) < start])
+
+
 def finished_iterations(manifest: dict) -> int:
     done = [int(name.split("_")[1]) for name, s in manifest.get("stages", {}).items()
             if name.startswith("iter_") and s.get("status") == "done"]
@@ -87,6 +92,10 @@ def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = Fal
         io.write_json(run / "manifest.json", io.new_manifest("online", io.to_plain(cfg), cfg.seed))
         learner = Learner(cfg.model, cfg.train)
     else:
+        # a kill between appending an iteration's metrics and marking it done leaves a line
+        # for an unfinished iteration: drop everything past the last finished one
+        for name in ("metrics.jsonl", "timings.jsonl"):
+            _keep_iterations_before(run / name, start)
         last = _iter_dir(run, start - 1) / "checkpoint"
         if not (last / "config.json").is_file():
             raise SerlError(f"cannot resume {run}: iteration {start - 1} is marked done but {last} is missing")

@@ -1,7 +1,7 @@
 """``serl ablate``: grid rule, end to end on a tiny model, the SLURM array, kill and resume, bad input, report maths.
 
-Commands run through ``serl_cli.ablate.SELF_CMD`` (imports the command module, then the
-CLI's ``main``), so these tests do not depend on cli.py's import line.
+Commands run through ``serl_cli.ablate_runners.SELF_CMD`` (``python -m serl_cli``), the way the
+runners start cells themselves.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import yaml
 from scipy import stats
 
 from serl_cli import ablate as ab
+from serl_cli.ablate_runners import SELF_CMD
 from serl_cli.ablate_report import write_report
 from serl_cli.errors import SerlError
 
@@ -31,7 +32,7 @@ WRAPPER = "import serl_cli.commands.ablate_cmd\nfrom serl_cli.cli import main\nm
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     full = {**os.environ, "COLUMNS": "200", "SERL_THREADS": "1", **(env or {})}
-    return subprocess.run([*ab.SELF_CMD, "ablate", *args], capture_output=True, text=True, env=full, timeout=300)
+    return subprocess.run([*SELF_CMD, "ablate", *args], capture_output=True, text=True, env=full, timeout=300)
 
 
 def tiny_grid(tmp_path: Path, model: Path, *, algos=("grpo", "serl"), seeds=2, iterations=1, name="grid.yaml",
@@ -203,7 +204,7 @@ def test_killed_cell_resumes_and_finished_cells_are_not_redone(tmp_path, tiny_mo
     mtime0 = done0.stat().st_mtime_ns
 
     cell1 = out / "cells" / rec["cells"][1]["name"]
-    proc = subprocess.Popen([*ab.SELF_CMD, "ablate", str(grid), "--out", str(out), "--cell", "1"],
+    proc = subprocess.Popen([*SELF_CMD, "ablate", str(grid), "--out", str(out), "--cell", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "SERL_THREADS": "1"})
     manifest = cell1 / "train" / "manifest.json"

@@ -17,6 +17,7 @@ from typing import List, Optional
 import typer
 
 from serl_cli import ablate as ab
+from serl_cli import ablate_runners as runners
 from serl_cli.cli import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, app, console
 from serl_cli.commands.common import summary_table
 from serl_cli.errors import SerlError
@@ -96,11 +97,11 @@ def ablate_command(
     ab.write_grid(out_dir, record)
     log = (lambda msg: None) if quiet else (lambda msg: console.print(msg, highlight=False))
     if emit == "slurm":
-        path = ab.emit_slurm(record, out_dir, template=slurm_template, parallel=parallel if parallel > 1 else 0)
+        path = runners.emit_slurm(record, out_dir, template=slurm_template, parallel=parallel if parallel > 1 else 0)
         console.print(f"{len(record['cells'])} cells; job array written to {path}: sbatch {path}", highlight=False)
         return
     if cell is not None:
         ab.run_cell(record, out_dir, cell, log=log)
         return
-    ab.run_cells(record, out_dir, parallel=parallel, log=log)
+    runners.run_cells(record, out_dir, parallel=parallel, log=log)
     _report(out_dir, quiet)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from serl_cli import anchors as anchors_mod
 from serl_cli import feedback as fb
 from serl_cli import io, placement
 from serl_cli.algos.serl import blend_weights, hindsight_weights, mixing_lambda
@@ -88,7 +89,7 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
     groups: dict[tuple, list[dict]] = {}
     for e in episodes:
         groups.setdefault((e["task_id"], e["group_id"]), []).append(e)
-    anchors = {k: fb.anchor_groups(g, cfg.anchor_similarity) for k, g in groups.items()} if cfg.granularity == "anchor" else {}
+    anchors = {k: anchors_mod.anchor_groups(g, cfg.anchor_similarity) for k, g in groups.items()} if cfg.granularity == "anchor" else {}
     cut = fb.make_cutter(tokenizer, cfg.max_feedback_tokens)
     samples = turn_samples(episodes)
     advantages = episode_advantages(samples, 1e-6).tolist()
@@ -101,7 +102,7 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
             ctx = fb.TurnContext(episode=ep, turn=t_idx, group=groups[key], expert=experts.get(ep["task_id"]), cut=cut,
                                  ref_mode=cfg.ref_mode)
             if cfg.granularity == "anchor":
-                text, used, fired = fb.hindsight_anchor(ctx, spec, anchors[key])
+                text, used, fired = anchors_mod.hindsight_anchor(ctx, spec, anchors[key])
             else:
                 text, used, fired = fb.hindsight_step(ctx, spec)
             records.append({"episode": e_idx, "task_id": ep["task_id"], "group_id": ep["group_id"],

@@ -8,7 +8,8 @@ import pytest
 from envs.base import state_key
 from serl_cli import feedback as fb
 from serl_cli.errors import SerlError
-from serl_cli.feedback import TurnContext, anchor_groups, hindsight_anchor, hindsight_step, parse_sources
+from serl_cli.anchors import anchor_groups, hindsight_anchor
+from serl_cli.feedback import TurnContext, hindsight_step, parse_sources
 
 
 def turn(action, state, *, error=None, diff="", obs=None, observation=None):

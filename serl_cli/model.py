@@ -186,4 +186,5 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def set_torch_threads(n: int | None) -> None:
-    torch.set_num_threads(n or os.cpu_count() or 1)
+    """``n`` threads; unset: ``$SERL_THREADS`` if set (the tests set 1), else every core."""
+    torch.set_num_threads(n or int(os.environ.get("SERL_THREADS") or 0) or os.cpu_count() or 1)

@@ -31,7 +31,7 @@ class EvalConfig:
     seed: int = 0
     batch_size: int = 64
     temperature: float = 0.0  # 0 = greedy decoding for model policies
-    history_turns: int = 2
+    history_turns: int | None = None  # None: what the checkpoint was trained with, else 2
     max_new_tokens: int = 48
     threads: int | None = None
     out: str = "runs/eval"
@@ -65,8 +65,13 @@ def make_policy(cfg: EvalConfig):
     if cfg.policy == "random":
         return RandomPolicy(cfg.seed)
     from serl_cli.engines import model_policy  # torch and transformers load only when a model is used
+    from serl_cli.prompts import PromptConfig, trained_prompt
 
-    return model_policy(cfg.model, temperature=cfg.temperature, seed=cfg.seed, history_turns=cfg.history_turns,
+    prompt = trained_prompt(cfg.model) or PromptConfig()  # prompt the model as it was trained
+    if cfg.history_turns is not None:
+        prompt.history_turns = cfg.history_turns
+    cfg.history_turns = prompt.history_turns  # recorded in eval_config.yaml
+    return model_policy(cfg.model, temperature=cfg.temperature, seed=cfg.seed, prompt=prompt,
                         max_new_tokens=cfg.max_new_tokens, threads=cfg.threads)
 
 

@@ -143,7 +143,7 @@ def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = Fal
                                  SamplingConfig(0.0, 1.0, rcfg.sampling.max_new_tokens), rcfg.prompt, seed=cfg.seed)
             ev = run_eval(ecfg, overwrite=True, policy=greedy)
             metrics.update(eval_success_rate=ev["success_rate"], eval_score=ev["score"])
-        learner.save(it / "checkpoint")
+        learner.save(it / "checkpoint", prompt=rcfg.prompt)
         if teacher is not None:  # the snapshot survives a restart, so a resumed run matches
             torch.save(teacher.state_dict(), it / "checkpoint" / "teacher_state.pt")
         io.append_jsonl(run / "metrics.jsonl", metrics)
@@ -156,6 +156,6 @@ def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = Fal
         history.append(metrics)
         if on_iteration:
             on_iteration(metrics)
-    learner.save(run / "checkpoint")
+    learner.save(run / "checkpoint", prompt=cfg.rollout.prompt)
     io.mark_stage(run, "online", "done", iterations=cfg.iterations)
     return history

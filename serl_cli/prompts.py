@@ -11,8 +11,10 @@ The policy may think before it acts; the action is the text inside the last
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 ACTION_FORMAT = "Reply with your action inside <action></action>, for example <action>click[buy now]</action>."
 ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
@@ -24,6 +26,24 @@ class PromptConfig:
     history_turns: int = 2  # K: how many past turns to show; -1 = all
     history_obs_chars: int = 400  # each past observation is cut to this many characters
     max_admissible: int = 40  # list at most this many admissible actions
+
+
+PROMPT_FILE = "serl_prompt.json"  # beside a checkpoint: the prompt settings it was trained with
+
+
+def prompt_file_text(cfg: PromptConfig) -> str:
+    return json.dumps(asdict(cfg), indent=2) + "\n"
+
+
+def trained_prompt(model_name: str | None) -> PromptConfig | None:
+    """The prompt settings a serl checkpoint was trained with (None for any other model)."""
+    path = Path(model_name) / PROMPT_FILE if model_name else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return PromptConfig(**json.loads(path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, TypeError):
+        return None  # an unreadable record: fall back to the defaults rather than guess
 
 
 def build_messages(rules: str, instruction: str, history: list[dict], observation: str, admissible: list[str],

@@ -19,6 +19,7 @@ import torch
 from serl_cli import io
 from serl_cli.errors import SerlError
 from serl_cli.objectives import get_objective
+from serl_cli.prompts import PROMPT_FILE, PromptConfig, prompt_file_text
 from serl_cli.schema import read_rollouts, turn_samples
 from serl_cli.trainer import OptimConfig, accumulate_step, action_logprobs, make_micro_batches, make_optimizer, save_checkpoint
 
@@ -130,11 +131,14 @@ class Learner:
         distill = prepared.distill or [False] * len(samples)
         return [i for i in range(len(samples)) if prepared.advantages[i] != 0 or distill[i]]
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, prompt: PromptConfig | None = None) -> Path:
+        """The policy as a Hugging Face directory, its optimizer state, and the prompt settings
+        it was trained on (so `serl eval` prompts it the same way)."""
         state = {"optimizer": self.optimizer.state_dict(), "updates": self.updates}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
-        return save_checkpoint(self.model, self.tokenizer, path, extra_state=state)
+        files = {PROMPT_FILE: prompt_file_text(prompt)} if prompt is not None else None
+        return save_checkpoint(self.model, self.tokenizer, path, extra_state=state, extra_files=files)
 
 
 def _mean_stats(steps: list[dict]) -> dict:
@@ -180,7 +184,7 @@ def train_on_run(run_dir: str, cfg: TrainConfig, *, overwrite: bool = False) -> 
         meta = manifest["stages"]["annotate"]
     learner = Learner(model_name, cfg)
     metrics = learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
-    learner.save(checkpoint)
+    learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
     io.append_jsonl(run / "metrics.jsonl", metrics)
     io.mark_stage(run, f"train:{cfg.algo}", "done", config=io.to_plain(cfg), checkpoint=str(checkpoint))
     return metrics

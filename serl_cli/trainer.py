@@ -135,7 +135,8 @@ def make_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:
                              foreach=False)
 
 
-def save_checkpoint(model, tokenizer, path: str | Path, extra_state: dict | None = None) -> Path:
+def save_checkpoint(model, tokenizer, path: str | Path, extra_state: dict | None = None,
+                    extra_files: dict[str, str] | None = None) -> Path:
     """A Hugging Face model directory (safetensors), written to a temp sibling then renamed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,6 +146,8 @@ def save_checkpoint(model, tokenizer, path: str | Path, extra_state: dict | None
         tokenizer.save_pretrained(tmp)
         if extra_state is not None:
             torch.save(extra_state, tmp / "trainer_state.pt")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old")

@@ -39,6 +39,8 @@ def test_cli_pipeline_end_to_end(tmp_path):
     metrics = [json.loads(line) for line in (expert / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["algo"] == "sft" and metrics[-1]["optimizer_steps"] == 2
     assert (expert / "checkpoint" / "model.safetensors").is_file()
+    # the checkpoint remembers the prompt settings of its training data, and eval follows them
+    assert json.loads((expert / "checkpoint" / "serl_prompt.json").read_text())["history_turns"] == 2
     assert json.loads((expert / "manifest.json").read_text())["stages"]["train:sft"]["status"] == "done"
 
     p = serl("train", "--algo", "grpo", "--model", str(expert / "checkpoint"), "--iterations", "1", "--tasks", "2",
@@ -55,6 +57,7 @@ def test_cli_pipeline_end_to_end(tmp_path):
     assert p.returncode == 0, p.stderr
     summary = json.loads((ev / "eval.json").read_text())
     assert summary["policy"] == "model" and summary["episodes"] == 3
+    assert "history_turns: 2" in (ev / "eval_config.yaml").read_text()
     assert len((ev / "episodes.jsonl").read_text().splitlines()) == 3
 
 
@@ -95,3 +98,21 @@ def test_online_refuses_existing_run(tiny_model_dir, tmp_path):
     run_online(_online(tiny_model_dir, tmp_path / "r", 1))
     with pytest.raises(SerlError, match="--resume"):
         run_online(_online(tiny_model_dir, tmp_path / "r", 1))
+
+
+def test_eval_prompts_a_checkpoint_as_it_was_trained(tiny_model_dir, tmp_path):
+    from serl_cli.evaluate import EvalConfig, make_policy
+    from serl_cli.prompts import PROMPT_FILE, PromptConfig, prompt_file_text
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in Path(tiny_model_dir).iterdir():
+        (ckpt / f.name).write_bytes(f.read_bytes())
+    (ckpt / PROMPT_FILE).write_text(prompt_file_text(PromptConfig(history_turns=0, history_obs_chars=100)))
+    cfg = EvalConfig(policy="model", model=str(ckpt), threads=1)
+    policy = make_policy(cfg)
+    assert policy.prompt == PromptConfig(history_turns=0, history_obs_chars=100) and cfg.history_turns == 0
+    explicit = make_policy(EvalConfig(policy="model", model=str(ckpt), history_turns=3, threads=1))
+    assert explicit.prompt.history_turns == 3 and explicit.prompt.history_obs_chars == 100
+    plain = make_policy(EvalConfig(policy="model", model=str(tiny_model_dir), threads=1))
+    assert plain.prompt == PromptConfig()  # a model serl did not train: the defaults

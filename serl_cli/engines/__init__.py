@@ -107,12 +107,13 @@ def make_engine(kind: str, model, tokenizer, threads: int | None = None) -> Engi
     raise SerlError(f"unknown engine {kind!r}: choose one of {', '.join(ENGINES)}")
 
 
-def model_policy(model_name: str, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, history_turns: int = 2,
-                 max_new_tokens: int = 48, threads: int | None = None, engine: str = "hf") -> ModelPolicy:
+def model_policy(model_name: str, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 prompt: PromptConfig | None = None, max_new_tokens: int = 48, threads: int | None = None,
+                 engine: str = "hf") -> ModelPolicy:
     from serl_cli.model import load_model, set_torch_threads
 
     set_torch_threads(threads)
     model, tokenizer = load_model(model_name)
     model.eval()
     return ModelPolicy(make_engine(engine, model, tokenizer), SamplingConfig(temperature, top_p, max_new_tokens),
-                       PromptConfig(history_turns=history_turns), seed=seed)
+                       prompt or PromptConfig(), seed=seed)

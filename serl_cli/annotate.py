@@ -21,7 +21,7 @@ import torch
 from serl_cli import anchors as anchors_mod
 from serl_cli import feedback as fb
 from serl_cli import io, placement
-from serl_cli.algos.serl import blend_weights, hindsight_weights, mixing_lambda
+from serl_cli.algos.serl import apply_placement, blend_weights, hindsight_weights, mixing_lambda
 from serl_cli.errors import SerlError
 from serl_cli.objectives import episode_advantages
 from serl_cli.schema import ANNOTATIONS_FILE, ROLLOUTS_FILE, SELECTION_REPORT_FILE, read_rollouts, turn_samples
@@ -150,8 +150,7 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
         lp_t = torch.tensor(r["teacher_logprobs"], dtype=torch.float64)
         lp_old = torch.tensor(samples[k].behaviour_logprobs, dtype=torch.float64)
         w = blend_weights(hindsight_weights(lp_t, lp_old, torch.tensor(r["advantage"]), cfg.weight_clip), lam)
-        mask = torch.tensor(r["action_mask"], dtype=torch.bool)
-        r["weights"] = torch.where(mask, w, torch.ones_like(w)).tolist()
+        r["weights"] = apply_placement(w, torch.tensor(r["action_mask"], dtype=torch.bool)).tolist()
         r["distill"] = not episodes[r["episode"]]["success"]
     stats = {"turns": len(records), "selected": sum(r["selected"] for r in records), "teacher_turns_scored": len(items),
              "teacher_tokens_scored": sum(len(it.prompt_ids) + len(it.action_ids) for it in items),

@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from serl_cli.algos import core, gigpo
+from serl_cli.algos import core, gigpo, sdpo
+from serl_cli.algos import serl as serl_math
 from serl_cli.errors import SerlError
 from serl_cli.schema import TurnSample
 from serl_cli.trainer import MicroBatch, pad_right_aligned
@@ -78,19 +79,17 @@ def policy_gradient_loss(mb: MicroBatch, logp: torch.Tensor, samples: list[TurnS
     weights = None
     if prep.token_weights is not None:
         weights = pad_right_aligned(prep.token_weights, mb)
-        weights = torch.where(mb.action_mask.bool(), weights, torch.ones_like(weights))
-    loss, stats = core.policy_loss(logp, logp_old, prep.advantages[mb.index], mb.action_mask, weights=weights,
-                                   clip_eps=cfg.clip_eps, logp_ref=logp_ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens)
-    if cfg.distill_coef and prep.distill is not None and prep.teacher_logprobs is not None:
-        rows = torch.tensor([prep.distill[i] for i in mb.index], dtype=torch.bool).unsqueeze(-1)
-        dmask = mb.action_mask.bool() & rows
+        weights = serl_math.apply_placement(weights, mb.action_mask)  # non-action tokens keep weight 1
+    distill = bool(cfg.distill_coef and prep.distill is not None and prep.teacher_logprobs is not None)
+    teacher = distill_mask = None
+    if distill:
+        failed_selected = torch.tensor([prep.distill[i] for i in mb.index], dtype=torch.bool)
+        distill_mask = sdpo.distill_token_mask(mb.action_mask, failed_selected)
         teacher = pad_right_aligned(prep.teacher_logprobs, mb)
-        k3 = core.kl_k3(torch.where(dmask, logp, torch.zeros_like(logp)), torch.where(dmask, teacher, torch.zeros_like(teacher)))
-        distill = core.masked_sum(k3, dmask) / max(prep.stats.get("distill_tokens", 0), 1)
-        loss = loss + cfg.distill_coef * distill
-        stats["distill_kl"] = distill.item()
-        stats["loss"] = loss.item()
-    return loss, stats
+    return core.policy_loss(logp, logp_old, prep.advantages[mb.index], mb.action_mask, weights=weights,
+                            clip_eps=cfg.clip_eps, logp_ref=logp_ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens,
+                            logp_teacher=teacher, distill_coef=cfg.distill_coef if distill else 0.0,
+                            distill_mask=distill_mask, distill_num_tokens=prep.stats.get("distill_tokens", 0))
 
 
 # -- sft: behaviour cloning on the action tokens of reference trajectories ----------------

@@ -96,7 +96,8 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor
                 logp_ref: Tensor | None = None, kl_coef: float = 0.0,
                 logp_teacher: Tensor | None = None, distill_coef: float = 0.0,
                 distill_mask: Tensor | None = None,
-                num_tokens: float | None = None) -> tuple[Tensor, dict]:
+                num_tokens: float | None = None,
+                distill_num_tokens: float | None = None) -> tuple[Tensor, dict]:
     """The one loss every algorithm trains on:
 
         PPO-clip(w * A)  +  kl_coef * mean_k3(pi || ref)  +  distill_coef * mean_k3(pi || T)
@@ -106,7 +107,8 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor
     averaged over distill_mask (action tokens of selected turns of failed rollouts).
     A term whose coefficient is 0 is skipped, so it needs no inputs. num_tokens (see
     ppo_clip_loss) normalizes the PPO and KL terms; the distill term is a mean over
-    the distill_mask tokens of this call.
+    the distill_mask tokens of this call, or, given distill_num_tokens (the batch's
+    count of distillation tokens), a sum divided by it, so micro-batches add up.
     """
     pg, stats = ppo_clip_loss(logp, logp_old, advantages, weights, mask, clip_eps, num_tokens)
     loss = pg
@@ -121,7 +123,7 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor
     if distill_coef:
         dmask = mask if distill_mask is None else distill_mask.bool() & mask.bool()
         k3 = kl_k3(_zero_outside(logp, dmask), _zero_outside(logp_teacher.detach(), dmask))
-        distill = masked_mean(k3, dmask)
+        distill = masked_mean(k3, dmask) if distill_num_tokens is None else masked_sum(k3, dmask) / max(distill_num_tokens, 1)
         loss = loss + distill_coef * distill
         stats["distill_kl"] = distill.item()
     stats["loss"] = loss.item()

@@ -3,7 +3,7 @@
     python -m benchmarks.train_step [--catalog auto|real|synthetic] [--rollouts model|scripted]
                                     [--tasks 4] [--group-size 4] [--max-turns 6] [--max-new-tokens 24]
                                     [--temperature 1.0] [--deviate 0.3] [--threads 1] [--model DIR]
-                                    [--seed 0] [--repeats 3] [--out FILE]
+                                    [--seed 0] [--repeats 3] [--no-fresh-process-memory] [--out FILE]
 
 Writes ``benchmarks/results/train_step.json`` (``train_step_scripted.json`` with
 ``--rollouts scripted``) unless ``--out`` is given.
@@ -51,29 +51,35 @@ teacher at a sync step; copying it is not timed, nor is writing annotations to d
 Runs on ``--threads`` torch threads, 1 by default. An untimed full serl step pays the
 lazy setup first (and grows the heap to its working size); then the variants run
 ``--repeats`` times, interleaved (the order rotates each repeat), and the median of each
-time is reported. Columns: ``annotate s`` is the whole ``annotate_episodes`` call,
-``teacher s`` its part that builds the teacher prompts and scores them (its
-``teacher_s``); the rest of annotate (hindsight blocks, action masks, placement, weights,
-the expert's trajectories for the ``ref`` fallback) is ``annotate_other_s`` in the JSON,
-with the last two also timed apart. ``update s`` is the whole ``Learner.update`` call
-(prepare + gradient step); ``x grpo`` is the total over grpo's (the JSON adds
-``annotate_over_grpo_update``: where a variant's gradient step does grpo's work -- serl
-and rlsd, the same turns and tokens -- 1 + it is the ratio without the noise of two
-update timings). A second table counts the work: turns the placement chose, turns and
-tokens (prompt with the hindsight block + action) the teacher scored, scored turns whose
+time is reported. Times are CPU seconds of the process (``benchmarks.common.Stopwatch``):
+the machine is shared, and CPU time leaves out the time the process waited for a core;
+the JSON has the wall-clock seconds beside them. Columns:
+``annotate CPU s`` is the whole ``annotate_episodes`` call (the JSON splits off
+``teacher_s``, its part that builds the teacher prompts and scores them, and the rest:
+hindsight blocks, action masks, placement, weights, the expert's trajectories for the
+``ref`` fallback, with the last two also timed apart, all wall-clock); ``update CPU s`` is
+the whole ``Learner.update`` call (prepare + the gradient step); ``x grpo`` is the total
+over grpo's (the JSON adds ``annotate_over_grpo_update``: where a variant's gradient step
+does grpo's work -- serl and rlsd, the same turns and tokens -- 1 + it is the ratio without
+the noise of two update timings). A second table counts the work: turns the placement
+chose, turns and tokens (prompt with the hindsight block + action) the teacher scored, scored turns whose
 action mask is empty (their weights stay 1 and they carry no distillation term: teacher
 work without effect), turns carrying the distillation term, turns run through the
 gradient step.
 
-Memory: before each variant's step the process's peak-RSS mark is reset (``5`` written to
-``/proc/self/clear_refs``, Linux 4.0+); after it, ``VmHWM`` from ``/proc/self/status`` is
-the step's own RSS high-water mark (``peak RSS MB``), and
-``resource.getrusage(RUSAGE_SELF).ru_maxrss`` is recorded too (the kernel resets both
-together; where the reset is unavailable ru_maxrss is the process's monotone peak and the
-JSON says ``peak_reset: false``). ``+RSS MB`` is the peak minus the RSS at the start of the
-step (taken after ``gc`` and glibc's ``malloc_trim``, with the model, the teacher copy and
-the rollouts already resident): what the step itself adds -- activations, gradients, the
-AdamW state. Memory is the maximum over repeats. tracemalloc is not used: it does not see
+Memory, two ways. In the timing process: before each variant's step the process's
+peak-RSS mark is reset (``5`` written to ``/proc/self/clear_refs``, Linux 4.0+); after it,
+``VmHWM`` from ``/proc/self/status`` is the step's own RSS high-water mark, and ``+RSS MB
+(in run)`` is that minus the RSS at the start of the step (taken after ``gc`` and glibc's
+``malloc_trim``, with the model, the teacher copy and the rollouts already resident): what
+the step itself adds -- activations, gradients, the AdamW state -- but measured in a heap
+that earlier variants have already grown. So each variant also runs once in a fresh
+Python process (``--one-step``, skipped with ``--no-fresh-process-memory``) that loads the
+model, the teacher copy and the rollouts and runs that one step: ``peak RSS MB (fresh)`` is
+that process's ``VmHWM`` (imports and model included; not ``ru_maxrss``, which Linux
+carries over from the parent through fork and exec), ``+RSS MB (fresh)`` that minus its
+RSS just before the step. Memory in the
+timing process is the maximum over repeats. tracemalloc is not used: it does not see
 torch's tensor allocations and slows Python code down.
 """
 
@@ -82,22 +88,24 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import random
 import re
-import resource
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import report
+from benchmarks.common import RESULTS_DIR, Stopwatch, max_rss_mb, report, run_module, write_json
 from serl_cli import annotate as annotate_mod
 from serl_cli import io
 from serl_cli.annotate import AnnotateConfig, annotate_episodes
 from serl_cli.engines import SamplingConfig
+from serl_cli.errors import SerlError
 from serl_cli.policies import Decision, ExpertPolicy, RandomPolicy
 from serl_cli.prompts import PromptConfig, format_action
 from serl_cli.rollout import RolloutConfig, episode_specs, run_rollout, sample_tasks
@@ -108,13 +116,13 @@ from serl_cli.train import Learner, TrainConfig
 VARIANTS = ("grpo", "serl", "rlsd", "sdpo")
 
 
-def variant_configs(name: str, args) -> tuple[TrainConfig, AnnotateConfig | None]:
+def variant_configs(name: str, cfg: "UpdateBench") -> tuple[TrainConfig, AnnotateConfig | None]:
     """The train and annotate settings of a variant, as ``serl online`` derives them."""
-    tcfg = TrainConfig(algo=name, seed=args.seed, threads=args.threads, distill_coef=1.0 if name == "sdpo" else 0.0)
+    tcfg = TrainConfig(algo=name, seed=cfg.seed, threads=cfg.threads, distill_coef=1.0 if name == "sdpo" else 0.0)
     if name == "grpo":
         return tcfg, None
     acfg = AnnotateConfig(sources="ref|error", granularity="step", placement="all" if name == "rlsd" else "feedback",
-                          skip_zero_advantage=name != "sdpo", seed=args.seed, update_step=0, threads=args.threads)
+                          skip_zero_advantage=name != "sdpo", seed=cfg.seed, update_step=0, threads=cfg.threads)
     return tcfg, acfg
 
 
@@ -143,10 +151,6 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _maxrss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
 # -- timers around annotate's parts (module attributes: wrapped, not changed) ----------------
@@ -210,13 +214,13 @@ class _TokenizerOnly:
         self.tokenizer = tokenizer
 
 
-def collect_rollouts(args, env: EnvConfig, world, model_name: str) -> list[dict]:
-    sampling = SamplingConfig(temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens)
-    n = args.tasks * args.group_size
-    if args.rollouts == "model":
+def collect_rollouts(bench: "UpdateBench", env: EnvConfig, world, model_name: str) -> list[dict]:
+    sampling = SamplingConfig(temperature=bench.temperature, top_p=1.0, max_new_tokens=bench.max_new_tokens)
+    n = bench.tasks * bench.group_size
+    if bench.rollouts == "model":
         with tempfile.TemporaryDirectory(prefix="serl-train-step-") as tmp:
-            cfg = RolloutConfig(env=env, model=model_name, tasks=args.tasks, group_size=args.group_size,
-                                sampling=sampling, batch_size=n, seed=args.seed, threads=args.threads, out=tmp)
+            cfg = RolloutConfig(env=env, model=model_name, tasks=bench.tasks, group_size=bench.group_size,
+                                sampling=sampling, batch_size=n, seed=bench.seed, threads=bench.threads, out=tmp)
             run_rollout(cfg, overwrite=True)
             return read_rollouts(tmp)
     from serl_cli.model import load_model
@@ -224,9 +228,9 @@ def collect_rollouts(args, env: EnvConfig, world, model_name: str) -> list[dict]
 
     model, tokenizer = load_model(model_name)
     model.eval()
-    specs = episode_specs(sample_tasks(world.num_tasks("train"), args.tasks, args.seed), args.group_size)
-    policy = ScriptedPolicy(model, tokenizer, PromptConfig(), args.group_size, args.deviate, args.seed, args.temperature)
-    records = run_episodes(world, "train", specs, policy, max_turns=args.max_turns, batch_size=n)
+    specs = episode_specs(sample_tasks(world.num_tasks("train"), bench.tasks, bench.seed), bench.group_size)
+    policy = ScriptedPolicy(model, tokenizer, PromptConfig(), bench.group_size, bench.deviate, bench.seed, bench.temperature)
+    records = run_episodes(world, "train", specs, policy, max_turns=bench.max_turns, batch_size=n)
     return records
 
 
@@ -238,8 +242,9 @@ def assign_synthetic_rewards(episodes: list[dict], group_size: int) -> None:
 
 
 # -- one step ----------------------------------------------------------------------------------
-def run_step(name: str, args, model_name: str, episodes: list[dict], env: EnvConfig, parts: PartTimer) -> dict:
-    tcfg, acfg = variant_configs(name, args)
+def run_step(name: str, bench: "UpdateBench", model_name: str, episodes: list[dict], env: EnvConfig, parts: PartTimer,
+             reset_peak: bool = True) -> dict:
+    tcfg, acfg = variant_configs(name, bench)
     learner = Learner(model_name, tcfg)
     teacher = copy.deepcopy(learner.model).eval().requires_grad_(False) if acfg else None
     episodes = copy.deepcopy(episodes)
@@ -247,28 +252,30 @@ def run_step(name: str, args, model_name: str, episodes: list[dict], env: EnvCon
     _trim_heap()
     parts.seconds.clear()
     rss_start_kb = _status_kb("VmRSS")
-    reset = _reset_peak()
-    t0 = time.perf_counter()
+    reset = _reset_peak() if reset_peak else False
     annotations = meta = None
     stats: dict = {}
-    if acfg is not None:
-        annotations, stats = annotate_episodes(episodes, acfg, teacher, learner.tokenizer, env_cfg=io.to_plain(env),
-                                               temperature=args.temperature)
-        meta = {"config": io.to_plain(acfg), "stats": stats}
-    t1 = time.perf_counter()
-    metrics = learner.update(episodes, args.temperature, annotations, meta)
-    t2 = time.perf_counter()
-    hwm_kb, maxrss = _status_kb("VmHWM"), _maxrss_mb()
+    with Stopwatch() as annotate_sw:
+        if acfg is not None:
+            annotations, stats = annotate_episodes(episodes, acfg, teacher, learner.tokenizer,
+                                                   env_cfg=io.to_plain(env), temperature=bench.temperature)
+            meta = {"config": io.to_plain(acfg), "stats": stats}
+    with Stopwatch() as update_sw:
+        metrics = learner.update(episodes, bench.temperature, annotations, meta)
+    hwm_kb, maxrss = _status_kb("VmHWM"), max_rss_mb()
     scored = [a for a in annotations or [] if a["teacher_logprobs"] is not None]
     out = {
         "variant": name,
-        "annotate_s": t1 - t0,
+        "annotate_s": annotate_sw.wall_s,
+        "annotate_cpu_s": annotate_sw.cpu_s,
         "teacher_s": float(stats.get("teacher_s", 0.0)),
         "expert_trajectories_s": parts.seconds.get("expert_trajectories", 0.0),
         "action_mask_s": parts.seconds.get("action_token_mask", 0.0),
-        "update_s": t2 - t1,
+        "update_s": update_sw.wall_s,
+        "update_cpu_s": update_sw.cpu_s,
         "gradient_loop_s": metrics["timing"]["update_s"],
-        "total_s": t2 - t0,
+        "total_s": annotate_sw.wall_s + update_sw.wall_s,
+        "total_cpu_s": annotate_sw.cpu_s + update_sw.cpu_s,
         "turns": metrics["turns"],
         "action_tokens": metrics["action_tokens"],
         "turns_with_gradient": metrics["turns_with_gradient"],
@@ -295,116 +302,230 @@ def run_step(name: str, args, model_name: str, episodes: list[dict], env: EnvCon
 def summarize(runs: list[dict]) -> dict:
     med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
     out = dict(runs[0])
-    for k in ("annotate_s", "teacher_s", "annotate_other_s", "expert_trajectories_s", "action_mask_s", "update_s",
-              "gradient_loop_s", "total_s"):
+    for k in ("annotate_s", "annotate_cpu_s", "teacher_s", "annotate_other_s", "expert_trajectories_s",
+              "action_mask_s", "update_s", "update_cpu_s", "gradient_loop_s", "total_s", "total_cpu_s"):
         out[k] = med(k)
     for k in ("peak_rss_mb", "ru_maxrss_mb", "step_extra_mb"):
         out[k] = max(r[k] for r in runs)
     out["peak_reset"] = all(r["peak_reset"] for r in runs)
     out["all_total_s"] = [r["total_s"] for r in runs]
+    out["all_total_cpu_s"] = [r["total_cpu_s"] for r in runs]
     del out["rss_start_mb"]
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--catalog", default="auto", choices=["auto", "real", "synthetic"])
-    ap.add_argument("--rollouts", default="model", choices=["model", "scripted"],
-                    help="model: the tiny model's own; scripted: the expert with random deviations (module docstring)")
-    ap.add_argument("--model", default=None, help="model directory or hub name (default: the embedded tiny model)")
-    ap.add_argument("--tasks", type=int, default=4, help="train tasks to sample")
-    ap.add_argument("--group-size", type=int, default=4, help="episodes per task (G, at least 2)")
-    ap.add_argument("--max-turns", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--deviate", type=float, default=0.3, help="scripted: chance a failing episode's turn is random")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of each variant; the median is kept")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.group_size < 2:
-        ap.error("--group-size must be at least 2: half of each group succeeds")
-    if args.temperature <= 0:
-        ap.error("--temperature must be positive (behaviour log-probs are taken at it)")
+@dataclass
+class UpdateBench:
+    catalog: str = "auto"
+    rollouts: str = "model"  # model | scripted (module docstring)
+    model: str | None = None  # None: the embedded tiny model for WebShop
+    tasks: int = 4
+    group_size: int = 4
+    max_turns: int = 6
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    deviate: float = 0.3
+    threads: int = 1
+    seed: int = 0
+    repeats: int = 3
+    fresh_process_memory: bool = True  # also run each variant once in its own process for its peak RSS
 
+
+@dataclass
+class Batch:
+    """The rollouts every variant trains on, with what produced them."""
+
+    episodes: list[dict]
+    env: EnvConfig
+    world: object
+    model_name: str
+    rollout_s: float
+
+    @property
+    def turns(self) -> int:
+        return sum(len(e["turns"]) for e in self.episodes)
+
+
+def check(cfg: UpdateBench) -> None:
+    if cfg.group_size < 2:
+        raise SerlError("--group-size must be at least 2: half of each group succeeds")
+    if cfg.temperature <= 0:
+        raise SerlError("--temperature must be positive (behaviour log-probs are taken at it)")
+    if cfg.rollouts not in ("model", "scripted"):
+        raise SerlError(f"--rollouts must be model or scripted, got {cfg.rollouts!r}")
+
+
+def make_batch(cfg: UpdateBench) -> Batch:
+    """Collect the rollouts (untimed) and give them their synthetic rewards."""
     from serl_cli.model import set_torch_threads
 
-    set_torch_threads(args.threads)
-    env = EnvConfig(name="webshop", split="train", max_turns=args.max_turns, settings={"catalog": args.catalog})
+    check(cfg)
+    set_torch_threads(cfg.threads)
+    env = EnvConfig(name="webshop", split="train", max_turns=cfg.max_turns, settings={"catalog": cfg.catalog})
     world = build_world(env)
-    if args.model:
-        model_name = args.model
+    if cfg.model:
+        model_name = cfg.model
     else:
         from serl_cli.default_model import default_model_dir
 
         model_name = str(default_model_dir(world, "webshop"))
-
     t0 = time.perf_counter()
-    episodes = collect_rollouts(args, env, world, model_name)
+    episodes = collect_rollouts(cfg, env, world, model_name)
     rollout_s = time.perf_counter() - t0
-    assign_synthetic_rewards(episodes, args.group_size)
-    turns = sum(len(e["turns"]) for e in episodes)
-    print(f"rollouts ({args.rollouts}): {len(episodes)} episodes, {turns} turns in {rollout_s:.1f} s")
+    assign_synthetic_rewards(episodes, cfg.group_size)
+    return Batch(episodes, env, world, model_name, rollout_s)
 
+
+def warm_up(batch: Batch, cfg: UpdateBench, parts: PartTimer) -> None:
+    """Untimed: spaCy (the expert's purchases), bm25s, torch's first forward/backward."""
+    from envs.webshop.reward import title_nouns
+
+    batch.world.engine.search("warm up")
+    title_nouns("warm up the tagger")
+    run_step("serl", cfg, batch.model_name, batch.episodes, batch.env, parts)
+
+
+def measure(cfg: UpdateBench, batch: Batch | None = None, log=print) -> dict:
+    """Every variant's step on the same batch, interleaved; medians, ratios to grpo, peak memory."""
+    batch = batch or make_batch(cfg)
+    log(f"rollouts ({cfg.rollouts}): {len(batch.episodes)} episodes, {batch.turns} turns in {batch.rollout_s:.1f} s")
     parts = PartTimer()
     parts.wrap(annotate_mod, "expert_trajectories")
     parts.wrap(annotate_mod, "action_token_mask")
-
-    # warm-up, untimed: spaCy (the expert's purchases), bm25s, torch's first forward/backward
-    from envs.webshop.reward import title_nouns
-
-    world.engine.search("warm up")
-    title_nouns("warm up the tagger")
-    run_step("serl", args, model_name, episodes, env, parts)
+    warm_up(batch, cfg, parts)
 
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for r in range(args.repeats):
+    for r in range(cfg.repeats):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
         for v in order:
-            res = run_step(v, args, model_name, episodes, env, parts)
+            res = run_step(v, cfg, batch.model_name, batch.episodes, batch.env, parts)
             runs[v].append(res)
-            print(f"  repeat {r + 1}/{args.repeats} {v}: annotate {res['annotate_s']:.2f} s "
-                  f"(teacher {res['teacher_s']:.2f} s), update {res['update_s']:.2f} s", flush=True)
+            log(f"  repeat {r + 1}/{cfg.repeats} {v}: annotate {res['annotate_cpu_s']:.2f} CPU s, "
+                f"update {res['update_cpu_s']:.2f} CPU s ({res['total_s']:.2f} s wall in all)")
     results = [summarize(runs[v]) for v in VARIANTS]
     base = results[0]
-    ratios = {f"{r['variant']}/grpo": r["total_s"] / base["total_s"] for r in results[1:]}
+    ratios = {f"{r['variant']}/grpo": r["total_cpu_s"] / base["total_cpu_s"] for r in results[1:]}
     for r in results:
-        r["total_over_grpo"] = r["total_s"] / base["total_s"]
-        r["update_over_grpo"] = r["update_s"] / base["update_s"]
-        r["annotate_over_grpo_update"] = r["annotate_s"] / base["update_s"]  # robust to noise in equal-work updates
-
-    rows = [[r["variant"], *(f"{r[k]:.2f}" for k in ("annotate_s", "teacher_s", "update_s", "total_s", "total_over_grpo")),
-             f"{r['peak_rss_mb']:.0f}", f"{r['step_extra_mb']:.0f}"] for r in results]
-    source = world.catalog.source.split(":")[0]
+        r["total_over_grpo"] = r["total_cpu_s"] / base["total_cpu_s"]
+        r["update_over_grpo"] = r["update_cpu_s"] / base["update_cpu_s"]
+        # robust to noise in equal-work updates
+        r["annotate_over_grpo_update"] = r["annotate_cpu_s"] / base["update_cpu_s"]
+    if cfg.fresh_process_memory:
+        for r in results:
+            r["fresh_process"] = fresh_process_memory(r["variant"], cfg, batch)
+            log(f"  {r['variant']} in a fresh process: peak RSS {r['fresh_process'].get('peak_rss_mb', 0):.0f} MB")
     sel = {r["variant"]: r["selected_turns"] for r in results[1:]}
-    selection = {"turns": turns, "selected": sel,
+    selection = {"turns": batch.turns, "selected": sel,
                  "feedback_scores_fewer_than_all": results[1]["teacher_turns_scored"] < results[2]["teacher_turns_scored"]}
-    report("train_step" if args.rollouts == "model" else f"train_step_{args.rollouts}",
-           f"One update step (WebShop {source}, train, {args.rollouts} rollouts, {len(episodes)} episodes = "
-           f"{args.tasks} x G={args.group_size}, {turns} turns, {base['action_tokens']} action tokens, synthetic "
-           f"rewards, {args.threads} thread(s), median of {args.repeats})",
-           ["algo", "annotate s", "teacher s", "update s", "total s", "x grpo", "peak RSS MB", "+RSS MB"], rows,
-           {"catalog": world.catalog.source, "model": model_name, "rollouts": args.rollouts, "split": "train",
-            "tasks": args.tasks, "group_size": args.group_size, "episodes": len(episodes), "turns": turns,
-            "action_tokens": base["action_tokens"], "max_turns": args.max_turns,
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-            "deviate": args.deviate if args.rollouts == "scripted" else None, "threads": args.threads,
-            "seed": args.seed, "repeats": args.repeats, "rollout_s": rollout_s,
+    return {"catalog": batch.world.catalog.source, "model": batch.model_name, "rollouts": cfg.rollouts,
+            "split": "train", "tasks": cfg.tasks, "group_size": cfg.group_size, "episodes": len(batch.episodes),
+            "turns": batch.turns, "action_tokens": base["action_tokens"], "max_turns": cfg.max_turns,
+            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "deviate": cfg.deviate if cfg.rollouts == "scripted" else None, "threads": cfg.threads,
+            "seed": cfg.seed, "repeats": cfg.repeats, "rollout_s": batch.rollout_s,
             "synthetic_rewards": "rollout_index < G // 2: reward 1.0, success True; else reward 0.0, success False",
-            "selection": selection, "variants": results, "ratios_total": ratios}, args.out)
+            "memory": MEMORY_NOTE, "selection": selection, "variants": results, "ratios_total": ratios}
+
+
+MEMORY_NOTE = ("peak_rss_mb / step_extra_mb: in the timing process, VmHWM after a /proc/self/clear_refs reset "
+               "(the step's own high-water mark) and that minus the RSS at the step's start; fresh_process: "
+               "a new Python process that loads the model, the teacher copy and the rollouts and "
+               "runs this one step (its VmHWM: peak_rss_mb), and that minus its RSS just before the step (step_extra_mb)")
+
+
+# -- one variant in a fresh process, for its peak memory ------------------------------------------
+def fresh_process_memory(variant: str, cfg: UpdateBench, batch: Batch) -> dict:
+    with tempfile.TemporaryDirectory(prefix="serl-train-step-") as tmp:
+        episodes_file = Path(tmp) / "episodes.json"
+        episodes_file.write_text(json.dumps(batch.episodes))
+        flags = ["--one-step", variant, "--episodes-file", str(episodes_file), "--model", batch.model_name,
+                 "--catalog", cfg.catalog, "--max-turns", str(cfg.max_turns), "--temperature", str(cfg.temperature),
+                 "--threads", str(cfg.threads), "--seed", str(cfg.seed)]
+        data, why = run_module("benchmarks.train_step", flags, timeout_s=900)
+    return data if data is not None else {"error": why}
+
+
+def one_step(variant: str, cfg: UpdateBench, episodes_file: str, out: str | None) -> None:
+    """The body of the fresh process: load everything, note the RSS, run one step, note the peak."""
+    from serl_cli.model import set_torch_threads
+
+    set_torch_threads(cfg.threads)
+    env = EnvConfig(name="webshop", split="train", max_turns=cfg.max_turns, settings={"catalog": cfg.catalog})
+    episodes = json.loads(Path(episodes_file).read_text())
+    res = run_step(variant, cfg, cfg.model, episodes, env, PartTimer(), reset_peak=False)
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent through fork and
+    # exec, so a child of a large process would report the parent's size
+    peak = res["peak_rss_mb"]
+    data = {"variant": variant, "peak_rss_mb": peak, "rss_before_step_mb": res["rss_start_mb"],
+            "step_extra_mb": peak - res["rss_start_mb"], "ru_maxrss_mb": res["ru_maxrss_mb"],
+            "step_cpu_s": res["total_cpu_s"]}
+    write_json(out or RESULTS_DIR / f"train_step_{variant}_memory.json", data)
+
+
+def table_rows(data: dict) -> list[list]:
+    rows = []
+    for r in data["variants"]:
+        fresh = r.get("fresh_process") or {}
+        rows.append([r["variant"], *(f"{r[k]:.2f}" for k in ("annotate_cpu_s", "update_cpu_s", "total_cpu_s",
+                                                              "total_over_grpo")),
+                     f"{fresh['peak_rss_mb']:.0f}" if "peak_rss_mb" in fresh else "-",
+                     f"{fresh['step_extra_mb']:.0f}" if "step_extra_mb" in fresh else "-",
+                     f"{r['step_extra_mb']:.0f}"])
+    return rows
+
+
+COLUMNS = ["algo", "annotate CPU s", "update CPU s", "total CPU s", "x grpo", "peak RSS MB (fresh)",
+           "+RSS MB (fresh)", "+RSS MB (in run)"]
+
+
+def main() -> None:
+    d = UpdateBench()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--catalog", default=d.catalog, choices=["auto", "real", "synthetic"])
+    ap.add_argument("--rollouts", default=d.rollouts, choices=["model", "scripted"],
+                    help="model: the tiny model's own; scripted: the expert with random deviations (module docstring)")
+    ap.add_argument("--model", default=None, help="model directory or hub name (default: the embedded tiny model)")
+    ap.add_argument("--tasks", type=int, default=d.tasks, help="train tasks to sample")
+    ap.add_argument("--group-size", type=int, default=d.group_size, help="episodes per task (G, at least 2)")
+    ap.add_argument("--max-turns", type=int, default=d.max_turns)
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--temperature", type=float, default=d.temperature)
+    ap.add_argument("--deviate", type=float, default=d.deviate, help="scripted: chance a failing episode's turn is random")
+    ap.add_argument("--threads", type=int, default=d.threads)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--repeats", type=int, default=d.repeats, help="interleaved runs of each variant; the median is kept")
+    ap.add_argument("--no-fresh-process-memory", dest="fresh_process_memory", action="store_false",
+                    help="skip the per-variant fresh-process peak-RSS runs")
+    ap.add_argument("--one-step", choices=VARIANTS, default=None, help=argparse.SUPPRESS)  # the fresh process
+    ap.add_argument("--episodes-file", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = vars(ap.parse_args())
+    out, variant, episodes_file = args.pop("out"), args.pop("one_step"), args.pop("episodes_file")
+    cfg = UpdateBench(**args)
+    try:
+        if variant is not None:
+            return one_step(variant, cfg, episodes_file, out)
+        data = measure(cfg)
+    except SerlError as e:
+        ap.exit(2, f"error: {e}\n")
+    base = data["variants"][0]
+    source = data["catalog"].split(":")[0]
+    report("train_step" if cfg.rollouts == "model" else f"train_step_{cfg.rollouts}",
+           f"One update step (WebShop {source}, train, {cfg.rollouts} rollouts, {data['episodes']} episodes = "
+           f"{cfg.tasks} x G={cfg.group_size}, {data['turns']} turns, {base['action_tokens']} action tokens, synthetic "
+           f"rewards, {cfg.threads} thread(s), median of {cfg.repeats})", COLUMNS, table_rows(data), data, out)
     work = Table(title="Work per step: turns the placement chose, what the teacher scored, turns with a gradient")
     for c in ("algo", "chosen turns", "teacher turns", "teacher tokens", "of them action", "empty mask",
               "distill turns", "grad turns"):
         work.add_column(c, justify="left" if c == "algo" else "right")
-    for r in results:
+    for r in data["variants"]:
         work.add_row(r["variant"], *(str(r[k]) for k in ("selected_turns", "teacher_turns_scored", "teacher_tokens_scored",
                                                          "teacher_action_tokens", "teacher_turns_empty_mask",
                                                          "distill_turns", "turns_with_gradient")))
     Console().print(work)
-    print("  ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
-    if not selection["feedback_scores_fewer_than_all"]:
-        print(f"note: placement feedback scored as many turns as all ({results[1]['teacher_turns_scored']}): "
+    print("  ".join(f"{k} x{v:.2f}" for k, v in data["ratios_total"].items()))
+    if not data["selection"]["feedback_scores_fewer_than_all"]:
+        print(f"note: placement feedback scored as many turns as all ({data['variants'][1]['teacher_turns_scored']}): "
               "every turn carries evidence that fires (try --rollouts scripted)")
 
 

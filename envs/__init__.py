@@ -24,6 +24,13 @@ def _webshop(**settings) -> World:
     return WebShopWorld(WebShopConfig(**settings))
 
 
+@register("alfworld")
+def _alfworld(**settings) -> World:
+    from envs.alfworld.env import AlfWorldConfig, AlfWorldWorld  # the engine itself loads only when an episode starts
+
+    return AlfWorldWorld(AlfWorldConfig(**settings))
+
+
 def env_names() -> list[str]:
     return sorted(_REGISTRY)
 

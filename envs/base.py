@@ -14,6 +14,7 @@ invalid, with the reason) and ``diff`` (what changed on screen). The other sourc
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,6 +35,18 @@ class Feedback:
 
     def to_dict(self) -> dict:
         return {"error": self.error, "diff": self.diff}
+
+
+@dataclass(frozen=True)
+class ActionFormat:
+    """How an environment's actions look to a policy: the example shown in the system message,
+    and which untagged replies count as a bare action. A world sets it as ``action_format``."""
+
+    example: str  # e.g. click[buy now], go to countertop 1
+    bare: re.Pattern  # an untagged reply that fully matches this is taken as the action
+
+    def instruction(self) -> str:
+        return f"Reply with your action inside <action></action>, for example <action>{self.example}</action>."
 
 
 @dataclass
@@ -69,6 +82,7 @@ class World(Protocol):
 
     name: str
     rules: str  # the action format and rules, for the policy's system message
+    eval_split: str  # the split `serl eval` scores when none is given
 
     def splits(self) -> list[str]: ...
 

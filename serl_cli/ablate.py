@@ -80,7 +80,7 @@ GRID_VERSION = 1
 class Grid:
     base: dict
     axes: dict  # env, algo, sources, granularity, placement: lists; seeds: list of ints
-    final_eval: dict = field(default_factory=lambda: {"episodes": None, "split": "test"})
+    final_eval: dict = field(default_factory=lambda: {"episodes": None, "split": None})  # None: the env's eval split
     slurm: dict = field(default_factory=dict)
     description: str = ""
 
@@ -172,7 +172,7 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
     if not isinstance(fe, dict):
         raise SerlError("final_eval: must be a mapping {episodes, split}")
     _fail_unknown(fe, FINAL_EVAL_KEYS, "final_eval.")
-    final_eval = {"episodes": fe.get("episodes"), "split": str(fe.get("split", "test"))}
+    final_eval = {"episodes": fe.get("episodes"), "split": None if fe.get("split") is None else str(fe["split"])}
     if "episodes" in flags:
         final_eval["episodes"] = flags["episodes"]
     if final_eval["episodes"] is not None and (not isinstance(final_eval["episodes"], int) or final_eval["episodes"] < 1):
@@ -319,13 +319,22 @@ def _selection(train: Path) -> dict | None:
 
 def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
     """Train and evaluate cell ``index``; returns done | skipped."""
+    cell = select_cell(record, index)
+    d = cell_dir(out, cell)
+    if is_done(out, cell):
+        log(f"cell {index} {cell['name']}: done, skipped")
+        return "skipped"
+    with io.run_lock(d):  # two runners given the same cell: the second refuses, naming the first
+        return _run_cell(record, out, cell, index, log)
+
+
+def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str:
     from serl_cli.evaluate import EvalConfig, run_eval
     from serl_cli.online import OnlineConfig, run_online
     from serl_cli.settings import EnvConfig
 
-    cell = select_cell(record, index)
     d = cell_dir(out, cell)
-    if is_done(out, cell):
+    if is_done(out, cell):  # another runner finished it between the first check and the lock
         log(f"cell {index} {cell['name']}: done, skipped")
         return "skipped"
     d.mkdir(parents=True, exist_ok=True)
@@ -350,7 +359,8 @@ def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
         run_online(cfg, resume=resume, overwrite=not resume, on_iteration=checkpoint_time)
     fe = record["final_eval"]
     if not (d / "eval.json").is_file():
-        ecfg = EvalConfig(env=EnvConfig(cfg.env.name, fe["split"], cfg.env.max_turns, cfg.env.settings), policy="model",
+        ecfg = EvalConfig(env=EnvConfig(cfg.env.name, fe["split"], cfg.env.max_turns, cfg.env.settings,
+                                        cfg.env.step_timeout_s), policy="model",
                           model=str(train / "checkpoint"), episodes=fe["episodes"], seed=0,
                           batch_size=cfg.rollout.batch_size, history_turns=cfg.rollout.prompt.history_turns,
                           max_new_tokens=cfg.rollout.sampling.max_new_tokens, threads=cfg.train.threads, out=str(d))

@@ -7,6 +7,12 @@ tokens with the block in its prompt -- only the turns that need it: the selected
 for ``gap`` every turn with a block; and the selected turns' action tokens get the weight
 of METHOD.md 6 (``serl_cli.algos.serl``). Writes ``annotations.jsonl`` (one record per
 turn, ``schema.ANNOTATION_KEYS``) and ``selection_report.json``.
+
+**Resume.** The teacher's work is the expensive part. ``serl annotate`` scores it one
+teacher micro-batch at a time -- exactly the micro-batches a single ``score`` call would
+make, so the numbers are bit-identical -- and appends each batch's log-probs to
+``annotations.journal.jsonl``. ``--resume`` after a kill reuses the journaled batches and
+scores only the rest; everything else is recomputed (it is cheap and deterministic).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from serl_cli.selection_report import selection_report
 from serl_cli.teacher import ScoreItem, action_token_mask, block_ids, score, teacher_prompt_ids
 
 GRANULARITIES = ("step", "anchor")
+JOURNAL_FILE = "annotations.journal.jsonl"
 
 
 @dataclass
@@ -81,8 +88,9 @@ def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[d
 
 
 def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, tokenizer, *, env_cfg: dict | None,
-                      temperature: float = 1.0) -> tuple[list[dict], dict]:
-    """Annotation records for every turn, and statistics of the pass (teacher work)."""
+                      temperature: float = 1.0, scorer=score) -> tuple[list[dict], dict]:
+    """Annotation records for every turn, and statistics of the pass (teacher work).
+    ``scorer`` has :func:`serl_cli.teacher.score`'s signature (:func:`journaled_scorer`)."""
     spec = validate(cfg)
     uses_ref = any("ref" in alt for alt in spec)
     experts = expert_trajectories(env_cfg, episodes) if uses_ref and env_cfg else {}
@@ -128,7 +136,7 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
     eot = tokenizer.eos_token_id
     items = [ScoreItem(teacher_prompt_ids(samples[k].prompt_ids, block_ids(tokenizer, records[k]["hindsight"]), eot),
                        samples[k].action_ids) for k in to_score]
-    scored = score(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens)
+    scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens)
     for k, lp in zip(to_score, scored):
         old = samples[k].behaviour_logprobs
         records[k]["teacher_logprobs"] = lp
@@ -159,14 +167,71 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
     return records, stats
 
 
-def run_annotate(run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False) -> dict:
+def score_units(tokenizer, items: list[ScoreItem], micro_batch_tokens: int) -> list[list[int]]:
+    """The teacher micro-batches :func:`score` makes for ``items``, as lists of item indices.
+    Scoring one unit's items alone packs them into that same single micro-batch."""
+    from serl_cli.trainer import make_micro_batches
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].action_ids))
+    return [mb.index for mb in make_micro_batches(items, order, micro_batch_tokens, pad)]
+
+
+def journaled_scorer(journal: Path, done: list[dict]):
+    """A :func:`score` that reuses the units in ``done`` and journals each one it scores."""
+
+    def scorer(model, tokenizer, items, temperature, micro_batch_tokens):
+        out: list[list[float]] = [[] for _ in items]
+        for u, index in enumerate(score_units(tokenizer, items, micro_batch_tokens)):
+            if u < len(done):
+                if done[u].get("items") != index:
+                    raise SerlError(f"{journal}: teacher batch {u} covers other turns than this run's: "
+                                    f"pass --overwrite to annotate from scratch")
+                logprobs = done[u]["logprobs"]
+            else:
+                logprobs = score(model, tokenizer, [items[i] for i in index], temperature, micro_batch_tokens)
+                io.append_journal(journal, {"unit": u, "items": index, "logprobs": logprobs})
+            for i, lp in zip(index, logprobs):
+                out[i] = lp
+        return out
+
+    return scorer
+
+
+def _finished(run: Path, manifest: dict) -> dict | None:
+    stage = manifest.get("stages", {}).get("annotate", {})
+    if stage.get("status") != "done" or not (run / ANNOTATIONS_FILE).is_file() or not (run / SELECTION_REPORT_FILE).is_file():
+        return None
+    if stage.get("rollouts_sha256") != rollouts_fingerprint(run):
+        return None
+    return {**stage.get("stats", {}), "report": io.read_json(run / SELECTION_REPORT_FILE)}
+
+
+def run_annotate(run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+    """Annotate a run's rollouts; ``resume`` continues an interrupted pass from its journal
+    (or returns the summary of a finished one)."""
+    run = Path(run_dir)
+    with io.run_lock(run):
+        return _run_annotate(run, cfg, overwrite=overwrite, resume=resume)
+
+
+def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bool) -> dict:
     from serl_cli.model import load_model, set_torch_threads
     from serl_cli.train import rollout_temperature
 
-    run = Path(run_dir)
     manifest = io.load_manifest(run)
     validate(cfg)
-    io.prepare_output(run / ANNOTATIONS_FILE, overwrite=overwrite, what="annotations")
+    journal = run / JOURNAL_FILE
+    if resume and not overwrite:
+        finished = _finished(run, manifest)
+        if finished is not None:
+            journal.unlink(missing_ok=True)
+            return finished
+    else:
+        io.prepare_output(run / ANNOTATIONS_FILE, overwrite=overwrite, what="annotations")
+        if journal.exists() and not overwrite:
+            raise SerlError(f"{run} holds an interrupted annotation pass ({journal.name}): pass --resume to continue "
+                            f"it or --overwrite to start again")
     episodes = read_rollouts(run)
     if any(not t["behaviour_logprobs"] for e in episodes for t in e["turns"]):
         raise SerlError(f"{run}/{ROLLOUTS_FILE} has no behaviour log-probs (expert data?): annotate a model's rollouts")
@@ -174,11 +239,22 @@ def run_annotate(run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False) 
     teacher_name = cfg.teacher or rollout_cfg.get("model")
     if not teacher_name:
         raise SerlError(f"no teacher model: {run}/manifest.json names no rollout model; pass --set teacher=DIR")
+    plain = io.to_plain(cfg)
+    plain.pop("threads")
+    header = {"stage": "annotate", "config": plain, "teacher": str(teacher_name), "rollouts_sha256": rollouts_fingerprint(run)}
+    if resume and not overwrite and journal.exists():
+        done = io.read_journal(journal, header)
+    else:
+        done = []
+        io.start_journal(journal, header)
+    io.mark_stage(run, "annotate", "running", resumed_from_unit=len(done))
     set_torch_threads(cfg.threads)
     model, tokenizer = load_model(teacher_name)
     records, stats = annotate_episodes(episodes, cfg, model, tokenizer, env_cfg=rollout_cfg.get("env"),
-                                       temperature=rollout_temperature(manifest))
-    return write_annotations(run, records, episodes, cfg, stats)
+                                       temperature=rollout_temperature(manifest), scorer=journaled_scorer(journal, done))
+    result = write_annotations(run, records, episodes, cfg, stats)
+    journal.unlink(missing_ok=True)
+    return result
 
 
 def write_annotations(run: Path, records: list[dict], episodes: list[dict], cfg: AnnotateConfig, stats: dict) -> dict:
@@ -199,7 +275,10 @@ def read_annotations(run_dir: str | Path) -> list[dict]:
     path = run / ANNOTATIONS_FILE
     if not path.is_file():
         raise SerlError(f"{run} has no annotations: run `serl annotate {run}` first")
-    made_for = manifest.get("stages", {}).get("annotate", {}).get("rollouts_sha256")
+    stage = manifest.get("stages", {}).get("annotate", {})
+    if stage.get("status") != "done":
+        raise SerlError(f"the annotation of {run} did not finish: run `serl annotate {run} --resume` first")
+    made_for = stage.get("rollouts_sha256")
     if made_for != rollouts_fingerprint(run):
         raise SerlError(f"{path} was made from other rollouts than {run}/{ROLLOUTS_FILE}: annotate this run again")
     return list(io.iter_jsonl(path, required=ANNOTATION_KEYS))

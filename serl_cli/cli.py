@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from envs.base import EnvError
 from serl_cli import __version__
@@ -50,6 +51,7 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # --engine vllm: its start-up log runs to ~100 lines
 
 
 def main() -> None:
@@ -57,13 +59,14 @@ def main() -> None:
     try:
         app()
     except (SerlError, EnvError) as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        # escaped: messages quote actions like click[buy now] and extras like serl[vllm]
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 
 # Commands live in their own modules; importing them registers them on `app`.
 from serl_cli.commands import (  # noqa: E402,F401
-    ablate_cmd, annotate_cmd, demo_cmd, env_play, eval_cmd, model_cmd, rollout_cmd, show_cmd, train_cmd)
+    ablate_cmd, annotate_cmd, data_cmd, demo_cmd, env_play, eval_cmd, model_cmd, rollout_cmd, show_cmd, train_cmd)
 
 if __name__ == "__main__":
     main()

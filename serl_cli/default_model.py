@@ -14,7 +14,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from serl_cli.prompts import PromptConfig, build_messages, format_action
+from serl_cli.prompts import PromptConfig, action_format_of, build_messages, format_action
 from serl_cli.runner import EpisodeSpec, run_episodes
 
 
@@ -27,12 +27,15 @@ def tokenizer_corpus(world, episodes: int = 300) -> list[str]:
     from serl_cli.policies import ExpertPolicy
 
     n = min(episodes, world.num_tasks("train"))
-    records = run_episodes(world, "train", [EpisodeSpec(task_id=i) for i in range(n)], ExpertPolicy())
+    # an environment whose episodes are slow to start (ALFWorld) picks a few tasks of each kind
+    tasks = world.corpus_tasks("train") if hasattr(world, "corpus_tasks") else range(n)
+    records = run_episodes(world, "train", [EpisodeSpec(task_id=i) for i in tasks], ExpertPolicy())
     texts = []
     for rec in records:
         history = []
         for t in rec["turns"]:
-            messages = build_messages(world.rules, rec["instruction"], history, t["observation"], [], PromptConfig())
+            messages = build_messages(world.rules, rec["instruction"], history, t["observation"], [], PromptConfig(),
+                                      action_format_of(world))
             texts += [m["content"] for m in messages] + [format_action(t["action"])]
             history.append({"observation": t["observation"], "action": t["action"]})
     return texts + list(getattr(world, "corpus_texts", lambda: [])())

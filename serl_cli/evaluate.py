@@ -91,7 +91,11 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
     policy = policy or make_policy(cfg)
     started = time.time()
     records = run_episodes(world, cfg.env.split, [EpisodeSpec(task_id=i) for i in range(n)], policy,
-                           max_turns=cfg.env.max_turns, batch_size=cfg.batch_size, on_episode_done=progress)
+                           max_turns=cfg.env.max_turns, batch_size=cfg.batch_size, on_episode_done=progress,
+                           step_timeout_s=cfg.env.step_timeout_s)
+    if hasattr(world, "task_type"):  # ALFWorld: success by task type in eval.json
+        for r in records:
+            r["task_type"] = world.task_type(cfg.env.split, r["task_id"])
     summary = {
         "env": cfg.env.name,
         "split": cfg.env.split,

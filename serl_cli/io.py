@@ -1,12 +1,19 @@
 """Artifacts on disk: atomic writes, JSONL records, the run manifest.
 
 Every file is written to a temporary sibling, flushed, fsynced and renamed into place, so
-a reader sees the old file or the new one, never half of one. JSONL readers reject a
-truncated or malformed line with its file and line number rather than skipping it.
+a reader sees the old file or the new one, never half of one; a write that fails (disk
+full) leaves the old file whole and is one clear error. JSONL readers reject a truncated,
+malformed or oversized line with its file and line number rather than skipping it.
+
+Two more pieces make runs survive being killed (docs/RELIABILITY.md): *journals*,
+append-only JSONL files whose every line is fsynced as a stage finishes a unit of work
+(a torn last line is the unit that did not finish), and the *run lock*, which keeps two
+processes from writing one run directory.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -14,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -21,21 +29,57 @@ from serl_cli import __version__
 from serl_cli.errors import SerlError
 
 SCHEMA_VERSION = 1  # bump when a record's layout changes; readers refuse other versions
+MAX_RECORD_BYTES = 64 * 2**20  # a JSONL line longer than this is refused unread (a 50-turn episode is ~1-2 MB)
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def write_failed(path: str | Path, e: Exception, kept: str = "the previous version, if any, is intact") -> SerlError:
+    """A failed write (disk full, quota, file too large) as the one line the user sees.
+    Libraries that write in native code (safetensors) report the OS error in their text."""
+    if isinstance(e, OSError):
+        reason, full = e.strerror or str(e), e.errno in FULL_DISK
+    else:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        full = any(f"os error {n})" in reason for n in FULL_DISK)
+    hint = " (disk full?)" if full else ""
+    return SerlError(f"could not write {path}: {reason}{hint}; {kept}")
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename itself survives a power cut
+    except OSError as e:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        raise write_failed(path, e) from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the rename is still atomic
+    finally:
+        os.close(fd)
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -52,25 +96,45 @@ def read_json(path: str | Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SerlError(f"missing file: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise SerlError(f"{path} is a directory, not a JSON file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise SerlError(f"{path}: malformed JSON ({e.__class__.__name__})") from None
 
 
+def _lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
+    """Raw lines of an open binary file, each read with a bounded buffer."""
+    lineno = 0
+    while True:
+        raw = f.readline(MAX_RECORD_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_RECORD_BYTES:
+            raise SerlError(f"{path}:{lineno}: line longer than {MAX_RECORD_BYTES // 2**20} MiB: not a serl record")
+        yield lineno, raw
+
+
+def _parse(raw: bytes, path: Path, lineno: int) -> dict:
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise SerlError(f"{path}:{lineno}: not a JSON record") from None
+    if not isinstance(record, dict):
+        raise SerlError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
 def iter_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> Iterator[dict]:
-    """Records of a JSONL file; a truncated, malformed or incomplete line is an error."""
+    """Records of a JSONL file; a truncated, malformed, oversized or incomplete line is an error."""
     path = Path(path)
     if not path.is_file():
         raise SerlError(f"missing file: {path}")
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in _lines(f, path):
             if not raw.endswith(b"\n"):
                 raise SerlError(f"{path}:{lineno}: truncated last line (no newline): the file was cut while being written")
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise SerlError(f"{path}:{lineno}: not a JSON record") from None
-            if not isinstance(record, dict):
-                raise SerlError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            record = _parse(raw, path, lineno)
             missing = [k for k in required if k not in record]
             if missing:
                 raise SerlError(f"{path}:{lineno}: record lacks {', '.join(missing)}")
@@ -105,6 +169,8 @@ def load_manifest(run_dir: str | Path) -> dict:
     manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else None
     if manifest is None:
         raise SerlError(f"{run_dir} is not a serl run directory (no manifest.json)")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("stages", {}), dict):
+        raise SerlError(f"{run_dir}/manifest.json is not a serl manifest (expected an object with a stages mapping)")
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
         raise SerlError(f"{run_dir}/manifest.json has artifact schema version {version!r}; this serl reads version {SCHEMA_VERSION}")
@@ -142,3 +208,215 @@ def append_jsonl(path: str | Path, record: dict) -> None:
     path = Path(path)
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     atomic_write_text(path, old + json.dumps(record, separators=(",", ":")) + "\n")
+
+
+# -- journals: the finished units of an interrupted stage ---------------------------------------
+
+def start_journal(path: str | Path, header: dict) -> None:
+    """A new journal holding only its header (what the work is: config, inputs)."""
+    atomic_write_text(path, json.dumps({"journal": header}, separators=(",", ":")) + "\n")
+
+
+def append_journal(path: str | Path, unit: dict) -> None:
+    """Append one finished unit and fsync it before the stage moves on: O(1) per unit, and a
+    kill mid-write leaves at most a torn last line, which :func:`read_journal` drops."""
+    line = (json.dumps(unit, separators=(",", ":")) + "\n").encode("utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise write_failed(path, e, "the work journaled before is kept: make room and rerun with --resume") from None
+
+
+def read_journal(path: str | Path, header: dict) -> list[dict]:
+    """The finished units of a journal whose header equals ``header``; a torn last line
+    (the unit a kill interrupted) is cut off the file."""
+    path = Path(path)
+    units, good = [], 0
+    with open(path, "rb") as f:
+        for lineno, raw in _lines(f, path):
+            if not raw.endswith(b"\n"):
+                break  # the unit being written when the process died: it did not finish
+            record = _parse(raw, path, lineno)
+            if lineno == 1:
+                _check_header(path, record.get("journal"), header)
+            else:
+                units.append(record)
+            good += len(raw)
+    if good == 0:
+        raise SerlError(f"{path} has no header line: delete it or pass --overwrite to start again")
+    if good < path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good)
+            os.fsync(f.fileno())
+    return units
+
+
+def _check_header(path: Path, found, expected: dict) -> None:
+    expected = json.loads(json.dumps(expected))  # compare as JSON sees it (tuples are lists)
+    if found == expected:
+        return
+    if not isinstance(found, dict):
+        raise SerlError(f"{path} is not a serl journal: delete it or pass --overwrite to start again")
+    key = next(k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k))
+    raise SerlError(f"{path} belongs to an interrupted run with a different {key}: resume with the same settings, "
+                    f"or pass --overwrite to start again")
+
+
+# -- the run lock: one writer per run directory -------------------------------------------------
+
+def lock_path(run_dir: str | Path) -> Path:
+    """The lock sits next to the directory it guards (``.RUN.serl.lock``), so the run's own
+    contents -- and whatever checks them or replaces them whole -- never see it."""
+    run = Path(os.path.abspath(run_dir))
+    return run.parent / f".{run.name}.serl.lock"
+
+
+def _process_identity(pid: int) -> str | None:
+    """Boot id and start time of a process: a pid reused after a reboot or a restart differs."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return f"{boot}:{fields[19]}"  # field 22 of stat: start time in clock ticks after boot
+
+
+def _is_running(pid: int, identity: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: alive
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat[stat.rindex(")") + 2] == "Z":
+            return False  # killed, not yet reaped by its parent
+    except OSError:
+        pass
+    now = _process_identity(pid)
+    return identity is None or now is None or now == identity
+
+
+def _owner_text(owner: dict) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("started", 0)))
+    command = " ".join(str(c) for c in owner.get("command") or [])[:120]
+    return f"pid {owner.get('pid')} on host {owner.get('host')} since {started} ({command})"
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """Create ``path`` and missing parents; return the ones created, deepest first."""
+    created = []
+    p = path
+    while not p.exists():
+        created.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+@contextmanager
+def run_lock(run_dir: str | Path, warn=None):
+    """Hold ``run_dir``'s lock while the block runs. Another live writer: refused with one
+    line naming it. A lock whose owner died on this host: taken over, with a warning."""
+    warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    path = lock_path(run_dir)
+    created = _make_dirs(path.parent)
+    me = {"pid": os.getpid(), "host": platform.node(), "started": time.time(), "command": sys.argv,
+          "identity": _process_identity(os.getpid())}
+    text = json.dumps(me)
+    try:
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                _take_over_if_stale(path, run_dir, warn)
+                continue
+            try:
+                os.write(fd, text.encode("utf-8"))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            break
+        else:
+            raise SerlError(f"could not lock {run_dir}: {path} keeps changing hands")
+    except OSError as e:
+        for d in created:
+            _rmdir_quietly(d)
+        raise write_failed(path, e) from None
+    except BaseException:
+        for d in created:
+            _rmdir_quietly(d)
+        raise
+    clear_debris(Path(run_dir))
+    try:
+        yield path
+    finally:
+        try:
+            if path.read_text(encoding="utf-8") == text:
+                path.unlink()
+        except OSError:
+            pass
+        for d in created:
+            _rmdir_quietly(d)
+
+
+DEBRIS = (".*.tmp", ".*.partial")  # temporary files of atomic writes, staging folders of checkpoints
+
+
+def clear_debris(folder: Path) -> None:
+    """Temporary files and folders a killed or failed writer left in ``folder``: whoever
+    holds the lock is the only writer, so none of them is being written."""
+    import shutil
+
+    if folder.is_dir():
+        for pattern in DEBRIS:
+            for p in folder.glob(pattern):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _rmdir_quietly(d: Path) -> None:
+    try:
+        d.rmdir()  # only if still empty: a directory the command created but wrote nothing into
+    except OSError:
+        pass
+
+
+def _take_over_if_stale(path: Path, run_dir, warn) -> None:
+    try:
+        raw = path.read_text(encoding="utf-8")
+        owner = json.loads(raw)
+        if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
+            raise ValueError
+    except FileNotFoundError:
+        return  # released meanwhile: try again
+    except (ValueError, UnicodeDecodeError):
+        raise SerlError(f"{path} is not a serl lock: if no serl process uses {run_dir}, delete it") from None
+    if owner.get("host") != platform.node():
+        raise SerlError(f"{run_dir} is in use by {_owner_text(owner)}: if that process is gone, delete {path}")
+    if _is_running(owner["pid"], owner.get("identity")):
+        raise SerlError(f"{run_dir} is in use by {_owner_text(owner)}: wait for it, or use another directory")
+    # Stale. Rename it aside first: of several processes taking over at once only one
+    # rename succeeds, and a lock that changed meanwhile is put back untouched.
+    aside = path.with_name(f"{path.name}.{os.getpid()}.stale")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    if aside.read_text(encoding="utf-8") != raw:
+        try:
+            os.link(aside, path)
+        except FileExistsError:
+            pass
+        aside.unlink(missing_ok=True)
+        return
+    aside.unlink()
+    warn(f"took over the lock of {run_dir} from {_owner_text(owner)}, which is no longer running")

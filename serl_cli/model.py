@@ -15,6 +15,7 @@ from typing import Iterable
 
 import torch
 from huggingface_hub import is_offline_mode
+from safetensors import SafetensorError
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -162,6 +163,10 @@ def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32):
             raise ModelError(f"model directory {name} does not exist")
         if not path.is_dir():
             raise ModelError(f"model path {name} is a file, not a model directory")
+        if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+            from serl_cli.lora import load_adapter_model  # a LoRA adapter-only checkpoint: its base + the adapter
+
+            return load_adapter_model(path, dtype)
         if not (path / "config.json").is_file():
             raise ModelError(f"model directory {name} has no config.json: not a Hugging Face model")
         source = str(path)
@@ -170,7 +175,7 @@ def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: truncated or corrupt weights
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if local:
             raise ModelError(f"cannot load model directory {name}: {first}") from None

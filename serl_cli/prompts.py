@@ -16,9 +16,18 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ACTION_FORMAT = "Reply with your action inside <action></action>, for example <action>click[buy now]</action>."
+from envs.base import ActionFormat
+
 ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
-BARE_ACTION_RE = re.compile(r"[a-z][a-z ]*\[.*\]", re.DOTALL)
+BARE_ACTION_RE = re.compile(r"[a-z][a-z ]*\[.*\]", re.DOTALL)  # WebShop's verb[argument]
+
+
+DEFAULT_ACTION_FORMAT = ActionFormat(example="click[buy now]", bare=BARE_ACTION_RE)  # WebShop's
+ACTION_FORMAT = DEFAULT_ACTION_FORMAT.instruction()
+
+
+def action_format_of(world) -> ActionFormat:
+    return getattr(world, "action_format", None) or DEFAULT_ACTION_FORMAT
 
 
 @dataclass
@@ -47,7 +56,7 @@ def trained_prompt(model_name: str | None) -> PromptConfig | None:
 
 
 def build_messages(rules: str, instruction: str, history: list[dict], observation: str, admissible: list[str],
-                   cfg: PromptConfig) -> list[dict]:
+                   cfg: PromptConfig, action_format: ActionFormat = DEFAULT_ACTION_FORMAT) -> list[dict]:
     """``history`` holds the episode's past turns (dicts with ``observation`` and ``action``)."""
     k = len(history) if cfg.history_turns < 0 else cfg.history_turns
     shown = history[-k:] if k > 0 else []
@@ -65,7 +74,8 @@ def build_messages(rules: str, instruction: str, history: list[dict], observatio
         listed = admissible[: cfg.max_admissible]
         more = f" (and {len(admissible) - len(listed)} more)" if len(admissible) > len(listed) else ""
         lines.append("Admissible actions: " + ", ".join(listed) + more)
-    return [{"role": "system", "content": f"{rules}\n{ACTION_FORMAT}"}, {"role": "user", "content": "\n".join(lines)}]
+    return [{"role": "system", "content": f"{rules}\n{action_format.instruction()}"},
+            {"role": "user", "content": "\n".join(lines)}]
 
 
 def render_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -80,7 +90,7 @@ def format_action(action: str) -> str:
     return f"<action>{action}</action>"
 
 
-def parse_action(text: str) -> tuple[str, str | None]:
+def parse_action(text: str, action_format: ActionFormat = DEFAULT_ACTION_FORMAT) -> tuple[str, str | None]:
     """(action, error): the action inside the last <action> tag, or a bare action.
 
     A reply with neither gives the reply itself as the action (the environment will
@@ -92,13 +102,13 @@ def parse_action(text: str) -> tuple[str, str | None]:
     stripped = text.strip()
     if "<action>" in stripped:
         return stripped, "malformed action: <action> is not closed by </action>"
-    if BARE_ACTION_RE.fullmatch(stripped):
+    if action_format.bare.fullmatch(stripped):
         return stripped, None
     shown = stripped if len(stripped) <= 60 else stripped[:57] + "..."
-    return stripped, f"malformed action {shown!r}: expected <action>verb[argument]</action>"
+    return stripped, f"malformed action {shown!r}: expected <action>{action_format.example}</action> or a bare action"
 
 
-def action_span(text: str) -> tuple[int, int] | None:
+def action_span(text: str, action_format: ActionFormat = DEFAULT_ACTION_FORMAT) -> tuple[int, int] | None:
     """Character span of the parsed action inside the reply: the tokens SERL reweights.
 
     Reasoning before ``<action>`` lies outside the span and keeps weight 1 (METHOD.md 5).
@@ -109,7 +119,7 @@ def action_span(text: str) -> tuple[int, int] | None:
         inner = text[start:end]  # the span covers what parse_action returns: stripped
         return start + len(inner) - len(inner.lstrip()), end - len(inner) + len(inner.rstrip())
     stripped = text.strip()
-    if BARE_ACTION_RE.fullmatch(stripped):
+    if action_format.bare.fullmatch(stripped):
         start = text.index(stripped)
         return start, start + len(stripped)
     return None

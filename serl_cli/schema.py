@@ -18,6 +18,7 @@ policy's log-probability of each action token.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,34 @@ from serl_cli.errors import SerlError
 ROLLOUT_KEYS = ("task_id", "group_id", "rollout_index", "reward", "success", "turns")
 TURN_KEYS = ("prompt_ids", "action_ids", "action_text", "behaviour_logprobs", "feedback", "reward", "done", "state_key")
 ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+def _ints(v) -> bool:
+    return isinstance(v, list) and all(type(x) is int for x in v)
+
+
+def _numbers(v) -> bool:
+    return isinstance(v, list) and all(type(x) in (int, float) for x in v)
+
+
+def _number(v) -> bool:
+    return type(v) in (int, float)
+
+
+# what each stored field must be: a wrong type is refused on reading, not found mid-update
+EPISODE_TYPES = {"task_id": (lambda v: type(v) is int, "an integer"), "group_id": (lambda v: type(v) is int, "an integer"),
+                 "rollout_index": (lambda v: type(v) is int, "an integer"), "reward": (_number, "a number"),
+                 "success": (lambda v: type(v) is bool, "true or false")}
+TURN_TYPES = {"prompt_ids": (_ints, "a list of token ids"), "action_ids": (_ints, "a list of token ids"),
+              "behaviour_logprobs": (_numbers, "a list of numbers"), "action_text": (lambda v: isinstance(v, str), "a string"),
+              "reward": (_number, "a number"), "done": (lambda v: type(v) is bool, "true or false"),
+              "state_key": (lambda v: isinstance(v, str), "a string")}
+
+
+def _check_types(record: dict, types: dict, where: str) -> None:
+    for key, (ok, what) in types.items():
+        if not ok(record[key]):
+            raise SerlError(f"{where} {key} must be {what}, got {json.dumps(record[key])[:60]}")
 
 
 def read_rollouts(run_dir: str | Path, *, need_tokens: bool = True) -> list[dict]:
@@ -42,10 +71,14 @@ def read_rollouts(run_dir: str | Path, *, need_tokens: bool = True) -> list[dict
     for n, ep in enumerate(episodes, 1):
         if not isinstance(ep["turns"], list):
             raise SerlError(f"{path}:{n}: 'turns' must be a list")
+        _check_types(ep, EPISODE_TYPES, f"{path}:{n}:")
         for t in ep["turns"]:
+            if not isinstance(t, dict):
+                raise SerlError(f"{path}:{n}: a turn must be a JSON object, got {type(t).__name__}")
             missing = [k for k in TURN_KEYS if k not in t]
             if missing:
                 raise SerlError(f"{path}:{n}: a turn lacks {', '.join(missing)} (rollouts without feedback or token fields)")
+            _check_types(t, TURN_TYPES, f"{path}:{n}: a turn's")
             if need_tokens and (not t["prompt_ids"] or not t["action_ids"]):
                 raise SerlError(f"{path}:{n}: a turn has no token ids: these rollouts were not recorded with a model tokenizer")
             if need_tokens and t["behaviour_logprobs"] and len(t["behaviour_logprobs"]) != len(t["action_ids"]):

@@ -12,9 +12,10 @@ from serl_cli.errors import SerlError
 @dataclass
 class EnvConfig:
     name: str = "webshop"
-    split: str = "test"
+    split: str | None = None  # None: the environment's evaluation split (WebShop test, ALFWorld valid_unseen)
     max_turns: int | None = None  # None: the environment's default (WebShop 15, ALFWorld 50)
     settings: dict = field(default_factory=dict)  # environment-specific, e.g. {catalog: synthetic}
+    step_timeout_s: float | None = 60.0  # a reset or step taking longer ends its episode with an error; null = no limit
 
 
 _WORLDS: dict[tuple, World] = {}
@@ -22,13 +23,22 @@ _WORLDS: dict[tuple, World] = {}
 
 def build_world(cfg: EnvConfig) -> World:
     """Build (once per process) the environment's world and check the split exists."""
+    if cfg.step_timeout_s is not None and not cfg.step_timeout_s > 0:
+        raise SerlError(f"env.step_timeout_s must be a positive number of seconds (or null for no limit), got {cfg.step_timeout_s}")
+    if cfg.max_turns is not None and cfg.max_turns < 1:
+        raise SerlError(f"--max-turns must be at least 1, got {cfg.max_turns}")
     key = (cfg.name, tuple(sorted((k, repr(v)) for k, v in cfg.settings.items())))
     try:
         if key not in _WORLDS:
             _WORLDS[key] = envs.make_world(cfg.name, **cfg.settings)
         world = _WORLDS[key]
+        if cfg.split is None:
+            cfg.split = world.eval_split
         if cfg.split not in world.splits():
             raise EnvError(f"unknown {cfg.name} split {cfg.split!r}: choose one of {', '.join(world.splits())}")
     except EnvError as e:
         raise SerlError(str(e)) from None
+    except (UnicodeDecodeError, OSError) as e:  # unreadable data files: name them rather than show a traceback
+        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else f"{e.__class__.__name__}: {e}"
+        raise SerlError(f"cannot load the {cfg.name} environment's data ({what})") from None
     return world

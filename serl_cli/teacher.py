@@ -10,6 +10,7 @@ gradient: ``log pi_T(a_t | prompt_t + hindsight)``.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -83,3 +84,57 @@ def score(model, tokenizer, items: list[ScoreItem], temperature: float = 1.0, mi
             out[i] = logp[row, k - n:].tolist()
     model.train(was_training)
     return out
+
+
+class TeacherSnapshot:
+    """The hindsight teacher between syncs: the policy as it was at the last ``sync``.
+
+    Full fine-tuning keeps a frozen copy of the network; under LoRA only the adapter
+    weights are copied, and the live network scores with them swapped in (one adapter's
+    memory instead of one model's). Only the main process keeps it (it annotates); under
+    ZeRO-3 ``sync`` and ``scoring`` run inside ``learner.full_model()`` on every process.
+    """
+
+    def __init__(self, learner):
+        self.learner = learner
+        self.frozen = None  # a frozen model, or under LoRA the adapter's weights
+        self.sync()
+
+    def sync(self) -> None:
+        from serl_cli import lora
+        from serl_cli.train import frozen_copy
+
+        with self.learner.full_model() as module:
+            if not self.learner.is_main:
+                return
+            if self.learner.uses_lora:
+                self.frozen = lora.adapter_state(module)
+            elif self.frozen is None:
+                self.frozen = frozen_copy(module)
+            else:
+                self.frozen.load_state_dict(module.state_dict())
+
+    @contextmanager
+    def scoring(self):
+        """The network to score with (main process only)."""
+        if not self.learner.uses_lora:
+            yield self.frozen
+            return
+        from serl_cli import lora
+
+        with self.learner.full_model() as module:
+            live = lora.adapter_state(module)
+            lora.load_adapter_state(module, self.frozen)
+            try:
+                yield module
+            finally:
+                lora.load_adapter_state(module, live)
+
+    def state_dict(self) -> dict:
+        return dict(self.frozen) if self.learner.uses_lora else self.frozen.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.learner.uses_lora:
+            self.frozen = {k: v.clone() for k, v in state.items()}
+        else:
+            self.frozen.load_state_dict(state)

@@ -78,12 +78,15 @@ def _collate(samples: list[TurnSample], index: list[int], pad_id: int) -> MicroB
 def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
     """log pi(a_k | prompt, a_<k) for the action tokens of each row: [B, K] (0 where masked)."""
     k = mb.action_targets.shape[1]
+    # the forward runs where the model lives; the [B, K] result comes back to the CPU, where
+    # every objective's per-turn tensors are built (the copy is differentiable)
+    device = getattr(model, "device", None) or torch.device("cpu")
     # logits at position j predict token j+1: the K action tokens need the K positions before them
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                logits_to_keep=k + 1, use_cache=False)
+    out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
+                position_ids=mb.position_ids.to(device), logits_to_keep=k + 1, use_cache=False)
     logits = out.logits[:, :-1, :].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, mb.action_targets.unsqueeze(-1)).squeeze(-1)
-    return logp * mb.action_mask
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, mb.action_targets.to(device).unsqueeze(-1)).squeeze(-1)
+    return logp.cpu() * mb.action_mask
 
 
 def pad_right_aligned(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
@@ -121,7 +124,8 @@ def accumulate_step(model, optimizer, micro_batches: list[MicroBatch], loss_fn: 
             # loss terms are already divided by the batch's token count: they add up;
             # per-micro-batch means (clip_frac, ratio_mean, ...) are averaged by token share
             stats[key] = stats.get(key, 0.0) + (v if key in ADDITIVE_STATS else v * share)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                               grad_clip if grad_clip > 0 else math.inf)
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         return {"skipped": 1.0, "loss": total_loss, "grad_norm": float("nan")}
@@ -131,8 +135,9 @@ def accumulate_step(model, optimizer, micro_batches: list[MicroBatch], loss_fn: 
 
 
 def make_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                             foreach=False)
+    """AdamW over the trainable parameters (all of them, or only the adapters under LoRA)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=False)
 
 
 def save_checkpoint(model, tokenizer, path: str | Path, extra_state: dict | None = None,
@@ -142,22 +147,34 @@ def save_checkpoint(model, tokenizer, path: str | Path, extra_state: dict | None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if extra_state is not None:
-            torch.save(extra_state, tmp / "trainer_state.pt")
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text, encoding="utf-8")
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
-            path.rename(old)
-        tmp.rename(path)
-        if old is not None:
-            shutil.rmtree(old)
+        write_model_files(model, tokenizer, tmp, extra_state=extra_state, extra_files=extra_files)
+        commit_dir(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
     return path
+
+
+def write_model_files(model, tokenizer, directory: Path, *, state_dict: dict | None = None,
+                      extra_state: dict | None = None, extra_files: dict[str, str] | None = None) -> None:
+    """``model`` (or ``state_dict`` in ``model``'s architecture) and ``tokenizer`` into ``directory``."""
+    model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    if extra_state is not None:
+        torch.save(extra_state, directory / "trainer_state.pt")
+    for name, text in (extra_files or {}).items():
+        (directory / name).write_text(text, encoding="utf-8")
+
+
+def commit_dir(tmp: Path, path: Path) -> None:
+    """Put the finished ``tmp`` in place of ``path``: the old version is moved aside first
+    and removed last, so a crash leaves one whole version."""
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        path.rename(old)
+    tmp.rename(path)
+    if old is not None:
+        shutil.rmtree(old)

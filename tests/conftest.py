@@ -20,6 +20,12 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+# tests run the CLI in-process (and in forked children): keep library progress bars off
+# stderr, as a fresh `serl` process does, so "one line" means one line
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.disable_progress_bar()
+
 
 def webshop_data_dir() -> Path | None:
     root = os.environ.get("SERL_DATA_DIR")

@@ -247,3 +247,21 @@ def test_render_prompt_ids_round_trips_chatml(tiny_tokenizer):
 def test_render_prompt_ids_deterministic(tiny_tokenizer):
     messages = build_messages(RULES, "buy a mug", _history(3), "PAGE NOW", ["click[buy now]"], PromptConfig())
     assert render_prompt_ids(tiny_tokenizer, messages) == render_prompt_ids(tiny_tokenizer, [dict(m) for m in messages])
+
+
+def test_an_environment_sets_its_own_action_example_and_bare_form():
+    import re
+
+    from envs.base import ActionFormat
+
+    alf = ActionFormat(example="go to countertop 1", bare=re.compile(r"[a-z][a-z0-9 /'-]*"))
+    system = build_messages("rules", "task", [], "obs", [], PromptConfig(), alf)[0]["content"]
+    assert system.endswith("for example <action>go to countertop 1</action>.") and "click[" not in system
+    # the same bare reply is an action in one environment and malformed in another
+    assert parse_action("go to desk 1", alf) == ("go to desk 1", None)
+    action, error = parse_action("go to desk 1")
+    assert action == "go to desk 1" and "malformed action" in error
+    assert action_span("  go to desk 1\n", alf) == (2, 14)
+    assert action_span("go to desk 1") is None
+    # tags win over the bare form in every environment
+    assert parse_action("think <action>open drawer 1</action>", alf) == ("open drawer 1", None)

@@ -49,6 +49,7 @@ class WebShopWorld:
 
     name = "webshop"
     rules = RULES
+    eval_split = "test"
 
     def __init__(self, config: WebShopConfig | None = None, catalog: Catalog | None = None):
         self.config = config or WebShopConfig()

@@ -21,6 +21,8 @@ def annotate_command(
     teacher: Optional[str] = typer.Option(None, "--teacher", help="Teacher model (default: the rollouts' policy)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing annotations."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted annotation pass from its journal "
+                                                       "(same settings); a finished one is left as it is."),
     config: Optional[str] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
     seed: Optional[int] = SeedOpt,
@@ -30,7 +32,7 @@ def annotate_command(
     cfg = resolve(AnnotateConfig, config_file=config, overrides=set_, flags={
         "sources": sources, "granularity": granularity, "placement": placement, "teacher": teacher,
         "threads": threads, "seed": seed})
-    s = run_annotate(run, cfg, overwrite=overwrite)
+    s = run_annotate(run, cfg, overwrite=overwrite, resume=resume)
     save_resolved(run, "annotate.yaml", cfg)
     rep = s["report"]
     rows = [("turns", str(s["turns"])), ("selected", f"{s['selected']} ({s['selected'] / max(s['turns'], 1):.1%})"),

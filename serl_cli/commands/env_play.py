@@ -37,8 +37,8 @@ def _show(step: Step, turn: int, action: str | None, as_json: bool) -> None:
 
 @env_app.command("play")
 def play(
-    env: str = typer.Option("webshop", "--env", help="Environment: webshop."),
-    split: str = typer.Option("test", "--split", help="Split the task comes from."),
+    env: str = typer.Option("webshop", "--env", help="Environment: webshop or alfworld."),
+    split: Optional[str] = typer.Option(None, "--split", help="Split the task comes from (default: the env's evaluation split)."),
     task: int = typer.Option(0, "--task", help="Task id within the split (0-based, in panel order)."),
     actions: Optional[str] = typer.Option(None, "--actions", help='Actions separated by ";" (no prompt): "search[...];click[...]".'),
     max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Turn limit."),

@@ -14,8 +14,8 @@ from serl_cli.evaluate import EvalConfig, run_eval
 
 @app.command("eval")
 def eval_command(
-    env: Optional[str] = typer.Option(None, "--env", help="Environment: webshop."),
-    split: Optional[str] = typer.Option(None, "--split", help="Split whose panel to run (webshop: test, train)."),
+    env: Optional[str] = typer.Option(None, "--env", help="Environment: webshop or alfworld."),
+    split: Optional[str] = typer.Option(None, "--split", help="Split whose panel to run (default: webshop test, alfworld valid_unseen)."),
     policy: Optional[str] = typer.Option(None, "--policy", help="expert | random | model (implied by --model)."),
     model: Optional[str] = typer.Option(None, "--model", help="A Hugging Face model directory or name."),
     episodes: Optional[int] = typer.Option(None, "--episodes", help="How many tasks of the panel (default: all)."),

@@ -14,11 +14,11 @@ from serl_cli.rollout import RolloutConfig, run_rollout
 
 @app.command("rollout")
 def rollout_command(
-    env: Optional[str] = typer.Option(None, "--env", help="Environment: webshop."),
+    env: Optional[str] = typer.Option(None, "--env", help="Environment: webshop or alfworld."),
     split: Optional[str] = typer.Option(None, "--split", help="Split to sample tasks from (default train)."),
     model: Optional[str] = typer.Option(None, "--model", help="HF model directory or name (default: the embedded tiny model)."),
     policy: Optional[str] = typer.Option(None, "--policy", help="model | expert (expert: SFT data)."),
-    engine: Optional[str] = typer.Option(None, "--engine", help="Generation engine: hf."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="Generation engine: hf | vllm (the vllm extra)."),
     tasks: Optional[int] = typer.Option(None, "--tasks", help="How many tasks to sample."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Rollouts per task (G)."),
     max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Turn limit per episode."),
@@ -27,6 +27,8 @@ def rollout_command(
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
     out: Optional[str] = typer.Option(None, "--out", help="Run directory to write."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing rollouts in --out."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted rollout in --out from its journal "
+                                                       "(same settings); a finished one is left as it is."),
     config: Optional[str] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
     seed: Optional[int] = SeedOpt,
@@ -41,7 +43,7 @@ def rollout_command(
     with Progress(TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task("episodes", total=cfg.tasks * cfg.group_size)
-        s = run_rollout(cfg, overwrite=overwrite, progress=lambda rec: bar.advance(task))
+        s = run_rollout(cfg, overwrite=overwrite, resume=resume, progress=lambda rec: bar.advance(task))
     save_resolved(cfg.out, "rollout.yaml", cfg)
     console.print(summary_table(f"rollout: {cfg.env.name} {cfg.env.split}, {cfg.policy} policy", [
         ("episodes", f"{s['episodes']} ({s['tasks']} tasks x {cfg.group_size})"),
@@ -49,6 +51,7 @@ def rollout_command(
         ("mean reward", f"{s['mean_reward']:.3f}"),
         ("invalid-action rate", f"{s['invalid_action_rate']:.3f}"),
         ("turns", str(s["turns"])),
+        ("episodes ended by an environment error", str(s.get("env_errors", 0))),
         ("generated tokens/s", f"{s['tokens_per_s']:.1f}"),
         ("wall time", f"{s['wall_time_s']:.1f} s"),
     ]))

@@ -4,7 +4,8 @@ An engine turns a batch of prompt token-id lists into generations: the generated
 ids and each token's log-probability under the sampling policy (``log_softmax(logits /
 T)``, T the temperature; greedy decoding scores at T = 1). Top-p truncation changes what
 can be drawn, not the stored log-probs, as in verl and TRL. Engines: ``hf``
-(transformers).
+(transformers, generating with the caller's model object) and ``vllm`` (the optional
+vLLM extra, holding its own copy of the weights: see :func:`refresh_weights`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Protocol
 
 from envs.base import Step
 from serl_cli.policies import Decision
-from serl_cli.prompts import PromptConfig, build_messages, parse_action, render_prompt_ids
+from serl_cli.prompts import DEFAULT_ACTION_FORMAT, PromptConfig, build_messages, parse_action, render_prompt_ids
 
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
 
 
 @dataclass
@@ -52,7 +53,8 @@ class ModelPolicy:
         for step, ctx in zip(steps, contexts):
             history = [{"observation": t["observation"], "action": t["action"]} for t in ctx["turns"]]
             messages = build_messages(ctx["rules"], ctx["instruction"], history, step.observation,
-                                      step.admissible_actions, self.prompt)
+                                      step.admissible_actions, self.prompt,
+                                      ctx.get("action_format") or DEFAULT_ACTION_FORMAT)
             out.append(render_prompt_ids(self.engine.tokenizer, messages))
         return out
 
@@ -62,9 +64,9 @@ class ModelPolicy:
         gens = self.engine.generate(prompt_ids, self.sampling, seed=self.seed * 1_000_003 + self.calls)
         self.calls += 1
         decisions = []
-        for ids, gen in zip(prompt_ids, gens):
+        for ids, gen, ctx in zip(prompt_ids, gens, contexts):
             text = self.engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            action, error = parse_action(text)
+            action, error = parse_action(text, ctx.get("action_format") or DEFAULT_ACTION_FORMAT)
             decisions.append(Decision(action=action, text=text, prompt_ids=ids, action_ids=gen.token_ids,
                                       logprobs=gen.logprobs, parse_error=error))
         return decisions
@@ -97,14 +99,44 @@ class _TokenizerOnly:
     tokenizer: object
 
 
-def make_engine(kind: str, model, tokenizer, threads: int | None = None) -> Engine:
+def check_engine(kind: str) -> None:
+    """Fail before any model is loaded: an unknown engine, or vLLM without its extra."""
     from serl_cli.errors import SerlError
 
+    if kind not in ENGINES:
+        raise SerlError(f"unknown engine {kind!r}: choose one of {', '.join(ENGINES)}")
+    if kind == "vllm":
+        from serl_cli.engines.vllm import import_vllm
+
+        import_vllm()
+
+
+def make_engine(kind: str, model, tokenizer, threads: int | None = None, *, model_dir: str | None = None,
+                vllm=None, seed: int = 0) -> Engine:
+    """``hf`` generates with ``model`` itself; ``vllm`` loads its own copy of the policy from
+    ``model_dir`` (default: the directory ``model`` was loaded from), with ``vllm`` a
+    :class:`serl_cli.engines.vllm.VLLMConfig`."""
+    from serl_cli.errors import SerlError
+
+    check_engine(kind)
     if kind == "hf":
         from serl_cli.engines.hf import HFEngine
 
         return HFEngine(model, tokenizer)
-    raise SerlError(f"unknown engine {kind!r}: choose one of {', '.join(ENGINES)}")
+    from serl_cli.engines.vllm import VLLMEngine
+
+    source = model_dir or getattr(model, "name_or_path", None)
+    if not source:
+        raise SerlError("--engine vllm loads the policy from a model directory, and this model has none")
+    return VLLMEngine(str(source), tokenizer, vllm, seed=seed)
+
+
+def refresh_weights(engine: Engine, checkpoint_dir) -> None:
+    """After an update: an engine with its own copy of the weights (vLLM) reloads them from
+    the checkpoint just saved; the hf engine shares the learner's model and is current."""
+    reload = getattr(engine, "load_weights", None)
+    if reload is not None:
+        reload(checkpoint_dir)
 
 
 def model_policy(model_name: str, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,

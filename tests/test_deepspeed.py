@@ -1,0 +1,193 @@
+"""The DeepSpeed backend: its configuration, equivalence with the torch backend (ZeRO 1/2/3,
+one process; stage 2 with two processes under torchrun), Hugging Face checkpoints gathered
+from ZeRO-3, resume from DeepSpeed's own checkpoint, skipped non-finite steps, bad input.
+
+DeepSpeed runs on the CPU here (gloo). Its first initialize on a machine compiles a small
+shared-memory op (about a minute, cached under $TORCH_EXTENSIONS_DIR, by default in
+$SERL_CACHE_DIR/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepspeed_worker import full_parameters, make_episodes, run, train_config
+from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
+from serl_cli.deepspeed_backend import DeepSpeedConfig, default_config, resolve_config
+from serl_cli.errors import SerlError
+from serl_cli.trainer import OptimConfig
+from test_cli_env import assert_one_line_error, serl
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+needs_deepspeed = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed (serl[deepspeed])")
+
+
+# -- configuration (no DeepSpeed needed) ----------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_experiment_files_are_the_stage_defaults(stage):
+    path = ROOT / "experiments" / "deepspeed" / f"zero{stage}.json"
+    assert json.loads(path.read_text()) == default_config(stage)
+
+
+def test_resolve_fills_serls_keys_and_overrides_the_stage(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_clipping": "auto",
+                                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}))
+    optim = OptimConfig(lr=3e-6, grad_clip=0.5, weight_decay=0.01)
+    cfg = resolve_config(DeepSpeedConfig(config=str(path), zero_stage=3, offload=True), optim, bf16_available=False)
+    assert cfg["zero_optimization"]["stage"] == 3
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert cfg["zero_optimization"]["offload_param"] == {"device": "cpu"}  # stage 3 offloads parameters too
+    assert cfg["gradient_clipping"] == 0.5
+    assert cfg["optimizer"]["params"] == {"lr": 3e-6, "torch_adam": True, "betas": [0.9, 0.999], "weight_decay": 0.01}
+    assert cfg["train_micro_batch_size_per_gpu"] == 1 and cfg["gradient_accumulation_steps"] == 1
+    assert cfg["managed_gradient_accumulation"] is False
+    assert cfg["bf16"]["enabled"] is False
+    default = resolve_config(DeepSpeedConfig(), optim, bf16_available=True)
+    assert default["zero_optimization"]["stage"] == 2 and "offload_optimizer" not in default["zero_optimization"]
+    assert default["bf16"] == {"enabled": True, "check_grad_overflow": True}  # "auto" on a bf16 accelerator
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"zero_optimization": {"stage": 2},}', "malformed DeepSpeed JSON"),
+    ('[1, 2]', "must hold a JSON object"),
+    ('{"zero_optimization": {"stage": 4}}', "ZeRO stage must be 1, 2 or 3, got 4"),
+    ('{"gradient_clipping": 5.0}', "gradient_clipping is 5.0 but serl sets it to 1.0"),
+    ('{"train_batch_size": 64}', "train_batch_size"),
+])
+def test_resolve_refuses_bad_files(tmp_path, content, needle):
+    path = tmp_path / "ds.json"
+    path.write_text(content)
+    with pytest.raises(SerlError, match=needle):
+        resolve_config(DeepSpeedConfig(config=str(path)), OptimConfig(), bf16_available=False)
+    with pytest.raises(SerlError, match="ZeRO stage must be 1, 2 or 3, got 0"):
+        resolve_config(DeepSpeedConfig(zero_stage=0), OptimConfig(), bf16_available=False)
+
+
+# -- bad input at the command line: one line, exit 2, nothing written ------------------------------
+def _online(model_dir, out, *extra, env=None):
+    return serl("train", "--iterations", "1", "--model", str(model_dir), "--out", str(out), "--tasks", "1",
+                "--group-size", "2", "--backend", "deepspeed", "--set", "env.settings.catalog=synthetic", *extra,
+                env=env)
+
+
+def test_cli_bad_deepspeed_input(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 2')
+    out = tmp_path / "run"
+    assert_one_line_error(_online(tiny_model_dir, out, "--deepspeed-config", str(bad)), "malformed DeepSpeed JSON",
+                          "bad.json")
+    assert_one_line_error(_online(tiny_model_dir, out, "--zero-stage", "5"), "ZeRO stage must be 1, 2 or 3, got 5")
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None  # as if not installed\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
+    assert_one_line_error(_online(tiny_model_dir, out, env=env), "--backend deepspeed needs DeepSpeed")
+    assert not out.exists()
+
+
+# -- equivalence ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def torch_result(tiny_model_dir):
+    return run(str(tiny_model_dir), train_config("torch"))
+
+
+@pytest.fixture(scope="module")
+def zero_results(tiny_model_dir):
+    pytest.importorskip("deepspeed")
+    return {stage: run(str(tiny_model_dir), train_config("deepspeed", stage)) for stage in (1, 2, 3)}
+
+
+def assert_same_run(a: dict, b: dict, tol: float) -> None:
+    assert len(a["losses"]) == len(b["losses"]) == 3
+    for x, y in zip(a["losses"], b["losses"]):
+        assert abs(x - y) <= tol, (a["losses"], b["losses"])
+    assert sorted(a["params"]) == sorted(b["params"])
+    worst = max((a["params"][k] - b["params"][k]).abs().max().item() for k in a["params"])
+    assert worst <= tol, worst
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_match_torch(torch_result, zero_results, tiny_model_dir, stage):
+    result = zero_results[stage]
+    assert_same_run(result, torch_result, TOL)
+    # the run really trained: the losses move and the weights moved far more than the tolerance
+    assert abs(torch_result["losses"][2] - torch_result["losses"][0]) > 1e-2
+    from serl_cli.model import load_model
+
+    start, _ = load_model(str(tiny_model_dir))
+    moved = max((torch_result["params"][n] - p).abs().max().item() for n, p in start.named_parameters())
+    assert moved > 2 * TOL
+
+
+@needs_deepspeed
+def test_stage2_two_processes_match_one(zero_results, tiny_model_dir, tmp_path):
+    out = tmp_path / "two.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "tests" / "deepspeed_worker.py"), str(tiny_model_dir), str(out),
+                           "--zero-stage", "2"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(torch.load(out), zero_results[2], 1e-4)
+
+
+def _micro_batch_count(model_dir) -> int:
+    from serl_cli.model import load_model
+    from serl_cli.schema import turn_samples
+    from serl_cli.trainer import make_micro_batches
+
+    samples = turn_samples(make_episodes(str(model_dir)))
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].action_ids))
+    _, tok = load_model(str(model_dir))
+    return len(make_micro_batches(samples, order, train_config().optim.micro_batch_tokens, tok.pad_token_id))
+
+
+def test_the_batch_exercises_uneven_data_parallel_shares(tiny_model_dir):
+    """An odd number of micro-batches: under two processes one of them runs a stand-in pass."""
+    assert _micro_batch_count(tiny_model_dir) % 2 == 1
+
+
+# -- checkpoints and resume -----------------------------------------------------------------------
+@needs_deepspeed
+def test_zero3_checkpoint_is_hf_and_resumes_exactly(zero_results, tiny_model_dir, tmp_path):
+    from serl_cli.model import load_model
+    from serl_cli.train import Learner
+
+    cfg = train_config("deepspeed", 3)
+    episodes = make_episodes(str(tiny_model_dir))
+    learner = Learner(str(tiny_model_dir), cfg)
+    first = learner.update(episodes, 1.0)["loss"]
+    ckpt = learner.save(tmp_path / "ckpt")
+    assert (ckpt / "config.json").is_file() and (ckpt / "deepspeed" / "state").is_dir()
+    saved, _ = load_model(str(ckpt))  # what serl eval / serl rollout load
+    for name, p in full_parameters(learner).items():
+        assert torch.equal(dict(saved.named_parameters())[name].float(), p), name
+
+    resumed = Learner(str(ckpt), cfg, state_file=ckpt / "trainer_state.pt")
+    assert resumed.updates == 1
+    losses = [first] + [resumed.update(episodes, 1.0)["loss"] for _ in range(2)]
+    assert_same_run({"losses": losses, "params": full_parameters(resumed)}, zero_results[3], 1e-6)
+
+
+@needs_deepspeed
+def test_non_finite_loss_skips_the_step(tiny_model_dir):
+    from serl_cli.train import Learner
+
+    episodes = make_episodes(str(tiny_model_dir))
+    episodes[0]["turns"][0]["behaviour_logprobs"][0] = float("nan")
+    learner = Learner(str(tiny_model_dir), train_config("deepspeed", 2))
+    before = full_parameters(learner)
+    metrics = learner.update(episodes, 1.0)
+    assert metrics["skipped_steps"] == 1 and math.isnan(metrics["loss"])
+    assert all(torch.equal(before[n], p) for n, p in full_parameters(learner).items())

@@ -134,7 +134,15 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="serl-train-backends-") as tmp:
         model_dir = str(init_model(args.preset, Path(tmp) / args.preset, _corpus(), seed=args.seed))
-        passthrough = [a for a in sys.argv[1:] if not a.startswith("--out")]
+        # the children report on stdout: pass every setting on except --out (as --out=F or --out F)
+        passthrough, skip_next = [], False
+        for a in sys.argv[1:]:
+            if skip_next:
+                skip_next = False
+            elif a == "--out":
+                skip_next = True
+            elif not a.startswith("--out="):
+                passthrough.append(a)
         for backend in BACKENDS:
             proc = subprocess.run([sys.executable, "-m", "benchmarks.train_backends", *passthrough, "--one", backend,
                                    "--model", model_dir], capture_output=True, text=True)

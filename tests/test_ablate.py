@@ -104,6 +104,24 @@ def test_ready_made_grids_load():
         assert ab.cells(grid), f
 
 
+def test_study_grids_load_and_share_the_serl_arm():
+    """docs/RESULTS.md's grids: 5 seeds per arm, and the placement grid's feedback arm is the
+    baselines grid's serl arm (same base), so its finished cells can be reused."""
+    folder = Path(__file__).parent.parent / "experiments" / "study"
+    grids = {f.stem: ab.load_grid(str(f)) for f in sorted(folder.glob("webshop_*.yaml"))}
+    assert set(grids) == {"webshop_baselines", "webshop_sources", "webshop_placement"}
+    for g in grids.values():
+        assert g.axes["seeds"] == [0, 1, 2, 3, 4]
+    baseline_cells = {c["name"]: c for c in ab.cells(grids["webshop_baselines"])}
+    placement_cells = {c["name"]: c for c in ab.cells(grids["webshop_placement"])}
+    shared = sorted(set(baseline_cells) & set(placement_cells))
+    assert shared == [f"webshop-serl-ref_or_error-step-feedback-s{s}" for s in range(5)]
+    assert all(ab.cell_overrides(grids["webshop_baselines"], baseline_cells[n]["params"], baseline_cells[n]["seed"])
+               == ab.cell_overrides(grids["webshop_placement"], placement_cells[n]["params"], placement_cells[n]["seed"])
+               for n in shared)
+    assert grids["webshop_baselines"].base == grids["webshop_placement"].base
+
+
 # -- the report's numbers, on cells with known results -----------------------------------------
 
 def test_report_numbers_match_scipy_on_known_cells(tmp_path):

@@ -14,7 +14,7 @@ serl rollout --policy expert --tasks 400 --group-size 1 --set env.max_turns=10 -
     --out $S/expert --threads 1
 serl train $S/expert --algo sft --set train.epochs=6 --set train.mini_batches=64 --set train.optim.lr=2e-3 \
     --threads 1                                                  # -> $S/expert/checkpoint
-serl eval --model $S/expert/checkpoint --env webshop --split test --episodes 20 --set env.max_turns=8 \
+serl eval --model $S/expert/checkpoint --env webshop --split test --episodes 20 --set env.max_turns=8 --set max_new_tokens=24 \
     --out $S/sft-eval --threads 1
 
 # 2. the grids: (a) baselines, (b) feedback sources, (c) placement -- 5 seeds per arm

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
 from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
+from reliability.faults import tree_hash
 from test_cli_env import assert_one_line_error, serl
 
 SYNTH = ["--set", "env.settings.catalog=synthetic"]
-
-
-def tree_hash(root: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(str(p.relative_to(root)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,7 @@ class TrainConfig:
     omega: float = 1.0  # gigpo: weight of the step advantage
     gamma: float = 0.95  # gigpo: discount of the per-turn return
     adv_eps: float = 1e-6
+    sft_successful_only: bool = False  # sft: clone successful episodes only (filtered behaviour cloning)
     seed: int = 0
     threads: int | None = None
     checkpoint: str | None = None  # default RUN/checkpoint
@@ -68,6 +69,17 @@ def check_train_config(cfg: TrainConfig) -> None:
         check_config(cfg)
     if lora_mod.enabled(cfg.lora):
         lora_mod.require_peft()
+
+
+def training_episodes(episodes: list[dict], cfg: TrainConfig, run: Path) -> list[dict]:
+    """The episodes an update learns from. Filtered behaviour cloning keeps only the successful
+    ones: an expert that gave up halfway (ALFWorld's hand-coded expert can) demonstrates nothing."""
+    if not (cfg.algo == "sft" and cfg.sft_successful_only):
+        return episodes
+    kept = [e for e in episodes if e.get("success")]
+    if not kept:
+        raise SerlError(f"{run} holds no successful episode to clone (train.sft_successful_only is on)")
+    return kept
 
 
 def frozen_copy(model, device=None):
@@ -285,7 +297,7 @@ def follow_train_on_run(run_dir: str, cfg: TrainConfig, *, resume: bool = False)
         annotations = read_annotations(run)
         meta = manifest["stages"]["annotate"]
     learner = Learner(model_name, cfg)
-    learner.update(read_rollouts(run), 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
+    learner.update(training_episodes(read_rollouts(run), cfg, run), 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
     learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
 
 
@@ -362,7 +374,7 @@ def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool)
             return records[stage.get("metrics_line", len(records) - 1)]
     else:
         io.prepare_output(checkpoint, overwrite=overwrite, what="a checkpoint")
-    episodes = read_rollouts(run)
+    episodes = training_episodes(read_rollouts(run), cfg, run)
     if not model_name:
         raise SerlError(f"no model to train: {run}/manifest.json names none; pass --model")
     cfg.model = model_name

@@ -116,3 +116,15 @@ def test_eval_prompts_a_checkpoint_as_it_was_trained(tiny_model_dir, tmp_path):
     assert explicit.prompt.history_turns == 3 and explicit.prompt.history_obs_chars == 100
     plain = make_policy(EvalConfig(policy="model", model=str(tiny_model_dir), threads=1))
     assert plain.prompt == PromptConfig()  # a model serl did not train: the defaults
+
+
+def test_filtered_behaviour_cloning_keeps_only_successful_episodes(tmp_path):
+    from serl_cli.errors import SerlError
+    from serl_cli.train import training_episodes
+
+    eps = [{"success": True, "task_id": 0}, {"success": False, "task_id": 1}, {"success": True, "task_id": 2}]
+    assert training_episodes(eps, TrainConfig(algo="sft", sft_successful_only=True), tmp_path) == [eps[0], eps[2]]
+    assert training_episodes(eps, TrainConfig(algo="sft"), tmp_path) == eps  # off by default
+    assert training_episodes(eps, TrainConfig(algo="grpo", sft_successful_only=True), tmp_path) == eps  # sft only
+    with pytest.raises(SerlError, match="no successful episode"):
+        training_episodes([eps[1]], TrainConfig(algo="sft", sft_successful_only=True), tmp_path)

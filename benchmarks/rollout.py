@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import time
 from dataclasses import dataclass
 
 from benchmarks.common import Stopwatch, report

@@ -11,7 +11,8 @@ Grid file (YAML; unknown keys anywhere are errors)::
       granularity: [step]                   # default: [base annotate.granularity]
       placement: [feedback]                 # default: [base annotate.placement]
       seeds: 3                              # 3 = seeds 0, 1, 2; or a list [0, 7, 9]; default 1
-    final_eval: {episodes: 50, split: test} # the fixed test panel every cell is scored on (default: whole split)
+    final_eval: {episodes: 50, split: test} # the fixed panel every cell is scored on (default: whole split;
+                                            # panel: spread takes N tasks evenly spaced, not the first N)
     slurm: {partition: gpu, time: "04:00:00", cpus_per_task: 8, gpus: 1, mem: 64G, template: FILE}
 
 **Arms and cells.** Arms are the product env x algo x sources x granularity x placement, in
@@ -64,13 +65,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serl_cli import config as cfgmod
-from serl_cli import io
+from serl_cli import io, runlock
 from serl_cli.errors import SerlError
 
 ANNOTATING = ("serl", "rlsd", "sdpo")
 AXES = ("env", "algo", "sources", "granularity", "placement", "seeds")
 TOP_KEYS = ("description", "base", "grid", "final_eval", "slurm")
-FINAL_EVAL_KEYS = ("episodes", "split")
+FINAL_EVAL_KEYS = ("episodes", "split", "panel")
 SLURM_KEYS = ("partition", "time", "cpus_per_task", "gpus", "mem", "account", "template", "extra")
 GRID_VERSION = 1
 
@@ -170,9 +171,15 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
 
     fe = data.get("final_eval") or {}
     if not isinstance(fe, dict):
-        raise SerlError("final_eval: must be a mapping {episodes, split}")
+        raise SerlError("final_eval: must be a mapping {episodes, split, panel}")
     _fail_unknown(fe, FINAL_EVAL_KEYS, "final_eval.")
     final_eval = {"episodes": fe.get("episodes"), "split": None if fe.get("split") is None else str(fe["split"])}
+    if "panel" in fe:  # absent means "first", so grids written before panels existed stay the same grid
+        from serl_cli.evaluate import PANELS
+
+        final_eval["panel"] = str(fe["panel"])
+        if final_eval["panel"] not in PANELS:
+            raise SerlError(f"final_eval.panel {final_eval['panel']!r} is unknown: choose one of {', '.join(PANELS)}")
     if "episodes" in flags:
         final_eval["episodes"] = flags["episodes"]
     if final_eval["episodes"] is not None and (not isinstance(final_eval["episodes"], int) or final_eval["episodes"] < 1):
@@ -324,7 +331,7 @@ def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
     if is_done(out, cell):
         log(f"cell {index} {cell['name']}: done, skipped")
         return "skipped"
-    with io.run_lock(d):  # two runners given the same cell: the second refuses, naming the first
+    with runlock.run_lock(d):  # two runners given the same cell: the second refuses, naming the first
         return _run_cell(record, out, cell, index, log)
 
 
@@ -361,7 +368,7 @@ def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str
     if not (d / "eval.json").is_file():
         ecfg = EvalConfig(env=EnvConfig(cfg.env.name, fe["split"], cfg.env.max_turns, cfg.env.settings,
                                         cfg.env.step_timeout_s), policy="model",
-                          model=str(train / "checkpoint"), episodes=fe["episodes"], seed=0,
+                          model=str(train / "checkpoint"), episodes=fe["episodes"], panel=fe.get("panel", "first"), seed=0,
                           batch_size=cfg.rollout.batch_size, history_turns=cfg.rollout.prompt.history_turns,
                           max_new_tokens=cfg.rollout.sampling.max_new_tokens, threads=cfg.train.threads, out=str(d))
         run_eval(ecfg, overwrite=True)

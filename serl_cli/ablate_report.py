@@ -17,7 +17,8 @@ the others are listed as unfinished) and writes:
 **Baseline and pairing.** The baseline is the first grpo arm where one exists, else the
 first arm. Each arm is paired with the baseline by seed, over the seeds both have
 finished; pairing is valid because every cell is evaluated on the same fixed test panel
-(the first ``final_eval.episodes`` tasks of the split, greedy decoding), so seed s of two
+(``final_eval.episodes`` tasks of the split, the first ones or, with ``panel: spread``,
+evenly spaced ones; greedy decoding), so seed s of two
 arms differs only in the arm. Undefined statistics (one seed, zero variance) print n/a.
 
 **Selection bias.** Per arm, from the last iteration's ``selection_report.json`` of each
@@ -137,11 +138,16 @@ def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str
     rec = data["record"]
     n, unfinished = len(rec["cells"]), data["unfinished"]
     fe = rec["final_eval"]
-    panel = f"the first {fe['episodes']} tasks" if fe.get("episodes") else "all tasks"
+    if not fe.get("episodes"):
+        panel = f"all tasks of the `{fe['split']}` split"
+    elif fe.get("panel", "first") == "spread":
+        panel = f"{fe['episodes']} tasks evenly spaced over the `{fe['split']}` split"
+    else:
+        panel = f"the first {fe['episodes']} tasks of the `{fe['split']}` split"
     lines = [
         "# Ablation report", "",
         f"{n} cells ({n - len(unfinished)} finished, {len(unfinished)} unfinished): {len(rows)} arms x "
-        f"seeds {rec['axes']['seeds']}. Final evaluation: {panel} of the `{fe['split']}` split, greedy, "
+        f"seeds {rec['axes']['seeds']}. Final evaluation: {panel}, greedy, "
         f"the same panel for every cell.", "",
         "## Results (final evaluation, mean ± std over seeds, 95 % t-interval)", "",
         "| arm | seeds | success | 95 % CI | score (0-100) | 95 % CI |",

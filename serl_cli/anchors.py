@@ -9,6 +9,7 @@ did and what that led to, and what the successful rollouts did from there.
 
 from __future__ import annotations
 
+from envs.base import state_key as hash_observation
 from serl_cli.errors import SerlError
 from serl_cli.feedback import (SOURCES, TurnContext, TurnField, _action, _block, _norm, _same, _short,
                                _spec, hindsight_step)

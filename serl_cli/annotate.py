@@ -26,7 +26,7 @@ import torch
 
 from serl_cli import anchors as anchors_mod
 from serl_cli import feedback as fb
-from serl_cli import io, placement
+from serl_cli import io, placement, runlock
 from serl_cli.algos.serl import apply_placement, blend_weights, hindsight_weights, mixing_lambda
 from serl_cli.errors import SerlError
 from serl_cli.objectives import episode_advantages
@@ -102,7 +102,7 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
     samples = turn_samples(episodes)
     advantages = episode_advantages(samples, 1e-6).tolist()
 
-    records, infos = [], []
+    records = []
     i = 0
     for e_idx, ep in enumerate(episodes):
         key = (ep["task_id"], ep["group_id"])
@@ -211,7 +211,7 @@ def run_annotate(run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False, 
     """Annotate a run's rollouts; ``resume`` continues an interrupted pass from its journal
     (or returns the summary of a finished one)."""
     run = Path(run_dir)
-    with io.run_lock(run):
+    with runlock.run_lock(run):
         return _run_annotate(run, cfg, overwrite=overwrite, resume=resume)
 
 
@@ -222,16 +222,10 @@ def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bo
     manifest = io.load_manifest(run)
     validate(cfg)
     journal = run / JOURNAL_FILE
-    if resume and not overwrite:
-        finished = _finished(run, manifest)
-        if finished is not None:
-            journal.unlink(missing_ok=True)
-            return finished
-    else:
-        io.prepare_output(run / ANNOTATIONS_FILE, overwrite=overwrite, what="annotations")
-        if journal.exists() and not overwrite:
-            raise SerlError(f"{run} holds an interrupted annotation pass ({journal.name}): pass --resume to continue "
-                            f"it or --overwrite to start again")
+    finished = io.begin_resumable(run / ANNOTATIONS_FILE, journal, overwrite=overwrite, resume=resume,
+                                  what="annotation", finished=lambda: _finished(run, manifest))
+    if finished is not None:
+        return finished
     episodes = read_rollouts(run)
     if any(not t["behaviour_logprobs"] for e in episodes for t in e["turns"]):
         raise SerlError(f"{run}/{ROLLOUTS_FILE} has no behaviour log-probs (expert data?): annotate a model's rollouts")

@@ -1,7 +1,8 @@
 """``serl eval``: run a policy over a split's fixed panel and summarize it.
 
-The panel is the first ``episodes`` tasks of the split in its fixed order (all of them by
-default), one episode each, so every machine and every run scores the same tasks.
+The panel is ``episodes`` tasks of the split in its fixed order (all of them by default),
+one episode each, so every machine and every run scores the same tasks: the first ones
+(``panel: first``) or ones evenly spaced over the split (``panel: spread``).
 Writes ``episodes.jsonl`` (one record per episode) and ``eval.json`` (the summary:
 success with a 95 % Wilson interval, mean score, invalid-action rate, mean turns).
 """
@@ -21,13 +22,21 @@ from serl_cli.stats import wilson_interval
 
 POLICIES = ("model", "expert", "random")
 
+# Which `n` of a split's `total` tasks a panel scores. ALFWorld's splits are sorted by task
+# type, so its first 10 games are all one type; `spread` takes every type in proportion.
+PANELS = {
+    "first": lambda n, total: list(range(n)),
+    "spread": lambda n, total: [i * total // n for i in range(n)],
+}
+
 
 @dataclass
 class EvalConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     policy: str = "expert"  # model | expert | random; `--model` implies model
     model: str | None = None
-    episodes: int | None = None  # None: the whole panel
+    episodes: int | None = None  # None: the whole split
+    panel: str = "first"  # first | spread: which tasks of the split (PANELS)
     seed: int = 0
     batch_size: int = 64
     temperature: float = 0.0  # 0 = greedy decoding for model policies
@@ -81,6 +90,8 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
         cfg.policy = "model"
     if cfg.policy == "model" and not cfg.model and policy is None:
         raise SerlError("policy 'model' needs --model DIR (a Hugging Face model directory or name)")
+    if cfg.panel not in PANELS:
+        raise SerlError(f"unknown panel {cfg.panel!r}: choose one of {', '.join(PANELS)}")
     out = Path(cfg.out)
     io.prepare_output(out / "eval.json", overwrite=overwrite, what="an evaluation")
     world = build_world(cfg.env)
@@ -90,7 +101,8 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
         raise SerlError(f"--episodes {n} out of range: the {cfg.env.name} {cfg.env.split} panel has {total} tasks")
     policy = policy or make_policy(cfg)
     started = time.time()
-    records = run_episodes(world, cfg.env.split, [EpisodeSpec(task_id=i) for i in range(n)], policy,
+    task_ids = PANELS[cfg.panel](n, total)
+    records = run_episodes(world, cfg.env.split, [EpisodeSpec(task_id=i) for i in task_ids], policy,
                            max_turns=cfg.env.max_turns, batch_size=cfg.batch_size, on_episode_done=progress,
                            step_timeout_s=cfg.env.step_timeout_s)
     if hasattr(world, "task_type"):  # ALFWorld: success by task type in eval.json
@@ -101,6 +113,7 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
         "split": cfg.env.split,
         "policy": cfg.policy,
         "model": cfg.model,
+        "panel": cfg.panel,
         **summarize(records, by="task_type" if records and "task_type" in records[0] else None),
         "wall_time_s": round(time.time() - started, 3),
     }

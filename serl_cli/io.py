@@ -5,10 +5,10 @@ a reader sees the old file or the new one, never half of one; a write that fails
 full) leaves the old file whole and is one clear error. JSONL readers reject a truncated,
 malformed or oversized line with its file and line number rather than skipping it.
 
-Two more pieces make runs survive being killed (docs/RELIABILITY.md): *journals*,
-append-only JSONL files whose every line is fsynced as a stage finishes a unit of work
-(a torn last line is the unit that did not finish), and the *run lock*, which keeps two
-processes from writing one run directory.
+*Journals* make a killed stage resumable (docs/RELIABILITY.md): append-only JSONL files
+whose every line is fsynced as a stage finishes a unit of work (a torn last line is the
+unit that did not finish). The run lock, which keeps two processes from writing one run
+directory, is in :mod:`serl_cli.runlock`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -212,6 +211,24 @@ def append_jsonl(path: str | Path, record: dict) -> None:
 
 # -- journals: the finished units of an interrupted stage ---------------------------------------
 
+def begin_resumable(target: Path, journal: Path, *, overwrite: bool, resume: bool, what: str, finished) -> dict | None:
+    """Start a stage that writes ``target`` and journals its units in ``journal``.
+
+    With ``resume``: the finished stage's summary (``finished()``), or None to go on from the
+    journal. Without: ``target`` must be new unless ``overwrite``, and a journal left by an
+    interrupted pass is refused rather than silently thrown away."""
+    if resume and not overwrite:
+        summary = finished()
+        if summary is not None:
+            journal.unlink(missing_ok=True)  # left by a kill between marking done and cleaning up
+        return summary
+    prepare_output(target, overwrite=overwrite, what=what)
+    if journal.exists() and not overwrite:
+        raise SerlError(f"{target.parent} holds an interrupted {what} pass ({journal.name}): pass --resume to "
+                        f"continue it or --overwrite to start again")
+    return None
+
+
 def start_journal(path: str | Path, header: dict) -> None:
     """A new journal holding only its header (what the work is: config, inputs)."""
     atomic_write_text(path, json.dumps({"journal": header}, separators=(",", ":")) + "\n")
@@ -269,106 +286,6 @@ def _check_header(path: Path, found, expected: dict) -> None:
                     f"or pass --overwrite to start again")
 
 
-# -- the run lock: one writer per run directory -------------------------------------------------
-
-def lock_path(run_dir: str | Path) -> Path:
-    """The lock sits next to the directory it guards (``.RUN.serl.lock``), so the run's own
-    contents -- and whatever checks them or replaces them whole -- never see it."""
-    run = Path(os.path.abspath(run_dir))
-    return run.parent / f".{run.name}.serl.lock"
-
-
-def _process_identity(pid: int) -> str | None:
-    """Boot id and start time of a process: a pid reused after a reboot or a restart differs."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return f"{boot}:{fields[19]}"  # field 22 of stat: start time in clock ticks after boot
-
-
-def _is_running(pid: int, identity: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process: alive
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat[stat.rindex(")") + 2] == "Z":
-            return False  # killed, not yet reaped by its parent
-    except OSError:
-        pass
-    now = _process_identity(pid)
-    return identity is None or now is None or now == identity
-
-
-def _owner_text(owner: dict) -> str:
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("started", 0)))
-    command = " ".join(str(c) for c in owner.get("command") or [])[:120]
-    return f"pid {owner.get('pid')} on host {owner.get('host')} since {started} ({command})"
-
-
-def _make_dirs(path: Path) -> list[Path]:
-    """Create ``path`` and missing parents; return the ones created, deepest first."""
-    created = []
-    p = path
-    while not p.exists():
-        created.append(p)
-        p = p.parent
-    path.mkdir(parents=True, exist_ok=True)
-    return created
-
-
-@contextmanager
-def run_lock(run_dir: str | Path, warn=None):
-    """Hold ``run_dir``'s lock while the block runs. Another live writer: refused with one
-    line naming it. A lock whose owner died on this host: taken over, with a warning."""
-    warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
-    path = lock_path(run_dir)
-    created = _make_dirs(path.parent)
-    me = {"pid": os.getpid(), "host": platform.node(), "started": time.time(), "command": sys.argv,
-          "identity": _process_identity(os.getpid())}
-    text = json.dumps(me)
-    try:
-        for _ in range(3):
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                _take_over_if_stale(path, run_dir, warn)
-                continue
-            try:
-                os.write(fd, text.encode("utf-8"))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            break
-        else:
-            raise SerlError(f"could not lock {run_dir}: {path} keeps changing hands")
-    except OSError as e:
-        for d in created:
-            _rmdir_quietly(d)
-        raise write_failed(path, e) from None
-    except BaseException:
-        for d in created:
-            _rmdir_quietly(d)
-        raise
-    clear_debris(Path(run_dir))
-    try:
-        yield path
-    finally:
-        try:
-            if path.read_text(encoding="utf-8") == text:
-                path.unlink()
-        except OSError:
-            pass
-        for d in created:
-            _rmdir_quietly(d)
-
-
 DEBRIS = (".*.tmp", ".*.partial")  # temporary files of atomic writes, staging folders of checkpoints
 
 
@@ -381,42 +298,3 @@ def clear_debris(folder: Path) -> None:
         for pattern in DEBRIS:
             for p in folder.glob(pattern):
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-
-
-def _rmdir_quietly(d: Path) -> None:
-    try:
-        d.rmdir()  # only if still empty: a directory the command created but wrote nothing into
-    except OSError:
-        pass
-
-
-def _take_over_if_stale(path: Path, run_dir, warn) -> None:
-    try:
-        raw = path.read_text(encoding="utf-8")
-        owner = json.loads(raw)
-        if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
-            raise ValueError
-    except FileNotFoundError:
-        return  # released meanwhile: try again
-    except (ValueError, UnicodeDecodeError):
-        raise SerlError(f"{path} is not a serl lock: if no serl process uses {run_dir}, delete it") from None
-    if owner.get("host") != platform.node():
-        raise SerlError(f"{run_dir} is in use by {_owner_text(owner)}: if that process is gone, delete {path}")
-    if _is_running(owner["pid"], owner.get("identity")):
-        raise SerlError(f"{run_dir} is in use by {_owner_text(owner)}: wait for it, or use another directory")
-    # Stale. Rename it aside first: of several processes taking over at once only one
-    # rename succeeds, and a lock that changed meanwhile is put back untouched.
-    aside = path.with_name(f"{path.name}.{os.getpid()}.stale")
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return
-    if aside.read_text(encoding="utf-8") != raw:
-        try:
-            os.link(aside, path)
-        except FileExistsError:
-            pass
-        aside.unlink(missing_ok=True)
-        return
-    aside.unlink()
-    warn(f"took over the lock of {run_dir} from {_owner_text(owner)}, which is no longer running")

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serl_cli import io
+from serl_cli import io, runlock
 from serl_cli.engines import ModelPolicy, SamplingConfig, TokenizedExpertPolicy, make_engine
 from serl_cli.engines.vllm import VLLMConfig, check_sampling
 from serl_cli.errors import SerlError
@@ -149,7 +149,7 @@ def run_rollout(cfg: RolloutConfig, *, overwrite: bool = False, resume: bool = F
     (the online loop keeps one vLLM engine for the whole run). ``resume`` continues an
     interrupted run from its journal (or returns the summary of a finished one)."""
     out = Path(cfg.out)
-    with io.run_lock(out):
+    with runlock.run_lock(out):
         return _run_rollout(cfg, out, overwrite=overwrite, resume=resume, progress=progress, model=model,
                             tokenizer=tokenizer, engine=engine)
 
@@ -158,16 +158,10 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
     from serl_cli.model import load_model, set_torch_threads
 
     journal = out / JOURNAL_FILE
-    if resume and not overwrite:
-        finished = _finished_summary(out)
-        if finished is not None:
-            journal.unlink(missing_ok=True)  # left by a kill between marking done and cleaning up
-            return finished
-    else:
-        io.prepare_output(out / ROLLOUTS_FILE, overwrite=overwrite, what="rollouts")
-        if journal.exists() and not overwrite:
-            raise SerlError(f"{out} holds an interrupted rollout ({journal.name}): pass --resume to continue it "
-                            f"or --overwrite to start again")
+    finished = io.begin_resumable(out / ROLLOUTS_FILE, journal, overwrite=overwrite, resume=resume, what="rollout",
+                                  finished=lambda: _finished_summary(out))
+    if finished is not None:
+        return finished
     validate(cfg)
     world = build_world(cfg.env)
     task_ids = sample_tasks(world.num_tasks(cfg.env.split), cfg.tasks, cfg.seed)

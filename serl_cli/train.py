@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from serl_cli import io
+from serl_cli import io, runlock
 from serl_cli import lora as lora_mod
 from serl_cli.backends import BACKENDS as BACKEND_REGISTRY
 from serl_cli.backends import make_backend
@@ -334,7 +334,7 @@ def train_on_run(run_dir: str, cfg: TrainConfig, *, overwrite: bool = False, res
     metrics lines of an unfinished attempt are dropped); ``resume`` returns a finished
     update's metrics without redoing it."""
     run = Path(run_dir)
-    with io.run_lock(run):
+    with runlock.run_lock(run):
         return _train_on_run(run, cfg, overwrite=overwrite, resume=resume)
 
 

@@ -72,6 +72,19 @@ def test_flags_shorthand_builds_each_all_and_grpo():
     assert cells[-1]["overrides"]["annotate"]["sources"] == "error,obs,ref"
 
 
+def test_final_eval_panel_is_optional_and_checked(tmp_path, tiny_model_dir):
+    path = tiny_grid(tmp_path, tiny_model_dir)
+    assert "panel" not in ab.load_grid(str(path)).final_eval  # absent: the first tasks, as grids always meant
+    data = yaml.safe_load(path.read_text())
+    data["final_eval"]["panel"] = "spread"
+    path.write_text(yaml.safe_dump(data))
+    assert ab.load_grid(str(path)).final_eval == {"episodes": 2, "split": "test", "panel": "spread"}
+    data["final_eval"]["panel"] = "last"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SerlError, match="final_eval.panel 'last' is unknown"):
+        ab.load_grid(str(path))
+
+
 def test_non_annotating_algos_get_one_arm_and_names_are_safe():
     grid = ab.load_grid(flags={"algo": "grpo,gigpo,serl,rlsd", "sources": "ref|error", "placement": "feedback,random",
                                "granularity": "step,anchor"})

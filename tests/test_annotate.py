@@ -6,7 +6,6 @@ Rewards of a random-init model are all 0, so each test gives half of every group
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest

@@ -125,3 +125,18 @@ def test_synthetic_catalog_without_data(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert summary["success_rate"] >= 0.9
+
+
+def test_eval_spread_panel_takes_evenly_spaced_tasks(tmp_path):
+    out = tmp_path / "ev"
+    p = serl("eval", "--episodes", "4", "--panel", "spread", "--out", str(out), "--set", "env.settings.catalog=synthetic")
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    total = json.loads((out / "eval.json").read_text())
+    from serl_cli.evaluate import PANELS
+
+    assert PANELS["spread"](4, 10) == [0, 2, 5, 7] and PANELS["first"](3, 10) == [0, 1, 2]
+    assert total["panel"] == "spread" and len(rows) == 4
+    assert [r["task_id"] for r in rows] == sorted({r["task_id"] for r in rows}) and rows[-1]["task_id"] > 3
+    assert_one_line_error(serl("eval", "--episodes", "4", "--panel", "middle", "--out", str(tmp_path / "x"),
+                               "--set", "env.settings.catalog=synthetic"), "unknown panel 'middle'", "first, spread")

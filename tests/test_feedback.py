@@ -327,6 +327,18 @@ def test_anchor_ref_falls_back_to_the_expert_and_future_renders_as_in_step():
     assert used == ["ref", "future"] and fired == ["ref"]
 
 
+def test_anchor_ref_keys_expert_steps_without_a_state_key_by_their_observation():
+    # expert data recorded without state keys: each step is keyed by its observation's hash, as in step granularity
+    from envs.base import state_key
+
+    expert = [{"observation": s["observation"], "action": s["action"]} for s in EXPERT]
+    me = episode(0, [turn("click[x]", state_key("page s1"), diff="no change")])
+    other = episode(1, [turn("click[y]", state_key("page s1"), diff="no change")])
+    group = [me, other]
+    text, used, fired = hindsight_anchor(ctx(me, 0, group, expert=expert), "ref", anchor_groups(group))
+    assert "click[b1] (expert)" in text and used == ["ref"] and fired == ["ref"]
+
+
 def test_anchor_singleton_falls_back_to_step():
     group = [FAILED, LOST2]
     anchors = anchor_groups(group)

@@ -13,7 +13,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from serl_cli.model import (
-    PRESETS,
     SPECIAL_TOKENS,
     ModelError,
     build_config,

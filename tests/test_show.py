@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 

@@ -33,7 +33,7 @@ serl rollout --env alfworld --policy expert --tasks 180 --group-size 1 --set pro
     --out $S/alf-expert --threads 1
 serl train $S/alf-expert --algo sft --set train.sft_successful_only=true --set train.epochs=3 \
     --set train.mini_batches=32 --set train.optim.lr=2e-3 --threads 1    # -> $S/alf-expert/checkpoint
-serl eval --model $S/alf-expert/checkpoint --env alfworld --split valid_unseen --episodes 10 --set env.max_turns=12 \
+serl eval --model $S/alf-expert/checkpoint --env alfworld --split valid_unseen --episodes 20 --panel spread --set env.max_turns=12 \
     --set max_new_tokens=16 --out $S/alf-sft-eval --threads 1
 ablate alfworld_baselines
 reuse alfworld-baselines alfworld-placement

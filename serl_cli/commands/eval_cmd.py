@@ -18,7 +18,8 @@ def eval_command(
     split: Optional[str] = typer.Option(None, "--split", help="Split whose panel to run (default: webshop test, alfworld valid_unseen)."),
     policy: Optional[str] = typer.Option(None, "--policy", help="expert | random | model (implied by --model)."),
     model: Optional[str] = typer.Option(None, "--model", help="A Hugging Face model directory or name."),
-    episodes: Optional[int] = typer.Option(None, "--episodes", help="How many tasks of the panel (default: all)."),
+    episodes: Optional[int] = typer.Option(None, "--episodes", help="How many tasks of the split (default: all)."),
+    panel: Optional[str] = typer.Option(None, "--panel", help="Which tasks: first (the first N, default) or spread (N evenly spaced)."),
     max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Turn limit per episode."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads for a model policy (default: all cores)."),
     out: Optional[str] = typer.Option(None, "--out", help="Output directory (eval.json, episodes.jsonl)."),
@@ -32,7 +33,7 @@ def eval_command(
     """Evaluate a policy on a split's fixed panel: success with a 95 % interval, score, turns."""
     cfg = resolve(EvalConfig, config_file=config, overrides=set_, flags={
         "env.name": env, "env.split": split, "env.max_turns": max_turns, "policy": policy, "model": model,
-        "episodes": episodes, "threads": threads, "out": out, "seed": seed})
+        "episodes": episodes, "panel": panel, "threads": threads, "out": out, "seed": seed})
     with Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task("episodes", total=cfg.episodes)

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from serl_cli import io
+from serl_cli import runlock
 from serl_cli.cli import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
 from serl_cli.commands.common import resolve, save_resolved, summary_table
 from serl_cli.online import OnlineConfig, run_online
@@ -80,7 +80,7 @@ def train_command(
     if not main:
         run_online(cfg, resume=resume, overwrite=overwrite)
         return
-    with io.run_lock(cfg.out):  # one writer per run directory (docs/RELIABILITY.md)
+    with runlock.run_lock(cfg.out):  # one writer per run directory (docs/RELIABILITY.md)
         history = run_online(cfg, resume=resume, overwrite=overwrite, on_iteration=show)
     save_resolved(cfg.out, "online.yaml", cfg)
     if history:

@@ -14,7 +14,7 @@ import pytest
 
 from faults import cli, kill_during, one_line_error, tree_hash
 from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
-from serl_cli import io
+from serl_cli import runlock
 from serl_cli.errors import SerlError
 
 SYNTH = ["--set", "env.settings.catalog=synthetic"]
@@ -35,11 +35,11 @@ def test_second_writer_refuses_naming_the_owner(tiny_model_dir, tmp_path, capsys
     run = tmp_path / "run"
     pid = os.fork()
     if pid == 0:  # the first writer: holds the lock of `run` until killed
-        with io.run_lock(run):
+        with runlock.run_lock(run):
             time.sleep(120)
         os._exit(0)
     try:
-        lock = io.lock_path(run)
+        lock = runlock.lock_path(run)
         deadline = time.monotonic() + 30
         while not lock.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -61,7 +61,7 @@ def test_second_writer_refuses_naming_the_owner(tiny_model_dir, tmp_path, capsys
 
 def test_stale_lock_is_taken_over_with_a_warning(tiny_model_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    lock = io.lock_path(run)
+    lock = runlock.lock_path(run)
     gone = dead_pid()
     lock.write_text(json.dumps({"pid": gone, "host": platform.node(), "started": time.time(), "command": ["serl"]}))
     code, _, err = expert_rollout(capsys, tiny_model_dir, run)
@@ -77,14 +77,14 @@ def test_lock_of_a_killed_writer_is_taken_over_by_resume(tiny_model_dir, tmp_pat
 
     run = tmp_path / "run"
     assert kill_during(lambda: run_rollout(rollout_config(tiny_model_dir, run)), lambda: (run / "manifest.json").exists())
-    assert json.loads(io.lock_path(run).read_text())["host"] == platform.node()  # SIGKILL left it behind
+    assert json.loads(runlock.lock_path(run).read_text())["host"] == platform.node()  # SIGKILL left it behind
     run_rollout(rollout_config(tiny_model_dir, run), resume=True)
-    assert not io.lock_path(run).exists()
+    assert not runlock.lock_path(run).exists()
 
 
 def test_lock_from_another_host_is_never_taken_over(tiny_model_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    lock = io.lock_path(run)
+    lock = runlock.lock_path(run)
     lock.write_text(json.dumps({"pid": 1, "host": "node-017.cluster", "started": 0, "command": ["serl", "rollout"]}))
     one_line_error(expert_rollout(capsys, tiny_model_dir, run), "pid 1 on host node-017.cluster",
                    f"delete {lock}")
@@ -93,9 +93,9 @@ def test_lock_from_another_host_is_never_taken_over(tiny_model_dir, tmp_path, ca
 
 def test_a_lock_file_that_is_not_serl_s(tmp_path):
     run = tmp_path / "run"
-    io.lock_path(run).write_text("not json")
+    runlock.lock_path(run).write_text("not json")
     with pytest.raises(SerlError, match="is not a serl lock"):
-        with io.run_lock(run):
+        with runlock.run_lock(run):
             pass
 
 
@@ -112,7 +112,7 @@ def test_same_ablate_cell_twice_refuses(tmp_path):
     record = ab.grid_record(grid, [])
     ab.write_grid(tmp_path, record)
     cell = ab.cell_dir(tmp_path, record["cells"][0])
-    with io.run_lock(cell):  # a first runner busy with cell 0
+    with runlock.run_lock(cell):  # a first runner busy with cell 0
         with pytest.raises(SerlError, match=f"in use by pid {os.getpid()}"):
             ab.run_cell(record, tmp_path, 0, log=lambda m: None)
         assert not cell.exists()  # refused before writing anything

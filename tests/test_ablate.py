@@ -117,22 +117,26 @@ def test_ready_made_grids_load():
         assert ab.cells(grid), f
 
 
-def test_study_grids_load_and_share_the_serl_arm():
+@pytest.mark.parametrize("env", ["webshop", "alfworld"])
+def test_study_grids_load_and_share_the_serl_arm(env):
     """docs/RESULTS.md's grids: 5 seeds per arm, and the placement grid's feedback arm is the
     baselines grid's serl arm (same base), so its finished cells can be reused."""
     folder = Path(__file__).parent.parent / "experiments" / "study"
-    grids = {f.stem: ab.load_grid(str(f)) for f in sorted(folder.glob("webshop_*.yaml"))}
-    assert set(grids) == {"webshop_baselines", "webshop_sources", "webshop_placement"}
+    grids = {f.stem: ab.load_grid(str(f)) for f in sorted(folder.glob(f"{env}_*.yaml"))}
+    assert set(grids) == {f"{env}_baselines", f"{env}_sources", f"{env}_placement"}
     for g in grids.values():
-        assert g.axes["seeds"] == [0, 1, 2, 3, 4]
-    baseline_cells = {c["name"]: c for c in ab.cells(grids["webshop_baselines"])}
-    placement_cells = {c["name"]: c for c in ab.cells(grids["webshop_placement"])}
+        assert g.axes["seeds"] == [0, 1, 2, 3, 4] and g.base["env"]["name"] == env
+    assert grids[f"{env}_sources"].axes["sources"] == ["error", "ref", "diff", "obs", "future"]
+    assert grids[f"{env}_sources"].axes["placement"] == ["all"]  # obs and future never fire at feedback placement
+    baseline_cells = {c["name"]: c for c in ab.cells(grids[f"{env}_baselines"])}
+    placement_cells = {c["name"]: c for c in ab.cells(grids[f"{env}_placement"])}
     shared = sorted(set(baseline_cells) & set(placement_cells))
-    assert shared == [f"webshop-serl-ref_or_error-step-feedback-s{s}" for s in range(5)]
-    assert all(ab.cell_overrides(grids["webshop_baselines"], baseline_cells[n]["params"], baseline_cells[n]["seed"])
-               == ab.cell_overrides(grids["webshop_placement"], placement_cells[n]["params"], placement_cells[n]["seed"])
+    assert shared == [f"{env}-serl-ref_or_error-step-feedback-s{s}" for s in range(5)]
+    assert all(ab.cell_overrides(grids[f"{env}_baselines"], baseline_cells[n]["params"], baseline_cells[n]["seed"])
+               == ab.cell_overrides(grids[f"{env}_placement"], placement_cells[n]["params"], placement_cells[n]["seed"])
                for n in shared)
-    assert grids["webshop_baselines"].base == grids["webshop_placement"].base
+    assert grids[f"{env}_baselines"].base == grids[f"{env}_placement"].base
+    assert len({json.dumps(g.final_eval, sort_keys=True) for g in grids.values()}) == 1  # one panel for all
 
 
 # -- the report's numbers, on cells with known results -----------------------------------------
@@ -192,6 +196,18 @@ def test_tiny_grid_end_to_end(tmp_path, tiny_model_dir):
     # --report over the finished directory alone
     p = run("--report", str(out))
     assert p.returncode == 0, p.stderr
+    # the study's summary (experiments/study/summarize.py) adds up the cells' own metrics
+    sys.path.insert(0, str(Path(__file__).parent.parent / "experiments" / "study"))
+    import summarize
+
+    for row in summarize.arm_rows(out):
+        metrics = [json.loads(line) for c in rec["cells"] if c["arm"] == row["arm"]
+                   for line in (out / "cells" / c["name"] / "train" / "metrics.jsonl").read_text().splitlines()]
+        assert row["cells"] == 2 and row["turns"] == sum(m["turns"] for m in metrics) > 0
+        assert row["optimizer_steps"] == sum(m.get("optimizer_steps", 0) for m in metrics)
+        assert row["final_score_exact"] == [json.loads((out / "cells" / c["name"] / "eval.json").read_text())["score"]
+                                            for c in rec["cells"] if c["arm"] == row["arm"]]
+    assert "(baseline)" in summarize.outcome_table(out)
 
 
 def test_emit_slurm_is_valid_bash_and_task_k_runs_cell_k(tmp_path, tiny_model_dir):

@@ -140,6 +140,19 @@ def iter_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> Iterator[dic
             yield record
 
 
+def count_jsonl(path: str | Path) -> int:
+    """Records in a JSONL file; 0 when it does not exist."""
+    return sum(1 for _ in iter_jsonl(path)) if Path(path).exists() else 0
+
+
+def truncate_jsonl(path: str | Path, n: int) -> None:
+    """Keep a JSONL file's first ``n`` records: drop what a killed attempt appended after them."""
+    if Path(path).exists():
+        records = list(iter_jsonl(path))
+        if len(records) > n:
+            write_jsonl(path, records[:n])
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)

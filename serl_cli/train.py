@@ -344,18 +344,6 @@ def _comparable(cfg: TrainConfig) -> dict:
     return plain
 
 
-def _keep_first(path: Path, n: int) -> None:
-    """Drop the records past the first ``n`` (left by an attempt that was killed)."""
-    if path.exists():
-        records = list(io.iter_jsonl(path))
-        if len(records) > n:
-            io.write_jsonl(path, records[:n])
-
-
-def _count(path: Path) -> int:
-    return sum(1 for _ in io.iter_jsonl(path)) if path.exists() else 0
-
-
 def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool) -> dict:
     manifest = io.load_manifest(run)
     get_objective(cfg.algo)
@@ -385,9 +373,9 @@ def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool)
         annotations = read_annotations(run)
         meta = manifest["stages"]["annotate"]
     if stage.get("status") == "running":  # an earlier attempt was killed: forget what it may have written
-        _keep_first(metrics_path, stage.get("metrics_line", 0))
-        _keep_first(timings_path, stage.get("timings_line", 0))
-    line, timings_line = _count(metrics_path), _count(timings_path)
+        io.truncate_jsonl(metrics_path, stage.get("metrics_line", 0))
+        io.truncate_jsonl(timings_path, stage.get("timings_line", 0))
+    line, timings_line = io.count_jsonl(metrics_path), io.count_jsonl(timings_path)
     io.mark_stage(run, stage_name, "running", metrics_line=line, timings_line=timings_line)
     learner = Learner(model_name, cfg)
     metrics = learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)

@@ -167,12 +167,27 @@ def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def rss_mb() -> float | None:
+def status_kb(field: str) -> int | None:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in kB; None off Linux."""
     try:
-        m = re.search(r"^VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+        m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
     except OSError:
         return None
-    return int(m.group(1)) / 1024.0 if m else None
+    return int(m.group(1)) if m else None
+
+
+def rss_mb() -> float | None:
+    kb = status_kb("VmRSS")
+    return kb / 1024.0 if kb is not None else None
+
+
+def reset_peak_rss() -> bool:
+    """Restart ``VmHWM`` from the current RSS (Linux ``clear_refs`` 5); False where that is refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 # -- sections that run as their own process --------------------------------------------------------

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -34,25 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import report
+from benchmarks.common import report, reset_peak_rss, status_kb
 
 BACKENDS = ("torch", "zero1", "zero2", "zero3")
-
-
-def _reset_peak() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _hwm_mb() -> float | None:
-    try:
-        m = re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
-    except OSError:
-        return None
-    return int(m.group(1)) / 1024.0 if m else None
 
 
 def make_episodes(model_dir: str, args) -> list[dict]:
@@ -96,14 +79,15 @@ def measure(backend: str, model_dir: str, args) -> dict:
     learner = Learner(model_dir, cfg)
     setup_s = time.perf_counter() - t0
     learner.update(episodes, 1.0)  # warm-up
-    reset = _reset_peak()
+    reset = reset_peak_rss()
     times, tokens = [], 0
     for _ in range(args.repeats):
         m = learner.update(episodes, 1.0)
         times.append(m["timing"]["update_s"])
         tokens = m["action_tokens"]
+    hwm_kb = status_kb("VmHWM")
     return {"backend": backend, "update_s": statistics.median(times), "update_s_all": times, "setup_s": setup_s,
-            "peak_rss_mb": _hwm_mb(), "peak_reset": reset, "action_tokens": tokens}
+            "peak_rss_mb": hwm_kb / 1024.0 if hwm_kb else None, "peak_reset": reset, "action_tokens": tokens}
 
 
 def main() -> None:

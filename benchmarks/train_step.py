@@ -90,7 +90,6 @@ import copy
 import gc
 import json
 import random
-import re
 import statistics
 import tempfile
 import time
@@ -100,7 +99,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import RESULTS_DIR, Stopwatch, max_rss_mb, report, run_module, write_json
+from benchmarks.common import (RESULTS_DIR, Stopwatch, max_rss_mb, report, reset_peak_rss, run_module, status_kb,
+                               write_json)
 from serl_cli import annotate as annotate_mod
 from serl_cli import io
 from serl_cli.annotate import AnnotateConfig, annotate_episodes
@@ -127,22 +127,6 @@ def variant_configs(name: str, cfg: "UpdateBench") -> tuple[TrainConfig, Annotat
 
 
 # -- memory ----------------------------------------------------------------------------------
-def _reset_peak() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _status_kb(field: str) -> int | None:
-    try:
-        m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
-    except OSError:
-        return None
-    return int(m.group(1)) if m else None
-
-
 def _trim_heap() -> None:
     """Hand freed heap back to the OS (glibc), so a step's RSS starts from what is live."""
     try:
@@ -251,8 +235,8 @@ def run_step(name: str, bench: "UpdateBench", model_name: str, episodes: list[di
     gc.collect()
     _trim_heap()
     parts.seconds.clear()
-    rss_start_kb = _status_kb("VmRSS")
-    reset = _reset_peak() if reset_peak else False
+    rss_start_kb = status_kb("VmRSS")
+    reset = reset_peak_rss() if reset_peak else False
     annotations = meta = None
     stats: dict = {}
     with Stopwatch() as annotate_sw:
@@ -262,7 +246,7 @@ def run_step(name: str, bench: "UpdateBench", model_name: str, episodes: list[di
             meta = {"config": io.to_plain(acfg), "stats": stats}
     with Stopwatch() as update_sw:
         metrics = learner.update(episodes, bench.temperature, annotations, meta)
-    hwm_kb, maxrss = _status_kb("VmHWM"), max_rss_mb()
+    hwm_kb, maxrss = status_kb("VmHWM"), max_rss_mb()
     scored = [a for a in annotations or [] if a["teacher_logprobs"] is not None]
     out = {
         "variant": name,

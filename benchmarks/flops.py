@@ -38,9 +38,9 @@ import torch
 
 from benchmarks.common import Stopwatch, report
 from benchmarks.train_step import Batch, UpdateBench, make_batch
+from serl_cli.artifacts.schema import TurnSample, turn_samples
 from serl_cli.errors import SerlError
-from serl_cli.schema import TurnSample, turn_samples
-from serl_cli.train import Learner, TrainConfig
+from serl_cli.training.learner import Learner, TrainConfig
 
 
 @dataclass
@@ -103,14 +103,14 @@ def step_flops(samples: list[TurnSample], n_params: int, layers: int, d_model: i
 
 
 def preset_model(preset: str, world) -> str:
-    from serl_cli.default_model import default_model_dir
+    from serl_cli.rollout.default_model import default_model_dir
 
     return str(default_model_dir(world, "webshop", preset=preset))
 
 
 def measure(cfg: FlopsBench, log=print) -> dict:
-    from serl_cli.model import set_torch_threads
-    from serl_cli.settings import EnvConfig, build_world
+    from serl_cli.models.loading import set_torch_threads
+    from serl_cli.rollout.worlds import EnvConfig, build_world
 
     set_torch_threads(cfg.threads)
     world = build_world(EnvConfig(name="webshop", split="train", max_turns=cfg.max_turns,

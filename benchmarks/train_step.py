@@ -8,7 +8,7 @@
 Writes ``benchmarks/results/train_step.json`` (``train_step_scripted.json`` with
 ``--rollouts scripted``) unless ``--out`` is given.
 
-One step is what the online loop (``serl_cli.online``) does between a rollout and the
+One step is what the online loop (``serl_cli.stages.online``) does between a rollout and the
 next: for serl, rlsd and sdpo ``annotate_episodes`` (feedback sources and the hindsight
 block, the placement rule, teacher scoring of the turns that need it, the weights), then
 ``Learner.update`` (prepare + the gradient step); for grpo ``Learner.update`` alone.
@@ -31,7 +31,7 @@ Rollouts (collected once, untimed; every variant trains on the same episodes):
   The scripted rollouts look like a policy partway through training: the successful half of
   each group follows the expert; in the other half each turn takes, with probability
   ``--deviate`` (seeded per episode and turn), a random admissible action
-  (``serl_cli.policies.RandomPolicy``) instead of the expert's, and the expert recovers
+  (``serl_cli.rollout.policies.RandomPolicy``) instead of the expert's, and the expert recovers
   from wherever that leads. Each reply is ``<action>...</action>`` + end-of-turn,
   tokenized; its behaviour log-probs are the tiny model's teacher-forced log-probs at
   ``--temperature`` -- what the model would have recorded had it sampled those tokens.
@@ -99,19 +99,27 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import (RESULTS_DIR, Stopwatch, max_rss_mb, report, reset_peak_rss, run_module, status_kb,
-                               write_json)
-from serl_cli import annotate as annotate_mod
-from serl_cli import io
-from serl_cli.annotate import AnnotateConfig, annotate_episodes
-from serl_cli.engines import SamplingConfig
+from benchmarks.common import (
+    RESULTS_DIR,
+    Stopwatch,
+    max_rss_mb,
+    report,
+    reset_peak_rss,
+    run_module,
+    status_kb,
+    write_json,
+)
+from serl_cli.artifacts import io
+from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.errors import SerlError
-from serl_cli.policies import Decision, ExpertPolicy, RandomPolicy
-from serl_cli.prompts import PromptConfig, format_action
-from serl_cli.rollout import RolloutConfig, episode_specs, run_rollout, sample_tasks
-from serl_cli.schema import read_rollouts
-from serl_cli.settings import EnvConfig, build_world
-from serl_cli.train import Learner, TrainConfig
+from serl_cli.method import annotation as annotate_mod
+from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
+from serl_cli.rollout.engines import SamplingConfig
+from serl_cli.rollout.policies import Decision, ExpertPolicy, RandomPolicy
+from serl_cli.rollout.prompts import PromptConfig, format_action
+from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.stages.rollout import RolloutConfig, episode_specs, run_rollout, sample_tasks
+from serl_cli.training.learner import Learner, TrainConfig
 
 VARIANTS = ("grpo", "serl", "rlsd", "sdpo")
 
@@ -164,7 +172,7 @@ class ScriptedPolicy:
 
     def __init__(self, model, tokenizer, prompt: PromptConfig, group_size: int, deviate: float, seed: int,
                  temperature: float):
-        from serl_cli.engines import ModelPolicy
+        from serl_cli.rollout.engines import ModelPolicy
 
         self.model, self.tokenizer, self.group_size = model, tokenizer, group_size
         self.deviate, self.seed, self.temperature = deviate, seed, temperature
@@ -173,7 +181,7 @@ class ScriptedPolicy:
         self._episode: dict[int, int] = {}  # id of the record's turn list -> spec index
 
     def act(self, steps, contexts) -> list[Decision]:
-        from serl_cli.teacher import ScoreItem, score
+        from serl_cli.method.teacher import ScoreItem, score
 
         prompt_ids = self._prompter.prompts(steps, contexts)
         out = []
@@ -207,8 +215,8 @@ def collect_rollouts(bench: "UpdateBench", env: EnvConfig, world, model_name: st
                                 sampling=sampling, batch_size=n, seed=bench.seed, threads=bench.threads, out=tmp)
             run_rollout(cfg, overwrite=True)
             return read_rollouts(tmp)
-    from serl_cli.model import load_model
-    from serl_cli.runner import run_episodes
+    from serl_cli.models.loading import load_model
+    from serl_cli.rollout.runner import run_episodes
 
     model, tokenizer = load_model(model_name)
     model.eval()
@@ -254,7 +262,7 @@ def run_step(name: str, bench: "UpdateBench", model_name: str, episodes: list[di
         "annotate_cpu_s": annotate_sw.cpu_s,
         "teacher_s": float(stats.get("teacher_s", 0.0)),
         "expert_trajectories_s": parts.seconds.get("expert_trajectories", 0.0),
-        "action_mask_s": parts.seconds.get("action_token_mask", 0.0),
+        "action_mask_s": parts.seconds.get("action_span_mask", 0.0),
         "update_s": update_sw.wall_s,
         "update_cpu_s": update_sw.cpu_s,
         "gradient_loop_s": metrics["timing"]["update_s"],
@@ -341,7 +349,7 @@ def check(cfg: UpdateBench) -> None:
 
 def make_batch(cfg: UpdateBench) -> Batch:
     """Collect the rollouts (untimed) and give them their synthetic rewards."""
-    from serl_cli.model import set_torch_threads
+    from serl_cli.models.loading import set_torch_threads
 
     check(cfg)
     set_torch_threads(cfg.threads)
@@ -350,7 +358,7 @@ def make_batch(cfg: UpdateBench) -> Batch:
     if cfg.model:
         model_name = cfg.model
     else:
-        from serl_cli.default_model import default_model_dir
+        from serl_cli.rollout.default_model import default_model_dir
 
         model_name = str(default_model_dir(world, "webshop"))
     t0 = time.perf_counter()
@@ -375,7 +383,7 @@ def measure(cfg: UpdateBench, batch: Batch | None = None, log=print) -> dict:
     log(f"rollouts ({cfg.rollouts}): {len(batch.episodes)} episodes, {batch.turns} turns in {batch.rollout_s:.1f} s")
     parts = PartTimer()
     parts.wrap(annotate_mod, "expert_trajectories")
-    parts.wrap(annotate_mod, "action_token_mask")
+    parts.wrap(annotate_mod, "action_span_mask")
     warm_up(batch, cfg, parts)
 
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
@@ -431,7 +439,7 @@ def fresh_process_memory(variant: str, cfg: UpdateBench, batch: Batch) -> dict:
 
 def one_step(variant: str, cfg: UpdateBench, episodes_file: str, out: str | None) -> None:
     """The body of the fresh process: load everything, note the RSS, run one step, note the peak."""
-    from serl_cli.model import set_torch_threads
+    from serl_cli.models.loading import set_torch_threads
 
     set_torch_threads(cfg.threads)
     env = EnvConfig(name="webshop", split="train", max_turns=cfg.max_turns, settings={"catalog": cfg.catalog})

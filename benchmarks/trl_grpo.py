@@ -57,11 +57,12 @@ import torch
 
 from benchmarks.common import Stopwatch, report, require
 from benchmarks.train_step import Batch, UpdateBench, make_batch
+from serl_cli.algos.batch import make_micro_batches
+from serl_cli.algos.objectives import episode_advantages
+from serl_cli.artifacts.schema import TurnSample, turn_samples
 from serl_cli.errors import SerlError
-from serl_cli.objectives import episode_advantages
-from serl_cli.schema import TurnSample, turn_samples
-from serl_cli.train import Learner, TrainConfig
-from serl_cli.trainer import OptimConfig, make_micro_batches
+from serl_cli.training.learner import Learner, TrainConfig
+from serl_cli.training.step import OptimConfig
 
 
 @dataclass
@@ -120,7 +121,7 @@ def make_trl_trainer(model_name: str, inputs: dict, rows: int, accumulation: int
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from serl_cli.model import load_model
+    from serl_cli.models.loading import load_model
 
     class FixedBatchGRPOTrainer(GRPOTrainer):
         """GRPO whose generation step returns the same prepared batch every time."""

@@ -149,10 +149,6 @@ def _coerce(tp, value, where: str):
     return value
 
 
-def to_dict(obj) -> dict:
-    return dataclasses.asdict(obj)
-
-
 def resolve(cls, *, config_file: str | None, flags: dict, overrides: list[str], base: dict | None = None):
     """defaults < base (a stage's own defaults) < YAML file < flags given < --set."""
     data = base or {}

@@ -17,18 +17,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serl_cli.deepspeed_backend import DeepSpeedConfig  # noqa: E402
-from serl_cli.lora import LoraConfig  # noqa: E402
-from serl_cli.teacher import ScoreItem, score  # noqa: E402
-from serl_cli.train import Learner, TrainConfig  # noqa: E402
-from serl_cli.trainer import OptimConfig  # noqa: E402
+from serl_cli.method.teacher import ScoreItem, score  # noqa: E402
+from serl_cli.training.deepspeed import DeepSpeedConfig  # noqa: E402
+from serl_cli.training.learner import Learner, TrainConfig  # noqa: E402
+from serl_cli.training.lora import LoraConfig  # noqa: E402
+from serl_cli.training.step import OptimConfig  # noqa: E402
 
 
 def make_episodes(model_dir: str, seed: int = 0, groups: int = 2, group_size: int = 4) -> list[dict]:
     """Random prompts and replies over the tokenizer's ids, scored by the model itself for
     the behaviour log-probs; in each group the first half succeeds. Lengths vary, so the
     micro-batches of a small token budget differ in count and width."""
-    from serl_cli.model import load_model
+    from serl_cli.models.loading import load_model
 
     model, tokenizer = load_model(model_dir)
     model.eval()

@@ -4,9 +4,9 @@ Import the fixtures a module uses (``from fixtures_model import tiny_model_dir``
 conftest.py puts this folder on ``sys.path``. Session-scoped: built once per module that
 imports them (each importing module registers its own copy), under a pytest temp dir.
 
-* ``tiny_tokenizer``: a byte-level BPE trained with ``serl_cli.model.train_tokenizer`` on
+* ``tiny_tokenizer``: a byte-level BPE trained with ``serl_cli.models.tiny.train_tokenizer`` on
   :func:`webshop_like_corpus` (about 500 lines generated here; ~680 ids).
-* ``tiny_model_dir``: ``serl_cli.model.init_model("tiny", ...)`` on the same corpus, as it
+* ``tiny_model_dir``: ``serl_cli.models.tiny.init_model("tiny", ...)`` on the same corpus, as it
   comes (random weights, seed 0). It practically never writes the end-of-turn token:
   its ids (a few hundred) are about equally likely at T = 1, and greedy repeats one id.
 * ``stopping_model_dir``: that model with the end-of-turn token's (tied) embedding row
@@ -24,11 +24,12 @@ import pytest
 import torch
 
 from envs.webshop.env import RULES
-from serl_cli.engines import SamplingConfig
-from serl_cli.model import EOS_TOKEN, init_model, load_model, train_tokenizer
-from serl_cli.prompts import ACTION_FORMAT, PromptConfig, build_messages, render_prompt_ids
-from serl_cli.rollout import RolloutConfig
-from serl_cli.settings import EnvConfig
+from serl_cli.models.loading import load_model
+from serl_cli.models.tiny import EOS_TOKEN, init_model, train_tokenizer
+from serl_cli.rollout.engines import SamplingConfig
+from serl_cli.rollout.prompts import ACTION_FORMAT, PromptConfig, build_messages, render_prompt_ids
+from serl_cli.rollout.worlds import EnvConfig
+from serl_cli.stages.rollout import RolloutConfig
 
 _COLORS = ["red", "blue", "black", "white", "green", "navy blue", "gray"]
 _ITEMS = ["running shoes", "hair dryer", "coffee mug", "t-shirt", "headphones", "water bottle", "desk lamp",

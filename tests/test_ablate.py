@@ -1,6 +1,6 @@
 """``serl ablate``: grid rule, end to end on a tiny model, the SLURM array, kill and resume, bad input, report maths.
 
-Commands run through ``serl_cli.ablate_runners.SELF_CMD`` (``python -m serl_cli``), the way the
+Commands run through ``serl_cli.ablate.runners.SELF_CMD`` (``python -m serl_cli``), the way the
 runners start cells themselves.
 """
 
@@ -17,17 +17,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from scipy import stats
-
-from serl_cli import ablate as ab
-from serl_cli.ablate_runners import SELF_CMD
-from serl_cli.ablate_report import write_report
-from serl_cli.errors import SerlError
-
 from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
+from scipy import stats
 from test_cli_env import assert_one_line_error
 
-WRAPPER = "import serl_cli.commands.ablate_cmd\nfrom serl_cli.cli import main\nmain()\n"
+from serl_cli.ablate import grid as ab
+from serl_cli.ablate.report import write_report
+from serl_cli.ablate.runners import SELF_CMD
+from serl_cli.errors import SerlError
+
+WRAPPER = "from serl_cli.cli import main\nmain()\n"
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

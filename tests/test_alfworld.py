@@ -15,12 +15,12 @@ import os
 from pathlib import Path
 
 import pytest
+from test_cli_env import assert_one_line_error, serl
 
 from envs.alfworld import feedback as fb
 from envs.alfworld.expert import to_211, to_212
 from envs.base import EnvError
-
-from test_cli_env import assert_one_line_error, serl
+from serl_cli.artifacts import io
 
 UNSEEN_FIRST = "json_2.1.1/valid_unseen/look_at_obj_in_light-AlarmClock-None-DeskLamp-308/trial_T20190908_222917_366542"
 UNSEEN_HEAT = 95  # pick_heat_then_place_in_recep-Apple-None-Fridge-10/trial_T20190906_182353_418140
@@ -289,14 +289,14 @@ def test_data_prepare_plans_resumes_and_is_read(tmp_path, world):
     assert all(r["plan"] and r["task_type"] == "look_at_obj_in_light" and len(r["sha256"]) == 64 for r in records)
 
     games = world.games("train")[:3]
-    resumed = prepare_plans(games[:2], out, known=load_plans([out]), timeout_s=60)
+    resumed = prepare_plans(games[:2], out, known=load_plans([out]), append=io.append_jsonl, timeout_s=60)
     assert (resumed.planned, resumed.skipped) == (0, 2) and len(read_records(out)) == 2
     # a game that runs past its timeout is recorded, and skipped by a rerun with the same timeout
-    timed_out = prepare_plans(games, out, known=load_plans([out]), timeout_s=0.01)
+    timed_out = prepare_plans(games, out, known=load_plans([out]), append=io.append_jsonl, timeout_s=0.01)
     assert (timed_out.failed, timed_out.skipped) == (1, 2)
     last = read_records(out)[-1]
     assert last["game"] == games[2].rel and "timeout" in last["error"] and "plan" not in last
-    assert prepare_plans(games, out, known=load_plans([out]), timeout_s=0.01).skipped == 3
+    assert prepare_plans(games, out, known=load_plans([out]), append=io.append_jsonl, timeout_s=0.01).skipped == 3
 
     # the environment follows a prepared plan file
     from envs import make_world
@@ -311,9 +311,9 @@ def test_data_prepare_plans_resumes_and_is_read(tmp_path, world):
 
 
 def test_data_prepare_bad_input(tmp_path, world):
-    from serl_cli.commands.data_cmd import PrepareConfig, prepare_alfworld
+    from serl_cli.cli.data import PrepareConfig, prepare_alfworld
     from serl_cli.errors import SerlError
-    from serl_cli.settings import EnvConfig
+    from serl_cli.rollout.worlds import EnvConfig
 
     cfg = PrepareConfig(env=EnvConfig(name="alfworld", split="train"), games=999, out=str(tmp_path / "p.jsonl"))
     with pytest.raises(SerlError, match="--games 999 out of range: the alfworld train split has 180 games"):
@@ -348,7 +348,7 @@ def test_missing_extra_is_one_line(monkeypatch):
 
 @pytest.mark.slow
 def test_tiny_model_trains_on_alfworld(tmp_path, world):
-    from serl_cli.model import init_model
+    from serl_cli.models.tiny import init_model
 
     model = init_model("tiny", tmp_path / "model", world.corpus_texts(), seed=0)
     config = Path(__file__).parents[1] / "experiments" / "alfworld" / "grpo.yaml"

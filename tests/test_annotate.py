@@ -10,19 +10,19 @@ import json
 
 import pytest
 import torch
-
-from serl_cli import io
-from serl_cli.annotate import AnnotateConfig, annotate_episodes, read_annotations, run_annotate
-from serl_cli.errors import SerlError
-from serl_cli.rollout import run_rollout
-from serl_cli.schema import read_rollouts
-from serl_cli.teacher import action_token_mask, teacher_prompt_ids
-from serl_cli.train import Learner, TrainConfig
-from serl_cli.trainer import OptimConfig
-
 from fixtures_model import rollout_config, stopping_model_dir, tiny_model_dir  # noqa: F401  (fixtures)
 from test_cli_env import assert_one_line_error, serl
 from test_pipeline_bad_input import tree_hash
+
+from serl_cli.artifacts import io
+from serl_cli.artifacts.schema import read_annotations, read_rollouts
+from serl_cli.errors import SerlError
+from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
+from serl_cli.method.teacher import action_span_mask, teacher_prompt_ids
+from serl_cli.stages.annotate import run_annotate
+from serl_cli.stages.rollout import run_rollout
+from serl_cli.training.learner import Learner, TrainConfig
+from serl_cli.training.step import OptimConfig
 
 
 def make_half_successful(run) -> None:
@@ -44,7 +44,7 @@ def run_dir(stopping_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(stopping_model_dir):
-    from serl_cli.model import load_model
+    from serl_cli.models.loading import load_model
 
     model, tok = load_model(str(stopping_model_dir))
     return model.eval(), tok
@@ -67,15 +67,15 @@ def test_teacher_prompt_splices_block_before_end_of_turn():
 def test_action_mask_excludes_reasoning_tags_and_end(model_and_tokenizer):
     _, tok = model_and_tokenizer
     ids = tok.encode("<think>look first</think><action>click[buy now]</action>", add_special_tokens=False) + [tok.eos_token_id]
-    mask = action_token_mask(tok, ids)
+    mask = action_span_mask(tok, ids)
     inside = tok.decode([i for i, m in zip(ids, mask) if m])
     assert "click[buy now]" in inside and "think" not in inside and "look" not in inside
     assert mask[-1] == 0  # the end-of-turn token keeps weight 1
     bare = tok.encode("search[red shoes]", add_special_tokens=False)
-    assert all(action_token_mask(tok, bare))
+    assert all(action_span_mask(tok, bare))
     # no parseable action: the environment got the whole reply, so all of it is the action
-    assert all(action_token_mask(tok, tok.encode("hello there", add_special_tokens=False)))
-    assert action_token_mask(tok, tok.encode("hello", add_special_tokens=False) + [tok.eos_token_id])[-1] == 0
+    assert all(action_span_mask(tok, tok.encode("hello there", add_special_tokens=False)))
+    assert action_span_mask(tok, tok.encode("hello", add_special_tokens=False) + [tok.eos_token_id])[-1] == 0
 
 
 def test_feedback_placement_selects_fired_turns_and_scores_only_those(run_dir, model_and_tokenizer):

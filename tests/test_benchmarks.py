@@ -14,7 +14,7 @@ from benchmarks.common import Figure, figure_rows, target_met, write_json
 from benchmarks.flops import matmul_flops, non_embedding_parameters, step_flops
 from benchmarks.suite import external_figures, main
 from benchmarks.trl_grpo import rows_per_micro_batch, serl_padded_tokens, trl_inputs
-from serl_cli.schema import TurnSample
+from serl_cli.artifacts.schema import TurnSample
 
 
 def sample(prompt, action, logps=None, episode=0):
@@ -46,7 +46,7 @@ def test_step_flops_by_hand():
 
 
 def test_non_embedding_parameters_leave_out_the_tied_embedding(tiny_model_dir):  # noqa: F811
-    from serl_cli.model import load_model
+    from serl_cli.models.loading import load_model
 
     model, _ = load_model(str(tiny_model_dir))
     assert model.config.tie_word_embeddings

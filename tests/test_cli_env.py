@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import requires_webshop_data
 
 
@@ -133,7 +132,7 @@ def test_eval_spread_panel_takes_evenly_spaced_tasks(tmp_path):
     assert p.returncode == 0, p.stderr
     rows = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
     total = json.loads((out / "eval.json").read_text())
-    from serl_cli.evaluate import PANELS
+    from serl_cli.stages.evaluate import PANELS
 
     assert PANELS["spread"](4, 10) == [0, 2, 5, 7] and PANELS["first"](3, 10) == [0, 1, 2]
     assert total["panel"] == "spread" and len(rows) == 4

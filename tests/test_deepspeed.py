@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from deepspeed_worker import full_parameters, make_episodes, run, train_config
 from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
-from serl_cli.deepspeed_backend import DeepSpeedConfig, default_config, resolve_config
-from serl_cli.errors import SerlError
-from serl_cli.trainer import OptimConfig
 from test_cli_env import assert_one_line_error, serl
+
+from serl_cli.errors import SerlError
+from serl_cli.training.deepspeed import DeepSpeedConfig, default_config, resolve_config
+from serl_cli.training.step import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -124,7 +124,7 @@ def test_zero_stages_match_torch(torch_result, zero_results, tiny_model_dir, sta
     assert_same_run(result, torch_result, TOL)
     # the run really trained: the losses move and the weights moved far more than the tolerance
     assert abs(torch_result["losses"][2] - torch_result["losses"][0]) > 1e-2
-    from serl_cli.model import load_model
+    from serl_cli.models.loading import load_model
 
     start, _ = load_model(str(tiny_model_dir))
     moved = max((torch_result["params"][n] - p).abs().max().item() for n, p in start.named_parameters())
@@ -143,9 +143,9 @@ def test_stage2_two_processes_match_one(zero_results, tiny_model_dir, tmp_path):
 
 
 def _micro_batch_count(model_dir) -> int:
-    from serl_cli.model import load_model
-    from serl_cli.schema import turn_samples
-    from serl_cli.trainer import make_micro_batches
+    from serl_cli.algos.batch import make_micro_batches
+    from serl_cli.artifacts.schema import turn_samples
+    from serl_cli.models.loading import load_model
 
     samples = turn_samples(make_episodes(str(model_dir)))
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].action_ids))
@@ -161,8 +161,8 @@ def test_the_batch_exercises_uneven_data_parallel_shares(tiny_model_dir):
 # -- checkpoints and resume -----------------------------------------------------------------------
 @needs_deepspeed
 def test_zero3_checkpoint_is_hf_and_resumes_exactly(zero_results, tiny_model_dir, tmp_path):
-    from serl_cli.model import load_model
-    from serl_cli.train import Learner
+    from serl_cli.models.loading import load_model
+    from serl_cli.training.learner import Learner
 
     cfg = train_config("deepspeed", 3)
     episodes = make_episodes(str(tiny_model_dir))
@@ -182,7 +182,7 @@ def test_zero3_checkpoint_is_hf_and_resumes_exactly(zero_results, tiny_model_dir
 
 @needs_deepspeed
 def test_non_finite_loss_skips_the_step(tiny_model_dir):
-    from serl_cli.train import Learner
+    from serl_cli.training.learner import Learner
 
     episodes = make_episodes(str(tiny_model_dir))
     episodes[0]["turns"][0]["behaviour_logprobs"][0] = float("nan")

@@ -1,4 +1,4 @@
-"""The generation engine and the rollout stage it drives (serl_cli.engines, serl_cli.rollout).
+"""The generation engine and the rollout stage it drives (serl_cli.rollout.engines, serl_cli.stages.rollout).
 
 The acceptance test: the behaviour log-probs stored with a rollout are what a plain
 forward pass of the same model gives for the stored tokens, ``log_softmax(logits / T)``
@@ -15,15 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_model import rollout_config, stopping_model_dir, synthetic_env, tiny_model_dir  # noqa: F401  (fixtures)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fixtures_model import rollout_config, stopping_model_dir, synthetic_env, tiny_model_dir  # noqa: F401  (fixtures)
-from serl_cli.engines import SamplingConfig
-from serl_cli.engines.hf import HFEngine
-from serl_cli.model import EOS_TOKEN, PAD_TOKEN, load_model
-from serl_cli.prompts import format_action
-from serl_cli.rollout import run_rollout
-from serl_cli.schema import ROLLOUTS_FILE, read_rollouts
+from serl_cli.artifacts.schema import ROLLOUTS_FILE, read_rollouts
+from serl_cli.models.loading import load_model
+from serl_cli.models.tiny import EOS_TOKEN, PAD_TOKEN
+from serl_cli.rollout.engines import SamplingConfig
+from serl_cli.rollout.engines.hf import HFEngine
+from serl_cli.rollout.prompts import format_action
+from serl_cli.stages.rollout import run_rollout
 
 torch.set_num_threads(1)
 

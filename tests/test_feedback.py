@@ -1,4 +1,4 @@
-"""Feedback sources and hindsight blocks (serl_cli.feedback, METHOD.md 3-4). Fast: hand-made
+"""Feedback sources and hindsight blocks (serl_cli.method.feedback, METHOD.md 3-4). Fast: hand-made
 rollout records, no model; one small trained tokenizer for the cutter."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from envs.base import state_key
-from serl_cli import feedback as fb
 from serl_cli.errors import SerlError
-from serl_cli.anchors import anchor_groups, hindsight_anchor
-from serl_cli.feedback import TurnContext, hindsight_step, parse_sources
+from serl_cli.method import feedback as fb
+from serl_cli.method.anchors import anchor_groups, hindsight_anchor
+from serl_cli.method.feedback import TurnContext, hindsight_step, parse_sources
 
 
 def turn(action, state, *, error=None, diff="", obs=None, observation=None):
-    """One turn as serl_cli.runner records it (token fields left empty)."""
+    """One turn as serl_cli.rollout.runner records it (token fields left empty)."""
     return {"observation": observation or f"page {state}", "state_key": state, "expert_action": None,
             "prompt_ids": [], "action_ids": [], "action_text": f"<action>{action}</action>", "action": action,
             "behaviour_logprobs": [], "next_observation": obs if obs is not None else f"after {action}",
@@ -237,7 +237,7 @@ def test_char_cutter_keeps_a_long_unbroken_tail_cut():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from serl_cli.model import train_tokenizer
+    from serl_cli.models.tiny import train_tokenizer
 
     # ASCII only: accented letters, kana and emoji split into byte tokens, so cuts can fall mid-character
     return train_tokenizer([t for t in TEXTS if t.isascii()] * 3 + ["the quick brown fox jumps over the lazy dog"] * 5, 300)

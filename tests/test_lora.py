@@ -11,10 +11,11 @@ pytest.importorskip("peft")
 
 from deepspeed_worker import make_episodes, train_config  # noqa: E402
 from fixtures_model import tiny_model_dir  # noqa: F401,E402  (fixture)
+
 from serl_cli.errors import SerlError  # noqa: E402
-from serl_cli.model import load_model  # noqa: E402
-from serl_cli.teacher import ScoreItem, TeacherSnapshot, score  # noqa: E402
-from serl_cli.train import Learner  # noqa: E402
+from serl_cli.method.teacher import ScoreItem, TeacherSnapshot, score  # noqa: E402
+from serl_cli.models.loading import load_model  # noqa: E402
+from serl_cli.training.learner import Learner  # noqa: E402
 
 BACKENDS = ["torch", pytest.param("deepspeed", marks=pytest.mark.skipif(
     __import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed"))]
@@ -84,7 +85,7 @@ def test_reference_is_the_start_and_teacher_is_the_synced_adapter(tiny_model_dir
     second = learner.update(episodes, 1.0)
     assert second["kl_ref"] > 0.0
     live = logprobs(learner.model, tokenizer, episodes)
-    from serl_cli.lora import reference_view
+    from serl_cli.training.lora import reference_view
 
     with reference_view(learner.model) as base:
         assert torch.allclose(logprobs(base, tokenizer, episodes), start_lp, atol=1e-6)

@@ -1,4 +1,4 @@
-"""Tests for serl_cli.model: presets, offline tokenizer round trip, init determinism, loading."""
+"""Tests for serl_cli.models (tiny, loading): presets, offline tokenizer round trip, init determinism, loading."""
 
 import os
 
@@ -12,15 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from serl_cli.model import (
-    SPECIAL_TOKENS,
-    ModelError,
-    build_config,
-    count_parameters,
-    init_model,
-    load_model,
-    train_tokenizer,
-)
+from serl_cli.models.loading import ModelError, load_model
+from serl_cli.models.tiny import SPECIAL_TOKENS, build_config, count_parameters, init_model, train_tokenizer
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from reliability.faults import tree_hash
 from test_cli_env import assert_one_line_error, serl

@@ -8,16 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from serl_cli.engines import SamplingConfig
-from serl_cli.online import OnlineConfig, run_online
-from serl_cli.rollout import RolloutConfig
-from serl_cli.train import TrainConfig
-from serl_cli.trainer import OptimConfig
-
 from fixtures_model import synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
+from safetensors.torch import load_file
 from test_cli_env import serl
+
+from serl_cli.rollout.engines import SamplingConfig
+from serl_cli.stages.online import OnlineConfig, run_online
+from serl_cli.stages.rollout import RolloutConfig
+from serl_cli.training.learner import TrainConfig
+from serl_cli.training.step import OptimConfig
 
 SYNTH = ["--set", "env.settings.catalog=synthetic"]
 
@@ -101,8 +100,8 @@ def test_online_refuses_existing_run(tiny_model_dir, tmp_path):
 
 
 def test_eval_prompts_a_checkpoint_as_it_was_trained(tiny_model_dir, tmp_path):
-    from serl_cli.evaluate import EvalConfig, make_policy
-    from serl_cli.prompts import PROMPT_FILE, PromptConfig, prompt_file_text
+    from serl_cli.rollout.prompts import PROMPT_FILE, PromptConfig, prompt_file_text
+    from serl_cli.stages.evaluate import EvalConfig, make_policy
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -120,7 +119,7 @@ def test_eval_prompts_a_checkpoint_as_it_was_trained(tiny_model_dir, tmp_path):
 
 def test_filtered_behaviour_cloning_keeps_only_successful_episodes(tmp_path):
     from serl_cli.errors import SerlError
-    from serl_cli.train import training_episodes
+    from serl_cli.training.learner import training_episodes
 
     eps = [{"success": True, "task_id": 0}, {"success": False, "task_id": 1}, {"success": True, "task_id": 2}]
     assert training_episodes(eps, TrainConfig(algo="sft", sft_successful_only=True), tmp_path) == [eps[0], eps[2]]

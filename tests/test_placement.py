@@ -8,16 +8,13 @@ import random
 import pytest
 
 from serl_cli.errors import SerlError
-from serl_cli.placement import (
+from serl_cli.method.placement import (
     PLACEMENTS,
     TurnInfo,
     check_rule,
     gap_count,
     needs_teacher_before_selection,
     select,
-    selected_keys,
-    selection_budget,
-    turn_infos,
 )
 
 # fired:  T     F     T     F     F     T
@@ -42,7 +39,6 @@ def test_registry_names():
 
 def test_feedback_selects_fired_turns():
     assert select("feedback", TURNS) == [True, False, True, False, False, True]
-    assert selected_keys("feedback", TURNS) == {(0, 0), (1, 0), (2, 0)}
 
 
 def test_all_selects_every_turn():
@@ -108,13 +104,6 @@ def test_random_is_uniform_over_turns():
     assert all(abs(c / 2000 - 0.3) < 0.05 for c in counts)
 
 
-def test_selection_budget():
-    assert selection_budget("feedback", TURNS) == 3
-    assert selection_budget("random", TURNS) == 3
-    assert selection_budget("all", TURNS) == 6
-    assert selection_budget("gap", TURNS, rho=0.5) == 2
-
-
 def test_needs_teacher_before_selection():
     assert needs_teacher_before_selection("gap") is True
     for rule in ("feedback", "all", "random"):
@@ -122,8 +111,7 @@ def test_needs_teacher_before_selection():
 
 
 def test_unknown_rule_lists_known_rules():
-    for call in (lambda: select("dense", TURNS), lambda: check_rule("dense"), lambda: needs_teacher_before_selection("dense"),
-                 lambda: selection_budget("dense", TURNS)):
+    for call in (lambda: select("dense", TURNS), lambda: check_rule("dense"), lambda: needs_teacher_before_selection("dense")):
         with pytest.raises(SerlError) as e:
             call()
         msg = str(e.value)
@@ -140,7 +128,3 @@ def test_bad_rho(rho):
     check_rule("feedback")  # no rho given: only the name is checked
 
 
-def test_turn_infos_from_annotation_records():
-    recs = [{"episode": 0, "turn": 0, "fired": ["error"], "log_ratio_mean": -0.3},
-            {"episode": 0, "turn": 1, "fired": [], "log_ratio_mean": None}]
-    assert turn_infos(recs) == [TurnInfo((0, 0), True, -0.3), TurnInfo((0, 1), False, None)]

@@ -1,13 +1,21 @@
-"""Prompts and the action parser (serl_cli.prompts): what the policy reads and how its reply
+"""Prompts and the action parser (serl_cli.rollout.prompts): what the policy reads and how its reply
 becomes an action. Fast: no model; one small tokenizer for the rendering test."""
 
 from __future__ import annotations
 
 import pytest
-
 from fixtures_model import tiny_tokenizer  # noqa: F401  (fixture)
-from serl_cli.model import EOS_TOKEN
-from serl_cli.prompts import ACTION_FORMAT, PromptConfig, action_span, build_messages, format_action, parse_action, render_prompt_ids
+
+from serl_cli.models.tiny import EOS_TOKEN
+from serl_cli.rollout.prompts import (
+    ACTION_FORMAT,
+    PromptConfig,
+    action_span,
+    build_messages,
+    format_action,
+    parse_action,
+    render_prompt_ids,
+)
 
 # ---------------------------------------------------------------- parse_action / action_span
 

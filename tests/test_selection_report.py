@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from serl_cli.errors import SerlError
-from serl_cli.selection_report import selection_report
+from serl_cli.method.selection_report import selection_report
 
 
 def rec(episode, turn, selected, sources=(), fired=(), advantage=0.0):

@@ -7,11 +7,12 @@ import json
 from rich.console import Console
 from typer.testing import CliRunner
 
-from serl_cli import io, show
-from serl_cli.cli import app
-from serl_cli.commands import show_cmd  # noqa: F401  (registers `show` on app)
+from serl_cli.artifacts import io
+from serl_cli.artifacts.schema import ANNOTATION_KEYS, TURN_KEYS
+from serl_cli.cli import show as _show_cmd  # noqa: F401  (registers `show`)
+from serl_cli.cli.root import app
 from serl_cli.errors import SerlError
-from serl_cli.schema import ANNOTATION_KEYS, TURN_KEYS
+from serl_cli.stages import show
 
 LONG_TAIL = " lorem" * 100  # pushes an observation past show.OBS_CHARS
 
@@ -138,7 +139,7 @@ def test_missing_model_dir_falls_back_to_numbers(tmp_path):
 
 
 def test_tokenizer_path_decodes_each_token(tmp_path):
-    from serl_cli.model import train_tokenizer
+    from serl_cli.models.tiny import train_tokenizer
 
     texts = ["<action>search[red mug]</action>", "<action>click[b0x]</action>", "click[buy now] red mug"] * 20
     tok = train_tokenizer(texts, 300)
@@ -219,7 +220,7 @@ def test_cli_exits_2_with_one_line(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from serl_cli.commands import show_cmd; from serl_cli.cli import main; "
+    code = ("import sys; from serl_cli.cli import main; "
             f"sys.argv = ['serl', 'show', {str(tmp_path / 'nope')!r}]; main()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "run directory not found" in out.stderr

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from serl_cli.stats_tests import describe, paired_t_test, t_interval, wilcoxon_signed_rank
+from serl_cli.stats.paired import paired_t_test, wilcoxon_signed_rank
+from serl_cli.stats.summary import describe, t_interval
 
 A = [0.62, 0.55, 0.71, 0.58, 0.66]
 B = [0.50, 0.52, 0.60, 0.49, 0.61]

@@ -1,4 +1,4 @@
-"""The vLLM engine (serl_cli.engines.vllm) against the transformers one, on the tiny models.
+"""The vLLM engine (serl_cli.rollout.engines.vllm) against the transformers one, on the tiny models.
 
 Acceptance: on the same prompt ids, vLLM's greedy replies equal the hf engine's, and the
 log-probs vLLM returns (its own, not recomputed) match a plain forward pass of the same
@@ -20,17 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_model import stopping_model_dir, synthetic_env, tiny_model_dir, webshop_like_corpus  # noqa: F401  (fixtures)
+from test_cli_env import assert_one_line_error, serl
 
 from envs.webshop.env import RULES
-from fixtures_model import (stopping_model_dir, synthetic_env, tiny_model_dir,  # noqa: F401  (fixtures)
-                            webshop_like_corpus)
-from serl_cli.engines import SamplingConfig, make_engine
-from serl_cli.engines.hf import HFEngine
-from serl_cli.engines.vllm import VLLMConfig, check_sampling, request_seeds
 from serl_cli.errors import SerlError
-from serl_cli.model import load_model
-from serl_cli.prompts import PromptConfig, build_messages, render_prompt_ids
-from test_cli_env import assert_one_line_error, serl
+from serl_cli.models.loading import load_model
+from serl_cli.rollout.engines import SamplingConfig, make_engine
+from serl_cli.rollout.engines.hf import HFEngine
+from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling, request_seeds
+from serl_cli.rollout.prompts import PromptConfig, build_messages, render_prompt_ids
 
 torch.set_num_threads(1)
 
@@ -76,10 +75,10 @@ def test_online_engine_vllm_without_the_extra(tiny_model_dir, tmp_path):
 
 def test_online_vllm_refuses_adapter_only_checkpoints(tiny_model_dir, tmp_path):
     """vLLM reloads the policy from each saved checkpoint: LoRA must save merged weights."""
-    from serl_cli.lora import LoraConfig
-    from serl_cli.online import OnlineConfig, run_online
-    from serl_cli.rollout import RolloutConfig
-    from serl_cli.train import TrainConfig
+    from serl_cli.stages.online import OnlineConfig, run_online
+    from serl_cli.stages.rollout import RolloutConfig
+    from serl_cli.training.learner import TrainConfig
+    from serl_cli.training.lora import LoraConfig
 
     cfg = OnlineConfig(env=synthetic_env(), model=str(tiny_model_dir), out=str(tmp_path / "run"),
                        rollout=RolloutConfig(engine="vllm"),
@@ -95,8 +94,8 @@ def test_unknown_engine_is_named():
 
 
 def test_top_p_below_one_is_refused_for_sampling_only(tiny_model_dir, tmp_path):
-    from serl_cli.online import OnlineConfig, run_online
-    from serl_cli.rollout import RolloutConfig, run_rollout
+    from serl_cli.stages.online import OnlineConfig, run_online
+    from serl_cli.stages.rollout import RolloutConfig, run_rollout
 
     with pytest.raises(SerlError, match="top_p = 1 only"):
         check_sampling(SamplingConfig(temperature=1.0, top_p=0.9))
@@ -233,12 +232,12 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(engine, hf,
     """``engine: vllm`` through the online loop (SFT at a high learning rate, so the weights
     move). The loop's engine is the shared one: make_engine is checked for what the loop
     asks (vLLM, from the starting model's directory) and hands that engine back."""
-    import serl_cli.online as online
-    from serl_cli.online import OnlineConfig, run_online
-    from serl_cli.rollout import RolloutConfig
-    from serl_cli.schema import read_rollouts
-    from serl_cli.train import TrainConfig
-    from serl_cli.trainer import OptimConfig
+    import serl_cli.stages.online as online
+    from serl_cli.artifacts.schema import read_rollouts
+    from serl_cli.stages.online import OnlineConfig, run_online
+    from serl_cli.stages.rollout import RolloutConfig
+    from serl_cli.training.learner import TrainConfig
+    from serl_cli.training.step import OptimConfig
 
     start, tok = weights("plain")
 

@@ -5,11 +5,10 @@ own behaviour (see envs/webshop/search.py for how its BM25 differs from Lucene's
 from __future__ import annotations
 
 import pytest
+from conftest import requires_webshop_data
 
 from envs import make_world
 from envs.base import EnvError
-
-from conftest import requires_webshop_data
 
 
 @pytest.fixture(scope="module")

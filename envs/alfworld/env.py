@@ -25,8 +25,18 @@ import re
 from dataclasses import dataclass, field
 
 from envs.alfworld import feedback as fb
-from envs.alfworld.games import (GAMES_DIR, SPLITS, TASK_TYPES, Game, DOWNLOAD_HINT, data_root, list_games, require_engine,
-                                 check_split, file_sha256)
+from envs.alfworld.games import (
+    DOWNLOAD_HINT,
+    GAMES_DIR,
+    SPLITS,
+    TASK_TYPES,
+    Game,
+    check_split,
+    data_root,
+    file_sha256,
+    list_games,
+    require_engine,
+)
 from envs.alfworld.plans import default_plan_files, load_plans, plan_for
 from envs.base import ActionFormat, EnvError, Feedback, Step
 

@@ -104,6 +104,7 @@ def _child(game_file: str, conn) -> None:
         conn.close()
 
 
+
 @dataclass
 class PrepareResult:
     planned: int = 0  # new plans written
@@ -111,12 +112,12 @@ class PrepareResult:
     skipped: int = 0  # already had a plan, or failed before at a timeout at least as long
 
 
-def prepare_plans(games: list[Game], out: Path, *, known: dict[str, dict], workers: int = 1,
-                  timeout_s: float = 600.0, on_result: Callable[[Game, dict], None] | None = None) -> PrepareResult:
+def prepare_plans(games: list[Game], out: Path, *, known: dict[str, dict], append: Callable[[Path, dict], None],
+                  workers: int = 1, timeout_s: float = 600.0, on_result: Callable[[Game, dict], None] | None = None) -> PrepareResult:
     """Plan every game that has no plan yet, ``workers`` games at a time, each in its own
-    process killed after ``timeout_s``; each result is appended to ``out`` as it arrives, so
-    an interrupted run resumes where it stopped."""
-    from serl_cli import io
+    process killed after ``timeout_s``; each result is appended to ``out`` as it arrives
+    (``append``: serl passes its atomic JSONL append), so an interrupted run resumes
+    where it stopped."""
 
     result = PrepareResult()
     failed_before = {r["game"]: r.get("timeout_s", 0) for r in read_records(out) if "error" in r}
@@ -160,7 +161,7 @@ def prepare_plans(games: list[Game], out: Path, *, known: dict[str, dict], worke
                 result.failed += 1
             else:
                 result.planned += 1
-            io.append_jsonl(out, rec)  # the whole file rewritten atomically: a kill leaves it whole
+            append(out, rec)
             if on_result:
                 on_result(g, rec)
     return result

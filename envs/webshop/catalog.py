@@ -78,21 +78,3 @@ def load_real_catalog(data_dir: str | os.PathLike | None = None) -> Catalog:
     if not isinstance(instructions, dict):
         raise EnvError(f"{path / INSTRUCTIONS_FILE}: expected a JSON object keyed by ASIN")
     return Catalog(products=products, texts=texts, instructions=instructions, source=f"webshop-1k:{path}")
-
-
-def load_catalog(kind: str = "auto", *, data_dir: str | None = None, synthetic_size: int = 200, synthetic_seed: int = 0) -> Catalog:
-    """``real`` (the 1k catalog), ``synthetic``, or ``auto``.
-
-    ``auto`` takes the real catalog whenever a data folder is named (the argument or
-    ``$SERL_DATA_DIR``) -- and then a folder without the files is an error, not a silent
-    fallback -- and the synthetic catalog when none is.
-    """
-    if kind == "auto":
-        kind = "real" if (data_dir or os.environ.get(DATA_ENV_VAR)) else "synthetic"
-    if kind == "real":
-        return load_real_catalog(data_dir)
-    if kind == "synthetic":
-        from envs.webshop.synthetic import make_synthetic_catalog
-
-        return make_synthetic_catalog(num_products=synthetic_size, seed=synthetic_seed)
-    raise EnvError(f"unknown WebShop catalog {kind!r}: choose real, synthetic or auto")

@@ -12,16 +12,18 @@ reward 0, at the turn limit.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
 from envs.base import EnvError, Feedback, Step, state_key
 from envs.webshop import pages
-from envs.webshop.catalog import Catalog, load_catalog
-from envs.webshop.goals import build_goals, split_indices, SPLITS
+from envs.webshop.catalog import DATA_ENV_VAR, Catalog, load_real_catalog
+from envs.webshop.goals import SPLITS, build_goals, split_indices
 from envs.webshop.pages import PageState
 from envs.webshop.reward import total_reward
 from envs.webshop.search import SearchEngine
+from envs.webshop.synthetic import make_synthetic_catalog
 
 DEFAULT_MAX_TURNS = 15
 ACTION_RE = re.compile(r"(search|click)\[(.+)\]", re.DOTALL)
@@ -33,6 +35,23 @@ Act with exactly one action per turn:
 - click[target]  click a button, a product's ASIN, or an option value shown on the page
 The episode ends when you click[buy now]; your score is how well the product you bought,
 its options and its price match the instruction."""
+
+
+
+def load_catalog(kind: str = "auto", *, data_dir: str | None = None, synthetic_size: int = 200, synthetic_seed: int = 0) -> Catalog:
+    """``real`` (the 1k catalog), ``synthetic``, or ``auto``.
+
+    ``auto`` takes the real catalog whenever a data folder is named (the argument or
+    ``$SERL_DATA_DIR``) -- and then a folder without the files is an error, not a silent
+    fallback -- and the synthetic catalog when none is.
+    """
+    if kind == "auto":
+        kind = "real" if (data_dir or os.environ.get(DATA_ENV_VAR)) else "synthetic"
+    if kind == "real":
+        return load_real_catalog(data_dir)
+    if kind == "synthetic":
+        return make_synthetic_catalog(num_products=synthetic_size, seed=synthetic_seed)
+    raise EnvError(f"unknown WebShop catalog {kind!r}: choose real, synthetic or auto")
 
 
 @dataclass

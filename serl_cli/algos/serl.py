@@ -13,8 +13,6 @@ constants: computed from stored log-probs, never differentiated.
 import torch
 from torch import Tensor
 
-from .core import masked_mean
-
 
 def hindsight_weights(logp_teacher: Tensor, logp_old: Tensor, advantages_sign: Tensor,
                       clip: float = 0.2) -> Tensor:
@@ -54,19 +52,3 @@ def apply_placement(weights: Tensor, selected_tokens_mask: Tensor) -> Tensor:
     return torch.where(selected_tokens_mask.bool(), weights, torch.ones_like(weights))
 
 
-def weight_stats(weights: Tensor, mask: Tensor) -> dict:
-    """mean/min/max weight over masked tokens, as floats for logging.
-
-    An empty mask (no turn selected) reports 1.0: every token then has weight 1.
-    """
-    m = mask.bool()
-    if not m.any():
-        return {"weight_mean": 1.0, "weight_min": 1.0, "weight_max": 1.0}
-    sel = weights.detach()[m]
-    return {"weight_mean": sel.mean().item(), "weight_min": sel.min().item(),
-            "weight_max": sel.max().item()}
-
-
-def mean_abs_log_ratio(logp_teacher: Tensor, logp_old: Tensor, mask: Tensor) -> float:
-    """Mean |log pi_T - log pi_old| over masked tokens: how much hindsight moves the teacher."""
-    return masked_mean((logp_teacher - logp_old).detach().abs(), mask).item()

@@ -12,12 +12,12 @@ import os
 import shutil
 
 import pytest
-
 from faults import cli_exit_code, run_with_file_size_limit, tree_hash
 from fixtures_model import rollout_config, synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
-from serl_cli import io
+
+from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
-from serl_cli.rollout import JOURNAL_FILE, run_rollout
+from serl_cli.stages.rollout import JOURNAL_FILE, run_rollout
 
 SETTINGS = dict(seed=3, env=synthetic_env(max_turns=4), tasks=2, group_size=3, max_new_tokens=10, batch_size=4)
 CLI_SETTINGS = ["--tasks", "2", "--group-size", "3", "--max-turns", "4", "--seed", "3", "--set", "env.settings.catalog=synthetic",

@@ -10,13 +10,12 @@ import json
 import time
 
 import pytest
+from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 
 import envs
 from envs.base import EnvError, Feedback, Step, state_key
-from serl_cli.policies import ExpertPolicy
-from serl_cli.runner import EpisodeSpec, run_episodes
-
-from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
+from serl_cli.rollout.policies import ExpertPolicy
+from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 
 
 class ToyEpisode:
@@ -116,9 +115,9 @@ def test_bad_task_id_at_reset_still_stops_the_run():
 
 
 def test_rollout_stage_records_env_errors(tiny_model_dir, tmp_path, monkeypatch):
-    from serl_cli.rollout import RolloutConfig, run_rollout
-    from serl_cli.schema import read_rollouts
-    from serl_cli.settings import EnvConfig
+    from serl_cli.artifacts.schema import read_rollouts
+    from serl_cli.rollout.worlds import EnvConfig
+    from serl_cli.stages.rollout import RolloutConfig, run_rollout
 
     monkeypatch.setitem(envs._REGISTRY, "toy", lambda **settings: ToyWorld({1: (1, "raise"), 3: (2, "sleep")}))
     cfg = RolloutConfig(env=EnvConfig(name="toy", split="train", step_timeout_s=0.5), model=str(tiny_model_dir),

@@ -14,10 +14,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from faults import cli, one_line_error, tree_hash
 from fixtures_model import rollout_config, synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
-from serl_cli.rollout import run_rollout
+
+from serl_cli.stages.rollout import run_rollout
 
 SYNTH = ["--set", "env.settings.catalog=synthetic"]
 
@@ -54,7 +54,7 @@ def _doc_lines(n: int = 3) -> bytes:
 
 
 def _annotations_of_wrong_schema(run: Path) -> None:
-    from serl_cli.annotate import rollouts_fingerprint
+    from serl_cli.artifacts.schema import rollouts_fingerprint
 
     (run / "annotations.jsonl").write_text(json.dumps({"episode": 0, "turn": 0}) + "\n")
     manifest = json.loads((run / "manifest.json").read_text())
@@ -71,7 +71,7 @@ def _journal(run: Path, header_text: str) -> None:
 
 
 def _other_settings_journal(run: Path) -> None:
-    from serl_cli.rollout import RolloutConfig, journal_header
+    from serl_cli.stages.rollout import RolloutConfig, journal_header
 
     _journal(run, json.dumps({"journal": journal_header(RolloutConfig(seed=99), 1)}))
 
@@ -221,7 +221,7 @@ def test_hostile_action_strings_are_environment_feedback_not_crashes(capsys):
                          ";".join(actions[1:]))
     assert code == 0, err
     assert "Traceback" not in err
-    from serl_cli.settings import EnvConfig, build_world
+    from serl_cli.rollout.worlds import EnvConfig, build_world
 
     world = build_world(EnvConfig(split="train", settings={"catalog": "synthetic"}))
     for action in actions:

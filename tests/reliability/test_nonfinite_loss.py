@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
-
 from fixtures_model import rollout_config, synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
-from serl_cli import objectives
-from serl_cli.rollout import run_rollout
-from serl_cli.schema import read_rollouts
-from serl_cli.train import Learner, TrainConfig
-from serl_cli.trainer import OptimConfig
+
+from serl_cli.algos import objectives
+from serl_cli.artifacts.schema import read_rollouts
+from serl_cli.stages.rollout import run_rollout
+from serl_cli.training.learner import Learner, TrainConfig
+from serl_cli.training.step import OptimConfig
 
 POISON = {1: float("nan"), 3: float("inf")}  # optimizer step -> what its loss becomes
 

@@ -18,11 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
 from faults import kill_during, lines, same_weights, stage_status, without
 from fixtures_model import rollout_config, synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
-from serl_cli import io
-from serl_cli.rollout import JOURNAL_FILE, run_rollout
+
+from serl_cli.artifacts import io
+from serl_cli.stages.rollout import JOURNAL_FILE, run_rollout
 
 ROLLOUT = dict(tasks=2, group_size=3, max_new_tokens=10, batch_size=4)  # 6 episodes, 4 live: episodes join mid-run
 
@@ -113,7 +113,7 @@ def test_rollout_resume_refuses_other_settings(tiny_model_dir, tmp_path):
 # -- annotate: the unit is one teacher micro-batch ------------------------------------------------
 
 def annotate_cfg():
-    from serl_cli.annotate import AnnotateConfig
+    from serl_cli.method.annotation import AnnotateConfig
 
     # every turn scored, a few turns per teacher micro-batch: several units to kill between
     return AnnotateConfig(sources="ref|error", placement="all", skip_zero_advantage=False, micro_batch_tokens=1200,
@@ -129,7 +129,8 @@ def copy_run(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference_annotations(reference_rollout, tmp_path_factory):
-    from serl_cli.annotate import JOURNAL_FILE as AJ, run_annotate
+    from serl_cli.stages.annotate import JOURNAL_FILE as AJ
+    from serl_cli.stages.annotate import run_annotate
 
     run = copy_run(reference_rollout[0], tmp_path_factory.mktemp("ref") / "annotated")
     with units_written() as units:
@@ -139,7 +140,8 @@ def reference_annotations(reference_rollout, tmp_path_factory):
 
 
 def test_annotate_resumes_identical_after_sigkill(reference_rollout, reference_annotations, tmp_path):
-    from serl_cli.annotate import JOURNAL_FILE as AJ, run_annotate
+    from serl_cli.stages.annotate import JOURNAL_FILE as AJ
+    from serl_cli.stages.annotate import run_annotate
 
     ref, units = reference_annotations
     assert units >= 4
@@ -164,8 +166,10 @@ def test_annotate_resumes_identical_after_sigkill(reference_rollout, reference_a
 def test_training_refuses_an_interrupted_annotation(reference_annotations, tmp_path):
     """Annotating again (--overwrite) and killed: the old annotations are whole, but the
     manifest no longer vouches for them, so training refuses them instead of mixing runs."""
-    from serl_cli.annotate import JOURNAL_FILE as AJ, read_annotations, run_annotate
+    from serl_cli.artifacts.schema import read_annotations
     from serl_cli.errors import SerlError
+    from serl_cli.stages.annotate import JOURNAL_FILE as AJ
+    from serl_cli.stages.annotate import run_annotate
 
     run = tmp_path / "a"
     shutil.copytree(reference_annotations[0], run)
@@ -181,8 +185,8 @@ def test_training_refuses_an_interrupted_annotation(reference_annotations, tmp_p
 # -- a single `serl train`: the unit is the update ---------------------------------------------
 
 def train_cfg():
-    from serl_cli.train import TrainConfig
-    from serl_cli.trainer import OptimConfig
+    from serl_cli.training.learner import TrainConfig
+    from serl_cli.training.step import OptimConfig
 
     return TrainConfig(algo="sft", optim=OptimConfig(lr=1e-3), epochs=1, mini_batches=2, threads=1)
 
@@ -198,7 +202,7 @@ def expert_run(tiny_model_dir, tmp_path_factory):
 def reference_update(expert_run, tmp_path_factory):
     import time
 
-    from serl_cli.train import train_on_run
+    from serl_cli.stages.train import train_on_run
 
     run = copy_run(expert_run, tmp_path_factory.mktemp("ref") / "trained")
     t0 = time.perf_counter()
@@ -207,7 +211,7 @@ def reference_update(expert_run, tmp_path_factory):
 
 
 def test_single_update_resumes_identical_after_sigkill(expert_run, reference_update, tmp_path):
-    from serl_cli.train import train_on_run
+    from serl_cli.stages.train import train_on_run
 
     ref, duration = reference_update
     rng = random.Random(10)
@@ -232,9 +236,9 @@ def test_single_update_resumes_identical_after_sigkill(expert_run, reference_upd
 # -- the online loop: the unit is the iteration -----------------------------------------------
 
 def online_cfg(model, out):
-    from serl_cli.engines import SamplingConfig
-    from serl_cli.online import OnlineConfig
-    from serl_cli.rollout import RolloutConfig
+    from serl_cli.rollout.engines import SamplingConfig
+    from serl_cli.stages.online import OnlineConfig
+    from serl_cli.stages.rollout import RolloutConfig
 
     # sft on the policy's own samples always has a gradient, so iteration 1 samples from changed weights
     return OnlineConfig(env=synthetic_env(max_turns=3), model=str(model), iterations=2, seed=4, out=str(out),
@@ -244,7 +248,7 @@ def online_cfg(model, out):
 
 @pytest.fixture(scope="module")
 def reference_online(tiny_model_dir, tmp_path_factory):
-    from serl_cli.online import run_online
+    from serl_cli.stages.online import run_online
 
     out = tmp_path_factory.mktemp("ref") / "online"
     run_online(online_cfg(tiny_model_dir, out))
@@ -252,7 +256,7 @@ def reference_online(tiny_model_dir, tmp_path_factory):
 
 
 def test_online_loop_resumes_identical_after_sigkill(tiny_model_dir, reference_online, tmp_path):
-    from serl_cli.online import run_online
+    from serl_cli.stages.online import run_online
 
     ref = reference_online
     rng = random.Random(11)
@@ -277,7 +281,7 @@ def test_online_loop_resumes_identical_after_sigkill(tiny_model_dir, reference_o
 def test_online_resume_after_a_kill_between_metrics_and_done(tiny_model_dir, reference_online, tmp_path):
     """The state a SIGKILL leaves when it lands after iteration 0 appended its metrics line
     and before the manifest marks it done (a window of a few milliseconds)."""
-    from serl_cli.online import run_online
+    from serl_cli.stages.online import run_online
 
     out = tmp_path / "window"
     cfg = online_cfg(tiny_model_dir, out)
@@ -294,7 +298,7 @@ def test_online_resume_after_a_kill_between_metrics_and_done(tiny_model_dir, ref
 
 @pytest.fixture(scope="module")
 def grid_record(tiny_model_dir):
-    from serl_cli import ablate as ab
+    from serl_cli.ablate import grid as ab
 
     overrides = [f"model={tiny_model_dir}", "env.settings.catalog=synthetic", "env.max_turns=3", "rollout.tasks=2",
                  "rollout.group_size=2", "rollout.sampling.max_new_tokens=8", "rollout.threads=1", "train.threads=1",
@@ -305,7 +309,7 @@ def grid_record(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference_cell(grid_record, tmp_path_factory):
-    from serl_cli import ablate as ab
+    from serl_cli.ablate import grid as ab
 
     out = tmp_path_factory.mktemp("ref") / "abl"
     ab.write_grid(out, grid_record)
@@ -314,7 +318,7 @@ def reference_cell(grid_record, tmp_path_factory):
 
 
 def test_ablate_cell_resumes_identical_after_sigkill(grid_record, reference_cell, tmp_path):
-    from serl_cli import ablate as ab
+    from serl_cli.ablate import grid as ab
 
     ref = reference_cell
     rng = random.Random(12)

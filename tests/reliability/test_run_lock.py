@@ -11,10 +11,10 @@ import subprocess
 import time
 
 import pytest
-
 from faults import cli, kill_during, one_line_error, tree_hash
 from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
-from serl_cli import runlock
+
+from serl_cli.artifacts import runlock
 from serl_cli.errors import SerlError
 
 SYNTH = ["--set", "env.settings.catalog=synthetic"]
@@ -73,7 +73,8 @@ def test_stale_lock_is_taken_over_with_a_warning(tiny_model_dir, tmp_path, capsy
 
 def test_lock_of_a_killed_writer_is_taken_over_by_resume(tiny_model_dir, tmp_path):
     from fixtures_model import rollout_config
-    from serl_cli.rollout import run_rollout
+
+    from serl_cli.stages.rollout import run_rollout
 
     run = tmp_path / "run"
     assert kill_during(lambda: run_rollout(rollout_config(tiny_model_dir, run)), lambda: (run / "manifest.json").exists())
@@ -106,7 +107,7 @@ def test_refused_command_leaves_no_directories_behind(tmp_path, capsys):
 
 
 def test_same_ablate_cell_twice_refuses(tmp_path):
-    from serl_cli import ablate as ab
+    from serl_cli.ablate import grid as ab
 
     grid = ab.load_grid(None, overrides=["env.settings.catalog=synthetic"], flags={"algo": "grpo", "seeds": 2})
     record = ab.grid_record(grid, [])

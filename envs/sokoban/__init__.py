@@ -1,0 +1,1 @@
+"""Sokoban: seeded reverse-play rooms, an exact solver, and deadlock feedback (``envs.sokoban.env``)."""

@@ -1,0 +1,389 @@
+"""``serl ablate``: a grid of online runs (cells), each trained then evaluated in its own directory.
+
+Grid file (YAML; unknown keys anywhere are errors)::
+
+    description: free text                  # optional
+    base: {...}                             # an OnlineConfig mapping (env, model, iterations, rollout, train, annotate, ...)
+    grid:                                   # the axes; each one a list (seeds: a count or a list)
+      env: [webshop]                        # default: [base env.name]
+      algo: [grpo, serl]                    # default: [base train.algo]
+      sources: ["ref|error", error]         # default: [base annotate.sources]
+      granularity: [step]                   # default: [base annotate.granularity]
+      placement: [feedback]                 # default: [base annotate.placement]
+      seeds: 3                              # 3 = seeds 0, 1, 2; or a list [0, 7, 9]; default 1
+    final_eval: {episodes: 50, split: test} # the fixed panel every cell is scored on (default: whole split;
+                                            # panel: spread takes N tasks evenly spaced, not the first N)
+    slurm: {partition: gpu, time: "04:00:00", cpus_per_task: 8, gpus: 1, mem: 64G, template: FILE}
+
+**Arms and cells.** Arms are the product env x algo x sources x granularity x placement, in
+that order, duplicates dropped. The sources, granularity and placement axes apply only to
+the algorithms that annotate (serl, rlsd, sdpo); any other algorithm (grpo, gigpo) gets one
+arm per environment, however many values those axes hold -- no duplicate cells. rlsd
+always uses placement ``all`` (it is SERL's weights on every turn), so it gets one arm per
+source set and granularity. sdpo arms get ``train.distill_coef: 1.0`` where the base leaves
+it at 0 (sdpo is that term alone). Cells are arms x seeds, arm-major; the seed sets both
+``seed`` and ``train.seed`` of the cell's run. ``base.out`` and ``base.seed`` are ignored.
+
+**Flags shorthand.** Without a grid file, flags build the grid on top of ``--config`` (the
+base; default: the OnlineConfig defaults) and ``--set``. ``--sources error,obs,ref`` means
+one SERL arm per listed source, one SERL arm with all of them combined (``error,obs,ref``),
+and the GRPO baseline: algo defaults to ``[grpo, serl]`` when ``--sources`` is given
+without ``--algo``. A single spec (``--sources "ref|error"``) is one arm. ``--algo a,b``,
+``--granularity x,y``, ``--placement x,y`` and ``--env a,b`` are comma lists; ``--seeds N``
+is seeds 0..N-1. With a grid file, the same flags replace that axis of the file
+(``--sources`` then is the plain list, no combined arm added).
+
+**Layout of OUT.** ``grid.json`` (the resolved grid and the cell list in a fixed order, so
+``--cell i`` means the same cell from every entry point; written atomically, and a second
+entry point with a different grid is refused), ``cells/<name>/`` per cell: ``cell.json``
+(parameters, status running|done, wall time, teacher tokens scored, final eval summary,
+selection-bias summary), ``train/`` (the online run), ``eval.json`` + ``episodes.jsonl``
+(final evaluation of ``train/checkpoint`` on the fixed test panel). A cell writes nowhere
+else, so any number can run at once. A cell whose cell.json says done and whose eval.json
+exists is skipped; otherwise training resumes from its last finished iteration (the online
+loop's ``--resume``) and the evaluation is redone if missing.
+
+**Names.** ``<env>-<algo>-<sources>-<granularity>-<placement>-s<seed>`` for annotating
+algorithms, ``<env>-<algo>-s<seed>`` otherwise; in sources ``|`` becomes ``_or_`` and ``,``
+becomes ``+`` (``webshop-serl-ref_or_error-step-feedback-s0``); any other character
+outside ``[A-Za-z0-9._+-]`` becomes ``_``. The arm name is the cell name without ``-s<seed>``.
+
+**Runners.** :func:`run_cells` runs the cells here one after another, or ``parallel`` at a
+time as subprocesses each running ``serl ablate ... --cell i``; :func:`emit_slurm` writes
+``OUT/ablate.sbatch``, a job array whose task i runs the same command with ``--cell
+"$SLURM_ARRAY_TASK_ID"``. The program is ``${SERL:-serl}`` so a cluster can point it at a
+virtual environment (``SERL=/path/venv/bin/serl sbatch OUT/ablate.sbatch``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from serl_cli import config as cfgmod
+from serl_cli.artifacts import io, runlock
+from serl_cli.errors import SerlError
+
+ANNOTATING = ("serl", "rlsd", "sdpo")
+AXES = ("env", "algo", "sources", "granularity", "placement", "seeds")
+TOP_KEYS = ("description", "base", "grid", "final_eval", "slurm")
+FINAL_EVAL_KEYS = ("episodes", "split", "panel")
+SLURM_KEYS = ("partition", "time", "cpus_per_task", "gpus", "mem", "account", "template", "extra")
+GRID_VERSION = 1
+
+
+
+@dataclass
+class Grid:
+    base: dict
+    axes: dict  # env, algo, sources, granularity, placement: lists; seeds: list of ints
+    final_eval: dict = field(default_factory=lambda: {"episodes": None, "split": None})  # None: the env's eval split
+    slurm: dict = field(default_factory=dict)
+    description: str = ""
+
+
+def _fail_unknown(keys, known, where: str) -> None:
+    unknown = sorted(set(keys) - set(known))
+    if unknown:
+        raise SerlError(f"unknown key {where}{unknown[0]} in the ablation grid (known: {', '.join(known)})")
+
+
+def _as_list(value, name: str) -> list:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",")] if name != "sources" else [value]
+    if not isinstance(value, list):
+        raise SerlError(f"grid.{name} must be a list, got {value!r}")
+    return [str(v) for v in value]
+
+
+def _seeds(value) -> list[int]:
+    if isinstance(value, bool):
+        raise SerlError(f"grid.seeds must be a count or a list of integers, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise SerlError(f"empty grid: grid.seeds is {value}; give a count of at least 1 or a list of seeds")
+        return list(range(value))
+    if isinstance(value, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in value):
+        if len(set(value)) != len(value):
+            raise SerlError(f"grid.seeds names a seed twice: {value}")
+        return list(value)
+    raise SerlError(f"grid.seeds must be a count or a list of integers, got {value!r}")
+
+
+def load_grid(path: str | None = None, *, config_file: str | None = None, overrides: list[str] | None = None,
+              flags: dict | None = None) -> Grid:
+    """Build the grid from a grid file and/or flags (see the module docstring for the rule)."""
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    data: dict = {}
+    if path:
+        data = cfgmod.load_yaml(path)
+        _fail_unknown(data, TOP_KEYS, "")
+        if not isinstance(data.get("grid"), dict) or not data["grid"]:
+            raise SerlError(f"empty grid in {path}: give grid: with at least one axis ({', '.join(AXES)})")
+    base = data.get("base") or {}
+    if not isinstance(base, dict):
+        raise SerlError("base: must be a mapping of online-loop settings")
+    if config_file:
+        base = cfgmod.merge(base, cfgmod.load_yaml(config_file))
+    base = cfgmod.apply_overrides(base, list(overrides or []))
+    if "iterations" in flags:
+        base = cfgmod.merge(base, {"iterations": flags.pop("iterations")})
+    from serl_cli.stages.online import OnlineConfig
+
+    resolved = cfgmod.from_dict(OnlineConfig, base, "base")  # unknown keys and bad types fail here
+    base_plain = io.to_plain(resolved)
+    base_plain.pop("out", None)
+    base_plain.pop("seed", None)
+
+    raw = dict(data.get("grid") or {})
+    _fail_unknown(raw, AXES, "grid.")
+    for key, value in raw.items():
+        if value is None or value == [] or value == "":
+            raise SerlError(f"empty grid: grid.{key} has no values")
+    axes = {
+        "env": _as_list(raw.get("env", [base_plain["env"]["name"]]), "env"),
+        "algo": _as_list(raw.get("algo", [base_plain["train"]["algo"]]), "algo"),
+        "sources": _as_list(raw.get("sources", [base_plain["annotate"]["sources"]]), "sources"),
+        "granularity": _as_list(raw.get("granularity", [base_plain["annotate"]["granularity"]]), "granularity"),
+        "placement": _as_list(raw.get("placement", [base_plain["annotate"]["placement"]]), "placement"),
+        "seeds": _seeds(raw.get("seeds", 1)),
+    }
+    # flags replace axes; --sources from flags alone is the shorthand (each, all, + grpo)
+    for name in ("env", "algo", "granularity", "placement"):
+        if name in flags:
+            axes[name] = [v.strip() for v in str(flags[name]).split(",") if v.strip()]
+    if "sources" in flags:
+        listed = [s.strip() for s in str(flags["sources"]).split(",") if s.strip()]
+        if not path and len(listed) > 1:
+            listed = listed + [",".join(listed)]
+        axes["sources"] = listed
+        if not path and "algo" not in flags:
+            axes["algo"] = ["grpo", "serl"]
+    if "seeds" in flags:
+        axes["seeds"] = _seeds(flags["seeds"])
+    for name, values in axes.items():
+        if not values:
+            raise SerlError(f"empty grid: the {name} axis has no values")
+
+    fe = data.get("final_eval") or {}
+    if not isinstance(fe, dict):
+        raise SerlError("final_eval: must be a mapping {episodes, split, panel}")
+    _fail_unknown(fe, FINAL_EVAL_KEYS, "final_eval.")
+    final_eval = {"episodes": fe.get("episodes"), "split": None if fe.get("split") is None else str(fe["split"])}
+    if "panel" in fe:  # absent means "first", so grids written before panels existed stay the same grid
+        from serl_cli.stages.evaluate import PANELS
+
+        final_eval["panel"] = str(fe["panel"])
+        if final_eval["panel"] not in PANELS:
+            raise SerlError(f"final_eval.panel {final_eval['panel']!r} is unknown: choose one of {', '.join(PANELS)}")
+    if "episodes" in flags:
+        final_eval["episodes"] = flags["episodes"]
+    if final_eval["episodes"] is not None and (not isinstance(final_eval["episodes"], int) or final_eval["episodes"] < 1):
+        raise SerlError(f"final_eval.episodes must be a positive integer, got {final_eval['episodes']!r}")
+    slurm = data.get("slurm") or {}
+    if not isinstance(slurm, dict):
+        raise SerlError("slurm: must be a mapping")
+    _fail_unknown(slurm, SLURM_KEYS, "slurm.")
+    grid = Grid(base=base_plain, axes=axes, final_eval=final_eval, slurm=slurm, description=str(data.get("description", "")))
+    _validate_axes(grid)
+    return grid
+
+
+def _validate_axes(grid: Grid) -> None:
+    from serl_cli.algos.objectives import get_objective
+    from serl_cli.method.annotation import AnnotateConfig, validate
+
+    for algo in grid.axes["algo"]:
+        get_objective(algo)  # unknown algorithm: one line naming the known ones
+        if algo == "sft":
+            raise SerlError("--algo sft is not an online algorithm: warm-start with `serl train RUN --algo sft` and "
+                            "give its checkpoint as base.model")
+    if any(a in ANNOTATING for a in grid.axes["algo"]):
+        for s, g, p in itertools.product(grid.axes["sources"], grid.axes["granularity"], grid.axes["placement"]):
+            validate(AnnotateConfig(sources=s, granularity=g, placement=p))
+
+
+def _safe(text: str) -> str:
+    text = text.replace("|", "_or_").replace(",", "+").replace(" ", "")
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+
+
+def arms(grid: Grid) -> list[dict]:
+    out, seen = [], set()
+    for env, algo, sources, gran, place in itertools.product(grid.axes["env"], grid.axes["algo"], grid.axes["sources"],
+                                                             grid.axes["granularity"], grid.axes["placement"]):
+        if algo in ANNOTATING:
+            arm = {"env": env, "algo": algo, "sources": sources, "granularity": gran,
+                   "placement": "all" if algo == "rlsd" else place}
+            name = "-".join(_safe(x) for x in (env, algo, sources, gran, arm["placement"]))
+        else:
+            arm = {"env": env, "algo": algo, "sources": None, "granularity": None, "placement": None}
+            name = f"{_safe(env)}-{_safe(algo)}"
+        if name in seen:
+            continue
+        seen.add(name)
+        out.append({"name": name, **arm})
+    return out
+
+
+def cell_overrides(grid: Grid, arm: dict, seed: int) -> dict:
+    """What a cell changes in the base config (out is set at run time)."""
+    o: dict = {"env": {"name": arm["env"]}, "train": {"algo": arm["algo"], "seed": seed}, "seed": seed}
+    if arm["algo"] in ANNOTATING:
+        o["annotate"] = {"sources": arm["sources"], "granularity": arm["granularity"], "placement": arm["placement"]}
+        if arm["algo"] == "sdpo" and not grid.base["train"].get("distill_coef"):
+            o["train"]["distill_coef"] = 1.0
+    return o
+
+
+def cells(grid: Grid) -> list[dict]:
+    out = []
+    for arm in arms(grid):
+        for seed in grid.axes["seeds"]:
+            out.append({"index": len(out), "name": f"{arm['name']}-s{seed}", "arm": arm["name"], "seed": seed,
+                        "params": {k: arm[k] for k in ("env", "algo", "sources", "granularity", "placement")},
+                        "overrides": cell_overrides(grid, arm, seed)})
+    return out
+
+
+def grid_record(grid: Grid, source_args: list[str]) -> dict:
+    return {"kind": "serl-ablation", "version": GRID_VERSION, "source_args": list(source_args),
+            "description": grid.description, "axes": grid.axes, "final_eval": grid.final_eval, "slurm": grid.slurm,
+            "base": grid.base, "arms": arms(grid), "cells": cells(grid)}
+
+
+_IDENTITY = ("version", "axes", "final_eval", "base", "cells")
+
+
+def write_grid(out: Path, record: dict) -> None:
+    """Write OUT/grid.json, or check that the one there is this same grid."""
+    path = out / "grid.json"
+    if path.exists():
+        old = io.read_json(path)
+        if old.get("kind") != "serl-ablation":
+            raise SerlError(f"{path} is not an ablation grid")
+        if any(old.get(k) != json.loads(json.dumps(record[k])) for k in _IDENTITY):
+            raise SerlError(f"{out} holds a different ablation grid: use another --out (or delete {path})")
+        return
+    io.write_json(path, record)
+
+
+def load_grid_record(out: str | Path) -> dict:
+    out = Path(out)
+    path = out / "grid.json"
+    if not path.is_file():
+        raise SerlError(f"{out} is not an ablation directory (no grid.json)")
+    record = io.read_json(path)
+    if not isinstance(record, dict) or record.get("kind") != "serl-ablation":
+        raise SerlError(f"{path} is not an ablation grid")
+    return record
+
+
+def cell_dir(out: str | Path, cell: dict) -> Path:
+    return Path(out) / "cells" / cell["name"]
+
+
+def is_done(out: str | Path, cell: dict) -> bool:
+    d = cell_dir(out, cell)
+    if not (d / "cell.json").is_file() or not (d / "eval.json").is_file():
+        return False
+    try:
+        return io.read_json(d / "cell.json").get("status") == "done"
+    except SerlError:
+        return False
+
+
+def select_cell(record: dict, index: int) -> dict:
+    n = len(record["cells"])
+    if not 0 <= index < n:
+        raise SerlError(f"--cell {index} out of range: this grid has {n} cells (0..{n - 1})")
+    return record["cells"][index]
+
+
+def _teacher_tokens(train: Path) -> int:
+    total = 0
+    for m in sorted(train.glob("iter_*/manifest.json")):
+        try:
+            stats = io.read_json(m).get("stages", {}).get("annotate", {}).get("stats") or {}
+        except SerlError:
+            continue
+        total += int(stats.get("teacher_tokens_scored", 0) or 0)
+    return total
+
+
+def _selection(train: Path) -> dict | None:
+    reports = sorted(train.glob("iter_*/selection_report.json"))
+    if not reports:
+        return None
+    r = io.read_json(reports[-1])
+    return {"iteration": reports[-1].parent.name, "selected_fraction": r.get("counts", {}).get("selected_fraction"),
+            "verdict": r.get("tests", {}).get("verdict")}
+
+
+def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
+    """Train and evaluate cell ``index``; returns done | skipped."""
+    cell = select_cell(record, index)
+    d = cell_dir(out, cell)
+    if is_done(out, cell):
+        log(f"cell {index} {cell['name']}: done, skipped")
+        return "skipped"
+    with runlock.run_lock(d):  # two runners given the same cell: the second refuses, naming the first
+        return _run_cell(record, out, cell, index, log)
+
+
+def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str:
+    from serl_cli.rollout.worlds import EnvConfig
+    from serl_cli.stages.evaluate import EvalConfig, run_eval
+    from serl_cli.stages.online import OnlineConfig, run_online
+
+    d = cell_dir(out, cell)
+    if is_done(out, cell):  # another runner finished it between the first check and the lock
+        log(f"cell {index} {cell['name']}: done, skipped")
+        return "skipped"
+    d.mkdir(parents=True, exist_ok=True)
+    prev = io.read_json(d / "cell.json") if (d / "cell.json").is_file() else {}
+    info = {"index": index, "name": cell["name"], "arm": cell["arm"], "seed": cell["seed"], "params": cell["params"],
+            "status": "running", "attempts": int(prev.get("attempts", 0)) + 1,
+            "wall_time_s": float(prev.get("wall_time_s", 0.0)), "teacher_tokens_scored": 0}
+    io.write_json(d / "cell.json", info)
+    t0, before = time.perf_counter(), info["wall_time_s"]
+
+    def checkpoint_time(_metrics=None):  # a killed cell keeps the time it spent
+        info["wall_time_s"] = round(before + time.perf_counter() - t0, 3)
+        io.write_json(d / "cell.json", info)
+
+    cfg = cfgmod.from_dict(OnlineConfig, cfgmod.merge(record["base"], cell["overrides"]), "cell")
+    train = d / "train"
+    cfg.out = str(train)
+    trained = (train / "checkpoint" / "config.json").is_file() and _online_done(train)
+    if not trained:
+        resume = (train / "manifest.json").is_file()
+        log(f"cell {index} {cell['name']}: {'resuming' if resume else 'training'} ({cfg.iterations} iterations)")
+        run_online(cfg, resume=resume, overwrite=not resume, on_iteration=checkpoint_time)
+    fe = record["final_eval"]
+    if not (d / "eval.json").is_file():
+        ecfg = EvalConfig(env=EnvConfig(cfg.env.name, fe["split"], cfg.env.max_turns, cfg.env.settings,
+                                        cfg.env.step_timeout_s), policy="model",
+                          model=str(train / "checkpoint"), episodes=fe["episodes"], panel=fe.get("panel", "first"), seed=0,
+                          batch_size=cfg.rollout.batch_size, history_turns=cfg.rollout.prompt.history_turns,
+                          max_new_tokens=cfg.rollout.sampling.max_new_tokens, threads=cfg.train.threads, out=str(d))
+        run_eval(ecfg, overwrite=True)
+    ev = io.read_json(d / "eval.json")
+    checkpoint_time()
+    info.update(status="done", teacher_tokens_scored=_teacher_tokens(train), selection=_selection(train),
+                eval={k: ev.get(k) for k in ("episodes", "success_rate", "success_ci95", "score", "invalid_action_rate",
+                                             "mean_turns")})
+    io.write_json(d / "cell.json", info)
+    log(f"cell {index} {cell['name']}: success {ev['success_rate']:.3f}  score {ev['score']:.1f}")
+    return "done"
+
+
+def _online_done(train: Path) -> bool:
+    try:
+        return io.load_manifest(train).get("stages", {}).get("online", {}).get("status") == "done"
+    except SerlError:
+        return False

@@ -1,0 +1,243 @@
+"""``serl ablate --report OUT``: aggregate the finished cells of an ablation.
+
+Reads ``OUT/grid.json`` and each finished cell's ``eval.json`` / ``cell.json`` /
+``train/metrics.jsonl`` (a cell is finished when cell.json says done and eval.json exists;
+the others are listed as unfinished) and writes:
+
+* ``report.csv``: one row per arm, full precision: success rate and score (0-100) as
+  mean, std (ddof 1) and 95 % t-interval over seeds; the difference from the baseline arm
+  with its paired t-test (and Wilcoxon signed-rank where n >= 6); selection-bias summary;
+  cost (wall time, teacher tokens scored).
+* ``report.md``: the same, rounded, for a person.
+* ``curves.png``: success rate and mean reward of the training rollouts against cumulative
+  environment steps (running sum of ``env_steps``), one line per arm: the mean over seeds
+  at each iteration (x is the seeds' mean cumulative steps there), shaded +- std. Needs
+  matplotlib (``serl[plots]``); without it the report says so and skips the PNG.
+
+**Baseline and pairing.** The baseline is the first grpo arm where one exists, else the
+first arm. Each arm is paired with the baseline by seed, over the seeds both have
+finished; pairing is valid because every cell is evaluated on the same fixed test panel
+(``final_eval.episodes`` tasks of the split, the first ones or, with ``panel: spread``,
+evenly spaced ones; greedy decoding), so seed s of two
+arms differs only in the arm. Undefined statistics (one seed, zero variance) print n/a.
+
+**Selection bias.** Per arm, from the last iteration's ``selection_report.json`` of each
+seed: the mean selected fraction of turns and the verdicts (how many seeds gave each).
+"""
+
+from __future__ import annotations
+
+import csv
+import io as _stdio
+from pathlib import Path
+
+from serl_cli.ablate.grid import cell_dir, is_done, load_grid_record
+from serl_cli.artifacts import io
+from serl_cli.stats.paired import paired_t_test, wilcoxon_signed_rank
+from serl_cli.stats.summary import describe, fmt
+
+METRICS = (("success", "success_rate"), ("score", "score"))
+
+
+def _curve(train: Path) -> list[dict]:
+    path = train / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    by_iter = {}
+    for rec in io.iter_jsonl(path):
+        by_iter[int(rec.get("iteration", len(by_iter)))] = rec  # a resumed run may repeat an iteration: keep the last
+    steps, out = 0, []
+    for k in sorted(by_iter):
+        rec = by_iter[k]
+        steps += int(rec.get("env_steps", 0) or 0)
+        out.append({"iteration": k, "env_steps": steps, "success_rate": rec.get("success_rate"),
+                    "mean_reward": rec.get("mean_reward")})
+    return out
+
+
+def collect(out: str | Path) -> dict:
+    out = Path(out)
+    record = load_grid_record(out)
+    arms = {a["name"]: {**a, "cells": {}} for a in record["arms"]}
+    unfinished = []
+    for cell in record["cells"]:
+        d = cell_dir(out, cell)
+        if not is_done(out, cell):
+            status = "not started"
+            if (d / "cell.json").is_file():
+                status = io.read_json(d / "cell.json").get("status", "unknown")
+            unfinished.append({"index": cell["index"], "name": cell["name"], "status": status})
+            continue
+        ev, info = io.read_json(d / "eval.json"), io.read_json(d / "cell.json")
+        arms[cell["arm"]]["cells"][cell["seed"]] = {
+            "success": float(ev["success_rate"]), "score": float(ev["score"]), "episodes": ev.get("episodes"),
+            "wall_time_s": float(info.get("wall_time_s", 0.0)), "teacher_tokens": int(info.get("teacher_tokens_scored", 0)),
+            "selection": info.get("selection"), "curve": _curve(d / "train")}
+    names = list(arms)
+    baseline = next((n for n in names if arms[n]["algo"] == "grpo"), names[0] if names else None)
+    return {"record": record, "arms": arms, "baseline": baseline, "unfinished": unfinished}
+
+
+def summarize(data: dict) -> list[dict]:
+    rows = []
+    arms, baseline = data["arms"], data["baseline"]
+    base_cells = arms[baseline]["cells"] if baseline else {}
+    for name, arm in arms.items():
+        c = arm["cells"]
+        seeds = sorted(c)
+        row = {"arm": name, **{k: arm[k] for k in ("env", "algo", "sources", "granularity", "placement")},
+               "seeds_done": len(seeds), "seeds": " ".join(map(str, seeds))}
+        for label, _ in METRICS:
+            d = describe([c[s][label] for s in seeds])
+            row.update({f"{label}_mean": d["mean"], f"{label}_std": d["std"],
+                        f"{label}_ci_lo": d["ci95"][0] if d["ci95"] else None,
+                        f"{label}_ci_hi": d["ci95"][1] if d["ci95"] else None})
+        paired = sorted(set(seeds) & set(base_cells))
+        row["baseline"] = baseline
+        row["pairs"] = len(paired) if name != baseline else 0
+        for label, _ in METRICS:
+            if name == baseline or not paired:
+                row.update({f"diff_{label}": None, f"diff_{label}_ci_lo": None, f"diff_{label}_ci_hi": None,
+                            f"t_{label}": None, f"p_{label}": None, f"wilcoxon_p_{label}": None})
+                continue
+            a, b = [c[s][label] for s in paired], [base_cells[s][label] for s in paired]
+            t = paired_t_test(a, b)
+            w = wilcoxon_signed_rank(a, b)
+            row.update({f"diff_{label}": t["mean_diff"], f"diff_{label}_ci_lo": t["ci95"][0] if t["ci95"] else None,
+                        f"diff_{label}_ci_hi": t["ci95"][1] if t["ci95"] else None, f"t_{label}": t["t"],
+                        f"p_{label}": t["p"], f"wilcoxon_p_{label}": w["p"] if w else None})
+        sel = [c[s]["selection"] for s in seeds if c[s]["selection"]]
+        fracs = [x["selected_fraction"] for x in sel if x.get("selected_fraction") is not None]
+        verdicts: dict[str, int] = {}
+        for x in sel:
+            verdicts[x.get("verdict") or "none"] = verdicts.get(x.get("verdict") or "none", 0) + 1
+        row["selected_fraction"] = sum(fracs) / len(fracs) if fracs else None
+        row["selection_verdicts"] = "; ".join(f"{v} (x{k})" for v, k in verdicts.items()) if verdicts else None
+        walls = [c[s]["wall_time_s"] for s in seeds]
+        row["wall_time_s_total"] = sum(walls) if walls else None
+        row["wall_time_s_mean"] = sum(walls) / len(walls) if walls else None
+        row["teacher_tokens_total"] = sum(c[s]["teacher_tokens"] for s in seeds) if seeds else None
+        rows.append(row)
+    return rows
+
+
+def _pm(m, s, digits) -> str:
+    if m is None:
+        return "n/a"
+    return f"{m:.{digits}f} ± {fmt(s, digits)}"
+
+
+def _ci(lo, hi, digits) -> str:
+    return "n/a" if lo is None else f"[{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def _p(p) -> str:
+    return "n/a" if p is None else (f"{p:.3g}")
+
+
+def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str | None) -> str:
+    rec = data["record"]
+    n, unfinished = len(rec["cells"]), data["unfinished"]
+    fe = rec["final_eval"]
+    if not fe.get("episodes"):
+        panel = f"all tasks of the `{fe['split']}` split"
+    elif fe.get("panel", "first") == "spread":
+        panel = f"{fe['episodes']} tasks evenly spaced over the `{fe['split']}` split"
+    else:
+        panel = f"the first {fe['episodes']} tasks of the `{fe['split']}` split"
+    lines = [
+        "# Ablation report", "",
+        f"{n} cells ({n - len(unfinished)} finished, {len(unfinished)} unfinished): {len(rows)} arms x "
+        f"seeds {rec['axes']['seeds']}. Final evaluation: {panel}, greedy, "
+        f"the same panel for every cell.", "",
+        "## Results (final evaluation, mean ± std over seeds, 95 % t-interval)", "",
+        "| arm | seeds | success | 95 % CI | score (0-100) | 95 % CI |",
+        "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['seeds_done']} | {_pm(r['success_mean'], r['success_std'], 3)} | "
+                     f"{_ci(r['success_ci_lo'], r['success_ci_hi'], 3)} | {_pm(r['score_mean'], r['score_std'], 1)} | "
+                     f"{_ci(r['score_ci_lo'], r['score_ci_hi'], 1)} |")
+    lines += ["", f"## Difference from the baseline `{data['baseline']}` (paired by seed, paired t-test)", "",
+              "Pairing is valid because every cell is evaluated on the same fixed test panel; "
+              "Wilcoxon signed-rank p is given where at least 6 seeds pair.", "",
+              "| arm | pairs | Δ success | 95 % CI | p | Wilcoxon p | Δ score | 95 % CI | p |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["arm"] == data["baseline"]:
+            continue
+        d_s = "n/a" if r["diff_success"] is None else f"{r['diff_success']:+.3f}"
+        d_c = "n/a" if r["diff_score"] is None else f"{r['diff_score']:+.1f}"
+        lines.append(f"| {r['arm']} | {r['pairs']} | {d_s} | {_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
+                     f"{_p(r['p_success'])} | {_p(r['wilcoxon_p_success'])} | {d_c} | "
+                     f"{_ci(r['diff_score_ci_lo'], r['diff_score_ci_hi'], 1)} | {_p(r['p_score'])} |")
+    lines += ["", "## Selection bias (last iteration's selection report, per seed)", "",
+              "| arm | selected fraction (mean) | verdicts |", "| --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {fmt(r['selected_fraction'])} | {r['selection_verdicts'] or 'n/a (no annotation)'} |")
+    lines += ["", "## Cost", "", "| arm | cells | wall time total (s) | per cell (s) | teacher tokens scored |",
+              "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['seeds_done']} | {fmt(r['wall_time_s_total'], 1)} | "
+                     f"{fmt(r['wall_time_s_mean'], 1)} | {r['teacher_tokens_total'] if r['teacher_tokens_total'] is not None else 'n/a'} |")
+    lines += ["", "## Learning curves", ""]
+    lines.append(f"![learning curves]({png})" if png else f"(no plot: {png_note})")
+    if unfinished:
+        lines += ["", "## Unfinished cells", ""]
+        lines += [f"- cell {u['index']} `{u['name']}`: {u['status']}" for u in unfinished]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(data: dict, path: Path) -> str | None:
+    """Write the learning-curve PNG; returns why not where it cannot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+    except ImportError:
+        return "matplotlib is not installed (pip install 'serl[plots]')"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    drawn = 0
+    for name, arm in data["arms"].items():
+        curves = [c["curve"] for c in arm["cells"].values() if c["curve"]]
+        if not curves:
+            continue
+        k = min(len(c) for c in curves)
+        x = np.mean([[p["env_steps"] for p in c[:k]] for c in curves], axis=0)
+        for ax, key in zip(axes, ("success_rate", "mean_reward")):
+            y = np.array([[float(p[key] or 0.0) for p in c[:k]] for c in curves])
+            m, s = y.mean(axis=0), (y.std(axis=0, ddof=1) if len(curves) > 1 else np.zeros(k))
+            line, = ax.plot(x, m, marker="o", label=f"{name} (n={len(curves)})")
+            ax.fill_between(x, m - s, m + s, alpha=0.2, color=line.get_color())
+        drawn += 1
+    for ax, label in zip(axes, ("success rate (training rollouts)", "mean reward (training rollouts)")):
+        ax.set_xlabel("cumulative environment steps")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    if drawn:
+        axes[0].legend(fontsize=7)
+    fig.suptitle("learning curves: mean over seeds, shaded ± std")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return None
+
+
+def write_report(out: str | Path) -> dict:
+    out = Path(out)
+    data = collect(out)
+    rows = summarize(data)
+    note = plot_curves(data, out / "curves.png")
+    md = render_markdown(data, rows, None if note else "curves.png", note)
+    io.atomic_write_text(out / "report.md", md)
+    buf = _stdio.StringIO()
+    fields = list(rows[0]) if rows else ["arm"]
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: ("" if v is None else v) for k, v in r.items()})
+    io.atomic_write_text(out / "report.csv", buf.getvalue())
+    return {"rows": rows, "unfinished": data["unfinished"], "baseline": data["baseline"], "plot": note is None}

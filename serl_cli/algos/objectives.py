@@ -1,0 +1,199 @@
+"""What each ``--algo`` optimizes: a registry joining the pure math in ``algos/`` to the learner
+(``training.learner``).
+
+An objective first *prepares* a batch (advantages per turn, per-token weights, teacher
+log-probs: everything fixed before the first gradient step) and then gives the loss of a
+micro-batch from the current policy's token log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from serl_cli.algos import core, gigpo, sdpo
+from serl_cli.algos import serl as serl_math
+from serl_cli.algos.batch import MicroBatch, pad_right_aligned
+from serl_cli.artifacts.schema import TurnSample
+from serl_cli.errors import SerlError
+
+
+@dataclass
+class Prepared:
+    """Per-sample quantities fixed for the whole update."""
+
+    advantages: torch.Tensor  # [N] one per turn (episode advantage broadcast to its turns)
+    token_weights: list[list[float]] | None = None  # per action token, SERL-style weights
+    teacher_logprobs: list[list[float]] | None = None
+    distill: list[bool] | None = None  # turns whose tokens carry the distillation term
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Objective:
+    name: str
+    prepare: Callable[[list[TurnSample], dict, object], Prepared]
+    loss: Callable[[MicroBatch, torch.Tensor, list[TurnSample], Prepared, float, object, torch.Tensor | None],
+                   tuple[torch.Tensor, dict]]
+    uses_behaviour_logprobs: bool = True  # False: stored turns need no log-probs (SFT on expert data)
+    needs_annotations: bool = False
+    placement: str | None = None  # the placement its annotations must use (rlsd: all), None = any
+
+
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def register(obj: Objective) -> Objective:
+    OBJECTIVES[obj.name] = obj
+    return obj
+
+
+def get_objective(name: str) -> Objective:
+    if name not in OBJECTIVES:
+        raise SerlError(f"unknown algorithm {name!r}: choose one of {', '.join(sorted(OBJECTIVES))}")
+    return OBJECTIVES[name]
+
+
+def episode_advantages(samples: list[TurnSample], eps: float) -> torch.Tensor:
+    """GRPO: each turn carries its episode's group-normalized reward (METHOD.md 6)."""
+    episodes: dict[int, tuple[float, tuple]] = {}
+    for s in samples:
+        episodes.setdefault(s.episode, (s.episode_reward, s.group_key))
+    ep_ids = sorted(episodes)
+    group_index: dict[tuple, int] = {}
+    groups = torch.tensor([group_index.setdefault(episodes[e][1], len(group_index)) for e in ep_ids])
+    rewards = torch.tensor([episodes[e][0] for e in ep_ids], dtype=torch.float64)
+    by_episode = dict(zip(ep_ids, core.group_advantages(rewards, groups, eps=eps).tolist()))
+    return torch.tensor([by_episode[s.episode] for s in samples], dtype=torch.float32)
+
+
+def policy_gradient_loss(mb: MicroBatch, logp: torch.Tensor, samples: list[TurnSample], prep: Prepared,
+                         num_tokens: float, cfg, logp_ref: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    """PPO-clip on the (optionally reweighted) advantage, + KL to the reference, + distillation.
+
+    The distillation term is normalized by the batch's count of distillation tokens (not by
+    the micro-batch's), so micro-batches add up to the batch mean as the other terms do.
+    """
+    logp_old = pad_right_aligned([s.behaviour_logprobs for s in samples], mb)
+    weights = None
+    if prep.token_weights is not None:
+        weights = pad_right_aligned(prep.token_weights, mb)
+        weights = serl_math.apply_placement(weights, mb.reply_mask)  # non-action tokens keep weight 1
+    distill = bool(cfg.distill_coef and prep.distill is not None and prep.teacher_logprobs is not None)
+    teacher = distill_mask = None
+    if distill:
+        failed_selected = torch.tensor([prep.distill[i] for i in mb.index], dtype=torch.bool)
+        distill_mask = sdpo.distill_token_mask(mb.reply_mask, failed_selected)
+        teacher = pad_right_aligned(prep.teacher_logprobs, mb)
+    return core.policy_loss(logp, logp_old, prep.advantages[mb.index], mb.reply_mask, weights=weights,
+                            clip_eps=cfg.clip_eps, logp_ref=logp_ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens,
+                            logp_teacher=teacher, distill_coef=cfg.distill_coef if distill else 0.0,
+                            distill_mask=distill_mask, distill_num_tokens=prep.stats.get("distill_tokens", 0))
+
+
+# -- sft: behaviour cloning on the action tokens of reference trajectories ----------------
+def _sft_prepare(samples, episodes, cfg) -> Prepared:
+    return Prepared(advantages=torch.zeros(len(samples)))
+
+
+def _sft_loss(mb, logp, samples, prep, num_tokens, cfg, logp_ref):
+    nll = -core.masked_sum(logp, mb.reply_mask) / num_tokens
+    return nll, {"loss": nll.item(), "nll": nll.item()}
+
+
+register(Objective("sft", _sft_prepare, _sft_loss, uses_behaviour_logprobs=False))
+
+
+# -- grpo: group-normalized episode advantage, all weights 1 -------------------------------
+def _grpo_prepare(samples, episodes, cfg) -> Prepared:
+    adv = episode_advantages(samples, cfg.adv_eps)
+    return Prepared(advantages=adv, stats={"mean_abs_advantage": adv.abs().mean().item()})
+
+
+register(Objective("grpo", _grpo_prepare, policy_gradient_loss))
+
+
+# -- serl / rlsd / sdpo: the annotate stage's teacher scores and weights ---------------------
+def _annotated(samples, ctx, cfg, *, weights: bool, distill: bool, placement: str | None = None) -> Prepared:
+    ann = ctx.get("annotations")
+    if ann is None:
+        raise SerlError(f"--algo {cfg.algo} needs annotations: run `serl annotate RUN` first")
+    if len(ann) != len(samples):
+        raise SerlError(f"annotations hold {len(ann)} turns but the rollouts {len(samples)}: annotate this run again")
+    made_with = (ctx.get("annotate_config") or {}).get("placement")
+    if placement and made_with and made_with != placement:
+        raise SerlError(f"--algo {cfg.algo} needs annotations with placement {placement!r}, these used {made_with!r}")
+    adv = episode_advantages(samples, cfg.adv_eps)
+    prep = Prepared(advantages=torch.zeros_like(adv) if distill and not weights else adv)
+    if weights:
+        prep.token_weights = [a["weights"] if a["weights"] is not None else [1.0] * len(s.action_ids)
+                              for a, s in zip(ann, samples)]
+    if distill or cfg.distill_coef:
+        prep.teacher_logprobs = [a["teacher_logprobs"] or [0.0] * len(s.action_ids) for a, s in zip(ann, samples)]
+        prep.distill = [bool(a["distill"]) and a["teacher_logprobs"] is not None for a in ann]
+        prep.stats["distill_tokens"] = sum(len(s.action_ids) for s, d in zip(samples, prep.distill) if d)
+    prep.stats.update(_annotation_stats(ann, adv, ctx.get("annotate_config") or {}, ctx.get("annotate_stats") or {}))
+    return prep
+
+
+def _annotation_stats(ann, adv, acfg: dict, astats: dict) -> dict:
+    """Per-update metrics of METHOD.md 6: lambda, selected fraction, weight spread, teacher gap."""
+    selected = [a for a in ann if a["selected"]]
+    w = [x for a in ann if a["weights"] for x, m in zip(a["weights"], a["action_mask"]) if m]
+    gaps = [abs(a["log_ratio_mean"]) for a in ann if a["log_ratio_mean"] is not None]
+    lam, c = astats.get("lambda", 0.0), acfg.get("weight_clip", 0.2)
+    # a blended weight sits at (1 - lam) + lam * (1 +- c) exactly when the clip bound was hit
+    at_clip = [x for x in w if lam > 0 and abs(x - 1.0) >= lam * c * (1 - 1e-6)]
+    return {
+        "lambda": lam,
+        "mean_abs_advantage": adv.abs().mean().item(),
+        "selected_fraction": len(selected) / max(len(ann), 1),
+        "weight_mean": sum(w) / len(w) if w else 1.0,
+        "weight_min": min(w) if w else 1.0,
+        "weight_max": max(w) if w else 1.0,
+        "weight_clip_fraction": len(at_clip) / len(w) if w else 0.0,
+        "mean_abs_log_ratio": sum(gaps) / len(gaps) if gaps else 0.0,
+        "teacher_turns_scored": sum(a["teacher_logprobs"] is not None for a in ann),
+        "teacher_action_tokens": sum(len(a["teacher_logprobs"]) for a in ann if a["teacher_logprobs"] is not None),
+    }
+
+
+def _sdpo_prepare(samples, ctx, cfg) -> Prepared:
+    if not cfg.distill_coef:
+        raise SerlError("--algo sdpo is the distillation term alone: set train.distill_coef > 0")
+    if (ctx.get("annotate_config") or {}).get("skip_zero_advantage", False):
+        raise SerlError("--algo sdpo distills on failed rollouts whatever their advantage: annotate with "
+                        "--set skip_zero_advantage=false")
+    return _annotated(samples, ctx, cfg, weights=False, distill=True)
+
+
+register(Objective("serl", lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False),
+                   policy_gradient_loss, needs_annotations=True))
+register(Objective("rlsd", lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False, placement="all"),
+                   policy_gradient_loss, needs_annotations=True, placement="all"))
+register(Objective("sdpo", _sdpo_prepare, policy_gradient_loss, needs_annotations=True))
+
+
+# -- gigpo: episode advantage + omega x step advantage within anchor states ----------------
+def _gigpo_prepare(samples, ctx, cfg) -> Prepared:
+    episode_adv = episode_advantages(samples, cfg.adv_eps)
+    returns, by_episode = [], {}
+    for s in samples:
+        by_episode.setdefault(s.episode, []).append(s)
+    ret_of = {}
+    for e, turns in by_episode.items():
+        for s, r in zip(turns, gigpo.discounted_returns([t.turn_reward for t in turns], cfg.gamma)):
+            ret_of[id(s)] = r
+    anchor_index: dict[tuple, int] = {}
+    anchors = torch.tensor([anchor_index.setdefault((s.group_key, s.state_key), len(anchor_index)) for s in samples])
+    returns = torch.tensor([ret_of[id(s)] for s in samples], dtype=torch.float64)
+    step = gigpo.step_advantages(returns, anchors, eps=cfg.adv_eps).to(torch.float32)
+    adv = gigpo.gigpo_advantages(episode_adv, step, omega=cfg.omega)
+    return Prepared(advantages=adv, stats={"mean_abs_advantage": adv.abs().mean().item(),
+                                           "mean_abs_step_advantage": step.abs().mean().item(),
+                                           "anchor_states": len(anchor_index)})
+
+
+register(Objective("gigpo", _gigpo_prepare, policy_gradient_loss))

@@ -1,0 +1,330 @@
+"""Artifacts on disk: atomic writes, JSONL records, the run manifest.
+
+Every file is written to a temporary sibling, flushed, fsynced and renamed into place, so
+a reader sees the old file or the new one, never half of one; a write that fails (disk
+full) leaves the old file whole and is one clear error. JSONL readers reject a truncated,
+malformed or oversized line with its file and line number rather than skipping it.
+
+*Journals* make a killed stage resumable (docs/RELIABILITY.md): append-only JSONL files
+whose every line is fsynced as a stage finishes a unit of work (a torn last line is the
+unit that did not finish). The run lock, which keeps two processes from writing one run
+directory, is in :mod:`serl_cli.artifacts.runlock`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from serl_cli import __version__
+from serl_cli.errors import SerlError
+
+SCHEMA_VERSION = 1  # bump when a record's layout changes; readers refuse other versions
+MAX_RECORD_BYTES = 64 * 2**20  # a JSONL line longer than this is refused unread (a 50-turn episode is ~1-2 MB)
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def write_failed(path: str | Path, e: Exception, kept: str = "the previous version, if any, is intact") -> SerlError:
+    """A failed write (disk full, quota, file too large) as the one line the user sees.
+    Libraries that write in native code (safetensors) report the OS error in their text."""
+    if isinstance(e, OSError):
+        reason, full = e.strerror or str(e), e.errno in FULL_DISK
+    else:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        full = any(f"os error {n})" in reason for n in FULL_DISK)
+    hint = " (disk full?)" if full else ""
+    return SerlError(f"could not write {path}: {reason}{hint}; {kept}")
+
+
+def current_umask() -> int:
+    mask = os.umask(0)  # reading it means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(tree: Path) -> None:
+    """Give every file and folder under ``tree`` (itself included) the mode the umask asks for.
+    Some writers (safetensors) create 0600 files whatever the umask; call this on a staged
+    directory before it is renamed into place."""
+    mask = current_umask()
+    tree.chmod(0o777 & ~mask)
+    for p in tree.rglob("*"):
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.fchmod(fd, 0o666 & ~current_umask())  # as open() would create it, not mkstemp's 0600
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename itself survives a power cut
+    except OSError as e:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        raise write_failed(path, e) from None
+    except BaseException:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SerlError(f"missing file: {path}") from None
+    except IsADirectoryError:
+        raise SerlError(f"{path} is a directory, not a JSON file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise SerlError(f"{path}: malformed JSON ({e.__class__.__name__})") from None
+
+
+def _lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
+    """Raw lines of an open binary file, each read with a bounded buffer."""
+    lineno = 0
+    while True:
+        raw = f.readline(MAX_RECORD_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_RECORD_BYTES:
+            raise SerlError(f"{path}:{lineno}: line longer than {MAX_RECORD_BYTES // 2**20} MiB: not a serl record")
+        yield lineno, raw
+
+
+def _parse(raw: bytes, path: Path, lineno: int) -> dict:
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise SerlError(f"{path}:{lineno}: not a JSON record") from None
+    if not isinstance(record, dict):
+        raise SerlError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def iter_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> Iterator[dict]:
+    """Records of a JSONL file; a truncated, malformed, oversized or incomplete line is an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise SerlError(f"missing file: {path}")
+    with open(path, "rb") as f:
+        for lineno, raw in _lines(f, path):
+            if not raw.endswith(b"\n"):
+                raise SerlError(f"{path}:{lineno}: truncated last line (no newline): the file was cut while being written")
+            record = _parse(raw, path, lineno)
+            missing = [k for k in required if k not in record]
+            if missing:
+                raise SerlError(f"{path}:{lineno}: record lacks {', '.join(missing)}")
+            yield record
+
+
+def count_jsonl(path: str | Path) -> int:
+    """Records in a JSONL file; 0 when it does not exist."""
+    return sum(1 for _ in iter_jsonl(path)) if Path(path).exists() else 0
+
+
+def truncate_jsonl(path: str | Path, n: int) -> None:
+    """Keep a JSONL file's first ``n`` records: drop what a killed attempt appended after them."""
+    if Path(path).exists():
+        records = list(iter_jsonl(path))
+        if len(records) > n:
+            write_jsonl(path, records[:n])
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def new_manifest(stage: str, config: dict, seed: int | None) -> dict:
+    return {
+        "serl_version": __version__,
+        "schema_version": SCHEMA_VERSION,
+        "git_commit": git_commit(),
+        "command": sys.argv,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "seed": seed,
+        "stages": {stage: {"status": "running", "started": time.time(), "config": config}},
+    }
+
+
+def load_manifest(run_dir: str | Path) -> dict:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise SerlError(f"run directory not found: {run_dir}")
+    manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else None
+    if manifest is None:
+        raise SerlError(f"{run_dir} is not a serl run directory (no manifest.json)")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("stages", {}), dict):
+        raise SerlError(f"{run_dir}/manifest.json is not a serl manifest (expected an object with a stages mapping)")
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise SerlError(f"{run_dir}/manifest.json has artifact schema version {version!r}; this serl reads version {SCHEMA_VERSION}")
+    return manifest
+
+
+def mark_stage(run_dir: str | Path, stage: str, status: str, **extra) -> None:
+    """Record a stage's status (running, done) in the run's manifest, atomically."""
+    path = Path(run_dir) / "manifest.json"
+    manifest = read_json(path)
+    entry = manifest.setdefault("stages", {}).setdefault(stage, {})
+    entry.update(status=status, **extra)
+    if status == "done":
+        entry["finished"] = time.time()
+    write_json(path, manifest)
+
+
+def prepare_output(path: str | Path, *, overwrite: bool, what: str) -> Path:
+    """Refuse to write over finished output unless told ``--overwrite``."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise SerlError(f"{what} already exists at {path}: pass --overwrite to replace it (or --resume where supported)")
+    return path
+
+
+def to_plain(obj) -> dict:
+    """A config dataclass as plain JSON-able data."""
+    import dataclasses
+
+    return dataclasses.asdict(obj)
+
+
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """Add one record to a JSONL file by rewriting it atomically: a crash leaves the old file whole."""
+    path = Path(path)
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    atomic_write_text(path, old + json.dumps(record, separators=(",", ":")) + "\n")
+
+
+# -- journals: the finished units of an interrupted stage ---------------------------------------
+
+def begin_resumable(target: Path, journal: Path, *, overwrite: bool, resume: bool, what: str, finished) -> dict | None:
+    """Start a stage that writes ``target`` and journals its units in ``journal``.
+
+    With ``resume``: the finished stage's summary (``finished()``), or None to go on from the
+    journal. Without: ``target`` must be new unless ``overwrite``, and a journal left by an
+    interrupted pass is refused rather than silently thrown away."""
+    if resume and not overwrite:
+        summary = finished()
+        if summary is not None:
+            journal.unlink(missing_ok=True)  # left by a kill between marking done and cleaning up
+        return summary
+    prepare_output(target, overwrite=overwrite, what=what)
+    if journal.exists() and not overwrite:
+        raise SerlError(f"{target.parent} holds an interrupted {what} pass ({journal.name}): pass --resume to "
+                        f"continue it or --overwrite to start again")
+    return None
+
+
+def start_journal(path: str | Path, header: dict) -> None:
+    """A new journal holding only its header (what the work is: config, inputs)."""
+    atomic_write_text(path, json.dumps({"journal": header}, separators=(",", ":")) + "\n")
+
+
+def append_journal(path: str | Path, unit: dict) -> None:
+    """Append one finished unit and fsync it before the stage moves on: O(1) per unit, and a
+    kill mid-write leaves at most a torn last line, which :func:`read_journal` drops."""
+    line = (json.dumps(unit, separators=(",", ":")) + "\n").encode("utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise write_failed(path, e, "the work journaled before is kept: make room and rerun with --resume") from None
+
+
+def read_journal(path: str | Path, header: dict) -> list[dict]:
+    """The finished units of a journal whose header equals ``header``; a torn last line
+    (the unit a kill interrupted) is cut off the file."""
+    path = Path(path)
+    units, good = [], 0
+    with open(path, "rb") as f:
+        for lineno, raw in _lines(f, path):
+            if not raw.endswith(b"\n"):
+                break  # the unit being written when the process died: it did not finish
+            record = _parse(raw, path, lineno)
+            if lineno == 1:
+                _check_header(path, record.get("journal"), header)
+            else:
+                units.append(record)
+            good += len(raw)
+    if good == 0:
+        raise SerlError(f"{path} has no header line: delete it or pass --overwrite to start again")
+    if good < path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good)
+            os.fsync(f.fileno())
+    return units
+
+
+def _check_header(path: Path, found, expected: dict) -> None:
+    expected = json.loads(json.dumps(expected))  # compare as JSON sees it (tuples are lists)
+    if found == expected:
+        return
+    if not isinstance(found, dict):
+        raise SerlError(f"{path} is not a serl journal: delete it or pass --overwrite to start again")
+    key = next(k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k))
+    raise SerlError(f"{path} belongs to an interrupted run with a different {key}: resume with the same settings, "
+                    f"or pass --overwrite to start again")
+
+
+DEBRIS = (".*.tmp", ".*.partial")  # temporary files of atomic writes, staging folders of checkpoints
+
+
+def clear_debris(folder: Path) -> None:
+    """Temporary files and folders a killed or failed writer left in ``folder``: whoever
+    holds the lock is the only writer, so none of them is being written."""
+    import shutil
+
+    if folder.is_dir():
+        for pattern in DEBRIS:
+            for p in folder.glob(pattern):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)

@@ -1,0 +1,107 @@
+"""``serl ablate``: run a grid of online runs, emit it as a SLURM job array, or report on it.
+
+    serl ablate experiments/ablations/sources.yaml --out runs/abl          # every cell here, then the report
+    serl ablate --env webshop --sources error,obs,ref --seeds 3 --out runs/abl --emit slurm
+    serl ablate experiments/ablations/sources.yaml --out runs/abl --cell 4 # one cell (what array task 4 runs)
+    serl ablate --report runs/abl                                          # aggregate what has finished
+
+The grid rule (axes, the flags shorthand, cell names) is in :mod:`serl_cli.ablate.grid`; the
+report in :mod:`serl_cli.ablate.report`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from serl_cli.ablate import grid as ab
+from serl_cli.ablate import runners
+from serl_cli.cli.common import summary_table
+from serl_cli.cli.root import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, app, console
+from serl_cli.errors import SerlError
+
+
+def _report(out: Path, quiet: bool) -> None:
+    from serl_cli.ablate.report import write_report
+    from serl_cli.stats.summary import fmt
+
+    res = write_report(out)
+    rows = [(r["arm"], f"{fmt(r['success_mean'])} ± {fmt(r['success_std'])}  (n={r['seeds_done']})"
+             + ("" if r["p_success"] is None else f"  p={r['p_success']:.3g}")) for r in res["rows"]]
+    if res["unfinished"]:
+        rows.append(("unfinished cells", str(len(res["unfinished"]))))
+    console.print(summary_table(f"ablation {out}: success over seeds (baseline {res['baseline']})", rows))
+    console.print(f"report: {out / 'report.md'}, {out / 'report.csv'}"
+                  + (f", {out / 'curves.png'}" if res["plot"] else " (no plot: matplotlib missing)"), highlight=False)
+
+
+@app.command("ablate")
+def ablate_command(
+    grid_file: Optional[str] = typer.Argument(None, help="A grid file (experiments/ablations/*.yaml); with --report "
+                                                         "and no --out: the ablation directory."),
+    env: Optional[str] = typer.Option(None, "--env", help="Environments (comma list): the env axis."),
+    algo: Optional[str] = typer.Option(None, "--algo", help="Algorithms (comma list): the algo axis."),
+    sources: Optional[str] = typer.Option(None, "--sources", help="Without a grid file: one SERL arm per source, one "
+                                                                  "with all combined, and GRPO."),
+    granularity: Optional[str] = typer.Option(None, "--granularity", help="Granularities (comma list)."),
+    placement: Optional[str] = typer.Option(None, "--placement", help="Placements (comma list)."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", help="Seeds per arm: 0..N-1."),
+    iterations: Optional[int] = typer.Option(None, "--iterations", help="Online iterations per cell."),
+    episodes: Optional[int] = typer.Option(None, "--episodes", help="Final evaluation: test-panel episodes per cell."),
+    out: Optional[str] = typer.Option(None, "--out", help="The ablation directory (default runs/ablate)."),
+    cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell i (what SLURM array task i runs)."),
+    parallel: int = typer.Option(1, "--parallel", help="Cells at a time here (subprocesses); with --emit slurm: "
+                                                       "the array's concurrency limit."),
+    emit: Optional[str] = typer.Option(None, "--emit", help="slurm: write OUT/ablate.sbatch instead of running."),
+    slurm_template: Optional[str] = typer.Option(None, "--slurm-template", help="A sbatch template with {array} and "
+                                                                                "{command} placeholders."),
+    report: bool = typer.Option(False, "--report", help="Aggregate finished cells into report.md/.csv and curves.png."),
+    config: Optional[str] = ConfigOpt,
+    set_: Optional[List[str]] = SetOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+):
+    """Ablation grid: cells = arms x seeds, each an online run plus a final evaluation."""
+    flags = {"env": env, "algo": algo, "sources": sources, "granularity": granularity, "placement": placement,
+             "seeds": seeds, "iterations": iterations, "episodes": episodes}
+    defines_grid = bool(config or set_ or any(v is not None for v in flags.values()))
+    if report and out is None and grid_file and not Path(grid_file).is_file() and not defines_grid:
+        _report(Path(grid_file), quiet)  # serl ablate --report OUT
+        return
+    if report and grid_file is None and not defines_grid:
+        if out is None:
+            raise SerlError("--report needs the ablation directory: serl ablate --report OUT")
+        _report(Path(out), quiet)
+        return
+    if grid_file is not None and not Path(grid_file).is_file():
+        raise SerlError(f"grid file not found: {grid_file}")
+    if emit is not None and emit != "slurm":
+        raise SerlError(f"unknown --emit {emit!r}: choose slurm")
+    if parallel < 1:
+        raise SerlError(f"--parallel must be at least 1, got {parallel}")
+    grid = ab.load_grid(grid_file, config_file=config, overrides=list(set_ or []), flags=flags)
+    source_args: list[str] = [str(Path(grid_file).resolve())] if grid_file else []
+    for name, value in flags.items():
+        if value is not None:
+            source_args += [f"--{name}", str(value)]
+    if config:
+        source_args += ["--config", str(Path(config).resolve())]
+    for s in set_ or []:
+        source_args += ["--set", s]
+    record = ab.grid_record(grid, source_args)
+    out_dir = Path(out or "runs/ablate")
+    if cell is not None:
+        ab.select_cell(record, cell)  # range check before anything is written
+    ab.write_grid(out_dir, record)
+    log = (lambda msg: None) if quiet else (lambda msg: console.print(msg, highlight=False))
+    if emit == "slurm":
+        path = runners.emit_slurm(record, out_dir, template=slurm_template, parallel=parallel if parallel > 1 else 0)
+        console.print(f"{len(record['cells'])} cells; job array written to {path}: sbatch {path}", highlight=False)
+        return
+    if cell is not None:
+        ab.run_cell(record, out_dir, cell, log=log)
+        return
+    runners.run_cells(record, out_dir, parallel=parallel, log=log)
+    _report(out_dir, quiet)

@@ -1,0 +1,45 @@
+"""``serl annotate RUN``: feedback, hindsight, placement, teacher scores and weights for a run."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from serl_cli.cli.common import resolve, save_resolved, summary_table
+from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
+from serl_cli.method.annotation import AnnotateConfig
+from serl_cli.stages.annotate import run_annotate
+
+
+@app.command("annotate")
+def annotate_command(
+    run: str = typer.Argument(..., help="A run directory with rollouts."),
+    sources: Optional[str] = typer.Option(None, "--sources", help="Feedback sources: error, diff, obs, future, ref; "
+                                          "',' combines, '|' falls back (e.g. 'ref|error')."),
+    granularity: Optional[str] = typer.Option(None, "--granularity", help="step | anchor."),
+    placement: Optional[str] = typer.Option(None, "--placement", help="feedback | gap | all | random."),
+    teacher: Optional[str] = typer.Option(None, "--teacher", help="Teacher model (default: the rollouts' policy)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing annotations."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted annotation pass from its journal "
+                                                       "(same settings); a finished one is left as it is."),
+    config: Optional[str] = ConfigOpt,
+    set_: Optional[List[str]] = SetOpt,
+    seed: Optional[int] = SeedOpt,
+    quiet: bool = QuietOpt,
+):
+    """Annotate every turn: hindsight block, selected or not, teacher log-probs, SERL weights."""
+    cfg = resolve(AnnotateConfig, config_file=config, overrides=set_, flags={
+        "sources": sources, "granularity": granularity, "placement": placement, "teacher": teacher,
+        "threads": threads, "seed": seed})
+    s = run_annotate(run, cfg, overwrite=overwrite, resume=resume)
+    save_resolved(run, "annotate.yaml", cfg)
+    rep = s["report"]
+    rows = [("turns", str(s["turns"])), ("selected", f"{s['selected']} ({s['selected'] / max(s['turns'], 1):.1%})"),
+            ("teacher turns scored", str(s["teacher_turns_scored"])),
+            ("teacher tokens scored", f"{s['teacher_tokens_scored']:,}"), ("lambda", f"{s['lambda']:.3f}"),
+            ("selection vs reward", rep.get("tests", {}).get("verdict") or "")]
+    console.print(summary_table(f"annotate: {cfg.sources}, {cfg.granularity}, {cfg.placement}", rows))
+    if not quiet:
+        console.print(f"wrote {run}/annotations.jsonl and {run}/selection_report.json")

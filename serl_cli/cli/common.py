@@ -1,0 +1,45 @@
+"""Helpers the command modules share: config resolution and tables."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from rich.table import Table
+
+from serl_cli import config as cfgmod
+from serl_cli.artifacts import io
+
+
+def resolve(cls, *, config_file, overrides, flags: dict, base: dict | None = None):
+    return cfgmod.resolve(cls, config_file=config_file, flags=flags, overrides=list(overrides or []), base=base)
+
+
+def save_resolved(out_dir: str | Path, name: str, cfg) -> None:
+    """The resolved configuration, next to the artifacts it produced."""
+    import yaml
+
+    io.atomic_write_text(Path(out_dir) / name, yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+
+
+def summary_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def eval_rows(s: dict) -> list[tuple[str, str]]:
+    lo, hi = s["success_ci95"]
+    rows = [
+        ("episodes", str(s["episodes"])),
+        ("success rate", f"{s['success_rate']:.3f}  [{lo:.3f}, {hi:.3f}]"),
+        ("score (0-100)", f"{s['score']:.1f}"),
+        ("invalid-action rate", f"{s['invalid_action_rate']:.3f}"),
+        ("mean turns", f"{s['mean_turns']:.2f}"),
+    ]
+    for group, sub in s.get("by_task_type", {}).items():
+        rows.append((f"  success: {group}", f"{sub['success_rate']:.3f} (n={sub['episodes']})"))
+    return rows

@@ -1,0 +1,44 @@
+"""``serl eval``: a policy (expert, random or a model) over a split's fixed panel."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from serl_cli.cli.common import eval_rows, resolve, save_resolved, summary_table
+from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
+from serl_cli.stages.evaluate import EvalConfig, run_eval
+
+
+@app.command("eval")
+def eval_command(
+    env: Optional[str] = typer.Option(None, "--env", help="Environment: webshop, alfworld, sokoban, an installed serl.envs entry point, or package.module:factory (docs/ENVIRONMENTS.md)."),
+    split: Optional[str] = typer.Option(None, "--split", help="Split whose panel to run (default: webshop test, alfworld valid_unseen)."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="expert | random | model (implied by --model)."),
+    model: Optional[str] = typer.Option(None, "--model", help="A Hugging Face model directory or name."),
+    episodes: Optional[int] = typer.Option(None, "--episodes", help="How many tasks of the split (default: all)."),
+    panel: Optional[str] = typer.Option(None, "--panel", help="Which tasks: first (the first N, default) or spread (N evenly spaced)."),
+    max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Turn limit per episode."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads for a model policy (default: all cores)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Output directory (eval.json, episodes.jsonl)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing evaluation in --out."),
+    config: Optional[str] = ConfigOpt,
+    set_: Optional[List[str]] = SetOpt,
+    seed: Optional[int] = SeedOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+):
+    """Evaluate a policy on a split's fixed panel: success with a 95 % interval, score, turns."""
+    cfg = resolve(EvalConfig, config_file=config, overrides=set_, flags={
+        "env.name": env, "env.split": split, "env.max_turns": max_turns, "policy": policy, "model": model,
+        "episodes": episodes, "panel": panel, "threads": threads, "out": out, "seed": seed})
+    with Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=quiet, transient=True) as bar:
+        task = bar.add_task("episodes", total=cfg.episodes)
+        summary = run_eval(cfg, overwrite=overwrite, progress=lambda rec: bar.advance(task))
+    save_resolved(cfg.out, "eval_config.yaml", cfg)
+    console.print(summary_table(f"{summary['env']} {summary['split']}: {summary['policy']} policy", eval_rows(summary)))
+    if not quiet:
+        console.print(f"wrote {cfg.out}/eval.json")

@@ -1,0 +1,59 @@
+"""``serl rollout``: collect episodes with a model (or the expert, for SFT data)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from serl_cli.cli.common import resolve, save_resolved, summary_table
+from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
+from serl_cli.stages.rollout import RolloutConfig, run_rollout
+
+
+@app.command("rollout")
+def rollout_command(
+    env: Optional[str] = typer.Option(None, "--env", help="Environment: webshop, alfworld, sokoban, an installed serl.envs entry point, or package.module:factory (docs/ENVIRONMENTS.md)."),
+    split: Optional[str] = typer.Option(None, "--split", help="Split to sample tasks from (default train)."),
+    model: Optional[str] = typer.Option(None, "--model", help="HF model directory or name (default: the embedded tiny model)."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="model | expert (expert: SFT data)."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="Generation engine: hf | vllm (the vllm extra)."),
+    tasks: Optional[int] = typer.Option(None, "--tasks", help="How many tasks to sample."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Rollouts per task (G)."),
+    max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Turn limit per episode."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (0 = greedy)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Run directory to write."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing rollouts in --out."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted rollout in --out from its journal "
+                                                       "(same settings); a finished one is left as it is."),
+    config: Optional[str] = ConfigOpt,
+    set_: Optional[List[str]] = SetOpt,
+    seed: Optional[int] = SeedOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+):
+    """Run a policy on sampled tasks, G times each; store prompt/action token ids, log-probs and feedback."""
+    cfg = resolve(RolloutConfig, config_file=config, overrides=set_, flags={
+        "env.name": env, "env.split": split, "env.max_turns": max_turns, "model": model, "policy": policy,
+        "engine": engine, "tasks": tasks, "group_size": group_size, "sampling.temperature": temperature,
+        "sampling.top_p": top_p, "threads": threads, "out": out, "seed": seed})
+    with Progress(TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=quiet, transient=True) as bar:
+        task = bar.add_task("episodes", total=cfg.tasks * cfg.group_size)
+        s = run_rollout(cfg, overwrite=overwrite, resume=resume, progress=lambda rec: bar.advance(task))
+    save_resolved(cfg.out, "rollout.yaml", cfg)
+    console.print(summary_table(f"rollout: {cfg.env.name} {cfg.env.split}, {cfg.policy} policy", [
+        ("episodes", f"{s['episodes']} ({s['tasks']} tasks x {cfg.group_size})"),
+        ("success rate", f"{s['success_rate']:.3f}"),
+        ("mean reward", f"{s['mean_reward']:.3f}"),
+        ("invalid-action rate", f"{s['invalid_action_rate']:.3f}"),
+        ("turns", str(s["turns"])),
+        ("episodes ended by an environment error", str(s.get("env_errors", 0))),
+        ("generated tokens/s", f"{s['tokens_per_s']:.1f}"),
+        ("wall time", f"{s['wall_time_s']:.1f} s"),
+    ]))
+    if not quiet:
+        console.print(f"wrote {cfg.out}/rollouts.jsonl")

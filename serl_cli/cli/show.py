@@ -1,0 +1,39 @@
+"""``serl show RUN``: a run's episodes, or one episode turn by turn with its annotations."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from serl_cli.cli.root import app, console
+from serl_cli.errors import SerlError
+from serl_cli.stages import show as sh
+
+
+@app.command("show")
+def show_command(
+    run: str = typer.Argument(..., help="A run directory (manifest.json, rollouts.jsonl, optional annotations.jsonl)."),
+    episode: Optional[int] = typer.Option(None, "--episode", help="Show this episode (its index in rollouts.jsonl)."),
+    turn: Optional[int] = typer.Option(None, "--turn", help="With --episode: only this turn."),
+    full: bool = typer.Option(False, "--full", help="Show observations whole instead of shortened."),
+    width: Optional[int] = typer.Option(None, "--width", min=40,
+                                        help="Render at this many columns (default: the terminal's)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts: the episode with its annotations "
+                                 "merged per turn (without --episode: one row per episode)."),
+):
+    """Show a run: its stages and episodes, or one episode turn by turn (selection, hindsight, weights)."""
+    if turn is not None and episode is None:
+        raise SerlError("--turn needs --episode")
+    manifest, episodes, ann = sh.load_run(run)
+    if as_json:
+        data = sh.episode_json(episodes, ann, episode, turn) if episode is not None else sh.episode_rows(episodes, ann)
+        typer.echo(json.dumps(data))  # one line: pipe to jq to read it
+        return
+    out = Console(width=width) if width else console
+    if episode is None:
+        out.print(sh.run_view(run, manifest, episodes, ann))
+    else:
+        out.print(sh.episode_view(manifest, episodes, ann, episode, turn, full=full))

@@ -1,0 +1,89 @@
+"""``serl train``: one update on a run's rollouts, or the online loop with ``--iterations``."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from serl_cli.artifacts import runlock
+from serl_cli.cli.common import resolve, save_resolved, summary_table
+from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
+from serl_cli.stages.online import OnlineConfig, run_online
+from serl_cli.stages.train import follow_train_on_run, train_on_run
+from serl_cli.training.backends import is_main_process
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+@app.command("train")
+def train_command(
+    run: Optional[str] = typer.Argument(None, help="A run directory with rollouts (one update). Omit for the online loop."),
+    algo: Optional[str] = typer.Option(None, "--algo", help="sft | grpo | gigpo | rlsd | sdpo | serl."),
+    model: Optional[str] = typer.Option(None, "--model", help="Policy to start from (default: the rollouts' model)."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="Training backend: torch | deepspeed."),
+    deepspeed_config: Optional[str] = typer.Option(None, "--deepspeed-config",
+                                                   help="DeepSpeed JSON (default: serl's for the ZeRO stage)."),
+    zero_stage: Optional[int] = typer.Option(None, "--zero-stage", help="DeepSpeed ZeRO stage: 1, 2 or 3."),
+    offload: Optional[bool] = typer.Option(None, "--offload/--no-offload",
+                                           help="DeepSpeed: optimizer states (stage 3: parameters too) in CPU memory."),
+    lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="Train LoRA adapters of this rank (0 = off)."),
+    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA scale numerator (update x alpha/rank)."),
+    lora_targets: Optional[str] = typer.Option(None, "--lora-targets",
+                                               help="LoRA target modules, comma-separated, or all-linear."),
+    lora_save: Optional[str] = typer.Option(None, "--lora-save", help="LoRA checkpoints: merged | adapter."),
+    iterations: Optional[int] = typer.Option(None, "--iterations", help="Online loop: K x (rollout -> update)."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="Online loop: generation engine, hf | vllm."),
+    env: Optional[str] = typer.Option(None, "--env", help="Environment for the online loop."),
+    tasks: Optional[int] = typer.Option(None, "--tasks", help="Online loop: tasks per iteration."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Online loop: rollouts per task."),
+    max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Online loop: turn limit."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Online loop: the run directory."),
+    resume: bool = typer.Option(False, "--resume", help="Online loop: continue after the last finished iteration; "
+                                                       "one update: skip it if it finished, else run it again."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing checkpoint or run."),
+    config: Optional[str] = ConfigOpt,
+    set_: Optional[List[str]] = SetOpt,
+    seed: Optional[int] = SeedOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+):
+    """Update a policy: --algo on RUN's rollouts, or the online loop (rollout -> update, K times)."""
+    online = iterations is not None or run is None
+    cfg = resolve(OnlineConfig, config_file=config, overrides=set_, flags={
+        "train.algo": algo, "model": model, "train.backend": backend, "iterations": iterations, "env.name": env,
+        "rollout.engine": engine, "rollout.tasks": tasks, "rollout.group_size": group_size, "env.max_turns": max_turns,
+        "train.threads": threads, "rollout.threads": threads, "out": out or (run if online else None), "seed": seed,
+        "train.seed": seed, "train.deepspeed.config": deepspeed_config, "train.deepspeed.zero_stage": zero_stage,
+        "train.deepspeed.offload": offload, "train.lora.rank": lora_rank, "train.lora.alpha": lora_alpha,
+        "train.lora.targets": lora_targets, "train.lora.save": lora_save})
+    main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
+    if not online:
+        cfg.train.model = cfg.train.model or model
+        if not main:
+            follow_train_on_run(run, cfg.train, resume=resume)
+            return
+        m = train_on_run(run, cfg.train, overwrite=overwrite, resume=resume)
+        console.print(summary_table(f"train {cfg.train.algo}: {run}", [(k, _fmt(v)) for k, v in m.items() if k != "timing"]))
+        return
+
+    def show(m: dict) -> None:
+        if not quiet:
+            extra = f"  eval success {m['eval_success_rate']:.3f}" if "eval_success_rate" in m else ""
+            console.print(f"iteration {m['iteration']}: reward {m['mean_reward']:.3f}  success {m['success_rate']:.3f}  "
+                          f"loss {m.get('loss', float('nan')):.4f}  |A| {m.get('mean_abs_advantage', 0):.3f}{extra}",
+                          highlight=False)
+
+    if not main:
+        run_online(cfg, resume=resume, overwrite=overwrite)
+        return
+    with runlock.run_lock(cfg.out):  # one writer per run directory (docs/RELIABILITY.md)
+        history = run_online(cfg, resume=resume, overwrite=overwrite, on_iteration=show)
+    save_resolved(cfg.out, "online.yaml", cfg)
+    if history:
+        last = history[-1]
+        console.print(summary_table(f"online {cfg.train.algo}: {cfg.out}", [(k, _fmt(v)) for k, v in last.items()]))
+    console.print(f"final policy: {cfg.out}/checkpoint")

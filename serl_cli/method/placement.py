@@ -1,0 +1,121 @@
+"""Placement rules: which turns form the critical set S (METHOD.md section 5).
+
+A rule sees every turn of a run, in the run's turn order, as a ``TurnInfo`` and returns a
+bool per turn (True: the turn is in S). Rules are registered by name in ``PLACEMENTS``:
+
+    feedback  turns whose sources fired (SERL's default)
+    gap       the top fraction ``rho`` of turns by |mean token log-ratio| of teacher and
+              student; turns without a score are never selected
+    all       every turn (dense: the RLSD-style baseline)
+    random    as many turns as ``feedback`` picks, drawn uniformly without replacement
+              with ``random.Random(seed)``: the matched-budget control
+
+Choices the paper leaves open, written down here:
+
+- ``gap`` selects ``round_half_up(rho * n_scored)`` turns (so 2.5 -> 3, not Python's
+  banker's 2), at least 1 when ``rho > 0`` and any turn is scored; ties in |log-ratio|
+  go to the earlier turn. A NaN score counts as no score.
+- ``random`` draws from all turns, fired or not, so its budget equals ``feedback``'s on
+  the same run; the draw depends only on the seed and the number of turns.
+- Only ``gap`` needs the teacher before selecting (``needs_teacher_before_selection``);
+  for the others the caller selects first and lets the teacher score only turns in S.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from serl_cli.errors import SerlError
+
+
+@dataclass(frozen=True)
+class TurnInfo:
+    """One turn as a placement rule sees it."""
+
+    key: tuple  # identifies the turn, e.g. (episode, turn)
+    fired: bool  # a chosen feedback source produced evidence for this turn
+    log_ratio_mean: float | None  # mean over action tokens of log pi_T - log pi_old; None: not scored
+
+
+Rule = Callable[..., list[bool]]  # rule(turns, *, rho, seed) -> one bool per turn
+PLACEMENTS: dict[str, Rule] = {}
+_NEEDS_TEACHER: set[str] = set()
+
+
+def placement(name: str, *, needs_teacher: bool = False):
+    """Register a rule under ``name``; ``needs_teacher``: it reads every turn's teacher score."""
+
+    def wrap(fn: Rule) -> Rule:
+        PLACEMENTS[name] = fn
+        if needs_teacher:
+            _NEEDS_TEACHER.add(name)
+        return fn
+
+    return wrap
+
+
+def placement_names() -> list[str]:
+    return sorted(PLACEMENTS)
+
+
+def check_rule(name: str, *, rho: float | None = None) -> None:
+    """Refuse an unknown rule (one line naming the known ones) and, if given, a rho outside [0, 1]."""
+    if name not in PLACEMENTS:
+        raise SerlError(f"unknown placement rule {name!r}: choose one of {', '.join(placement_names())}")
+    if rho is not None and not (isinstance(rho, (int, float)) and 0.0 <= rho <= 1.0):
+        raise SerlError(f"placement rho must be a fraction in [0, 1], got {rho!r}")
+
+
+def _scored(x: float | None) -> bool:
+    return x is not None and not math.isnan(x)
+
+
+def gap_count(n_scored: int, rho: float) -> int:
+    """How many turns ``gap`` picks among ``n_scored`` scored turns."""
+    if rho <= 0 or n_scored == 0:
+        return 0
+    # round half up; round(..., 9) first so that e.g. 0.35 * 10 = 3.4999999999999996 counts as 3.5
+    k = math.floor(round(rho * n_scored, 9) + 0.5)
+    return min(n_scored, max(1, k))
+
+
+@placement("feedback")
+def _feedback(turns: list[TurnInfo], *, rho: float, seed: int) -> list[bool]:
+    return [bool(t.fired) for t in turns]
+
+
+@placement("gap", needs_teacher=True)
+def _gap(turns: list[TurnInfo], *, rho: float, seed: int) -> list[bool]:
+    scored = [i for i, t in enumerate(turns) if _scored(t.log_ratio_mean)]
+    ranked = sorted(scored, key=lambda i: (-abs(turns[i].log_ratio_mean), i))
+    chosen = set(ranked[: gap_count(len(scored), rho)])
+    return [i in chosen for i in range(len(turns))]
+
+
+@placement("all")
+def _all(turns: list[TurnInfo], *, rho: float, seed: int) -> list[bool]:
+    return [True] * len(turns)
+
+
+@placement("random")
+def _random(turns: list[TurnInfo], *, rho: float, seed: int) -> list[bool]:
+    k = sum(_feedback(turns, rho=rho, seed=seed))
+    chosen = set(random.Random(seed).sample(range(len(turns)), k))
+    return [i in chosen for i in range(len(turns))]
+
+
+def select(rule: str, turns: list[TurnInfo], *, rho: float = 0.25, seed: int = 0) -> list[bool]:
+    """The critical set S under ``rule``: one bool per turn, in the order of ``turns``."""
+    check_rule(rule, rho=rho)
+    return PLACEMENTS[rule](list(turns), rho=float(rho), seed=seed)
+
+
+def needs_teacher_before_selection(rule: str) -> bool:
+    """True when the rule reads every turn's teacher score (``gap``); the others select first."""
+    check_rule(rule)
+    return rule in _NEEDS_TEACHER
+
+

@@ -1,0 +1,151 @@
+"""The hindsight teacher: the same network, shown a hindsight block, scoring the student's tokens.
+
+The teacher's prompt is the student's stored prompt with the block's tokens spliced in
+just before the end-of-turn token that closes the user message -- after the observation
+and the admissible actions, and before the assistant's turn opens. Splicing token ids
+(never re-rendering text) keeps every other token of the prompt exactly as the student
+saw it. The teacher then scores the student's own action tokens, in batches, without
+gradient: ``log pi_T(a_t | prompt_t + hindsight)``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from serl_cli.algos.batch import make_micro_batches
+from serl_cli.errors import SerlError
+from serl_cli.rollout.prompts import action_span
+from serl_cli.training.step import action_logprobs
+
+HINDSIGHT_SEPARATOR = "\n\n"
+
+
+@dataclass
+class ScoreItem:
+    prompt_ids: list[int]
+    action_ids: list[int]
+
+
+def teacher_prompt_ids(prompt_ids: list[int], block_ids: list[int], end_of_turn_id: int) -> list[int]:
+    """The student prompt with ``block_ids`` inserted before the user message's end-of-turn token."""
+    try:
+        # the last end-of-turn token before the assistant header closes the user message
+        cut = len(prompt_ids) - 1 - prompt_ids[::-1].index(end_of_turn_id)
+    except ValueError:
+        raise SerlError("cannot place the hindsight block: the stored prompt has no end-of-turn token "
+                        "(the tokenizer's eos token must close each chat message)") from None
+    return prompt_ids[:cut] + block_ids + prompt_ids[cut:]
+
+
+def block_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(HINDSIGHT_SEPARATOR + text, add_special_tokens=False)
+
+
+def action_span_mask(tokenizer, action_ids: list[int]) -> list[int]:
+    """1 for tokens inside the parsed action, 0 for reasoning, tags and the end token (METHOD.md 5).
+
+    A reply with no parseable action was handed to the environment whole: all its visible
+    tokens count as the action.
+
+    Character offsets come from decoding growing prefixes, so the mask follows the
+    tokenizer's own detokenization; a token overlapping the action's span counts.
+    """
+    ends, text = [], ""
+    for k in range(len(action_ids)):
+        text = tokenizer.decode(action_ids[: k + 1], skip_special_tokens=True)
+        ends.append(len(text))
+    # No parseable action: the whole reply is what the environment received, so every
+    # visible token is the action (the end-of-turn token still keeps weight 1).
+    start, end = action_span(text) or (0, len(text))
+    mask, prev = [], 0
+    for e in ends:
+        mask.append(1 if (e > prev and prev < end and e > start) else 0)
+        prev = e
+    return mask
+
+
+@torch.no_grad()
+def score(model, tokenizer, items: list[ScoreItem], temperature: float = 1.0, micro_batch_tokens: int = 16384) -> list[list[float]]:
+    """log-probs of each item's action tokens under ``model``, batched by length."""
+    if not items:
+        return []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].action_ids))
+    out: list[list[float]] = [[] for _ in items]
+    was_training = model.training
+    model.eval()
+    for mb in make_micro_batches(items, order, micro_batch_tokens, pad):
+        logp = action_logprobs(model, mb, temperature)
+        k = logp.shape[1]
+        for row, i in enumerate(mb.index):
+            n = len(items[i].action_ids)
+            out[i] = logp[row, k - n:].tolist()
+    model.train(was_training)
+    return out
+
+
+class TeacherSnapshot:
+    """The hindsight teacher between syncs: the policy as it was at the last ``sync``.
+
+    Full fine-tuning keeps a frozen copy of the network; under LoRA only the adapter
+    weights are copied, and the live network scores with them swapped in (one adapter's
+    memory instead of one model's). Only the main process keeps it (it annotates); under
+    ZeRO-3 ``sync`` and ``scoring`` run inside ``learner.full_model()`` on every process.
+    """
+
+    def __init__(self, learner):
+        self.learner = learner
+        self.frozen = None  # a frozen model, or under LoRA the adapter's weights
+        self.sync()
+
+    def sync(self) -> None:
+        from serl_cli.training import lora
+        from serl_cli.training.checkpoint import frozen_copy
+
+        with self.learner.full_model() as module:
+            if not self.learner.is_main:
+                return
+            if self.learner.uses_lora:
+                self.frozen = lora.adapter_state(module)
+            elif self.frozen is None:
+                self.frozen = frozen_copy(module)
+            else:
+                self.frozen.load_state_dict(module.state_dict())
+
+    @contextmanager
+    def scoring(self):
+        """The network to score with (main process only)."""
+        if not self.learner.uses_lora:
+            yield self.frozen
+            return
+        from serl_cli.training import lora
+
+        with self.learner.full_model() as module:
+            live = lora.adapter_state(module)
+            lora.load_adapter_state(module, self.frozen)
+            try:
+                yield module
+            finally:
+                lora.load_adapter_state(module, live)
+
+    def state_dict(self) -> dict:
+        return dict(self.frozen) if self.learner.uses_lora else self.frozen.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.learner.uses_lora:
+            self.frozen = {k: v.clone() for k, v in state.items()}
+        else:
+            self.frozen.load_state_dict(state)
+
+
+def score_units(tokenizer, items: list[ScoreItem], micro_batch_tokens: int) -> list[list[int]]:
+    """The teacher micro-batches :func:`score` makes for ``items``, as lists of item indices.
+    Scoring one unit's items alone packs them into that same single micro-batch."""
+    from serl_cli.algos.batch import make_micro_batches
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].action_ids))
+    return [mb.index for mb in make_micro_batches(items, order, micro_batch_tokens, pad)]

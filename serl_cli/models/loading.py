@@ -1,0 +1,134 @@
+"""Loading a policy: a local Hugging Face model directory, a hub name, or a LoRA adapter-only
+checkpoint (its base model plus the adapter), through one :func:`load_model`.
+
+peft is an optional extra, imported only when an adapter is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+from huggingface_hub import is_offline_mode
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from serl_cli.errors import SerlError
+
+
+class ModelError(SerlError, ValueError):
+    """A model name or directory that cannot be used; the message is one line for the CLI."""
+
+
+
+def _looks_like_path(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else can only be meant as a local path.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+
+def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32):
+    """Load (model, tokenizer) from a local HF model directory or a hub name."""
+    name = str(name_or_dir)
+    path = Path(name).expanduser()
+    local = path.exists() or _looks_like_path(name)
+    if local:
+        if not path.exists():
+            raise ModelError(f"model directory {name} does not exist")
+        if not path.is_dir():
+            raise ModelError(f"model path {name} is a file, not a model directory")
+        if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+            from serl_cli.models.loading import (
+                load_adapter_model,  # a LoRA adapter-only checkpoint: its base + the adapter
+            )
+
+            return load_adapter_model(path, dtype)
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model directory {name} has no config.json: not a Hugging Face model")
+        source = str(path)
+    else:
+        source = name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: truncated or corrupt weights
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if local:
+            raise ModelError(f"cannot load model directory {name}: {first}") from None
+        offline = " (HF_HUB_OFFLINE is set and it is not cached)" if is_offline_mode() else ""
+        raise ModelError(f"cannot load model {name!r}: no such local directory and not loadable "
+                         f"from the Hugging Face hub{offline}: {first}") from None
+    return model, tokenizer
+
+
+
+def set_torch_threads(n: int | None) -> None:
+    """``n`` threads; unset: ``$SERL_THREADS`` if set (the tests set 1), else every core."""
+    torch.set_num_threads(n or int(os.environ.get("SERL_THREADS") or 0) or os.cpu_count() or 1)
+
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+
+ADAPTER_SUBDIR = "adapter"  # where a merged checkpoint keeps the adapter it was merged from
+
+
+
+def import_peft():
+    require_peft()
+    import peft
+
+    return peft
+
+
+
+def adapter_dir(checkpoint: str | Path) -> Path | None:
+    """The adapter a checkpoint carries: ``adapter/`` of a merged one, the directory itself
+    of an adapter-only one; None for a plain model."""
+    path = Path(checkpoint)
+    for d in (path / ADAPTER_SUBDIR, path):
+        if (d / ADAPTER_CONFIG).is_file():
+            return d
+    return None
+
+
+
+def base_model_name(adapter: Path) -> str:
+    try:
+        name = json.loads((adapter / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, json.JSONDecodeError) as e:
+        raise SerlError(f"cannot read {adapter / ADAPTER_CONFIG}: {e}") from None
+    if not name:
+        raise SerlError(f"{adapter / ADAPTER_CONFIG} names no base model (base_model_name_or_path)")
+    return name
+
+
+
+def load_adapters(model, adapter: Path, trainable: bool):
+    """``model`` (the base) with the saved adapter from ``adapter`` applied."""
+    peft = import_peft()
+    return peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+
+
+
+def load_adapter_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of an adapter-only checkpoint: its base model plus the adapter,
+    merged for inference (eval and rollouts load these unchanged)."""
+    from transformers import AutoTokenizer
+
+    from serl_cli.models.loading import load_model
+
+    path = Path(path)
+    model, _ = load_model(base_model_name(path), dtype)
+    model = load_adapters(model, path, trainable=False).merge_and_unload()
+    return model, AutoTokenizer.from_pretrained(str(path))
+
+
+def require_peft() -> None:
+    if importlib.util.find_spec("peft") is None:
+        raise SerlError("LoRA (--lora-rank > 0) needs peft: pip install 'serl[lora]'")

@@ -1,0 +1,62 @@
+"""The transformers engine: one batched ``generate`` with a KV cache over all live episodes.
+
+Prompts are left-padded into one batch, so every row's next token sits in the last
+column and the cache is shared by the whole batch. The logits of each sampled token are
+kept (``output_logits``) and turned into behaviour log-probs here, so nothing is
+recomputed after generation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serl_cli.rollout.engines import Generation, SamplingConfig
+
+
+class HFEngine:
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        # a reply ends at the end-of-turn token, or at the end-of-text token a model may also emit
+        self.stop_ids = {self.eos_id, self.pad_id}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int) -> list[Generation]:
+        if not prompts:
+            return []
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p):] = 1
+        greedy = sampling.temperature <= 0
+        with torch.random.fork_rng(devices=[]):  # seed this call without disturbing the caller's RNG
+            torch.manual_seed(seed)
+            out = self._generate(input_ids, attention, sampling, greedy)
+        new_tokens = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1).float()  # [B, new, V], raw (before sampling processors)
+        scale = 1.0 if greedy else sampling.temperature
+        logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        gens = []
+        for row, lp in zip(new_tokens.tolist(), logprobs.tolist()):
+            stops = [i for i, t in enumerate(row) if t in self.stop_ids]
+            n = stops[0] + 1 if stops else len(row)  # keep the stop token: the policy learns to end its turn
+            gens.append(Generation(token_ids=row[:n], logprobs=lp[:n]))
+        return gens
+
+    def _generate(self, input_ids, attention, sampling: SamplingConfig, greedy: bool):
+        return self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None,  # no hidden top-k truncation: sample the full distribution
+            eos_token_id=sorted(self.stop_ids),
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )

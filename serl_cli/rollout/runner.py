@@ -1,0 +1,178 @@
+"""Run a policy over many episodes side by side and record every turn.
+
+All live episodes step in lockstep: each round the policy decides for every live
+episode at once (one batched forward pass for a model policy), every environment steps,
+and finished episodes leave the batch. One record per episode, one entry per turn; the
+record layout is ``serl_cli.artifacts.schema``.
+
+An environment that raises or hangs ends only its own episode: the exception (or the
+step timeout, enforced with SIGALRM on the main thread) is caught, the episode is closed
+as a failure with ``error`` saying what happened and ``truncated`` true, and the other
+episodes go on. A bad task id at reset (``EnvError``) is the user's input, not the
+environment's fault, and still stops the run with its one-line message.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from envs.base import EnvError, Episode, Step, World
+from serl_cli.rollout.policies import Decision
+from serl_cli.rollout.prompts import action_format_of
+
+
+class StepTimeout(Exception):
+    """An environment call ran past ``step_timeout_s``."""
+
+
+@contextmanager
+def time_limit(seconds: float | None):
+    """Raise :class:`StepTimeout` in the block after ``seconds``. SIGALRM interrupts a hung
+    Python loop or a blocking call; it exists only on the main thread, so elsewhere (a
+    library embedding serl in a worker thread) the block runs without a limit."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise StepTimeout(f"no answer within {seconds:g} s (env.step_timeout_s)")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return f"environment {'timed out' if isinstance(e, StepTimeout) else 'raised ' + type(e).__name__}" + (f": {text}" if text else "")
+
+
+class Policy(Protocol):
+    name: str
+
+    def act(self, steps: list[Step], contexts: list[dict]) -> list[Decision]: ...
+
+
+@dataclass
+class EpisodeSpec:
+    """Which task to run and where the episode belongs in its group."""
+
+    task_id: int
+    group_id: int = 0
+    rollout_index: int = 0
+
+
+def run_episodes(
+    world: World,
+    split: str,
+    specs: list[EpisodeSpec],
+    policy: Policy,
+    *,
+    max_turns: int | None = None,
+    batch_size: int = 64,
+    on_episode_done: Callable[[dict], None] | None = None,
+    step_timeout_s: float | None = None,
+) -> list[dict]:
+    """Run ``specs`` with at most ``batch_size`` episodes live at once; records in spec order."""
+    records: list[dict | None] = [None] * len(specs)
+    pending = list(range(len(specs)))[::-1]
+    live: list[tuple[int, Episode, Step, dict]] = []  # (spec index, episode, current step, record)
+
+    def close(i: int, rec: dict) -> None:
+        records[i] = rec
+        if on_episode_done:
+            on_episode_done(rec)
+
+    def start_more():
+        while pending and len(live) < batch_size:
+            i = pending.pop()
+            rec = {"task_id": specs[i].task_id, "group_id": specs[i].group_id, "rollout_index": specs[i].rollout_index}
+            try:
+                with time_limit(step_timeout_s):
+                    ep = world.new_episode(split, max_turns)
+                    step = ep.reset(specs[i].task_id)
+            except EnvError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- any failure of the environment ends this episode only
+                rec.update(instruction="", initial_observation="", turns=[])
+                _fail(rec, _describe(e))
+                close(i, rec)
+                continue
+            rec.update(instruction=ep.instruction, initial_observation=step.observation, turns=[])
+            live.append((i, ep, step, rec))
+
+    action_format = action_format_of(world)
+    start_more()
+    while live:
+        contexts = [{"instruction": ep.instruction, "turns": rec["turns"], "rules": world.rules,
+                     "action_format": action_format} for _, ep, _, rec in live]
+        decisions = policy.act([step for _, _, step, _ in live], contexts)
+        still_live = []
+        for (i, ep, step, rec), d in zip(live, decisions):
+            try:
+                with time_limit(step_timeout_s):
+                    nxt = ep.step(d.action)
+            except Exception as e:  # noqa: BLE001 -- the episode ends with the error; the run goes on
+                _fail(rec, _describe(e))
+                close(i, rec)
+                continue
+            feedback = nxt.feedback.to_dict()
+            if d.parse_error:  # the policy's reply held no well-formed action: say so, not just "invalid"
+                feedback["error"] = d.parse_error
+            rec["turns"].append(
+                {
+                    "turn": len(rec["turns"]),
+                    "observation": step.observation,
+                    "state_key": step.state_key,
+                    "expert_action": step.expert_action,
+                    "prompt_ids": d.prompt_ids,
+                    "action_ids": d.action_ids,
+                    "action_text": d.text,
+                    "action": d.action,
+                    "behaviour_logprobs": d.logprobs,
+                    "next_observation": nxt.observation,
+                    "next_state_key": nxt.state_key,
+                    "feedback": feedback,
+                    "reward": nxt.reward,
+                    "done": nxt.done,
+                    "info": nxt.info,
+                }
+            )
+            if nxt.done:
+                _finish(rec, nxt)
+                close(i, rec)
+            else:
+                still_live.append((i, ep, nxt, rec))
+        live = still_live
+        start_more()
+    return records  # type: ignore[return-value]
+
+
+def _finish(rec: dict, last: Step) -> None:
+    turns = rec["turns"]
+    rec["reward"] = float(last.reward)
+    rec["success"] = bool(last.info.get("won", False))
+    rec["num_turns"] = len(turns)
+    rec["invalid_actions"] = sum(1 for t in turns if t["feedback"]["error"])
+    rec["truncated"] = bool(last.info.get("truncated", False))
+    rec["error"] = None
+
+
+def _fail(rec: dict, error: str) -> None:
+    """Close an episode the environment broke: a failure, cut short, saying why. The turn
+    whose step failed is not recorded (it has no next state)."""
+    turns = rec["turns"]
+    rec["reward"] = 0.0
+    rec["success"] = False
+    rec["num_turns"] = len(turns)
+    rec["invalid_actions"] = sum(1 for t in turns if t["feedback"]["error"])
+    rec["truncated"] = True
+    rec["error"] = error

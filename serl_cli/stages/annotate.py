@@ -1,0 +1,116 @@
+"""``serl annotate RUN``: the annotation of a run's rollouts (``method.annotation``), written
+as ``annotations.jsonl`` and ``selection_report.json``.
+
+**Resume.** The teacher's work is the expensive part. ``serl annotate`` scores it one
+teacher micro-batch at a time -- exactly the micro-batches a single ``score`` call would
+make, so the numbers are bit-identical -- and appends each batch's log-probs to
+``annotations.journal.jsonl``. ``--resume`` after a kill reuses the journaled batches and
+scores only the rest; everything else is recomputed (it is cheap and deterministic).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serl_cli.artifacts import io, runlock
+from serl_cli.artifacts.schema import (
+    ANNOTATIONS_FILE,
+    ROLLOUTS_FILE,
+    SELECTION_REPORT_FILE,
+    read_rollouts,
+    rollouts_fingerprint,
+)
+from serl_cli.errors import SerlError
+from serl_cli.method.annotation import AnnotateConfig, annotate_episodes, validate
+from serl_cli.method.selection_report import selection_report
+from serl_cli.method.teacher import score, score_units
+
+JOURNAL_FILE = "annotations.journal.jsonl"
+
+
+
+def journaled_scorer(journal: Path, done: list[dict]):
+    """A :func:`score` that reuses the units in ``done`` and journals each one it scores."""
+
+    def scorer(model, tokenizer, items, temperature, micro_batch_tokens):
+        out: list[list[float]] = [[] for _ in items]
+        for u, index in enumerate(score_units(tokenizer, items, micro_batch_tokens)):
+            if u < len(done):
+                if done[u].get("items") != index:
+                    raise SerlError(f"{journal}: teacher batch {u} covers other turns than this run's: "
+                                    f"pass --overwrite to annotate from scratch")
+                logprobs = done[u]["logprobs"]
+            else:
+                logprobs = score(model, tokenizer, [items[i] for i in index], temperature, micro_batch_tokens)
+                io.append_journal(journal, {"unit": u, "items": index, "logprobs": logprobs})
+            for i, lp in zip(index, logprobs):
+                out[i] = lp
+        return out
+
+    return scorer
+
+
+
+def _finished(run: Path, manifest: dict) -> dict | None:
+    stage = manifest.get("stages", {}).get("annotate", {})
+    if stage.get("status") != "done" or not (run / ANNOTATIONS_FILE).is_file() or not (run / SELECTION_REPORT_FILE).is_file():
+        return None
+    if stage.get("rollouts_sha256") != rollouts_fingerprint(run):
+        return None
+    return {**stage.get("stats", {}), "report": io.read_json(run / SELECTION_REPORT_FILE)}
+
+
+
+def run_annotate(run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+    """Annotate a run's rollouts; ``resume`` continues an interrupted pass from its journal
+    (or returns the summary of a finished one)."""
+    run = Path(run_dir)
+    with runlock.run_lock(run):
+        return _run_annotate(run, cfg, overwrite=overwrite, resume=resume)
+
+
+
+def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bool) -> dict:
+    from serl_cli.artifacts.schema import rollout_temperature
+    from serl_cli.models.loading import load_model, set_torch_threads
+
+    manifest = io.load_manifest(run)
+    validate(cfg)
+    journal = run / JOURNAL_FILE
+    finished = io.begin_resumable(run / ANNOTATIONS_FILE, journal, overwrite=overwrite, resume=resume,
+                                  what="annotation", finished=lambda: _finished(run, manifest))
+    if finished is not None:
+        return finished
+    episodes = read_rollouts(run)
+    if any(not t["behaviour_logprobs"] for e in episodes for t in e["turns"]):
+        raise SerlError(f"{run}/{ROLLOUTS_FILE} has no behaviour log-probs (expert data?): annotate a model's rollouts")
+    rollout_cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
+    teacher_name = cfg.teacher or rollout_cfg.get("model")
+    if not teacher_name:
+        raise SerlError(f"no teacher model: {run}/manifest.json names no rollout model; pass --set teacher=DIR")
+    plain = io.to_plain(cfg)
+    plain.pop("threads")
+    header = {"stage": "annotate", "config": plain, "teacher": str(teacher_name), "rollouts_sha256": rollouts_fingerprint(run)}
+    if resume and not overwrite and journal.exists():
+        done = io.read_journal(journal, header)
+    else:
+        done = []
+        io.start_journal(journal, header)
+    io.mark_stage(run, "annotate", "running", resumed_from_unit=len(done))
+    set_torch_threads(cfg.threads)
+    model, tokenizer = load_model(teacher_name)
+    records, stats = annotate_episodes(episodes, cfg, model, tokenizer, env_cfg=rollout_cfg.get("env"),
+                                       temperature=rollout_temperature(manifest), scorer=journaled_scorer(journal, done))
+    result = write_annotations(run, records, episodes, cfg, stats)
+    journal.unlink(missing_ok=True)
+    return result
+
+
+
+def write_annotations(run: Path, records: list[dict], episodes: list[dict], cfg: AnnotateConfig, stats: dict) -> dict:
+    report = selection_report(records, episodes)
+    report["teacher"] = stats
+    io.write_jsonl(run / ANNOTATIONS_FILE, records)
+    io.write_json(run / SELECTION_REPORT_FILE, report)
+    io.mark_stage(run, "annotate", "done", config=io.to_plain(cfg), rollouts_sha256=rollouts_fingerprint(run), stats=stats)
+    return {**stats, "report": report}

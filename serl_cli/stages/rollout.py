@@ -1,0 +1,219 @@
+"""``serl rollout``: run a policy on sampled tasks, G times each, and store every turn.
+
+Tasks are drawn from the split with ``random.Random(seed)`` (without replacement); each
+task is run ``group_size`` times (its group). A model policy samples with the run's seed,
+so the same command twice gives byte-identical ``rollouts.jsonl`` on CPU. The expert
+policy records SFT data: the same prompt ids a model would see and the expert's action as
+the reply, tokenized with ``--model``'s tokenizer (or the default model's).
+
+**Resume.** Every lockstep round's decisions (token ids, log-probs, text) are appended to
+``rollouts.journal.jsonl`` and fsynced before the environments step. ``--resume`` after a
+kill hands the journaled rounds back instead of asking the policy again -- the
+environments (deterministic given task and actions) are re-stepped to exactly where they
+were -- and then lets the policy go on with its call counter where it stood, which puts
+sampling on the same draws. So no episode is lost or run twice, and the final
+``rollouts.jsonl`` is byte-identical to an uninterrupted run's (docs/RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from serl_cli.artifacts import io, runlock
+from serl_cli.artifacts.schema import ROLLOUTS_FILE
+from serl_cli.errors import SerlError
+from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, TokenizedExpertPolicy, make_engine
+from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling
+from serl_cli.rollout.policies import Decision
+from serl_cli.rollout.prompts import PromptConfig
+from serl_cli.rollout.runner import EpisodeSpec, run_episodes
+from serl_cli.rollout.worlds import EnvConfig, build_world
+
+POLICIES = ("model", "expert")
+JOURNAL_FILE = "rollouts.journal.jsonl"
+
+
+@dataclass
+class RolloutConfig:
+    env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))
+    model: str | None = None  # None: the embedded default tiny model for the environment
+    policy: str = "model"  # model | expert (SFT data)
+    engine: str = "hf"  # hf | vllm
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # --engine vllm: tensor parallelism, memory, dtype
+    tasks: int = 8  # how many tasks to sample from the split
+    group_size: int = 8  # G rollouts per task
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    batch_size: int = 64  # episodes live at once (one generate call per turn across them)
+    seed: int = 0
+    threads: int | None = None  # torch threads; None = all cores
+    out: str = "runs/rollout"
+
+
+def validate(cfg: RolloutConfig) -> None:
+    """Settings that would otherwise fail deep inside generation, or silently mean something else."""
+    if cfg.policy not in POLICIES:
+        raise SerlError(f"unknown rollout policy {cfg.policy!r}: choose one of {', '.join(POLICIES)}")
+    s = cfg.sampling
+    if s.temperature < 0:
+        raise SerlError(f"sampling.temperature must be 0 (greedy) or positive, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise SerlError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    if s.max_new_tokens < 1:
+        raise SerlError(f"sampling.max_new_tokens must be at least 1, got {s.max_new_tokens}")
+    if cfg.batch_size < 1:
+        raise SerlError(f"batch_size must be at least 1, got {cfg.batch_size}")
+    if cfg.policy == "model" and cfg.engine == "vllm":
+        check_sampling(cfg.sampling)  # before vLLM starts (a minute), not at its first call
+
+
+def sample_tasks(num_tasks: int, count: int, seed: int) -> list[int]:
+    if not 0 < count <= num_tasks:
+        raise SerlError(f"--tasks {count} out of range: the split has {num_tasks} tasks")
+    return random.Random(seed).sample(range(num_tasks), count)
+
+
+def episode_specs(task_ids: list[int], group_size: int) -> list[EpisodeSpec]:
+    if group_size < 1:
+        raise SerlError(f"--group-size must be at least 1, got {group_size}")
+    return [EpisodeSpec(task_id=t, group_id=g, rollout_index=r) for g, t in enumerate(task_ids) for r in range(group_size)]
+
+
+def resolve_model(cfg: RolloutConfig, world) -> str:
+    if cfg.model:
+        return cfg.model
+    from serl_cli.rollout.default_model import default_model_dir
+
+    return str(default_model_dir(world, cfg.env.name))
+
+
+def make_rollout_policy(cfg: RolloutConfig, model, tokenizer, engine=None):
+    if cfg.policy == "expert":
+        return TokenizedExpertPolicy(tokenizer, cfg.prompt)
+    if cfg.policy == "model":
+        if engine is None:
+            engine = make_engine(cfg.engine, model, tokenizer, vllm=cfg.vllm, seed=cfg.seed)
+        return ModelPolicy(engine, cfg.sampling, cfg.prompt, seed=cfg.seed)
+    raise SerlError(f"unknown rollout policy {cfg.policy!r}: choose one of {', '.join(POLICIES)}")
+
+
+class JournaledPolicy:
+    """A policy whose every round of decisions is journaled; on resume the journaled rounds
+    are replayed before the policy is asked again."""
+
+    def __init__(self, policy, journal: Path, replay: list[list[dict]]):
+        self.policy, self.journal, self.replay = policy, journal, replay
+        self.name = policy.name
+        self.round = 0
+        if hasattr(policy, "calls"):  # ModelPolicy seeds its call r with seed * 1_000_003 + r
+            policy.calls = len(replay)
+
+    def act(self, steps, contexts) -> list[Decision]:
+        if self.round < len(self.replay):
+            saved = self.replay[self.round]
+            if len(saved) != len(steps):
+                raise SerlError(f"{self.journal}: round {self.round} holds {len(saved)} decisions but {len(steps)} "
+                                f"episodes are live: the environment is not the one this journal was written with")
+            self.round += 1
+            return [Decision(**d) for d in saved]
+        decisions = self.policy.act(steps, contexts)
+        io.append_journal(self.journal, {"round": self.round, "decisions": [dataclasses.asdict(d) for d in decisions]})
+        self.round += 1
+        return decisions
+
+
+def journal_header(cfg: RolloutConfig, episodes: int) -> dict:
+    """What must match for a journal to be resumed: every setting that changes the episodes."""
+    plain = io.to_plain(cfg)
+    for key in ("threads", "out"):
+        plain.pop(key)
+    return {"stage": "rollout", "config": plain, "episodes": episodes}
+
+
+def _finished_summary(out: Path) -> dict | None:
+    try:
+        stage = io.load_manifest(out).get("stages", {}).get("rollout", {})
+    except SerlError:
+        return None
+    return stage.get("summary") if stage.get("status") == "done" and (out / ROLLOUTS_FILE).is_file() else None
+
+
+def run_rollout(cfg: RolloutConfig, *, overwrite: bool = False, resume: bool = False, progress=None, model=None,
+                tokenizer=None, engine=None) -> dict:
+    """Collect rollouts into ``cfg.out``; returns a summary. ``model``/``tokenizer`` may be
+    passed in (the online loop keeps its policy in memory), and so may a live ``engine``
+    (the online loop keeps one vLLM engine for the whole run). ``resume`` continues an
+    interrupted run from its journal (or returns the summary of a finished one)."""
+    out = Path(cfg.out)
+    with runlock.run_lock(out):
+        return _run_rollout(cfg, out, overwrite=overwrite, resume=resume, progress=progress, model=model,
+                            tokenizer=tokenizer, engine=engine)
+
+
+def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, model, tokenizer, engine) -> dict:
+    from serl_cli.models.loading import load_model, set_torch_threads
+
+    journal = out / JOURNAL_FILE
+    finished = io.begin_resumable(out / ROLLOUTS_FILE, journal, overwrite=overwrite, resume=resume, what="rollout",
+                                  finished=lambda: _finished_summary(out))
+    if finished is not None:
+        return finished
+    validate(cfg)
+    world = build_world(cfg.env)
+    task_ids = sample_tasks(world.num_tasks(cfg.env.split), cfg.tasks, cfg.seed)
+    specs = episode_specs(task_ids, cfg.group_size)
+    if model is None and engine is None:
+        cfg.model = resolve_model(cfg, world)
+    header = journal_header(cfg, len(specs))
+    replay: list[list[dict]] = []
+    resuming = resume and not overwrite and journal.exists() and (out / "manifest.json").is_file()
+    if resuming:  # check the journal before loading anything
+        units = io.read_journal(journal, header)
+        if [u.get("round") for u in units] != list(range(len(units))):
+            raise SerlError(f"{journal}: rounds out of order: the journal was edited; pass --overwrite to start again")
+        replay = [u["decisions"] for u in units]
+    set_torch_threads(cfg.threads)
+    if model is None and engine is None:
+        if cfg.policy == "model" and cfg.engine == "vllm":  # vLLM loads the weights itself
+            engine = make_engine("vllm", None, None, model_dir=cfg.model, vllm=cfg.vllm, seed=cfg.seed)
+        else:
+            model, tokenizer = load_model(cfg.model)
+    if engine is not None:
+        tokenizer = engine.tokenizer
+    if model is not None:
+        model.eval()
+    policy = make_rollout_policy(cfg, model, tokenizer, engine)
+    if resuming:
+        io.mark_stage(out, "rollout", "running", resumed_from_round=len(replay))
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed))
+        io.start_journal(journal, header)
+    started = time.time()
+    records = run_episodes(world, cfg.env.split, specs, JournaledPolicy(policy, journal, replay),
+                           max_turns=cfg.env.max_turns, batch_size=cfg.batch_size, on_episode_done=progress,
+                           step_timeout_s=cfg.env.step_timeout_s)
+    wall = time.time() - started
+    io.write_jsonl(out / ROLLOUTS_FILE, records)
+    gen_tokens = sum(len(t["action_ids"]) for r in records for t in r["turns"])
+    turns = sum(r["num_turns"] for r in records)
+    summary = {
+        "episodes": len(records),
+        "tasks": len(task_ids),
+        "turns": turns,
+        "mean_reward": sum(r["reward"] for r in records) / len(records),
+        "success_rate": sum(r["success"] for r in records) / len(records),
+        "invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(turns, 1),
+        "env_errors": sum(1 for r in records if r.get("error")),
+        "generated_tokens": gen_tokens,
+        "wall_time_s": round(wall, 3),
+        "tokens_per_s": gen_tokens / wall if wall > 0 else 0.0,
+        "turns_per_s": turns / wall if wall > 0 else 0.0,
+    }
+    io.mark_stage(out, "rollout", "done", summary=summary)
+    journal.unlink(missing_ok=True)
+    return summary

@@ -1,0 +1,242 @@
+"""``serl show RUN``: a run directory rendered for a person, or one episode as JSON.
+
+Without an episode: the manifest's stages and a table of episodes. With one: every turn --
+what the policy saw and wrote, what the environment said and, where ``annotations.jsonl``
+exists, whether the turn is selected, its hindsight block and its per-token weights, each
+action token shaded by its weight. Everything from the run is shown as plain text, never
+as rich markup: observations hold ``[SEP]`` and ``click[...]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from serl_cli.artifacts import io
+from serl_cli.artifacts.schema import ANNOTATION_KEYS, ANNOTATIONS_FILE, ROLLOUTS_FILE, read_rollouts
+from serl_cli.errors import SerlError
+
+OBS_CHARS = 400  # an observation is cut here unless --full
+DEFAULT_CLIP = 0.2  # weights are shaded by |w - 1| / clip (annotate's weight_clip when recorded)
+
+
+# -- reading ----------------------------------------------------------------------------------
+def load_run(run_dir: str | Path) -> tuple[dict, list[dict], dict | None]:
+    """(manifest, episodes, annotations by (episode, turn) or None where the run has none)."""
+    run = Path(run_dir)
+    manifest = io.load_manifest(run)
+    episodes = read_rollouts(run, need_tokens=False)
+    return manifest, episodes, read_annotations(run, manifest, episodes)
+
+
+def read_annotations(run: Path, manifest: dict, episodes: list[dict]) -> dict | None:
+    path = run / ANNOTATIONS_FILE
+    if not path.exists():
+        return None
+    made_from = manifest.get("stages", {}).get("annotate", {}).get("rollouts_sha256")
+    if made_from and hashlib.sha256((run / ROLLOUTS_FILE).read_bytes()).hexdigest()[:16] != made_from:
+        raise SerlError(f"{path} was made from other rollouts than {run / ROLLOUTS_FILE}: "
+                        f"run `serl annotate {run} --overwrite`")
+    out = {}
+    for n, rec in enumerate(io.iter_jsonl(path, required=ANNOTATION_KEYS), 1):
+        e, t = rec["episode"], rec["turn"]
+        if not (isinstance(e, int) and isinstance(t, int) and 0 <= e < len(episodes) and 0 <= t < len(episodes[e]["turns"])):
+            raise SerlError(f"{path}:{n}: episode {e!r} turn {t!r} is not a turn of {run / ROLLOUTS_FILE}")
+        if (e, t) in out:
+            raise SerlError(f"{path}:{n}: a second record for episode {e} turn {t}")
+        w, ids = rec["weights"], episodes[e]["turns"][t]["action_ids"]
+        if w is not None and (not isinstance(w, list) or len(w) != len(ids)
+                              or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in w)):
+            raise SerlError(f"{path}:{n}: weights must be a list of one number per action token ({len(ids)})")
+        out[e, t] = rec
+    return out
+
+
+def _check_index(what: str, i: int | None, n: int) -> None:
+    if i is not None and not 0 <= i < n:
+        raise SerlError(f"{what} {i} out of range: there are {n} (0 to {n - 1})")
+
+
+# -- the run: stages and episodes ----------------------------------------------------------------
+def _stage_detail(entry: dict) -> str:
+    cfg = entry.get("config") or {}
+    keys = ("model", "policy", "sources", "granularity", "placement", "algo", "teacher")
+    parts = [f"{k} {cfg[k]}" for k in keys if cfg.get(k) not in (None, "")]
+    if entry.get("checkpoint"):
+        parts.append(f"checkpoint {entry['checkpoint']}")
+    return ", ".join(parts)
+
+
+def run_view(run_dir: str | Path, manifest: dict, episodes: list[dict], ann: dict | None) -> RenderableType:
+    commit = (manifest.get("git_commit") or "unknown")[:10]
+    head = Text(f"run {run_dir}: serl {manifest.get('serl_version')}, seed {manifest.get('seed')}, commit {commit}",
+                style="bold")
+    stages = Table(title="stages", title_justify="left", header_style="bold")
+    for col in ("stage", "status", "detail"):
+        stages.add_column(col)
+    for name, entry in manifest.get("stages", {}).items():
+        status = str(entry.get("status", "?"))
+        stages.add_row(Text(name), Text(status, style="green" if status == "done" else "yellow"), Text(_stage_detail(entry)))
+    table = Table(title="episodes", title_justify="left", header_style="bold")
+    for col in ("#", "task_id", "group_id", "rollout", "reward", "success", "turns", "invalid"):
+        table.add_column(col, justify="right")
+    if ann is not None:
+        table.add_column("selected", justify="right")
+    rows = episode_rows(episodes, ann)
+    for e, row in enumerate(rows):
+        cells = [str(e), str(row["task_id"]), str(row["group_id"]), str(row["rollout_index"]), f"{row['reward']:.3f}",
+                 Text("yes", style="green") if row["success"] else Text("no", style="red"), str(row["turns"]),
+                 str(row["invalid_actions"])]
+        if ann is not None:
+            cells.append(str(row["selected_turns"]))
+        table.add_row(*[c if isinstance(c, Text) else Text(c) for c in cells])
+    total = f"{len(rows)} episodes, success {sum(r['success'] for r in rows) / len(rows):.3f}"
+    if ann is not None:
+        total += f", {sum(r['selected_turns'] for r in rows)} of {len(ann)} turns selected"
+    return Group(head, stages, table, Text(total + "; `serl show RUN --episode N` for one episode", style="dim"))
+
+
+def episode_rows(episodes: list[dict], ann: dict | None) -> list[dict]:
+    rows = []
+    for e, ep in enumerate(episodes):
+        turns = ep["turns"]
+        row = {k: ep[k] for k in ("task_id", "group_id", "rollout_index", "reward", "success")}
+        row["turns"] = ep.get("num_turns", len(turns))
+        row["invalid_actions"] = ep.get("invalid_actions", sum(1 for t in turns if t["feedback"].get("error")))
+        if ann is not None:
+            row["selected_turns"] = sum(1 for t in range(len(turns)) if ann.get((e, t), {}).get("selected"))
+        rows.append(row)
+    return rows
+
+
+# -- one episode --------------------------------------------------------------------------------
+def episode_json(episodes: list[dict], ann: dict | None, index: int, turn: int | None = None) -> dict:
+    """The episode with each turn's annotation record under ``annotation`` (None: not annotated)."""
+    _check_index("episode", index, len(episodes))
+    ep = dict(episodes[index], episode=index)
+    _check_index("turn", turn, len(ep["turns"]))
+    ep["turns"] = [dict(t, annotation=(ann or {}).get((index, i))) for i, t in enumerate(ep["turns"])
+                   if turn is None or i == turn]
+    return ep
+
+
+def load_tokenizer(manifest: dict):
+    """(tokenizer or None, why not): the rollout model's tokenizer, to decode action tokens."""
+    name = ((manifest.get("stages", {}).get("rollout") or {}).get("config") or {}).get("model")
+    if not name:
+        return None, "the manifest names no rollout model"
+    path = Path(name).expanduser()
+    if not path.exists() and str(name).startswith((".", "/", "~")):
+        return None, f"model directory {name} not found"
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path) if path.exists() else name), ""
+    except Exception as e:  # noqa: BLE001 -- any failure just means: show numbers instead
+        return None, f"cannot load the tokenizer of {name} ({type(e).__name__})"
+
+
+def weight_style(w: float, clip: float) -> str:
+    if abs(w - 1.0) < 1e-6:
+        return ""
+    level = round(60 + 170 * min(abs(w - 1.0) / clip, 1.0))
+    return f"black on rgb(0,{level},0)" if w > 1 else f"white on rgb({level},0,0)"
+
+
+def weights_text(action_ids: list[int], weights: list[float], mask: list | None, tokenizer, clip: float) -> Text:
+    text = Text()
+    for i, (tid, w) in enumerate(zip(action_ids, weights)):
+        style = weight_style(w, clip) + (" dim" if mask and i < len(mask) and not mask[i] else "")
+        piece = tokenizer.decode([tid]).replace("\n", "⏎") if tokenizer is not None else f"{i}:{w:.3f}"
+        text.append(piece, style=style.strip() or None)
+        if tokenizer is None:
+            text.append(" ")
+    return text
+
+
+def weights_summary(weights: list[float]) -> str:
+    up, down = [w for w in weights if w > 1 + 1e-6], [w for w in weights if w < 1 - 1e-6]
+    s = f"{len(weights)} tokens: {len(up)} up"
+    s += f" (max {max(up):.3f})" if up else ""
+    s += f", {len(down)} down" + (f" (min {min(down):.3f})" if down else "")
+    return s + f", {len(weights) - len(up) - len(down)} at 1"
+
+
+def legend(clip: float, by_index: bool) -> Text:
+    t = Text()
+    t.append("weights: ", style="bold")
+    for label, w in ((f"w={1 + clip:g}", 1 + clip), (f"w={1 + clip / 2:g}", 1 + clip / 2), ("w=1", 1.0),
+                     (f"w={1 - clip / 2:g}", 1 - clip / 2), (f"w={1 - clip:g}", 1 - clip)):
+        t.append(f" {label} ", style=weight_style(w, clip) or None)
+        t.append(" ")
+    t.append(f"  green: up-weighted, red: down-weighted, shade: |w-1|/{clip:g}; dim: outside the parsed action")
+    if by_index:
+        t.append("; shown as token-index:weight")
+    return t
+
+
+def _field(grid: Table, label: str, value, style: str | None = None) -> None:
+    grid.add_row(Text(label, style="bold cyan"), value if isinstance(value, Text) else Text(str(value), style=style))
+
+
+def turn_view(i: int, turn: dict, rec: dict | None, full: bool, tokenizer, clip: float) -> Panel:
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column()
+    obs = str(turn.get("observation", ""))
+    if not full and len(obs) > OBS_CHARS:
+        obs = obs[:OBS_CHARS] + f" … ({len(obs) - OBS_CHARS} more characters; --full shows all)"
+    _field(grid, "observation", obs)
+    _field(grid, "wrote", turn["action_text"])
+    _field(grid, "action", turn.get("action", ""), "bold")
+    fb = turn["feedback"]
+    _field(grid, "error", fb.get("error") or "-", "red" if fb.get("error") else "dim")
+    _field(grid, "diff", fb.get("diff") or "-")
+    _field(grid, "reward", f"{float(turn['reward']):.3f}   done {bool(turn['done'])}")
+    title = Text(f"turn {i}")
+    if rec is not None:
+        if rec["selected"]:
+            title.append("  ").append(" SELECTED ", style="bold black on yellow")
+        if rec["distill"]:
+            title.append("  ").append(" DISTILL ", style="bold white on blue")
+        _field(grid, "sources", ", ".join(rec["sources"] or []) or "-")
+        _field(grid, "fired", ", ".join(rec["fired"] or []) or "-")
+        _field(grid, "hindsight", rec["hindsight"] if rec["hindsight"] is not None else "(no block)", "italic")
+        _field(grid, "advantage", f"{float(rec['advantage']):+.3f}")
+        lr = rec["log_ratio_mean"]
+        _field(grid, "log-ratio", "(not scored)" if lr is None else f"{lr:+.4f}  (mean log pi_T - log pi_old)")
+        if rec["weights"] is None:
+            _field(grid, "weights", "all 1", "dim")
+        else:
+            _field(grid, "weights", weights_summary(rec["weights"]))
+            _field(grid, "", weights_text(turn["action_ids"], rec["weights"], rec["action_mask"], tokenizer, clip))
+    border = "yellow" if rec is not None and rec["selected"] else "dim"
+    return Panel(grid, title=title, title_align="left", border_style=border)
+
+
+def episode_view(manifest: dict, episodes: list[dict], ann: dict | None, index: int, turn: int | None = None,
+                 full: bool = False, tokenizer_loader=load_tokenizer) -> RenderableType:
+    ep = episode_json(episodes, ann, index, turn)
+    head = Text(f"episode {index}: task {ep['task_id']}, group {ep['group_id']}, rollout {ep['rollout_index']}, "
+                f"reward {float(ep['reward']):.3f}, ", style="bold")
+    head.append("success" if ep["success"] else "failure", style="bold green" if ep["success"] else "bold red")
+    parts: list[RenderableType] = [head]
+    if ep.get("instruction"):
+        parts.append(Text(f"instruction: {ep['instruction']}"))
+    if ann is None:
+        parts.append(Text("not annotated: run `serl annotate RUN` to see selection, hindsight and weights", style="dim"))
+    shown = range(len(ep["turns"])) if turn is None else [turn]
+    weighted = any(t["annotation"] and t["annotation"]["weights"] is not None for t in ep["turns"])
+    tokenizer, why = tokenizer_loader(manifest) if weighted else (None, "")
+    clip = float(((manifest.get("stages", {}).get("annotate") or {}).get("config") or {}).get("weight_clip", DEFAULT_CLIP))
+    if weighted:
+        parts.append(legend(clip, tokenizer is None))
+        if tokenizer is None:
+            parts.append(Text(f"({why}: weights by token index)", style="dim"))
+    parts += [turn_view(i, t, t["annotation"], full, tokenizer, clip) for i, t in zip(shown, ep["turns"])]
+    return Group(*parts)

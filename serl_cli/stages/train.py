@@ -1,0 +1,107 @@
+"""``serl train RUN --algo ...``: one update of a policy on a run's stored rollouts.
+
+The update itself is :class:`serl_cli.training.learner.Learner`'s; this stage adds the run's
+bookkeeping: the run lock, resume, the metrics and timings journals, the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from serl_cli.algos.objectives import get_objective
+from serl_cli.artifacts import io, runlock
+from serl_cli.artifacts.schema import read_rollouts, rollout_temperature
+from serl_cli.errors import SerlError
+from serl_cli.rollout.prompts import PromptConfig
+from serl_cli.training.learner import Learner, TrainConfig, training_episodes
+
+
+def follow_train_on_run(run_dir: str, cfg: TrainConfig, *, resume: bool = False) -> None:
+    """``train_on_run`` on a process other than the main one of a launched job: the same
+    update and save (their collectives need every process), none of the run's bookkeeping,
+    which the main process does."""
+    run = Path(run_dir)
+    manifest = io.load_manifest(run)
+    stage = manifest["stages"].get(f"train:{cfg.algo}", {})
+    checkpoint = Path(cfg.checkpoint) if cfg.checkpoint else run / "checkpoint"
+    if resume and stage.get("status") == "done" and (checkpoint / "config.json").is_file():
+        return  # the main process returns the finished update's metrics without training
+    rollout_cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
+    model_name = cfg.model or rollout_cfg.get("model")
+    annotations, meta = None, None
+    if get_objective(cfg.algo).needs_annotations:
+        from serl_cli.artifacts.schema import read_annotations
+
+        annotations = read_annotations(run)
+        meta = manifest["stages"]["annotate"]
+    learner = Learner(model_name, cfg)
+    learner.update(training_episodes(read_rollouts(run), cfg, run), 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
+    learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
+
+
+def train_on_run(run_dir: str, cfg: TrainConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+    """One update on a run's rollouts, under the run's lock. The update is the unit of work:
+    a killed one reruns from the start (the checkpoint is written atomically and the
+    metrics lines of an unfinished attempt are dropped); ``resume`` returns a finished
+    update's metrics without redoing it."""
+    run = Path(run_dir)
+    with runlock.run_lock(run):
+        return _train_on_run(run, cfg, overwrite=overwrite, resume=resume)
+
+
+
+def _comparable(cfg: TrainConfig) -> dict:
+    plain = io.to_plain(cfg)
+    plain.pop("threads")
+    return plain
+
+
+
+def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool) -> dict:
+    manifest = io.load_manifest(run)
+    get_objective(cfg.algo)
+    stage_name = f"train:{cfg.algo}"
+    stage = manifest["stages"].get(stage_name, {})
+    checkpoint = Path(cfg.checkpoint) if cfg.checkpoint else run / "checkpoint"
+    metrics_path, timings_path = run / "metrics.jsonl", run / "timings.jsonl"
+    rollout_cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
+    model_name = cfg.model or rollout_cfg.get("model")
+    if resume and not overwrite:
+        if stage.get("status") == "done" and (checkpoint / "config.json").is_file():
+            stored = {k: v for k, v in (stage.get("config") or {}).items() if k != "threads"}
+            if stored != json.loads(json.dumps({**_comparable(cfg), "model": model_name})):
+                raise SerlError(f"{run} finished {stage_name} with other settings: pass --overwrite to train again")
+            records = list(io.iter_jsonl(metrics_path))
+            return records[stage.get("metrics_line", len(records) - 1)]
+    else:
+        io.prepare_output(checkpoint, overwrite=overwrite, what="a checkpoint")
+    episodes = training_episodes(read_rollouts(run), cfg, run)
+    if not model_name:
+        raise SerlError(f"no model to train: {run}/manifest.json names none; pass --model")
+    cfg.model = model_name
+    annotations, meta = None, None
+    if get_objective(cfg.algo).needs_annotations:
+        from serl_cli.artifacts.schema import read_annotations
+
+        annotations = read_annotations(run)
+        meta = manifest["stages"]["annotate"]
+    if stage.get("status") == "running":  # an earlier attempt was killed: forget what it may have written
+        io.truncate_jsonl(metrics_path, stage.get("metrics_line", 0))
+        io.truncate_jsonl(timings_path, stage.get("timings_line", 0))
+    line, timings_line = io.count_jsonl(metrics_path), io.count_jsonl(timings_path)
+    io.mark_stage(run, stage_name, "running", metrics_line=line, timings_line=timings_line)
+    learner = Learner(model_name, cfg)
+    metrics = learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
+    timing = metrics.pop("timing")  # wall-clock figures apart, so metrics.jsonl is deterministic
+    from safetensors import SafetensorError
+
+    try:
+        learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
+    except (OSError, SafetensorError) as e:  # disk full: the old checkpoint, if any, is still in place
+        io.clear_debris(checkpoint.parent)  # and the half-written new one goes
+        raise io.write_failed(checkpoint, e) from None
+    io.append_jsonl(metrics_path, metrics)
+    io.append_jsonl(timings_path, {"update": line, "algo": cfg.algo, **timing})
+    io.mark_stage(run, stage_name, "done", config=io.to_plain(cfg), checkpoint=str(checkpoint), metrics_line=line)
+    return metrics

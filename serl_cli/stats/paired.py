@@ -1,0 +1,37 @@
+"""Paired comparisons of two arms over the same seeds: the paired t-test and Wilcoxon's signed-rank test.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from scipy import stats as _st
+
+from serl_cli.stats.summary import _finite, mean, std, t_interval
+
+
+def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> dict:
+    """Paired t-test of ``a - b``; ``a[i]`` and ``b[i]`` must belong together (same seed)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
+    d = [float(x) - float(y) for x, y in zip(a, b)]
+    n = len(d)
+    out = {"n": n, "mean_diff": mean(d), "std_diff": std(d), "ci95": t_interval(d, confidence),
+           "t": None, "p": None}
+    if n < 2 or not out["std_diff"]:
+        return out  # one pair, or every difference equal: t is 0/0 or +-inf, not a test
+    res = _st.ttest_rel([float(x) for x in a], [float(y) for y in b])
+    out["t"], out["p"] = _finite(res.statistic), _finite(res.pvalue)
+    return out
+
+
+
+def wilcoxon_signed_rank(a: Sequence[float], b: Sequence[float], min_n: int = 6) -> dict | None:
+    """Two-sided Wilcoxon signed-rank test of ``a - b``; None below ``min_n`` pairs or all-zero differences."""
+    if len(a) != len(b):
+        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
+    d = [float(x) - float(y) for x, y in zip(a, b)]
+    if len(d) < min_n or all(x == 0 for x in d):
+        return None
+    res = _st.wilcoxon(d)
+    return {"n": len(d), "statistic": _finite(res.statistic), "p": _finite(res.pvalue)}

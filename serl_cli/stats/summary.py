@@ -1,0 +1,66 @@
+"""Summaries for every report: success-rate intervals, means over seeds, t-intervals.
+
+Every helper takes plain lists of floats and returns plain floats (None where undefined).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from scipy import stats as _st
+
+
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> list[float]:
+    """Wilson score interval for a binomial proportion (stays inside [0, 1], sane at 0 and n)."""
+    if n == 0:
+        return [0.0, 1.0]
+    z = float(_st.norm.ppf(0.5 + confidence / 2))
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+
+def _finite(x) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+
+def mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+
+def std(xs: Sequence[float]) -> float | None:
+    """Sample standard deviation (ddof 1); None below two values."""
+    n = len(xs)
+    if n < 2:
+        return None
+    m = sum(xs) / n
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+
+
+
+def t_interval(xs: Sequence[float], confidence: float = 0.95) -> list[float] | None:
+    """The t-interval of the mean; None below two values. Zero variance: [mean, mean]."""
+    n = len(xs)
+    if n < 2:
+        return None
+    m, s = mean(xs), std(xs)
+    half = float(_st.t.ppf(0.5 + confidence / 2, n - 1)) * s / math.sqrt(n)
+    return [m - half, m + half]
+
+
+
+def describe(xs: Sequence[float], confidence: float = 0.95) -> dict:
+    xs = [float(x) for x in xs]
+    return {"n": len(xs), "mean": mean(xs), "std": std(xs), "ci95": t_interval(xs, confidence)}
+
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"

@@ -1,0 +1,96 @@
+"""Training backends: where the optimizer step runs and where the weights live.
+
+* ``torch``: one process, the model as loaded, ``torch.optim.AdamW``.
+* ``deepspeed``: ZeRO stage 1, 2 or 3 (optionally offloaded to CPU) over however many
+  processes the launcher started (``serl_cli.training.deepspeed``, imported only when chosen).
+
+The learner (``serl_cli.training.learner``) keeps the algorithm -- what the loss is, how a
+batch is cut into optimizer steps -- and asks its backend for five things: a forward module,
+one optimizer step over a list of micro-batches, the full weights on demand
+(:meth:`full_model`: under ZeRO-3 they are partitioned across processes), its resume
+state, and the process group's basics (rank, broadcast, barrier).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from serl_cli.algos.batch import MicroBatch
+from serl_cli.errors import SerlError
+from serl_cli.training.step import LossFn, accumulate_step, make_optimizer
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a launched job (torchrun and the deepspeed launcher set RANK), or a plain process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+class TorchBackend:
+    """Single-process training with the model as it is."""
+
+    name = "torch"
+    rank, world, is_main = 0, 1, True
+    load_dtype = torch.float32
+
+    def __init__(self, cfg):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SerlError("the torch backend runs in one process: under torchrun or the deepspeed launcher "
+                            "use --backend deepspeed")
+        self.cfg = cfg
+        self.model = None
+        self.optimizer = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def wrap(self, model) -> None:
+        self.model = model
+        self.optimizer = make_optimizer(model, self.cfg.optim)
+
+    @property
+    def module(self):
+        """The network as the user knows it (a Hugging Face model, or its peft wrapper)."""
+        return self.model
+
+    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, num_tokens: float, temperature: float) -> dict:
+        return accumulate_step(self.model, self.optimizer, micro_batches, loss_fn, num_tokens, temperature,
+                               self.cfg.optim.grad_clip)
+
+    @contextmanager
+    def full_model(self):
+        yield self.model
+
+    def resume_state(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def save_engine_state(self, directory: Path) -> None:
+        """Backend-native resume files (none: the optimizer state goes in trainer_state.pt)."""
+
+    def load_state(self, state: dict, directory: Path) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def broadcast(self, obj):
+        return obj
+
+    def barrier(self) -> None:
+        pass
+
+
+def _deepspeed_backend(cfg):
+    from serl_cli.training.deepspeed import DeepSpeedBackend
+
+    return DeepSpeedBackend(cfg)
+
+
+BACKENDS = {"torch": TorchBackend, "deepspeed": _deepspeed_backend}
+
+
+def make_backend(cfg):
+    if cfg.backend not in BACKENDS:
+        raise SerlError(f"unknown backend {cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[cfg.backend](cfg)

@@ -1,0 +1,71 @@
+"""Checkpoints: Hugging Face model directories written atomically, and frozen copies of a policy.
+
+A checkpoint is written into a staging sibling and renamed into place only when complete
+(:func:`commit_dir`), so a crash leaves one whole version. A frozen copy (the KL reference,
+the teacher snapshot) is a plain model rebuilt from the policy's config and weights.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from serl_cli.artifacts.io import follow_umask
+
+
+def frozen_copy(model, device=None):
+    """A frozen replica of a (plain Hugging Face) model, built from its config and weights:
+    no DeepSpeed or peft state comes along."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):  # building a model draws initial weights: keep the caller's stream
+        replica = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
+    replica.load_state_dict(model.state_dict())
+    return replica.to(device or model.device).eval().requires_grad_(False)
+
+
+
+def save_checkpoint(model, tokenizer, path: str | Path, extra_state: dict | None = None,
+                    extra_files: dict[str, str] | None = None) -> Path:
+    """A Hugging Face model directory (safetensors), written to a temp sibling then renamed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        write_model_files(model, tokenizer, tmp, extra_state=extra_state, extra_files=extra_files)
+        commit_dir(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return path
+
+
+
+def write_model_files(model, tokenizer, directory: Path, *, state_dict: dict | None = None,
+                      extra_state: dict | None = None, extra_files: dict[str, str] | None = None) -> None:
+    """``model`` (or ``state_dict`` in ``model``'s architecture) and ``tokenizer`` into ``directory``."""
+    model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    if extra_state is not None:
+        torch.save(extra_state, directory / "trainer_state.pt")
+    for name, text in (extra_files or {}).items():
+        (directory / name).write_text(text, encoding="utf-8")
+
+
+
+def commit_dir(tmp: Path, path: Path) -> None:
+    """Put the finished ``tmp`` in place of ``path``: the old version is moved aside first
+    and removed last, so a crash leaves one whole version."""
+    follow_umask(tmp)
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        path.rename(old)
+    tmp.rename(path)
+    if old is not None:
+        shutil.rmtree(old)

@@ -1,0 +1,365 @@
+"""The DeepSpeed backend: ZeRO stage 1, 2 or 3 from a DeepSpeed JSON config.
+
+Launch it the way DeepSpeed jobs are launched -- ``torchrun -m serl_cli train ...``,
+``deepspeed --module serl_cli train ...`` or plain ``serl train`` (one process) -- with
+``--backend deepspeed``. The configuration is a user's JSON file or serl's default for the
+stage (``experiments/deepspeed/zero{1,2,3}.json`` hold the same dictionaries); serl fills in
+the keys it owns (below) and refuses a file that sets them to something else.
+
+How serl's update maps onto the engine:
+
+* serl cuts an optimizer step into micro-batches by padded tokens, so their number varies
+  from step to step. The engine runs with ``managed_gradient_accumulation: false``:
+  ``backward`` only accumulates and ``step`` is the boundary, whatever the count.
+* Data parallel: every process reads the same batch and builds the same micro-batches;
+  process r runs micro-batches r, r + W, r + 2W, ... Every process must run as many
+  forward/backward passes as the others (ZeRO's collectives happen inside them), so one
+  with fewer re-runs its first micro-batch with loss x 0 (gradient exactly 0).
+* The loss of every turn is already divided by the whole step's token count, and the
+  engine averages gradients over the W processes, so each process's loss is scaled by W:
+  the update equals the single-process one.
+* A non-finite loss is turned into NaN gradients, which the ZeRO optimizer's overflow
+  check (fp32, and bf16 with ``check_grad_overflow``) sees on every process and skips the
+  step on all of them, as the torch backend skips it.
+* The optimizer is serl's ``torch.optim.AdamW`` (no compiled op), unless the JSON has an
+  ``optimizer`` section (DeepSpeed's fused or CPU Adam); its lr, betas and weight decay are
+  serl's ``train.optim`` settings either way, as is ``gradient_clipping``.
+
+Checkpoints stay Hugging Face directories -- under ZeRO-3 the partitions are gathered
+first -- plus ``deepspeed/``, the engine's own checkpoint (fp32 master weights and
+optimizer partitions), which ``--resume`` loads. Every process must see the same
+filesystem (DeepSpeed's assumption too).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serl_cli.algos.batch import MicroBatch
+from serl_cli.errors import SerlError
+from serl_cli.training.step import ADDITIVE_STATS, LossFn, action_logprobs, make_optimizer
+
+ZERO_STAGES = (1, 2, 3)
+DEFAULT_STAGE = 2
+ENGINE_DIR = "deepspeed"  # inside a checkpoint: the engine's own resume files
+ENGINE_TAG = "state"
+MISSING = "--backend deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install 'serl[deepspeed]'"
+
+
+@dataclass
+class DeepSpeedConfig:
+    config: str | None = None  # a DeepSpeed JSON file; default: serl's for the stage
+    zero_stage: int | None = None  # overrides the file's zero_optimization.stage; 2 when neither sets it
+    offload: bool = False  # optimizer states (and, at stage 3, parameters) in CPU memory
+
+
+# -- the configuration (pure: testable without DeepSpeed) --------------------------------------
+def default_config(stage: int) -> dict:
+    """serl's DeepSpeed config for a ZeRO stage; experiments/deepspeed/zero{stage}.json is it, written out."""
+    zero: dict = {"stage": stage}
+    if stage >= 2:
+        zero.update(contiguous_gradients=True, overlap_comm=stage == 3, reduce_bucket_size=int(5e8))
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=int(5e7), stage3_param_persistence_threshold=int(1e5))
+    # "auto": bf16 where the accelerator has it (CUDA), fp32 elsewhere
+    return {"zero_optimization": zero, "bf16": {"enabled": "auto"}}
+
+
+def load_config_file(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise SerlError(f"DeepSpeed config file not found: {p}")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise SerlError(f"malformed DeepSpeed JSON in {p} at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError:
+        raise SerlError(f"DeepSpeed config file {p} is not UTF-8 text") from None
+    if not isinstance(data, dict):
+        raise SerlError(f"DeepSpeed config {p} must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def _own(config: dict, key: str, value, why: str, where: str) -> None:
+    """Set a key serl decides; a file that sets it to something else is refused ("auto" is fine)."""
+    given = config.get(key, "auto")
+    if given != "auto" and given != value:
+        raise SerlError(f"DeepSpeed config {where}: {key} is {given!r} but serl sets it to {value!r} ({why}); "
+                        f"remove it or write \"auto\"")
+    config[key] = value
+
+
+def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool) -> dict:
+    """The dictionary handed to ``deepspeed.initialize``: the file (or the stage's default),
+    the stage and offload settings, and the keys serl owns."""
+    where = ds.config or "(serl default)"
+    if ds.zero_stage is not None and ds.zero_stage not in ZERO_STAGES:
+        raise SerlError(f"ZeRO stage must be 1, 2 or 3, got {ds.zero_stage}")
+    if ds.config:
+        config = load_config_file(ds.config)
+    else:
+        config = default_config(ds.zero_stage or DEFAULT_STAGE)
+    config = copy.deepcopy(config)
+    zero = config.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise SerlError(f"DeepSpeed config {where}: zero_optimization must be an object")
+    if ds.zero_stage is not None:
+        zero["stage"] = ds.zero_stage
+    zero.setdefault("stage", DEFAULT_STAGE)
+    stage = zero["stage"]
+    if stage not in ZERO_STAGES:
+        raise SerlError(f"ZeRO stage must be 1, 2 or 3, got {stage!r} (zero_optimization.stage in {where})")
+    if ds.offload:
+        zero.setdefault("offload_optimizer", {"device": "cpu"})
+        if stage == 3:
+            zero.setdefault("offload_param", {"device": "cpu"})
+
+    # serl micro-batches by tokens and owns the boundary of each optimizer step
+    _own(config, "train_micro_batch_size_per_gpu", 1, "serl micro-batches by tokens", where)
+    _own(config, "gradient_accumulation_steps", 1, "serl micro-batches by tokens", where)
+    _own(config, "managed_gradient_accumulation", False, "serl owns the optimizer-step boundary", where)
+    _own(config, "gradient_clipping", float(optim.grad_clip), "train.optim.grad_clip", where)
+    if config.pop("train_batch_size", "auto") != "auto":
+        raise SerlError(f"DeepSpeed config {where}: train_batch_size is serl's to decide (turns per step vary); "
+                        f"remove it")
+    config.setdefault("zero_allow_untested_optimizer", True)  # serl's torch AdamW under ZeRO
+    config.setdefault("zero_force_ds_cpu_optimizer", False)  # ... also with CPU offload
+    config.setdefault("steps_per_print", 2**31 - 1)  # serl reports its own metrics
+
+    optimizer = config.get("optimizer")
+    if optimizer is not None:
+        if not isinstance(optimizer, dict) or not isinstance(optimizer.get("params", {}), dict):
+            raise SerlError(f"DeepSpeed config {where}: optimizer must be an object with a params object")
+        params = optimizer.setdefault("params", {})
+        _own(params, "lr", float(optim.lr), "train.optim.lr", where)
+        _own(params, "betas", list(optim.betas), "train.optim.betas", where)
+        _own(params, "weight_decay", float(optim.weight_decay), "train.optim.weight_decay", where)
+
+    for half in ("bf16", "fp16"):
+        section = config.get(half)
+        if section is not None and not isinstance(section, dict):
+            raise SerlError(f"DeepSpeed config {where}: {half} must be an object")
+    bf16 = config.setdefault("bf16", {"enabled": False})
+    if bf16.get("enabled") == "auto":
+        bf16["enabled"] = bf16_available
+    if bf16.get("enabled"):
+        bf16.setdefault("check_grad_overflow", True)  # a non-finite step is skipped, as in fp32
+    if config.get("fp16", {}).get("enabled") == "auto":
+        config["fp16"]["enabled"] = False
+    return config
+
+
+def zero_stage(config: dict) -> int:
+    return int(config["zero_optimization"]["stage"])
+
+
+def uses_bf16(config: dict) -> bool:
+    return bool(config.get("bf16", {}).get("enabled"))
+
+
+# -- the process group ---------------------------------------------------------------------------
+def check_config(cfg) -> None:
+    """The configuration resolves and DeepSpeed is installed (nothing is started)."""
+    resolve_config(cfg.deepspeed, cfg.optim, bf16_available=False)
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SerlError(MISSING)
+
+
+def _import_deepspeed():
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SerlError(MISSING)
+    import deepspeed
+
+    return deepspeed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(deepspeed) -> None:
+    """Join the launcher's process group, or make a one-process group for plain ``serl train``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # not started by torchrun / the deepspeed launcher: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
+    # the first initialize on a CPU compiles a small shared-memory op; cache it with serl's cache
+    cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(cache) / "torch_extensions"))
+    deepspeed.init_distributed(verbose=False)
+
+
+def _bf16_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+@contextmanager
+def _zero3_hooks_off(engine):
+    """Every parameter gathered whole and every ZeRO-3 hook removed, then put back.
+
+    DeepSpeed's own ``unwrap_model_for_generation`` keeps the root module's start-of-forward
+    hook, which checks with the other processes on each forward: a forward that only the
+    main process runs (generation, teacher scoring) would wait for them forever.
+    """
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    offload = engine.optimizer.parameter_offload
+    module = engine.module
+    with GatheredParameters(list(module.parameters())):
+        start_of_forward = module._forward_pre_hooks[offload.fwd_pre_hook.id]
+        for hook in offload.forward_hooks + offload.backward_hooks + [offload.fwd_pre_hook]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield module
+        finally:  # back in the order DeepSpeed registers them
+            offload.fwd_pre_hook = module.register_forward_pre_hook(start_of_forward)
+            offload._register_deepspeed_module(module)
+
+
+class DeepSpeedBackend:
+    """A DeepSpeed engine around the policy; see the module docstring for the mapping."""
+
+    name = "deepspeed"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        # validate before starting anything: bad input is one line, not a half-started job
+        self.config = resolve_config(cfg.deepspeed, cfg.optim, bf16_available=_bf16_available())
+        self.stage = zero_stage(self.config)
+        self.load_dtype = torch.bfloat16 if uses_bf16(self.config) else torch.float32
+        self._deepspeed = _import_deepspeed()
+        init_distributed(self._deepspeed)
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.is_main = self.rank == 0
+        self.engine = None
+        self.optimizer = None
+        self._gathered = 0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.engine.device)
+
+    def wrap(self, model) -> None:
+        client_optimizer = None if "optimizer" in self.config else make_optimizer(model, self.cfg.optim)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        try:
+            self.engine, self.optimizer, _, _ = self._deepspeed.initialize(
+                model=model, optimizer=client_optimizer, model_parameters=trainable, config=self.config)
+        except (ValueError, AssertionError, TypeError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SerlError(f"DeepSpeed rejected the configuration ({self.cfg.deepspeed.config or 'serl default'}): "
+                            f"{first}") from None
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, num_tokens: float, temperature: float) -> dict:
+        mine = micro_batches[self.rank::self.world]
+        passes = -(-len(micro_batches) // self.world)  # the same on every process
+        run_tokens = sum(mb.reply_mask.sum().item() for mb in micro_batches)
+        stats: dict[str, float] = {}
+        total_loss, finite = 0.0, True
+        for j in range(passes):
+            real = j < len(mine)
+            mb = mine[j] if real else micro_batches[0]  # a stand-in pass: collectives need every process
+            logp = action_logprobs(self.engine, mb, temperature)
+            loss, s = loss_fn(mb, logp, num_tokens)
+            if not real:
+                loss, s = loss * 0.0, {}
+            if not torch.isfinite(loss):
+                finite = False
+                loss = logp.sum() * float("nan")  # NaN gradients: the overflow check skips the step everywhere
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)
+            if real and finite:
+                total_loss += loss.item()
+                share = mb.reply_mask.sum().item() / max(run_tokens, 1)
+                for key, v in s.items():
+                    stats[key] = stats.get(key, 0.0) + (v if key in ADDITIVE_STATS else v * share)
+        self.engine.step()
+        applied = self.engine.was_step_applied()
+        if self.world > 1:
+            gathered = [None] * self.world
+            self._dist.all_gather_object(gathered, (stats, total_loss, finite))
+            stats, total_loss = {}, 0.0
+            for part, part_loss, part_finite in gathered:
+                finite = finite and part_finite
+                total_loss += part_loss
+                for key, v in part.items():
+                    stats[key] = stats.get(key, 0.0) + v
+        if not finite:
+            return {"skipped": 1.0, "loss": float("nan")}
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if not applied:
+            return {"skipped": 1.0, "loss": total_loss, "grad_norm": float("nan")}
+        stats.update(loss=total_loss, grad_norm=grad_norm, skipped=0.0)
+        return stats
+
+    @contextmanager
+    def full_model(self):
+        """The module with every parameter whole. Under ZeRO-3 that is a collective: every
+        process enters (the partitions are gathered on each, the ZeRO hooks are off while
+        it lasts); changes made inside are dropped on exit. Re-entrant."""
+        if self.stage < 3 or self._gathered:
+            yield self.engine.module
+            return
+        self._gathered += 1
+        try:
+            with _zero3_hooks_off(self.engine):
+                yield self.engine.module
+        finally:
+            self._gathered -= 1
+
+    def resume_state(self) -> dict:
+        return {}  # the optimizer lives in the engine's own checkpoint
+
+    def save_engine_state(self, directory: Path) -> None:
+        """The engine's checkpoint (every process writes its partitions)."""
+        lora = self.cfg.lora.rank > 0
+        self.engine.save_checkpoint(str(directory / ENGINE_DIR), tag=ENGINE_TAG, exclude_frozen_parameters=lora)
+
+    def load_state(self, state: dict, directory: Path) -> None:
+        engine_dir = directory / ENGINE_DIR
+        if not (engine_dir / ENGINE_TAG).is_dir():
+            raise SerlError(f"cannot resume with --backend deepspeed: {directory} has no DeepSpeed checkpoint "
+                            f"({ENGINE_DIR}/{ENGINE_TAG}); it was written by another backend")
+        try:
+            path, _ = self.engine.load_checkpoint(str(engine_dir), tag=ENGINE_TAG, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True,
+                                                  load_module_strict=self.cfg.lora.rank == 0)
+        except (AssertionError, RuntimeError, KeyError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SerlError(f"cannot resume from {engine_dir} with ZeRO stage {self.stage} on {self.world} "
+                            f"process(es): it was saved with other settings ({first})") from None
+        if path is None:
+            raise SerlError(f"DeepSpeed could not load its checkpoint from {engine_dir}")
+
+    def broadcast(self, obj):
+        if self.world == 1:
+            return obj
+        box = [obj if self.is_main else None]
+        self._dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self._dist.barrier()

@@ -1,0 +1,124 @@
+"""LoRA adapters via peft: only the low-rank matrices train; the base weights stay frozen.
+
+Memory is the point, so the two frozen policies the algorithms need come from the one
+network instead of extra copies:
+
+* the KL reference (``train.kl_coef > 0``) is the starting policy, i.e. the base model:
+  the live model with its adapters disabled (:func:`reference_view`);
+* the hindsight teacher is the policy as it was at the last sync: a copy of the adapter
+  weights only, swapped in while it scores (``method.teacher.TeacherSnapshot``).
+
+Checkpoints (``train.lora.save``):
+
+* ``merged`` (default): the directory is a plain Hugging Face model with the adapter
+  folded into the base weights (``W + B A * alpha / r``), loadable by anything; the
+  adapter itself is kept in ``adapter/`` for resuming.
+* ``adapter``: the directory holds only the adapter (peft's layout, which names its base
+  model) and the tokenizer; ``models.loading.load_adapter_model`` puts them back together.
+
+peft is an optional extra, imported only when LoRA is on.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from serl_cli.errors import SerlError
+from serl_cli.models.loading import import_peft
+
+SAVE_MODES = ("merged", "adapter")
+
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # 0 = full fine-tuning; > 0 = LoRA of this rank
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    targets: str = "all-linear"  # comma-separated module names (q_proj,v_proj,...) or all-linear (not lm_head)
+    dropout: float = 0.0
+    save: str = "merged"  # merged | adapter
+
+
+
+def enabled(cfg: LoraConfig) -> bool:
+    return cfg.rank > 0
+
+
+
+def validate(cfg: LoraConfig) -> None:
+    if cfg.rank < 0:
+        raise SerlError(f"train.lora.rank must be 0 (off) or positive, got {cfg.rank}")
+    if cfg.save not in SAVE_MODES:
+        raise SerlError(f"unknown train.lora.save {cfg.save!r}: choose one of {', '.join(SAVE_MODES)}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise SerlError(f"train.lora.dropout must be in [0, 1), got {cfg.dropout}")
+    if enabled(cfg) and not cfg.targets.strip():
+        raise SerlError("train.lora.targets is empty: name the modules to adapt, or all-linear")
+
+
+def _target_modules(targets: str):
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    return "all-linear" if names == ["all-linear"] else names
+
+
+
+def add_adapters(model, cfg: LoraConfig, base_name: str):
+    """``model`` wrapped with fresh trainable adapters (A random from torch's RNG, B = 0,
+    so the wrapped model starts exactly equal to ``model``)."""
+    peft = import_peft()
+    spec = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=_target_modules(cfg.targets),
+                           lora_dropout=cfg.dropout, bias="none", task_type="CAUSAL_LM")
+    try:
+        wrapped = peft.get_peft_model(model, spec)
+    except ValueError as e:
+        raise SerlError(f"train.lora.targets {cfg.targets!r}: {str(e).splitlines()[0]}") from None
+    wrapped.peft_config["default"].base_model_name_or_path = base_name
+    return wrapped
+
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """A detached copy of the adapter weights (peft's names, without the adapter name)."""
+    peft = import_peft()
+    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+
+
+
+def load_adapter_state(model, state: dict[str, torch.Tensor]) -> None:
+    peft = import_peft()
+    peft.set_peft_model_state_dict(model, state)
+
+
+
+@contextmanager
+def reference_view(model):
+    """The base model: the starting policy, the adapters switched off for the duration."""
+    with model.disable_adapter():
+        yield model
+
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every adapter folded in (``W + delta``), computed
+    into new tensors: the live weights are not touched (merging in place and unmerging
+    would not give the same floats back)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            adapter = module.active_adapters[0]
+            deltas[f"{name}.base_layer.weight"] = module.get_delta_weight(adapter)
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        value = value.detach()
+        if key in deltas:
+            value = value + deltas[key].to(value.dtype)
+        out[key.replace(".base_layer.", ".")] = value.clone()
+    return out

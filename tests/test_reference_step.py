@@ -16,7 +16,7 @@ import torch
 from fixtures_model import rollout_config, stopping_model_dir, tiny_model_dir  # noqa: F401  (fixtures)
 
 from serl_cli.algos.batch import make_micro_batches
-from serl_cli.algos.objectives import get_objective
+from serl_cli.algos.objectives import UpdateInputs, get_objective
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts, turn_samples
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
@@ -45,15 +45,14 @@ def pipeline_loss_and_grads(policy, teacher, tokenizer, episodes, acfg):
     tcfg = TrainConfig(algo="serl", optim=OptimConfig(lr=0.0, micro_batch_tokens=400))
     objective = get_objective("serl")
     samples = turn_samples(episodes)
-    prepared = objective.prepare(samples, {"episodes": episodes, "annotations": records, "update": 0,
-                                           "annotate_config": io.to_plain(acfg), "annotate_stats": stats}, tcfg)
+    prepared = objective.prepare(samples, UpdateInputs(episodes, records, io.to_plain(acfg), stats), tcfg)
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].action_ids))
-    micro_batches = make_micro_batches(samples, order, tcfg.optim.micro_batch_tokens, tokenizer.pad_token_id)
+    micro_batches = make_micro_batches(samples, order, tcfg.optim.micro_batch_tokens, tokenizer.pad_token_id, prepared)
     num_tokens = float(sum(len(s.action_ids) for s in samples))
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)  # lr 0: the step leaves the weights alone
 
     def loss_fn(mb, logp, n_tokens):
-        return objective.loss(mb, logp, samples, prepared, n_tokens, tcfg, None)
+        return objective.loss(mb, logp, tcfg, num_tokens=n_tokens)
 
     stats = accumulate_step(policy, optimizer, micro_batches, loss_fn, num_tokens, temperature=1.0, grad_clip=0.0)
     reweighted = sum(1 for r in records if r["weights"] and any(abs(w - 1) > 1e-9 for w in r["weights"]))

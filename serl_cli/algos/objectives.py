@@ -8,35 +8,38 @@ micro-batch from the current policy's token log-probs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from serl_cli.algos import core, gigpo, sdpo
-from serl_cli.algos import serl as serl_math
-from serl_cli.algos.batch import MicroBatch, pad_right_aligned
+from serl_cli.algos.batch import MicroBatch, PerTurn
 from serl_cli.artifacts.schema import TurnSample
 from serl_cli.errors import SerlError
 
 
 @dataclass
-class Prepared:
-    """Per-sample quantities fixed for the whole update."""
+class UpdateInputs:
+    """What an update learns from besides its turns."""
 
-    advantages: torch.Tensor  # [N] one per turn (episode advantage broadcast to its turns)
-    token_weights: list[list[float]] | None = None  # per action token, SERL-style weights
-    teacher_logprobs: list[list[float]] | None = None
-    distill: list[bool] | None = None  # turns whose tokens carry the distillation term
-    stats: dict = field(default_factory=dict)
+    episodes: list[dict]
+    annotations: list[dict] | None = None  # one record per turn (serl annotate), for serl/rlsd/sdpo
+    annotate_config: dict | None = None  # the annotation's resolved settings
+    annotate_stats: dict | None = None  # the annotation pass's statistics (lambda, teacher work)
+
+
+# prepare(turns, inputs, train config) -> PerTurn
+Prepare = Callable[[list[TurnSample], UpdateInputs, object], PerTurn]
+# loss(micro-batch, policy log-probs [B, K], train config, num_tokens=, distill_tokens=, logp_ref=) -> (loss, stats)
+Loss = Callable[..., tuple[torch.Tensor, dict]]
 
 
 @dataclass
 class Objective:
     name: str
-    prepare: Callable[[list[TurnSample], dict, object], Prepared]
-    loss: Callable[[MicroBatch, torch.Tensor, list[TurnSample], Prepared, float, object, torch.Tensor | None],
-                   tuple[torch.Tensor, dict]]
+    prepare: Prepare
+    loss: Loss
     uses_behaviour_logprobs: bool = True  # False: stored turns need no log-probs (SFT on expert data)
     needs_annotations: bool = False
     placement: str | None = None  # the placement its annotations must use (rlsd: all), None = any
@@ -69,36 +72,29 @@ def episode_advantages(samples: list[TurnSample], eps: float) -> torch.Tensor:
     return torch.tensor([by_episode[s.episode] for s in samples], dtype=torch.float32)
 
 
-def policy_gradient_loss(mb: MicroBatch, logp: torch.Tensor, samples: list[TurnSample], prep: Prepared,
-                         num_tokens: float, cfg, logp_ref: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+def policy_gradient_loss(mb: MicroBatch, logp: torch.Tensor, cfg, *, num_tokens: float, distill_tokens: float = 0.0,
+                         logp_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """PPO-clip on the (optionally reweighted) advantage, + KL to the reference, + distillation.
 
-    The distillation term is normalized by the batch's count of distillation tokens (not by
-    the micro-batch's), so micro-batches add up to the batch mean as the other terms do.
+    The distillation term is normalized by the batch's count of distillation tokens
+    (``distill_tokens``, not the micro-batch's), so micro-batches add up to the batch mean
+    as the other terms do.
     """
-    logp_old = pad_right_aligned([s.behaviour_logprobs for s in samples], mb)
-    weights = None
-    if prep.token_weights is not None:
-        weights = pad_right_aligned(prep.token_weights, mb)
-        weights = serl_math.apply_placement(weights, mb.reply_mask)  # non-action tokens keep weight 1
-    distill = bool(cfg.distill_coef and prep.distill is not None and prep.teacher_logprobs is not None)
-    teacher = distill_mask = None
-    if distill:
-        failed_selected = torch.tensor([prep.distill[i] for i in mb.index], dtype=torch.bool)
-        distill_mask = sdpo.distill_token_mask(mb.reply_mask, failed_selected)
-        teacher = pad_right_aligned(prep.teacher_logprobs, mb)
-    return core.policy_loss(logp, logp_old, prep.advantages[mb.index], mb.reply_mask, weights=weights,
+    distill = bool(cfg.distill_coef and mb.distill is not None and mb.logp_teacher is not None)
+    distill_mask = sdpo.distill_token_mask(mb.reply_mask, mb.distill) if distill else None
+    return core.policy_loss(logp, mb.logp_old, mb.advantages, mb.reply_mask, weights=mb.weights,
                             clip_eps=cfg.clip_eps, logp_ref=logp_ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens,
-                            logp_teacher=teacher, distill_coef=cfg.distill_coef if distill else 0.0,
-                            distill_mask=distill_mask, distill_num_tokens=prep.stats.get("distill_tokens", 0))
+                            logp_teacher=mb.logp_teacher if distill else None,
+                            distill_coef=cfg.distill_coef if distill else 0.0,
+                            distill_mask=distill_mask, distill_num_tokens=distill_tokens)
 
 
-# -- sft: behaviour cloning on the action tokens of reference trajectories ----------------
-def _sft_prepare(samples, episodes, cfg) -> Prepared:
-    return Prepared(advantages=torch.zeros(len(samples)))
+# -- sft: behaviour cloning on the reply tokens of reference trajectories ----------------
+def _sft_prepare(samples, inputs, cfg) -> PerTurn:
+    return PerTurn(advantages=torch.zeros(len(samples)))
 
 
-def _sft_loss(mb, logp, samples, prep, num_tokens, cfg, logp_ref):
+def _sft_loss(mb, logp, cfg, *, num_tokens, distill_tokens=0.0, logp_ref=None):
     nll = -core.masked_sum(logp, mb.reply_mask) / num_tokens
     return nll, {"loss": nll.item(), "nll": nll.item()}
 
@@ -107,26 +103,26 @@ register(Objective("sft", _sft_prepare, _sft_loss, uses_behaviour_logprobs=False
 
 
 # -- grpo: group-normalized episode advantage, all weights 1 -------------------------------
-def _grpo_prepare(samples, episodes, cfg) -> Prepared:
+def _grpo_prepare(samples, inputs, cfg) -> PerTurn:
     adv = episode_advantages(samples, cfg.adv_eps)
-    return Prepared(advantages=adv, stats={"mean_abs_advantage": adv.abs().mean().item()})
+    return PerTurn(advantages=adv, stats={"mean_abs_advantage": adv.abs().mean().item()})
 
 
 register(Objective("grpo", _grpo_prepare, policy_gradient_loss))
 
 
 # -- serl / rlsd / sdpo: the annotate stage's teacher scores and weights ---------------------
-def _annotated(samples, ctx, cfg, *, weights: bool, distill: bool, placement: str | None = None) -> Prepared:
-    ann = ctx.get("annotations")
+def _annotated(samples, inputs: UpdateInputs, cfg, *, weights: bool, distill: bool, placement: str | None = None) -> PerTurn:
+    ann = inputs.annotations
     if ann is None:
         raise SerlError(f"--algo {cfg.algo} needs annotations: run `serl annotate RUN` first")
     if len(ann) != len(samples):
         raise SerlError(f"annotations hold {len(ann)} turns but the rollouts {len(samples)}: annotate this run again")
-    made_with = (ctx.get("annotate_config") or {}).get("placement")
+    made_with = (inputs.annotate_config or {}).get("placement")
     if placement and made_with and made_with != placement:
         raise SerlError(f"--algo {cfg.algo} needs annotations with placement {placement!r}, these used {made_with!r}")
     adv = episode_advantages(samples, cfg.adv_eps)
-    prep = Prepared(advantages=torch.zeros_like(adv) if distill and not weights else adv)
+    prep = PerTurn(advantages=torch.zeros_like(adv) if distill and not weights else adv)
     if weights:
         prep.token_weights = [a["weights"] if a["weights"] is not None else [1.0] * len(s.action_ids)
                               for a, s in zip(ann, samples)]
@@ -134,7 +130,7 @@ def _annotated(samples, ctx, cfg, *, weights: bool, distill: bool, placement: st
         prep.teacher_logprobs = [a["teacher_logprobs"] or [0.0] * len(s.action_ids) for a, s in zip(ann, samples)]
         prep.distill = [bool(a["distill"]) and a["teacher_logprobs"] is not None for a in ann]
         prep.stats["distill_tokens"] = sum(len(s.action_ids) for s, d in zip(samples, prep.distill) if d)
-    prep.stats.update(_annotation_stats(ann, adv, ctx.get("annotate_config") or {}, ctx.get("annotate_stats") or {}))
+    prep.stats.update(_annotation_stats(ann, adv, inputs.annotate_config or {}, inputs.annotate_stats or {}))
     return prep
 
 
@@ -160,13 +156,13 @@ def _annotation_stats(ann, adv, acfg: dict, astats: dict) -> dict:
     }
 
 
-def _sdpo_prepare(samples, ctx, cfg) -> Prepared:
+def _sdpo_prepare(samples, inputs: UpdateInputs, cfg) -> PerTurn:
     if not cfg.distill_coef:
         raise SerlError("--algo sdpo is the distillation term alone: set train.distill_coef > 0")
-    if (ctx.get("annotate_config") or {}).get("skip_zero_advantage", False):
+    if (inputs.annotate_config or {}).get("skip_zero_advantage", False):
         raise SerlError("--algo sdpo distills on failed rollouts whatever their advantage: annotate with "
                         "--set skip_zero_advantage=false")
-    return _annotated(samples, ctx, cfg, weights=False, distill=True)
+    return _annotated(samples, inputs, cfg, weights=False, distill=True)
 
 
 register(Objective("serl", lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False),
@@ -177,7 +173,7 @@ register(Objective("sdpo", _sdpo_prepare, policy_gradient_loss, needs_annotation
 
 
 # -- gigpo: episode advantage + omega x step advantage within anchor states ----------------
-def _gigpo_prepare(samples, ctx, cfg) -> Prepared:
+def _gigpo_prepare(samples, inputs, cfg) -> PerTurn:
     episode_adv = episode_advantages(samples, cfg.adv_eps)
     returns, by_episode = [], {}
     for s in samples:
@@ -191,7 +187,7 @@ def _gigpo_prepare(samples, ctx, cfg) -> Prepared:
     returns = torch.tensor([ret_of[id(s)] for s in samples], dtype=torch.float64)
     step = gigpo.step_advantages(returns, anchors, eps=cfg.adv_eps).to(torch.float32)
     adv = gigpo.gigpo_advantages(episode_adv, step, omega=cfg.omega)
-    return Prepared(advantages=adv, stats={"mean_abs_advantage": adv.abs().mean().item(),
+    return PerTurn(advantages=adv, stats={"mean_abs_advantage": adv.abs().mean().item(),
                                            "mean_abs_step_advantage": step.abs().mean().item(),
                                            "anchor_states": len(anchor_index)})
 

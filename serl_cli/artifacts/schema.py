@@ -103,6 +103,7 @@ class TurnSample:
     success: bool
     state_key: str
     turn_reward: float
+    off_expert: bool = False  # a noisy expert's exploration move: it reaches a state, it is no SFT target
 
 
 def turn_samples(episodes: list[dict]) -> list[TurnSample]:
@@ -121,6 +122,7 @@ def turn_samples(episodes: list[dict]) -> list[TurnSample]:
                     success=bool(ep["success"]),
                     state_key=t["state_key"],
                     turn_reward=float(t["reward"]),
+                    off_expert=bool(t.get("off_expert", False)),
                 )
             )
     return out

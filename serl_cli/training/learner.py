@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from serl_cli.algos.batch import make_micro_batches
-from serl_cli.algos.objectives import get_objective
+from serl_cli.algos.objectives import UpdateInputs, get_objective
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.loading import ADAPTER_SUBDIR, adapter_dir, base_model_name, load_adapters, require_peft
@@ -180,12 +180,15 @@ class Learner:
         cfg = self.cfg
         objective = get_objective(cfg.algo)
         samples = turn_samples(episodes)
+        if not objective.uses_behaviour_logprobs:  # imitation: a noisy expert's exploration moves are no targets
+            samples = [s for s in samples if not s.off_expert]
         if objective.uses_behaviour_logprobs and any(not s.behaviour_logprobs for s in samples):
             raise SerlError(f"--algo {cfg.algo} needs behaviour log-probs: these rollouts have none "
                             f"(expert data is for --algo sft)")
         meta = annotate_meta or {}
-        prepared = objective.prepare(samples, {"episodes": episodes, "annotations": annotations, "update": self.updates,
-                                               "annotate_config": meta.get("config"), "annotate_stats": meta.get("stats")}, cfg)
+        inputs = UpdateInputs(episodes, annotations, meta.get("config"), meta.get("stats"))
+        prepared = objective.prepare(samples, inputs, cfg)
+        distill_tokens = prepared.stats.get("distill_tokens", 0)
         num_tokens = float(sum(len(s.action_ids) for s in samples))
         active = self._contributing(objective, samples, prepared)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -201,13 +204,13 @@ class Learner:
                 if not chunk:
                     continue
                 chunk.sort(key=lambda i: len(samples[i].prompt_ids) + len(samples[i].action_ids))
-                mbs = make_micro_batches(samples, chunk, cfg.optim.micro_batch_tokens, pad)
+                mbs = make_micro_batches(samples, chunk, cfg.optim.micro_batch_tokens, pad, prepared)
                 # every turn of the step counts in the normalizer, skipped or not (METHOD.md: / N_tokens)
                 chunk_tokens = num_tokens / cfg.mini_batches
 
-                def loss_fn(mb, logp, n_tokens, _samples=samples, _prep=prepared):
-                    ref = self._reference_logprobs(mb, temperature)
-                    return objective.loss(mb, logp, _samples, _prep, n_tokens, cfg, ref)
+                def loss_fn(mb, logp, n_tokens):
+                    return objective.loss(mb, logp, cfg, num_tokens=n_tokens, distill_tokens=distill_tokens,
+                                          logp_ref=self._reference_logprobs(mb, temperature))
 
                 step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature))
         self.model.eval()

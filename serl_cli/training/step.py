@@ -26,16 +26,16 @@ class OptimConfig:
 
 
 def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(a_k | prompt, a_<k) for the action tokens of each row: [B, K] (0 where masked)."""
-    k = mb.action_targets.shape[1]
+    """log pi(a_k | prompt, a_<k) for the reply tokens of each row: [B, K] (0 where masked)."""
+    k = mb.reply_ids.shape[1]
     # the forward runs where the model lives; the [B, K] result comes back to the CPU, where
     # every objective's per-turn tensors are built (the copy is differentiable)
     device = getattr(model, "device", None) or torch.device("cpu")
-    # logits at position j predict token j+1: the K action tokens need the K positions before them
+    # logits at position j predict token j+1: the K reply tokens need the K positions before them
     out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
                 position_ids=mb.position_ids.to(device), logits_to_keep=k + 1, use_cache=False)
     logits = out.logits[:, :-1, :].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, mb.action_targets.to(device).unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, mb.reply_ids.to(device).unsqueeze(-1)).squeeze(-1)
     return logp.cpu() * mb.reply_mask
 
 

@@ -33,10 +33,10 @@ def test_nonfinite_steps_are_skipped_and_logged(tiny_model_dir, episodes, monkey
     sft = objectives.get_objective("sft")
     before_step: list[dict[str, torch.Tensor]] = []  # parameters as each optimizer step starts
 
-    def poisoned_loss(mb, logp, samples, prep, n_tokens, cfg_, ref):
+    def poisoned_loss(mb, logp, cfg_, **norms):
         # one micro-batch per step here, so the k-th call is the k-th optimizer step
         before_step.append({k: v.detach().clone() for k, v in learner.model.named_parameters()})
-        loss, stats = sft.loss(mb, logp, samples, prep, n_tokens, cfg_, ref)
+        loss, stats = sft.loss(mb, logp, cfg_, **norms)
         step = len(before_step) - 1
         return (loss * POISON[step] if step in POISON else loss), stats
 

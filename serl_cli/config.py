@@ -1,13 +1,16 @@
-"""Configuration: dataclasses per stage, filled from defaults < a YAML file < flags < ``--set``.
+"""Configuration: dataclasses per stage, filled from defaults < YAML files < flags < ``--set``.
 
-``--set key.path=value`` parses the value as YAML (so ``3``, ``0.5``, ``true``, ``[a, b]``
-and ``null`` mean what they look like). Unknown keys are errors, never ignored: a typo in
-an ablation grid must not silently run the default.
+``--config`` may be repeated: the files compose left to right, each one's sections merging
+key by key into the ones before. ``--set key.path=value`` parses the value as YAML (so
+``3``, ``0.5``, ``true``, ``[a, b]`` and ``null`` mean what they look like). Unknown keys
+are errors, never ignored -- a typo in an ablation grid must not silently run the
+default -- and the error suggests the closest known key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from pathlib import Path
@@ -86,7 +89,9 @@ def from_dict(cls, data: dict, where: str = ""):
     unknown = sorted(set(data) - set(fields))
     if unknown:
         prefix = f"{where}." if where else ""
-        raise SerlError(f"unknown setting {prefix}{unknown[0]} (known: {', '.join(sorted(fields))})")
+        close = difflib.get_close_matches(unknown[0], list(fields), n=1)
+        hint = f": did you mean {prefix}{close[0]}?" if close else ""
+        raise SerlError(f"unknown setting {prefix}{unknown[0]}{hint} (known: {', '.join(sorted(fields))})")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
@@ -149,11 +154,12 @@ def _coerce(tp, value, where: str):
     return value
 
 
-def resolve(cls, *, config_file: str | None, flags: dict, overrides: list[str], base: dict | None = None):
-    """defaults < base (a stage's own defaults) < YAML file < flags given < --set."""
+def resolve(cls, *, config_file: str | list[str] | None, flags: dict, overrides: list[str], base: dict | None = None):
+    """defaults < base (a stage's own defaults) < YAML files, left to right < flags given < --set."""
     data = base or {}
-    if config_file:
-        data = merge(data, load_yaml(config_file))
+    files = [config_file] if isinstance(config_file, (str, Path)) else list(config_file or [])
+    for path in files:
+        data = merge(data, load_yaml(path))
     data = merge(data, _nest({k: v for k, v in flags.items() if v is not None}))
     data = apply_overrides(data, overrides)
     return from_dict(cls, data)

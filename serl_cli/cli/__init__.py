@@ -6,9 +6,15 @@ imports them. :func:`main` (the ``serl`` entry point) imports them all, then run
 
 from __future__ import annotations
 
+COMMAND_MODULES = ("ablate", "annotate", "config", "data", "demo", "env_play", "eval", "model", "plot", "rollout",
+                   "show", "train")
+
 
 def main() -> None:
-    from serl_cli.cli import ablate, annotate, data, demo, env_play, eval, model, rollout, show, train  # noqa: F401  (importing a command module registers it)
+    import importlib
+
     from serl_cli.cli.root import run
 
+    for name in COMMAND_MODULES:  # importing a command module registers it on the root app
+        importlib.import_module(f"serl_cli.cli.{name}")
     run()

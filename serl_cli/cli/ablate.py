@@ -19,7 +19,7 @@ import typer
 from serl_cli.ablate import grid as ab
 from serl_cli.ablate import runners
 from serl_cli.cli.common import summary_table
-from serl_cli.cli.root import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, app, console
+from serl_cli.cli.root import QuietOpt, SetOpt, VerboseOpt, app, console
 from serl_cli.errors import SerlError
 
 
@@ -58,7 +58,7 @@ def ablate_command(
     slurm_template: Optional[str] = typer.Option(None, "--slurm-template", help="A sbatch template with {array} and "
                                                                                 "{command} placeholders."),
     report: bool = typer.Option(False, "--report", help="Aggregate finished cells into report.md/.csv and curves.png."),
-    config: Optional[str] = ConfigOpt,
+    config: Optional[str] = typer.Option(None, "--config", help="A YAML file of grid settings (one file)."),
     set_: Optional[List[str]] = SetOpt,
     quiet: bool = QuietOpt,
     verbose: bool = VerboseOpt,

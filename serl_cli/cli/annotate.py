@@ -24,7 +24,7 @@ def annotate_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing annotations."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted annotation pass from its journal "
                                                        "(same settings); a finished one is left as it is."),
-    config: Optional[str] = ConfigOpt,
+    config: Optional[List[str]] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
     seed: Optional[int] = SeedOpt,
     quiet: bool = QuietOpt,

@@ -66,7 +66,7 @@ def prepare(
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds per game before its planner is stopped."),
     games: Optional[int] = typer.Option(None, "--games", help="Only the first N games of the split's panel."),
     out: Optional[str] = typer.Option(None, "--out", help="Plan file to append to (default: the serl cache)."),
-    config: Optional[str] = ConfigOpt,
+    config: Optional[List[str]] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
     quiet: bool = QuietOpt,
 ):

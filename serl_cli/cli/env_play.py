@@ -43,7 +43,7 @@ def play(
     actions: Optional[str] = typer.Option(None, "--actions", help='Actions separated by ";" (no prompt): "search[...];click[...]".'),
     max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Turn limit."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per step, for scripts."),
-    config: Optional[str] = ConfigOpt,
+    config: Optional[List[str]] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
 ):
     """Play one task: print each observation, its feedback and reward. Interactive without --actions."""

@@ -24,7 +24,7 @@ def eval_command(
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads for a model policy (default: all cores)."),
     out: Optional[str] = typer.Option(None, "--out", help="Output directory (eval.json, episodes.jsonl)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing evaluation in --out."),
-    config: Optional[str] = ConfigOpt,
+    config: Optional[List[str]] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
     seed: Optional[int] = SeedOpt,
     quiet: bool = QuietOpt,

@@ -30,7 +30,7 @@ def init(
     env: Optional[str] = typer.Option(None, "--env", help="Environment whose text trains the tokenizer."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Initialization seed."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing directory."),
-    config: Optional[str] = ConfigOpt,
+    config: Optional[List[str]] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
 ):
     """Random-init a Qwen2 model with a byte-level BPE tokenizer trained on environment text."""

@@ -29,7 +29,7 @@ def rollout_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing rollouts in --out."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted rollout in --out from its journal "
                                                        "(same settings); a finished one is left as it is."),
-    config: Optional[str] = ConfigOpt,
+    config: Optional[List[str]] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
     seed: Optional[int] = SeedOpt,
     quiet: bool = QuietOpt,

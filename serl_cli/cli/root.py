@@ -27,7 +27,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 # Options every command shares (README.md, "The pipeline").
-ConfigOpt = typer.Option(None, "--config", help="A YAML config file (from experiments/ or your own).")
+ConfigOpt = typer.Option(None, "--config", help="A YAML config file (from experiments/ or your own); repeat it to compose files, left to right.")
 SetOpt = typer.Option(None, "--set", help="Override a setting: key.path=value (repeatable; value parsed as YAML).")
 SeedOpt = typer.Option(None, "--seed", help="Seed for task order, sampling and initialization.")
 QuietOpt = typer.Option(False, "-q", "--quiet", help="Print only the final table.")
@@ -47,7 +47,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 def _quiet_libraries() -> None:
     """Library progress bars and warnings would bury serl's own output."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if not sys.stderr.isatty():  # on a terminal a real download shows its progress; in logs it would be noise
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # --engine vllm: its start-up log runs to ~100 lines

@@ -45,7 +45,7 @@ def train_command(
     resume: bool = typer.Option(False, "--resume", help="Online loop: continue after the last finished iteration; "
                                                        "one update: skip it if it finished, else run it again."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing checkpoint or run."),
-    config: Optional[str] = ConfigOpt,
+    config: Optional[List[str]] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
     seed: Optional[int] = SeedOpt,
     quiet: bool = QuietOpt,

@@ -41,16 +41,14 @@ def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32):
         if not path.is_dir():
             raise ModelError(f"model path {name} is a file, not a model directory")
         if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
-            from serl_cli.models.loading import (
-                load_adapter_model,  # a LoRA adapter-only checkpoint: its base + the adapter
-            )
-
-            return load_adapter_model(path, dtype)
+            return load_adapter_model(path, dtype)  # a LoRA adapter-only checkpoint: its base + the adapter
         if not (path / "config.json").is_file():
             raise ModelError(f"model directory {name} has no config.json: not a Hugging Face model")
         source = str(path)
     else:
         source = name
+        if not is_offline_mode() and not _cached(name):
+            _check_hub_reachable(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
@@ -63,6 +61,40 @@ def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32):
                          f"from the Hugging Face hub{offline}: {first}") from None
     return model, tokenizer
 
+
+
+def _cached(name: str) -> bool:
+    """Whether a hub model's config is already in the local cache (then no network is needed)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+
+
+def _check_hub_reachable(name: str, timeout_s: float = 3.0) -> None:
+    """Fail in seconds, not after a minute of retries, when the hub cannot be reached. The
+    probe (name lookup + TCP connect) runs in a thread, so a silent resolver cannot hang it."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as Timeout
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        pool.submit(lambda: socket.create_connection((url.hostname, port), timeout=timeout_s).close()).result(timeout_s)
+        return
+    except Timeout:
+        reason = f"no answer in {timeout_s:g} s"
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+    finally:
+        pool.shutdown(wait=False)
+    raise ModelError(f"cannot load model {name!r}: no such local directory, not in the Hugging Face cache, and the hub "
+                     f"({constants.ENDPOINT}) is unreachable ({reason}): pass a local model directory, download it "
+                     f"where there is network, or set HF_HUB_OFFLINE=1 to use only the local cache")
 
 
 def set_torch_threads(n: int | None) -> None:

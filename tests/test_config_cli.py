@@ -1,0 +1,48 @@
+"""`serl config show`, composed --config files and "did you mean" for unknown keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from test_cli_env import assert_one_line_error, serl
+
+from serl_cli import config as cfgmod
+from serl_cli.errors import SerlError
+from serl_cli.stages.online import OnlineConfig
+
+SERL_YAML = str(Path(__file__).resolve().parent.parent / "experiments" / "webshop" / "serl.yaml")
+
+
+def test_config_show_prints_the_complete_resolved_config():
+    p = serl("config", "show", "train", "--config", SERL_YAML, "--set", "train.optim.lr=1e-5")
+    assert p.returncode == 0, p.stderr
+    shown = yaml.safe_load(p.stdout)
+    assert shown["train"]["optim"]["lr"] == 1e-5  # --set wins
+    assert shown["train"]["algo"] == "serl" and shown["env"]["name"] == "webshop"  # from the file
+    assert shown["train"]["optim"]["grad_clip"] == 1.0 and "annotate" in shown and "rollout" in shown  # every section
+
+
+def test_config_show_defaults_and_bad_input():
+    p = serl("config", "show", "eval", "--defaults")
+    assert p.returncode == 0 and "episodes:" in p.stdout
+    assert_one_line_error(serl("config", "show", "nope"), "unknown command 'nope'")
+
+
+def test_repeated_config_files_compose_left_to_right(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("iterations: 3\ntrain: {algo: grpo, optim: {lr: 0.1}}\n")
+    b.write_text("train: {optim: {lr: 0.2}}\n")
+    cfg = cfgmod.resolve(OnlineConfig, config_file=[str(a), str(b)], flags={}, overrides=[])
+    assert (cfg.iterations, cfg.train.algo, cfg.train.optim.lr) == (3, "grpo", 0.2)  # b's section merges into a's
+    p = serl("config", "show", "train", "--config", str(a), "--config", str(b))
+    assert yaml.safe_load(p.stdout)["train"]["optim"]["lr"] == 0.2
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(SerlError, match=r"unknown setting train\.kl_cof: did you mean train\.kl_coef\?"):
+        cfgmod.resolve(OnlineConfig, config_file=None, flags={}, overrides=["train.kl_cof=0.1"])
+    with pytest.raises(SerlError) as info:  # nothing close: no guess, the known keys
+        cfgmod.resolve(OnlineConfig, config_file=None, flags={}, overrides=["train.optim.zzz=1"])
+    assert "did you mean" not in str(info.value) and "known: " in str(info.value)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from test_cli_env import assert_one_line_error, serl
 
 from serl_cli import config as cfgmod
@@ -46,3 +47,25 @@ def test_unknown_key_suggests_the_closest():
     with pytest.raises(SerlError) as info:  # nothing close: no guess, the known keys
         cfgmod.resolve(OnlineConfig, config_file=None, flags={}, overrides=["train.optim.zzz=1"])
     assert "did you mean" not in str(info.value) and "known: " in str(info.value)
+
+
+def test_help_shows_the_effective_defaults():
+    from serl_cli.stages.rollout import RolloutConfig
+
+    p = serl("rollout", "--help", env={"COLUMNS": "200"})
+    line = next(ln for ln in p.stdout.splitlines() if "--tasks" in ln)
+    assert f"[default: ({RolloutConfig().tasks})]" in line
+
+
+def test_single_update_honours_out_and_warns_without_gradient(tiny_model_dir, tmp_path):
+    """A random-init model never succeeds: every group's rewards are equal, so the update has no gradient."""
+    from fixtures_model import rollout_config
+
+    from serl_cli.stages.rollout import run_rollout
+
+    run = tmp_path / "run"
+    run_rollout(rollout_config(tiny_model_dir, run, tasks=1, group_size=2, max_new_tokens=4))
+    p = serl("train", str(run), "--algo", "grpo", "--out", str(tmp_path / "ckpt"), "--threads", "1")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "ckpt" / "config.json").is_file() and not (run / "checkpoint").exists()
+    assert "no turn had a gradient" in p.stderr

@@ -6,13 +6,14 @@ from typing import List, Optional
 
 import typer
 
-from serl_cli.cli.common import resolve, save_resolved, summary_table
+from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
 from serl_cli.method.annotation import AnnotateConfig
 from serl_cli.stages.annotate import run_annotate
 
 
 @app.command("annotate")
+@show_defaults(AnnotateConfig, sources="sources", granularity="granularity", placement="placement")
 def annotate_command(
     run: str = typer.Argument(..., help="A run directory with rollouts."),
     sources: Optional[str] = typer.Option(None, "--sources", help="Feedback sources: error, diff, obs, future, ref; "

@@ -3,12 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 
 from rich.table import Table
 
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
+
+
+def show_defaults(cls, **flag_keys: str):
+    """Decorate a command so ``--help`` shows each flag's effective default, read from the
+    settings dataclass ``cls`` at the flag's key path (the flags themselves default to None,
+    so that a config file can set them)."""
+    defaults = dataclasses.asdict(cls())
+
+    def value_at(path: str):
+        node = defaults
+        for part in path.split("."):
+            node = node[part]
+        return node
+
+    def wrap(fn):
+        params = inspect.signature(fn).parameters
+        for name, path in flag_keys.items():
+            info = params[name].default
+            value = value_at(path)
+            info.show_default = "the environment's" if value is None else str(value)
+        return fn
+
+    return wrap
 
 
 def resolve(cls, *, config_file, overrides, flags: dict, base: dict | None = None):

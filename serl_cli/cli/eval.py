@@ -5,14 +5,16 @@ from __future__ import annotations
 from typing import List, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from serl_cli.cli.common import eval_rows, resolve, save_resolved, summary_table
+from serl_cli.cli.common import eval_rows, resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
 from serl_cli.stages.evaluate import EvalConfig, run_eval
 
 
 @app.command("eval")
+@show_defaults(EvalConfig, env="env.name", policy="policy", episodes="episodes", panel="panel", max_turns="env.max_turns",
+               out="out")
 def eval_command(
     env: Optional[str] = typer.Option(None, "--env", help="Environment: webshop, alfworld, sokoban, an installed serl.envs entry point, or package.module:factory (docs/ENVIRONMENTS.md)."),
     split: Optional[str] = typer.Option(None, "--split", help="Split whose panel to run (default: webshop test, alfworld valid_unseen)."),
@@ -34,7 +36,7 @@ def eval_command(
     cfg = resolve(EvalConfig, config_file=config, overrides=set_, flags={
         "env.name": env, "env.split": split, "env.max_turns": max_turns, "policy": policy, "model": model,
         "episodes": episodes, "panel": panel, "threads": threads, "out": out, "seed": seed})
-    with Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                   console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task("episodes", total=cfg.episodes)
         summary = run_eval(cfg, overwrite=overwrite, progress=lambda rec: bar.advance(task))

@@ -5,14 +5,16 @@ from __future__ import annotations
 from typing import List, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from serl_cli.cli.common import resolve, save_resolved, summary_table
+from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 
 
 @app.command("rollout")
+@show_defaults(RolloutConfig, env="env.name", policy="policy", engine="engine", tasks="tasks", group_size="group_size",
+               max_turns="env.max_turns", temperature="sampling.temperature", top_p="sampling.top_p", out="out")
 def rollout_command(
     env: Optional[str] = typer.Option(None, "--env", help="Environment: webshop, alfworld, sokoban, an installed serl.envs entry point, or package.module:factory (docs/ENVIRONMENTS.md)."),
     split: Optional[str] = typer.Option(None, "--split", help="Split to sample tasks from (default train)."),
@@ -40,7 +42,7 @@ def rollout_command(
         "env.name": env, "env.split": split, "env.max_turns": max_turns, "model": model, "policy": policy,
         "engine": engine, "tasks": tasks, "group_size": group_size, "sampling.temperature": temperature,
         "sampling.top_p": top_p, "threads": threads, "out": out, "seed": seed})
-    with Progress(TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                   console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task("episodes", total=cfg.tasks * cfg.group_size)
         s = run_rollout(cfg, overwrite=overwrite, resume=resume, progress=lambda rec: bar.advance(task))

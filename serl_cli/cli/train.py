@@ -7,8 +7,8 @@ from typing import List, Optional
 import typer
 
 from serl_cli.artifacts import runlock
-from serl_cli.cli.common import resolve, save_resolved, summary_table
-from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
+from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
+from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console
 from serl_cli.stages.online import OnlineConfig, run_online
 from serl_cli.stages.train import follow_train_on_run, train_on_run
 from serl_cli.training.backends import is_main_process
@@ -19,6 +19,10 @@ def _fmt(v) -> str:
 
 
 @app.command("train")
+@show_defaults(OnlineConfig, algo="train.algo", backend="train.backend", lora_rank="train.lora.rank",
+               lora_alpha="train.lora.alpha", lora_targets="train.lora.targets", lora_save="train.lora.save",
+               iterations="iterations", engine="rollout.engine", env="env.name", tasks="rollout.tasks",
+               group_size="rollout.group_size", max_turns="env.max_turns", out="out")
 def train_command(
     run: Optional[str] = typer.Argument(None, help="A run directory with rollouts (one update). Omit for the online loop."),
     algo: Optional[str] = typer.Option(None, "--algo", help="sft | grpo | gigpo | rlsd | sdpo | serl."),
@@ -41,7 +45,8 @@ def train_command(
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Online loop: rollouts per task."),
     max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Online loop: turn limit."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
-    out: Optional[str] = typer.Option(None, "--out", help="Online loop: the run directory."),
+    out: Optional[str] = typer.Option(None, "--out", help="Online loop: the run directory. One update: where its "
+                                                          "checkpoint goes (default RUN/checkpoint)."),
     resume: bool = typer.Option(False, "--resume", help="Online loop: continue after the last finished iteration; "
                                                        "one update: skip it if it finished, else run it again."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing checkpoint or run."),
@@ -63,14 +68,17 @@ def train_command(
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
     if not online:
         cfg.train.model = cfg.train.model or model
+        cfg.train.checkpoint = out or cfg.train.checkpoint
         if not main:
             follow_train_on_run(run, cfg.train, resume=resume)
             return
         m = train_on_run(run, cfg.train, overwrite=overwrite, resume=resume)
         console.print(summary_table(f"train {cfg.train.algo}: {run}", [(k, _fmt(v)) for k, v in m.items() if k != "timing"]))
+        warn_if_no_gradient(m)
         return
 
     def show(m: dict) -> None:
+        warn_if_no_gradient(m)
         if not quiet:
             extra = f"  eval success {m['eval_success_rate']:.3f}" if "eval_success_rate" in m else ""
             console.print(f"iteration {m['iteration']}: reward {m['mean_reward']:.3f}  success {m['success_rate']:.3f}  "
@@ -87,3 +95,11 @@ def train_command(
         last = history[-1]
         console.print(summary_table(f"online {cfg.train.algo}: {cfg.out}", [(k, _fmt(v)) for k, v in last.items()]))
     console.print(f"final policy: {cfg.out}/checkpoint")
+
+
+def warn_if_no_gradient(m: dict) -> None:
+    """An update that changed nothing deserves a line: its metrics say so (optimizer_steps 0)."""
+    if m.get("optimizer_steps") == 0:
+        it = f"iteration {m['iteration']}: " if "iteration" in m else ""
+        err_console.print(f"[yellow]warning:[/] {it}no turn had a gradient (every group's rewards were equal): "
+                          f"the update changed nothing", highlight=False)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from serl_cli.artifacts import runlock
+from serl_cli.artifacts.tracking import Tracker, check_backends
 from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console
 from serl_cli.stages.online import OnlineConfig, run_online
@@ -50,6 +53,8 @@ def train_command(
     resume: bool = typer.Option(False, "--resume", help="Online loop: continue after the last finished iteration; "
                                                        "one update: skip it if it finished, else run it again."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing checkpoint or run."),
+    report_to: Optional[List[str]] = typer.Option(None, "--report-to", help="Also log metrics to: none | tensorboard "
+                                                  "(RUN/tensorboard/) | wandb (honours WANDB_MODE=offline); repeatable."),
     config: Optional[List[str]] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
     seed: Optional[int] = SeedOpt,
@@ -66,6 +71,7 @@ def train_command(
         "train.deepspeed.offload": offload, "train.lora.rank": lora_rank, "train.lora.alpha": lora_alpha,
         "train.lora.targets": lora_targets, "train.lora.save": lora_save})
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
+    trackers = check_backends(report_to) if main else []
     if not online:
         cfg.train.model = cfg.train.model or model
         cfg.train.checkpoint = out or cfg.train.checkpoint
@@ -73,11 +79,15 @@ def train_command(
             follow_train_on_run(run, cfg.train, resume=resume)
             return
         m = train_on_run(run, cfg.train, overwrite=overwrite, resume=resume)
+        tracker = Tracker(trackers, run, Path(run).name, dataclasses.asdict(cfg.train))
+        tracker.log(m, step=m.get("update", 1))
+        tracker.close()
         console.print(summary_table(f"train {cfg.train.algo}: {run}", [(k, _fmt(v)) for k, v in m.items() if k != "timing"]))
         warn_if_no_gradient(m)
         return
 
     def show(m: dict) -> None:
+        tracker.log(m, step=m["iteration"])
         warn_if_no_gradient(m)
         if not quiet:
             extra = f"  eval success {m['eval_success_rate']:.3f}" if "eval_success_rate" in m else ""
@@ -88,8 +98,12 @@ def train_command(
     if not main:
         run_online(cfg, resume=resume, overwrite=overwrite)
         return
-    with runlock.run_lock(cfg.out):  # one writer per run directory (docs/RELIABILITY.md)
-        history = run_online(cfg, resume=resume, overwrite=overwrite, on_iteration=show)
+    tracker = Tracker(trackers, cfg.out, Path(cfg.out).name, dataclasses.asdict(cfg))
+    try:
+        with runlock.run_lock(cfg.out):  # one writer per run directory (docs/RELIABILITY.md)
+            history = run_online(cfg, resume=resume, overwrite=overwrite, on_iteration=show)
+    finally:
+        tracker.close()
     save_resolved(cfg.out, "online.yaml", cfg)
     if history:
         last = history[-1]

@@ -69,3 +69,17 @@ def test_single_update_honours_out_and_warns_without_gradient(tiny_model_dir, tm
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "ckpt" / "config.json").is_file() and not (run / "checkpoint").exists()
     assert "no turn had a gradient" in p.stderr
+
+
+def test_live_table_of_the_online_loop_shows_the_last_iterations():
+    from rich.console import Console
+
+    from serl_cli.cli.train import iterations_table
+
+    rows = [{"iteration": i, "mean_reward": 0.1 * i, "success_rate": 0.0, "loss": 0.5} for i in range(3)]
+    rows[-1]["eval_success_rate"] = 0.25
+    console = Console(width=150, record=True)
+    console.print(iterations_table(rows, total=10))
+    text = console.export_text()
+    assert "iteration 3 of 10" in text and "eval" in text and "0.25" in text
+    assert "weight mean" not in text  # a GRPO run logs no SERL weights: no empty column

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.live import Live
+from rich.table import Table
 
 from serl_cli.artifacts import runlock
 from serl_cli.artifacts.tracking import Tracker, check_backends
@@ -86,21 +89,29 @@ def train_command(
         warn_if_no_gradient(m)
         return
 
+    recent: list[dict] = []
+    live = Live(console=console, auto_refresh=False) if console.is_terminal and not quiet else None
+
     def show(m: dict) -> None:
         tracker.log(m, step=m["iteration"])
         warn_if_no_gradient(m)
-        if not quiet:
+        if quiet:
+            return
+        if live is None:  # a log file: one line per iteration
             extra = f"  eval success {m['eval_success_rate']:.3f}" if "eval_success_rate" in m else ""
             console.print(f"iteration {m['iteration']}: reward {m['mean_reward']:.3f}  success {m['success_rate']:.3f}  "
                           f"loss {m.get('loss', float('nan')):.4f}  |A| {m.get('mean_abs_advantage', 0):.3f}{extra}",
                           highlight=False)
+            return
+        recent.append(m)
+        live.update(iterations_table(recent[-LIVE_ROWS:], cfg.iterations), refresh=True)
 
     if not main:
         run_online(cfg, resume=resume, overwrite=overwrite)
         return
     tracker = Tracker(trackers, cfg.out, Path(cfg.out).name, dataclasses.asdict(cfg))
     try:
-        with runlock.run_lock(cfg.out):  # one writer per run directory (docs/RELIABILITY.md)
+        with runlock.run_lock(cfg.out), live or contextlib.nullcontext():  # one writer per run directory
             history = run_online(cfg, resume=resume, overwrite=overwrite, on_iteration=show)
     finally:
         tracker.close()
@@ -117,3 +128,20 @@ def warn_if_no_gradient(m: dict) -> None:
         it = f"iteration {m['iteration']}: " if "iteration" in m else ""
         err_console.print(f"[yellow]warning:[/] {it}no turn had a gradient (every group's rewards were equal): "
                           f"the update changed nothing", highlight=False)
+
+
+LIVE_ROWS = 8
+LIVE_COLUMNS = [("reward", "mean_reward"), ("success", "success_rate"), ("loss", "loss"), ("|A|", "mean_abs_advantage"),
+                ("grad turns", "turns_with_gradient"), ("weight mean", "weight_mean"), ("eval", "eval_success_rate")]
+
+
+def iterations_table(rows: list[dict], total: int) -> Table:
+    """The last iterations of the online loop, for a live display on a terminal."""
+    table = Table(title=f"online loop: iteration {rows[-1]['iteration'] + 1} of {total}", header_style="bold")
+    table.add_column("iteration", justify="right")
+    shown = [(name, key) for name, key in LIVE_COLUMNS if any(key in r for r in rows)]
+    for name, _ in shown:
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(str(r["iteration"]), *(_fmt(r[key]) if key in r else "" for _, key in shown))
+    return table

@@ -48,3 +48,15 @@ def test_two_iterations_land_in_tensorboard(tiny_model_dir, tmp_path):
 def test_report_to_bad_name_is_one_line(tmp_path):
     assert_one_line_error(serl("train", "--iterations", "1", "--report-to", "tb", "--out", str(tmp_path / "r")),
                           "unknown --report-to 'tb'")
+
+
+def test_wandb_offline_run_is_written_where_the_run_is(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")  # not in the dev extra (heavy); runs where serl[wandb] is installed
+    from serl_cli.artifacts.tracking import Tracker
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = Tracker(["wandb"], tmp_path, "t", {"train": {"algo": "grpo"}})
+    tracker.log({"mean_reward": 0.5, "timing": {"update_s": 1.0}}, step=0)
+    tracker.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))

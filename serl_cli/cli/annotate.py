@@ -41,6 +41,10 @@ def annotate_command(
             ("teacher turns scored", str(s["teacher_turns_scored"])),
             ("teacher tokens scored", f"{s['teacher_tokens_scored']:,}"), ("lambda", f"{s['lambda']:.3f}"),
             ("selection vs reward", rep.get("tests", {}).get("verdict") or "")]
+    signal = s.get("teacher_signal")
+    if signal:  # is the hindsight teacher telling the student anything? (turns with an expert action)
+        rows.append(("teacher right direction", f"{signal['right_direction']:.3f} of {signal['turns']} turns"))
+        rows.append(("teacher gain on expert action", f"{signal['expert_prob_gain']:+.4f}"))
     console.print(summary_table(f"annotate: {cfg.sources}, {cfg.granularity}, {cfg.placement}", rows))
     if not quiet:
         console.print(f"wrote {run}/annotations.jsonl and {run}/selection_report.json")

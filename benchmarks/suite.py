@@ -5,12 +5,15 @@
 Sections (``SECTIONS``, run in this order):
 
 * ``env_webshop``   WebShop step latency and expert episodes/s (``benchmarks.env_webshop``)
+* ``env_sokoban``   Sokoban step latency, solver excluded, and a new room's cost (``benchmarks.env_sokoban``)
 * ``env_alfworld``  ALFWorld reset/step latency (``benchmarks.env_alfworld``, its own process;
                     skipped, with the reason, where the script or ALFWorld is absent)
 * ``rollout``       generated tokens/s, batched vs per-episode ``generate`` (and vLLM vs
                     transformers where vLLM is installed) (``benchmarks.rollout``)
 * ``update``        one step of grpo, serl (placement ``feedback``), rlsd (``all``) and sdpo on the
                     same rollouts: time and peak memory (``benchmarks.train_step``)
+* ``online_sokoban`` one SERL online iteration of the Sokoban demo (8 rooms x 8): rollout,
+                    annotation and update (``benchmarks.online_sokoban``)
 * ``trl``           a GRPO update in serl vs TRL's ``GRPOTrainer`` on the ``update`` batch
                     (``benchmarks.trl_grpo``; skipped without ``trl``)
 * ``flops``         training FLOP/s of a GRPO update on the small preset against this
@@ -36,7 +39,7 @@ import traceback
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from benchmarks import env_webshop, flops, rollout, train_step, trl_grpo
+from benchmarks import env_sokoban, env_webshop, flops, online_sokoban, rollout, train_step, trl_grpo
 from benchmarks.common import (
     RESULTS_DIR,
     Figure,
@@ -59,6 +62,8 @@ class SuiteConfig:
     only: tuple[str, ...] = ()  # empty: every section
     external_timeout_s: float = 1200.0  # a section run as its own process
     env: env_webshop.EnvBench = field(default_factory=env_webshop.EnvBench)
+    sokoban: env_sokoban.EnvBench = field(default_factory=env_sokoban.EnvBench)
+    online: online_sokoban.OnlineBench = field(default_factory=online_sokoban.OnlineBench)
     rollout: rollout.RolloutBench = field(default_factory=rollout.RolloutBench)
     update: train_step.UpdateBench = field(default_factory=train_step.UpdateBench)
     trl: trl_grpo.PeerBench = field(default_factory=trl_grpo.PeerBench)
@@ -76,8 +81,11 @@ def suite_config(quick: bool = False, threads: int = 1, seed: int = 0, only: tup
         cfg.update = replace(cfg.update, repeats=2, **common)
         cfg.trl = replace(cfg.trl, repeats=2, **common)
         cfg.flops = replace(cfg.flops, repeats=1, **common)
+        cfg.online = replace(cfg.online, **common)
         return cfg
     cfg.env = env_webshop.EnvBench(episodes=20)
+    cfg.sokoban = env_sokoban.EnvBench(episodes=20, seed=seed)
+    cfg.online = online_sokoban.OnlineBench(tasks=2, group_size=2, repeats=1, **common)
     cfg.rollout = rollout.RolloutBench(tasks=1, group_size=2, max_turns=2, max_new_tokens=8, repeats=1, **common)
     cfg.update = train_step.UpdateBench(tasks=1, group_size=2, max_turns=2, max_new_tokens=8, repeats=1,
                                         fresh_process_memory=False, **common)
@@ -124,6 +132,18 @@ def _env_webshop(cfg: SuiteConfig, ctx: Context):
             Figure("env_webshop", "step latency p95", lat["p95_ms"], "ms"),
             Figure("env_webshop", "buy step p95 (reward)", data["latency"]["buy"]["p95_ms"], "ms"),
             Figure("env_webshop", "expert episodes/s", data["expert_episodes_per_s"], "1/s")], data
+
+
+@section("env_sokoban")
+def _env_sokoban(cfg: SuiteConfig, ctx: Context):
+    data = env_sokoban.measure(cfg.sokoban)
+    lat = data["latency"]
+    us = 1000.0
+    return [Figure("env_sokoban", "step p50 (random policy, solver excluded)", lat["step, random, expert off"]["p50_ms"] * us,
+                   "µs", "< 50"),
+            Figure("env_sokoban", "step p95", lat["step, random, expert off"]["p95_ms"] * us, "µs"),
+            Figure("env_sokoban", "step p50, expert action filled in", lat["step, random, expert on"]["p50_ms"] * us, "µs"),
+            Figure("env_sokoban", "new room (generate + solver table) p50", lat["reset, new room"]["p50_ms"], "ms")], data
 
 
 @section("env_alfworld")
@@ -181,6 +201,18 @@ def _update(cfg: SuiteConfig, ctx: Context):
         else:
             figs.append(Figure("update", f"{v['variant']} step +RSS (in run)", v["step_extra_mb"], "MB"))
     return figs, data
+
+
+@section("online_sokoban")
+def _online_sokoban(cfg: SuiteConfig, ctx: Context):
+    data = online_sokoban.measure(cfg.online)
+    c, parts = cfg.online, data["parts"]
+    size = f"{c.tasks} rooms x {c.group_size}"
+    target = "<= 15" if (c.tasks, c.group_size) == (8, 8) else ""
+    note = (f"{data['turns']:.0f} turns; rollout {parts['rollout']['cpu_s']:.1f} + annotate "
+            f"{parts['annotate']['cpu_s']:.1f} + update {parts['update']['cpu_s']:.1f}")
+    return [Figure("online_sokoban", f"serl iteration ({size}, {c.preset})", data["iteration_cpu_s"], "CPU s", target,
+                   note)], data
 
 
 @section("trl")

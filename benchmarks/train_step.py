@@ -130,6 +130,7 @@ def variant_configs(name: str, cfg: "UpdateBench") -> tuple[TrainConfig, Annotat
     if name == "grpo":
         return tcfg, None
     acfg = AnnotateConfig(sources="ref|error", granularity="step", placement="all" if name == "rlsd" else "feedback",
+                          tokens="reply" if name == "rlsd" else "action", unparsed="whole",
                           skip_zero_advantage=name != "sdpo", seed=cfg.seed, update_step=0, threads=cfg.threads)
     return tcfg, acfg
 

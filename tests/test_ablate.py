@@ -63,8 +63,8 @@ def _csv(path: Path) -> dict[str, dict]:
 def test_flags_shorthand_builds_each_all_and_grpo():
     grid = ab.load_grid(flags={"env": "webshop", "sources": "error,obs,ref", "seeds": 3})
     names = [a["name"] for a in ab.arms(grid)]
-    assert names == ["webshop-grpo", "webshop-serl-error-step-feedback", "webshop-serl-obs-step-feedback",
-                     "webshop-serl-ref-step-feedback", "webshop-serl-error+obs+ref-step-feedback"]
+    assert names == ["webshop-grpo", "webshop-serl-error-step-all", "webshop-serl-obs-step-all",
+                     "webshop-serl-ref-step-all", "webshop-serl-error+obs+ref-step-all"]  # serl's default placement: all
     cells = ab.cells(grid)
     assert len(cells) == 15 and [c["seed"] for c in cells[:3]] == [0, 1, 2]
     assert cells[0]["name"] == "webshop-grpo-s0" and cells[3]["overrides"]["annotate"]["sources"] == "error"
@@ -144,7 +144,7 @@ def test_report_numbers_match_scipy_on_known_cells(tmp_path):
     grid = ab.load_grid(flags={"sources": "error", "seeds": 3})  # grpo, serl-error
     rec = ab.grid_record(grid, [])
     ab.write_grid(tmp_path, rec)
-    results = {"webshop-grpo": [0.2, 0.4, 0.3], "webshop-serl-error-step-feedback": [0.5, 0.45, 0.6]}
+    results = {"webshop-grpo": [0.2, 0.4, 0.3], "webshop-serl-error-step-all": [0.5, 0.45, 0.6]}
     for cell in rec["cells"][:-1]:  # leave the last one unfinished
         d = ab.cell_dir(tmp_path, cell)
         d.mkdir(parents=True)
@@ -154,7 +154,7 @@ def test_report_numbers_match_scipy_on_known_cells(tmp_path):
     res = write_report(tmp_path)
     assert [u["index"] for u in res["unfinished"]] == [5]
     rows = _csv(tmp_path / "report.csv")
-    g, s = rows["webshop-grpo"], rows["webshop-serl-error-step-feedback"]
+    g, s = rows["webshop-grpo"], rows["webshop-serl-error-step-all"]
     assert float(g["success_mean"]) == pytest.approx(0.3) and int(s["seeds_done"]) == 2
     lo, hi = stats.t.interval(0.95, 2, loc=0.3, scale=stats.sem([0.2, 0.4, 0.3]))
     assert float(g["success_ci_lo"]) == pytest.approx(lo) and float(g["success_ci_hi"]) == pytest.approx(hi)
@@ -163,7 +163,7 @@ def test_report_numbers_match_scipy_on_known_cells(tmp_path):
     assert float(s["teacher_tokens_total"]) == 20 and float(s["wall_time_s_total"]) == 4.0
     md = (tmp_path / "report.md").read_text()
     assert "0.300 ± 0.100" in md and "+0.175" in md and "Unfinished cells" in md
-    assert "webshop-serl-error-step-feedback-s2" in md
+    assert "webshop-serl-error-step-all-s2" in md
 
 
 # -- end to end on the tiny model ----------------------------------------------------------

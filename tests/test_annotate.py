@@ -73,13 +73,26 @@ def test_action_mask_excludes_reasoning_tags_and_end(model_and_tokenizer):
     assert mask[-1] == 0  # the end-of-turn token keeps weight 1
     bare = tok.encode("search[red shoes]", add_special_tokens=False)
     assert all(action_span_mask(tok, bare))
-    # no parseable action: the environment got the whole reply, so all of it is the action
-    assert all(action_span_mask(tok, tok.encode("hello there", add_special_tokens=False)))
-    assert action_span_mask(tok, tok.encode("hello", add_special_tokens=False) + [tok.eos_token_id])[-1] == 0
+    # no parseable action: no weights, as the authors' serl_action_mask (SRT:592-596) ...
+    hello = tok.encode("hello there", add_special_tokens=False) + [tok.eos_token_id]
+    assert not any(action_span_mask(tok, hello))
+    # ... or, with unparsed=whole, all of it, since the environment got the whole reply (the end token keeps 1)
+    assert action_span_mask(tok, hello, "whole") == [1] * (len(hello) - 1) + [0]
+    with pytest.raises(SerlError, match="unparsed"):
+        action_span_mask(tok, hello, "some")
+
+
+def test_action_mask_reads_the_environments_bare_format(model_and_tokenizer):
+    from envs.sokoban.env import ACTION_FORMAT
+
+    _, tok = model_and_tokenizer
+    ids = tok.encode("up", add_special_tokens=False)
+    assert not any(action_span_mask(tok, ids))  # not a WebShop action
+    assert all(action_span_mask(tok, ids, "none", ACTION_FORMAT))  # a Sokoban one
 
 
 def test_feedback_placement_selects_fired_turns_and_scores_only_those(run_dir, model_and_tokenizer):
-    episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="feedback")
+    episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="feedback", unparsed="whole")
     assert len(records) == sum(len(e["turns"]) for e in episodes)
     for r in records:
         assert r["selected"] == bool(r["fired"])
@@ -92,20 +105,58 @@ def test_feedback_placement_selects_fired_turns_and_scores_only_those(run_dir, m
     assert stats["teacher_turns_scored"] == sum(r["teacher_logprobs"] is not None for r in records)
 
 
-def test_random_matches_feedback_budget_and_all_scores_more(run_dir, model_and_tokenizer):
-    _, fb_records, fb_stats = annotate(run_dir, model_and_tokenizer, sources="diff", placement="feedback")
-    _, rnd_records, _ = annotate(run_dir, model_and_tokenizer, sources="diff", placement="random", seed=3)
-    _, all_records, all_stats = annotate(run_dir, model_and_tokenizer, sources="diff", placement="all")
-    n_fb = sum(r["selected"] for r in fb_records)
-    assert sum(r["selected"] for r in rnd_records) == n_fb
-    assert all(r["selected"] for r in all_records)
+@pytest.mark.parametrize("sources", ["diff", "ref|error"])
+def test_random_matches_feedback_on_scored_turns_and_all_scores_more(run_dir, model_and_tokenizer, sources):
+    # under ref|error a selected turn may have no block (or A = 0): the budget is the turns the teacher scores
+    _, fb_records, fb_stats = annotate(run_dir, model_and_tokenizer, sources=sources, placement="feedback",
+                                       unparsed="whole")
+    _, all_records, all_stats = annotate(run_dir, model_and_tokenizer, sources=sources, placement="all", unparsed="whole")
+    assert fb_stats["teacher_turns_scored"] > 0
+    for seed in range(4):
+        _, rnd_records, rnd_stats = annotate(run_dir, model_and_tokenizer, sources=sources, placement="random",
+                                             seed=seed, unparsed="whole")
+        assert rnd_stats["teacher_turns_scored"] == fb_stats["teacher_turns_scored"]
+        assert sum(r["weights"] is not None for r in rnd_records) == sum(r["weights"] is not None for r in fb_records)
+    assert [r["selected"] for r in all_records] == [r["hindsight"] is not None for r in all_records]
     assert all_stats["teacher_turns_scored"] >= fb_stats["teacher_turns_scored"]
+
+
+def test_lambda_zero_skips_the_teacher(run_dir, model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        raise AssertionError("the teacher ran at lambda = 0")
+
+    episodes = read_rollouts(run_dir)
+    for kw in ({"mixing_lambda": 0.0}, {"update_step": 50}, {"update_step": 80}):  # decayed to 0 after 50 updates
+        records, stats = annotate_episodes(episodes, AnnotateConfig(sources="obs", teacher_signal=False, **kw), model, tok,
+                                           env_cfg=None, scorer=spy)
+        assert not calls and stats["teacher_skipped"] and stats["teacher_turns_scored"] == 0 and stats["lambda"] == 0
+        assert all(r["weights"] is None and r["teacher_logprobs"] is None for r in records)
+    # distillation wants the teacher's log-probs for themselves: lambda = 0 does not skip it then
+    _, stats = annotate_episodes(episodes, AnnotateConfig(sources="obs", mixing_lambda=0.0, skip_zero_advantage=False,
+                                                          teacher_signal=False), model, tok, env_cfg=None)
+    assert not stats["teacher_skipped"] and stats["teacher_turns_scored"] > 0
+
+
+def test_rlsd_weights_every_reply_token(run_dir, model_and_tokenizer):
+    _, records, _ = annotate(run_dir, model_and_tokenizer, sources="obs", tokens="reply", mixing_lambda=1.0,
+                                    unparsed="whole")
+    off_action = [w for r in records if r["weights"] for w, m in zip(r["weights"], r["action_mask"]) if not m]
+    assert off_action and any(w != 1.0 for w in off_action)  # reasoning, tags and the end token are reweighted too
+    _, serl_records, _ = annotate(run_dir, model_and_tokenizer, sources="obs", mixing_lambda=1.0, unparsed="whole")
+    assert all(w == 1.0 for r in serl_records if r["weights"] for w, m in zip(r["weights"], r["action_mask"]) if not m)
+    with pytest.raises(SerlError, match="tokens"):
+        annotate(run_dir, model_and_tokenizer, tokens="reasoning")
 
 
 def test_weights_follow_the_formula(run_dir, model_and_tokenizer):
     from serl_cli.algos.serl import blend_weights, hindsight_weights
 
-    episodes, records, _ = annotate(run_dir, model_and_tokenizer, placement="all", weight_clip=0.2, mixing_lambda=0.5)
+    episodes, records, _ = annotate(run_dir, model_and_tokenizer, placement="all", weight_clip=0.2, mixing_lambda=0.5,
+                                    unparsed="whole")
     turns = [t for e in episodes for t in e["turns"]]
     checked = 0
     for r, t in zip(records, turns):
@@ -139,7 +190,8 @@ def test_serl_at_lambda_zero_is_grpo(run_dir, model_and_tokenizer, stopping_mode
 
 
 def test_serl_with_weights_differs_from_grpo(run_dir, model_and_tokenizer, stopping_model_dir):
-    episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="all", mixing_lambda=1.0)
+    episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="all", mixing_lambda=1.0,
+                                        unparsed="whole")
     meta = {"config": {"placement": "all", "weight_clip": 0.2}, "stats": stats}
     m_serl, _ = _grads(stopping_model_dir, episodes, "serl", records, meta)
     m_grpo, _ = _grads(stopping_model_dir, episodes, "grpo")

@@ -44,34 +44,46 @@ FAILED = episode(0, [
 
 
 def test_error_renders_and_fires_only_when_present():
-    assert render("error", ctx(FAILED, 2)) == ("Environment error: no button 'bogus' on this page", True)
+    assert render("error", ctx(FAILED, 2)) == ("Environment error at the current step:\nno button 'bogus' on this page",
+                                               True)
     assert render("error", ctx(FAILED, 0)) == (None, False)
 
 
 def test_diff_renders_changes_and_fires_only_on_no_change():
-    assert render("diff", ctx(FAILED, 0)) == ("What changed: page search -> results; listed: B1, B2", False)
-    assert render("diff", ctx(FAILED, 1)) == ("What changed: no change", True)
+    assert render("diff", ctx(FAILED, 0)) == ("What changed after the current step:\npage search -> results; listed: B1, B2",
+                                              False)
+    assert render("diff", ctx(FAILED, 1)) == ("What changed after the current step:\nno change", True)
     assert render("diff", ctx(episode(0, [turn("click[x]", "s", diff="")]), 0)) == (None, False)
 
 
-def test_obs_is_cut_to_the_budget_and_never_fires():
-    ep = episode(0, [turn("click[x]", "s", error="bad", obs="alpha beta gamma delta epsilon zeta eta theta")])
-    text, fires = render("obs", ctx(ep, 0, cut=fb.char_cutter(24)))
-    assert text == "Next observation: alpha beta gamma ..." and not fires  # an error does not make obs fire
-    assert render("obs", ctx(ep, 0))[0] == "Next observation: alpha beta gamma delta epsilon zeta eta theta"
+def test_obs_is_the_raw_answer_under_the_authors_title_and_never_fires():
+    # the authors' default mode, immediate_feedback: "Immediate feedback from the current step:" (PC:1634-1637)
+    ep = episode(0, [turn("click[x]", "s", error="bad", obs="  alpha beta gamma\n")])
+    assert render("obs", ctx(ep, 0)) == ("Immediate feedback from the current step:\nalpha beta gamma", False)
+    assert render("obs", ctx(episode(0, [turn("click[x]", "s", obs="  ")]), 0)) == (None, False)  # empty: no section
 
 
-def test_future_lists_the_rest_of_the_rollout_and_its_outcome():
-    assert render("future", ctx(FAILED, 1)) == (
-        "What happened next (this attempt failed, reward 0.00):\n"
-        "  turn 2: click[b9] -> no change\n"
-        "  turn 3: click[bogus] -> error: no button 'bogus' on this page", False)
-    won = episode(1, [turn("click[buy now]", "s", diff="page item -> done; bought B1, score 1.000")], success=True)
-    assert render("future", ctx(won, 0))[0] == ("What happened next (this attempt succeeded, reward 1.00):\n"
-                                                 "  turn 1: click[buy now] -> page item -> done; bought B1, score 1.000")
+# ------------------------------------------------------------------ future
 
 
-# ------------------------------------------------------------------ ref
+def test_future_lists_only_the_later_turns_without_outcome():
+    assert render("future", ctx(FAILED, 0)) == (("Observed future trajectory of the current step:\n"
+                                                 "Step 2\nResponse:\n<action>click[b9]</action>\n\n"
+                                                 "Step 3\nResponse:\n<action>click[bogus]</action>"), False)
+    text, _ = render("future", ctx(FAILED, 1))
+    assert "click[b9]" not in text and "Step 2" not in text and text.endswith("<action>click[bogus]</action>")
+    won = episode(1, [turn("search[mug]", "s0"), turn("click[buy now]", "s1")], success=True, reward=1.0)
+    text, _ = render("future", ctx(won, 0))
+    assert "succeeded" not in text and "reward" not in text and "1.00" not in text
+    assert render("future", ctx(won, 1)) == (None, False)  # the last turn has no future
+
+
+def test_future_drops_reasoning_from_the_later_replies():
+    ep = episode(0, [turn("up", "s0"), dict(turn("left", "s1"), action_text="<think>go round</think>\n<action>left</action>")])
+    assert render("future", ctx(ep, 0))[0] == "Observed future trajectory of the current step:\nStep 2\nResponse:\n<action>left</action>"
+
+
+# ------------------------------------------------------------------ ref / expert
 
 WIN1 = episode(1, [turn("search[red mug]", "s0", diff="page search -> results"), turn("click[b2]", "s1", diff="opened B2"),
                    turn("click[buy now]", "s2", diff="bought B2, score 1.000")], success=True)
@@ -80,17 +92,24 @@ LOST2 = episode(2, [turn("search[cup]", "s5")])
 EXPERT = [{"observation": "page s0", "action": "search[red mug]", "state_key": "s0"},
           {"observation": "page s1", "action": "click[b1]", "state_key": "s1"},
           {"observation": "page s4", "action": "click[buy now]", "state_key": "s4"}]
+WIN1_TEXT = ("Successful trajectory in the same task, if any:\n"
+             "Step 1\nResponse:\n<action>search[red mug]</action>\n\n"
+             "Step 2\nResponse:\n<action>click[b2]</action>\n\n"
+             "Step 3\nResponse:\n<action>click[buy now]</action>")
 
 
-def test_ref_takes_the_lowest_successful_sibling_from_the_matching_state():
+def test_ref_is_the_whole_trajectory_of_the_first_successful_sibling_by_rollout_index():
     group = [FAILED, WIN3, LOST2, WIN1]
-    assert render("ref", ctx(FAILED, 1, group, expert=EXPERT)) == (
-        "A successful attempt (rollout 1), from this same state on:\n"
-        "  turn 2: click[b2] -> opened B2\n"
-        "  turn 3: click[buy now] -> bought B2, score 1.000", True)  # the sibling clicked b2, not b9
-    # matched by state, not by index: turn 3 (state s1) is read from the reference's turn 2
-    assert render("ref", ctx(FAILED, 2, group))[0].startswith("A successful attempt (rollout 1), from this same state on:\n"
-                                                              "  turn 2: click[b2]")
+    assert render("ref", ctx(FAILED, 1, group, expert=EXPERT)) == (WIN1_TEXT, True)  # the sibling clicked b2, not b9
+    assert render("ref", ctx(FAILED, 2, group))[0] == WIN1_TEXT  # the same whole trajectory for every turn
+
+
+def test_ref_of_a_successful_rollout_is_another_success_never_itself():
+    # dont_reprompt_on_self_success (PC:633-659): only the rollout itself is left out
+    assert render("ref", ctx(WIN3, 1, [WIN3, WIN1]))[0] == WIN1_TEXT
+    assert render("ref", ctx(WIN1, 0, [FAILED, WIN3, WIN1]))[0].startswith(
+        "Successful trajectory in the same task, if any:\nStep 1\nResponse:\n<action>search[mug]</action>")
+    assert render("ref", ctx(WIN1, 0, [FAILED, WIN1])) == (None, False)  # the only success: nothing
 
 
 def test_ref_fires_only_on_disagreement():
@@ -101,48 +120,46 @@ def test_ref_fires_only_on_disagreement():
     assert render("ref", ctx(FAILED, 1, group))[1] is True
 
 
-def test_ref_uses_the_last_visit_of_a_revisited_state():
+def test_ref_fires_against_the_last_visit_of_a_revisited_state():
     looped = episode(1, [turn("click[b1]", "s1"), turn("click[back]", "s0"), turn("click[b2]", "s1"),
                          turn("click[buy now]", "s2")], success=True)
+    assert render("ref", ctx(episode(0, [turn("click[b1]", "s1")]), 0, None))[0] is None
     lost = episode(0, [turn("click[b1]", "s1")])
-    text, fires = render("ref", ctx(lost, 0, [lost, looped]))
-    assert text == ("A successful attempt (rollout 1), from this same state on:\n"
-                    "  turn 3: click[b2]\n  turn 4: click[buy now]") and fires
+    assert render("ref", ctx(lost, 0, [lost, looped]))[1] is True  # its last visit clicked b2
+    lost_b2 = episode(0, [turn("click[b2]", "s1")])
+    assert render("ref", ctx(lost_b2, 0, [lost_b2, looped]))[1] is False
 
 
-def test_ref_falls_back_to_the_expert_when_no_sibling_succeeded():
-    text, fires = render("ref", ctx(FAILED, 1, [FAILED, LOST2], expert=EXPERT))
-    assert text == ("The expert's demonstration, from this same state on:\n"
-                    "  turn 2: click[b1]\n  turn 3: click[buy now]") and fires
-    assert render("ref", ctx(FAILED, 1, [FAILED, LOST2])) == (None, False)  # nothing to refer to
+def test_ref_never_falls_back_to_the_expert():
+    assert render("ref", ctx(FAILED, 1, [FAILED, LOST2], expert=EXPERT)) == (None, False)
+
+
+def test_ref_without_the_state_fires_against_the_same_index_or_not_at_all():
+    off = episode(0, [turn("search[x]", "z0"), turn("click[y]", "z1"), turn("click[z]", "z2"), turn("click[w]", "z3")])
+    assert render("ref", ctx(off, 1, [off, WIN1])) == (WIN1_TEXT, True)
+    assert render("ref", ctx(off, 3, [off, WIN1])) == (WIN1_TEXT, False)  # the reference is shorter: no matching point
+
+
+def test_expert_is_its_own_source_labelled_privileged():
+    text, fires = render("expert", ctx(FAILED, 1, [FAILED, WIN1], expert=EXPERT))
+    assert text == ("Expert demonstration for this task (privileged oracle information):\n"
+                    "Step 1\nResponse:\n<action>search[red mug]</action>\n\n"
+                    "Step 2\nResponse:\n<action>click[b1]</action>\n\n"
+                    "Step 3\nResponse:\n<action>click[buy now]</action>") and fires  # the expert clicked b1, not b9
+    assert render("expert", ctx(FAILED, 0, expert=EXPERT))[1] is False  # both searched "red mug"
+    assert render("expert", ctx(FAILED, 0)) == (None, False)  # no demonstration known
 
 
 def test_expert_state_key_is_computed_from_the_observation_when_absent():
     obs = "WebShop [SEP] Search"
     lost = episode(0, [turn("click[x]", state_key(obs), observation=obs)])
-    text, _ = render("ref", ctx(lost, 0, expert=[{"observation": obs, "action": "search[mug]"}]))
-    assert text == "The expert's demonstration, from this same state on:\n  turn 1: search[mug]"
+    text, fires = render("expert", ctx(lost, 0, expert=[{"observation": obs, "action": "search[mug]"}]))
+    assert text.endswith("<action>search[mug]</action>") and fires
 
 
-def test_ref_mode_expert_ignores_successful_siblings():
-    text, _ = render("ref", ctx(FAILED, 0, [FAILED, WIN1], expert=EXPERT, ref_mode="expert"))
-    assert text.startswith("The expert's demonstration, from this same state on:\n  turn 1: search[red mug]")
-    with pytest.raises(SerlError, match="ref_mode"):
-        ctx(FAILED, 0, ref_mode="sibling")
-
-
-def test_ref_is_never_used_for_a_successful_rollout():
-    assert render("ref", ctx(WIN3, 1, [WIN3, WIN1], expert=EXPERT)) == (None, False)
-
-
-def test_ref_without_the_state_reads_the_same_index_or_the_whole_trajectory():
-    off = episode(0, [turn("search[x]", "z0"), turn("click[y]", "z1"), turn("click[z]", "z2"), turn("click[w]", "z3")])
-    text, fires = render("ref", ctx(off, 1, [off, WIN1]))
-    assert text == ("A successful attempt (rollout 1), from its turn 2 on (it never saw this state):\n"
-                    "  turn 2: click[b2] -> opened B2\n  turn 3: click[buy now] -> bought B2, score 1.000") and fires
-    text, fires = render("ref", ctx(off, 3, [off, WIN1]))  # the reference is shorter: all of it, no matching point
-    assert text.startswith("A successful attempt (rollout 1), in full (it never saw this state):\n  turn 1: search[red mug]")
-    assert not fires
+def test_turn_context_has_no_ref_mode_any_more():
+    with pytest.raises(TypeError):
+        ctx(FAILED, 0, ref_mode="expert")
 
 
 # ------------------------------------------------------------------ parse_sources
@@ -170,27 +187,23 @@ def test_parse_sources_rejects(spec, problem):
     msg = str(e.value)
     assert problem in msg and "\n" not in msg
     if "named twice" not in problem:
-        assert "known sources: error, diff, obs, future, ref" in msg
+        assert "known sources: error, diff, obs, future, ref, expert" in msg
 
 
 # ------------------------------------------------------------------ hindsight_step
 
 
-def test_step_block_combines_sources_in_spec_order():
+def test_step_block_is_the_sections_in_spec_order_a_blank_line_apart():
     text, used, fired = hindsight_step(ctx(FAILED, 2, [FAILED, WIN1]), "error,diff,ref")
-    assert text == ("[Hindsight: what the environment revealed about this step]\n"
-                    "Environment error: no button 'bogus' on this page\n"
-                    "What changed: no change\n"
-                    "A successful attempt (rollout 1), from this same state on:\n"
-                    "  turn 2: click[b2] -> opened B2\n  turn 3: click[buy now] -> bought B2, score 1.000")
+    assert text == ("Environment error at the current step:\nno button 'bogus' on this page\n\n"
+                    "What changed after the current step:\nno change\n\n" + WIN1_TEXT)
     assert used == ["error", "diff", "ref"] and fired == ["error", "diff", "ref"]
 
 
 def test_step_fallback_uses_error_where_no_ref_exists():
     spec = parse_sources("ref|error")
     assert hindsight_step(ctx(FAILED, 2, [FAILED, LOST2]), spec) == (
-        "[Hindsight: what the environment revealed about this step]\n"
-        "Environment error: no button 'bogus' on this page", ["error"], ["error"])
+        "Environment error at the current step:\nno button 'bogus' on this page", ["error"], ["error"])
     text, used, fired = hindsight_step(ctx(FAILED, 2, [FAILED, WIN1]), spec)  # a ref exists: it wins
     assert used == ["ref"] and fired == ["ref"] and "Environment error" not in text
     assert hindsight_step(ctx(FAILED, 0, [FAILED, LOST2]), spec) == (None, [], [])  # nothing to say
@@ -294,16 +307,16 @@ def test_anchor_block_pools_sibling_errors_and_successful_actions():
     group = [me, sib_a, sib_b, sib_c, win4, win5]
     anchors = anchor_groups(group)
     text, used, fired = hindsight_anchor(ctx(me, 0, group), "error,ref", anchors)
-    assert text == ("[Hindsight: what attempts from this same state revealed]\n"
-                    "Errors other attempts got here:\n"
-                    "  click[bogus] (2 attempts): no button 'bogus'\n"
-                    "  click[lamp] (1 attempt): no button 'lamp'\n"
+    assert text == ("Errors other attempts got here:\n"
+                    "click[bogus] (2 attempts): no button 'bogus'\n"
+                    "click[lamp] (1 attempt): no button 'lamp'\n\n"
                     "What successful attempts did from this state:\n"
-                    "  click[b1] (rollout 4, rollout 5)")
+                    "click[b1] (rollout 4, rollout 5)")
     assert used == ["error", "ref"] and fired == ["error", "ref"]
-    # the successful rollout sees the others' errors but no ref, and took no failing action itself
+    # a successful rollout sees the others' errors and the OTHER success's action, which agrees with its own
     text, used, fired = hindsight_anchor(ctx(win4, 0, group), "error,ref", anchors)
-    assert used == ["error"] and fired == [] and "(3 attempts)" in text
+    assert used == ["error", "ref"] and fired == [] and "(3 attempts)" in text and "(rollout 5)" in text
+    assert "rollout 4" not in text
 
 
 def test_anchor_fires_nothing_when_others_differ_and_winners_agree():
@@ -313,21 +326,29 @@ def test_anchor_fires_nothing_when_others_differ_and_winners_agree():
     group = [me, other, win]
     text, used, fired = hindsight_anchor(ctx(me, 0, group), "diff,ref", anchor_groups(group))
     assert used == ["diff", "ref"] and fired == []
-    assert "  click[b7] (1 attempt): no change\n  click[b1] (1 attempt): opened B1" in text
+    assert "click[b7] (1 attempt): no change\nclick[b1] (1 attempt): opened B1" in text
 
 
-def test_anchor_ref_falls_back_to_the_expert_and_future_renders_as_in_step():
+def test_anchor_ref_never_uses_the_expert_which_is_its_own_source():
     me = episode(0, [turn("click[x]", "s1", diff="no change")])
     other = episode(1, [turn("click[y]", "s1", diff="no change")])
     group = [me, other]
-    text, used, fired = hindsight_anchor(ctx(me, 0, group, expert=EXPERT), "ref,future", anchor_groups(group))
-    assert text == ("[Hindsight: what attempts from this same state revealed]\n"
-                    "What successful attempts did from this state:\n  click[b1] (expert)\n"
-                    "What happened next (this attempt failed, reward 0.00):\n  turn 1: click[x] -> no change")
-    assert used == ["ref", "future"] and fired == ["ref"]
+    anchors = anchor_groups(group)
+    assert hindsight_anchor(ctx(me, 0, group, expert=EXPERT), "ref", anchors) == (None, [], [])
+    text, used, fired = hindsight_anchor(ctx(me, 0, group, expert=EXPERT), "expert,future", anchors)
+    assert text == "The expert's action from this state (privileged oracle information):\nclick[b1]"
+    assert used == ["expert"] and fired == ["expert"]  # the last turn: no future
 
 
-def test_anchor_ref_keys_expert_steps_without_a_state_key_by_their_observation():
+def test_anchor_future_renders_as_in_step():
+    me = episode(0, [turn("click[x]", "s1"), turn("click[y]", "s2")])
+    other = episode(1, [turn("click[z]", "s1")])
+    group = [me, other]
+    c = ctx(me, 0, group)
+    assert hindsight_anchor(c, "future", anchor_groups(group)) == hindsight_step(c, "future")
+
+
+def test_anchor_expert_keys_steps_without_a_state_key_by_their_observation():
     # expert data recorded without state keys: each step is keyed by its observation's hash, as in step granularity
     from envs.base import state_key
 
@@ -335,8 +356,8 @@ def test_anchor_ref_keys_expert_steps_without_a_state_key_by_their_observation()
     me = episode(0, [turn("click[x]", state_key("page s1"), diff="no change")])
     other = episode(1, [turn("click[y]", state_key("page s1"), diff="no change")])
     group = [me, other]
-    text, used, fired = hindsight_anchor(ctx(me, 0, group, expert=expert), "ref", anchor_groups(group))
-    assert "click[b1] (expert)" in text and used == ["ref"] and fired == ["ref"]
+    text, used, fired = hindsight_anchor(ctx(me, 0, group, expert=expert), "expert", anchor_groups(group))
+    assert text.endswith("click[b1]") and used == ["expert"] and fired == ["expert"]
 
 
 def test_anchor_singleton_falls_back_to_step():
@@ -346,4 +367,3 @@ def test_anchor_singleton_falls_back_to_step():
         c = ctx(FAILED, t, group, expert=EXPERT)
         if sum(a == anchors[(0, t)] for a in anchors.values()) == 1:
             assert hindsight_anchor(c, "ref|error", anchors) == hindsight_step(c, "ref|error")
-    assert hindsight_anchor(ctx(FAILED, 0, group, expert=EXPERT), "error,ref", anchors)[0].startswith(fb.STEP_HEADER)

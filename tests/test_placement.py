@@ -41,9 +41,12 @@ def test_feedback_selects_fired_turns():
     assert select("feedback", TURNS) == [True, False, True, False, False, True]
 
 
-def test_all_selects_every_turn():
+def test_all_selects_every_turn_with_a_block():
     assert select("all", TURNS) == [True] * 6
     assert select("all", []) == []
+    # the authors' used_context mask (PC:1843-1845): a turn without a block is not reweighted
+    blocks = [TurnInfo((0, i), False, None, has_block=i != 1) for i in range(3)]
+    assert select("all", blocks) == [True, False, True]
 
 
 @pytest.mark.parametrize("rho, expected", [
@@ -93,6 +96,19 @@ def test_random_never_exceeds_n():
     none = [TurnInfo((0, i), False, None) for i in range(5)]
     assert select("random", none, seed=1) == [False] * 5
     assert select("random", [], seed=1) == []
+
+
+def test_random_matches_feedback_on_scored_turns():
+    # 20 turns: every 4th fired; turns 8-19 have no block or a zero advantage (not scorable), so of
+    # feedback's 5 fired turns only 0 and 4 are scored; random must score 2 as well, among scorable turns
+    turns = [TurnInfo((0, i), i % 4 == 0, None, has_block=i < 14, scorable=i < 8) for i in range(20)]
+    fb = select("feedback", turns)
+    scored_fb = sum(1 for t, s in zip(turns, fb) if s and t.scorable)
+    assert scored_fb == 2
+    for seed in range(50):
+        rnd = select("random", turns, seed=seed)
+        assert sum(rnd) == scored_fb  # every turn random selects is scored
+        assert all(turns[i].scorable for i in idx(rnd))
 
 
 def test_random_is_uniform_over_turns():

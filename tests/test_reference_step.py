@@ -59,8 +59,12 @@ def pipeline_loss_and_grads(policy, teacher, tokenizer, episodes, acfg):
     return stats["loss"], [p.grad.clone() for p in policy.parameters()], len(micro_batches), reweighted
 
 
-@pytest.mark.parametrize("sources, placement", [("obs", "all"), ("error", "feedback"), ("diff", "random")])
-def test_reference_step_equals_the_pipeline(group, stopping_model_dir, sources, placement):
+# the random model's replies hold no action: unparsed=whole weights them whole, so the teacher is in play;
+# the defaults (none) leave them at 1; update_step 50 is lambda 0 (no teacher at all)
+@pytest.mark.parametrize("sources, placement, unparsed, update_step", [
+    ("obs", "all", "whole", 0), ("error", "feedback", "whole", 0), ("diff", "random", "whole", 0),
+    ("obs", "all", "none", 0), ("obs", "all", "whole", 50)])
+def test_reference_step_equals_the_pipeline(group, stopping_model_dir, sources, placement, unparsed, update_step):
     teacher, tokenizer = load_model(str(stopping_model_dir))
     teacher.eval()
     policy = copy.deepcopy(teacher)
@@ -68,11 +72,12 @@ def test_reference_step_equals_the_pipeline(group, stopping_model_dir, sources, 
     with torch.no_grad():  # a policy one update away from the behaviour policy: ratios differ from 1
         for p in policy.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    acfg = AnnotateConfig(sources=sources, placement=placement, seed=3)
+    acfg = AnnotateConfig(sources=sources, placement=placement, seed=3, unparsed=unparsed, update_step=update_step,
+                          teacher_signal=False)
 
     loss, grads, n_micro, reweighted = pipeline_loss_and_grads(policy, teacher, tokenizer, group, acfg)
     assert n_micro > 1  # the pipeline really accumulated over several padded micro-batches
-    if placement == "all":
+    if placement == "all" and unparsed == "whole" and update_step == 0:
         assert reweighted > 0  # the teacher's weights are in play, not all 1
 
     policy.zero_grad(set_to_none=True)

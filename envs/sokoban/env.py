@@ -127,9 +127,11 @@ class SokobanWorld:
         return self.level(split, task_id).room
 
     def corpus_texts(self) -> list[str]:
-        """Every feedback phrase, for the tokenizer: the expert episodes it also reads never bump or deadlock."""
+        """Every feedback phrase, for the tokenizer: the expert episodes it also reads never bump or
+        deadlock. And each move alone, a bare reply: one token each, so that no update can split a
+        move in two (a tokenizer that writes "right" as "r" + "ight" lets RL teach "r" + "down")."""
         cells = [(r, c) for r in range(self.config.size) for c in range(self.config.size)]
-        return [*BLOCKED.values(), NEW_ROOM, NO_CHANGE, ON_GOAL, OFF_GOAL, SOLVED, UNSOLVABLE,
+        return [*DIRECTIONS, *BLOCKED.values(), NEW_ROOM, NO_CHANGE, ON_GOAL, OFF_GOAL, SOLVED, UNSOLVABLE,
                 *(f"{verb} {d}" for verb in ("player moved", "pushed a box") for d in DIRECTIONS),
                 *(t.format(row=r, col=c) for t in (CORNER, DEAD_WALL) for r, c in cells)]
 
@@ -202,6 +204,23 @@ class SokobanEpisode:
     def expert_action(self) -> str | None:
         """The first of the shortest solution's moves (up/down/left/right order); None once over or unsolvable."""
         return None if self.done else self.level.expert_action(self.state)
+
+    def optimal_actions(self) -> list[str]:
+        """Every first move of a shortest solution (``expert_action`` is the first of them):
+        a noisy expert spreads its demonstrations over these, so that a learner is not
+        taught the solver's tie-break as if it were part of the game."""
+        return [] if self.done else sorted(self.level.optimal_actions(self.state), key=DIRECTIONS.index)
+
+    def solvable_actions(self) -> list[str]:
+        """The moves after which the room can still be solved (a bump moves nothing, so it is one).
+
+        A noisy expert draws its exploration moves from these, so that its data reaches
+        states off the expert's path without throwing the episode away.
+        """
+        if self.done or not self.solvable:
+            return []
+        return [a for a in DIRECTIONS
+                if self.level.distance(move(self.room, *self.state, self.room.steps[a])[1:]) is not None]
 
     @property
     def room(self) -> Room:

@@ -3,6 +3,8 @@
 Grid file (YAML; unknown keys anywhere are errors)::
 
     description: free text                  # optional
+    base_config: ../webshop/paper/serl.yaml # optional: run config(s) (a path or a list, relative to this file)
+                                            # the base starts from, merged left to right; base: then overrides
     base: {...}                             # an OnlineConfig mapping (env, model, iterations, rollout, train, annotate, ...)
     grid:                                   # the axes; each one a list (seeds: a count or a list)
       env: [webshop]                        # default: [base env.name]
@@ -13,7 +15,18 @@ Grid file (YAML; unknown keys anywhere are errors)::
       seeds: 3                              # 3 = seeds 0, 1, 2; or a list [0, 7, 9]; default 1
     final_eval: {episodes: 50, split: test} # the fixed panel every cell is scored on (default: whole split;
                                             # panel: spread takes N tasks evenly spaced, not the first N)
-    slurm: {partition: gpu, time: "04:00:00", cpus_per_task: 8, gpus: 1, mem: 64G, template: FILE}
+    slurm:                                  # the job array (serl_cli.ablate.runners.emit_slurm), all optional
+      partition: gpu                        # account, time, cpus_per_task, mem: the same #SBATCH options
+      nodes: 1                              # nodes per cell
+      gpus_per_node: 8                      # GPUs per node per cell (gpus: its older name)
+      setup: ["module load cuda", "source /path/venv/bin/activate"]   # lines run before the cell
+      launcher: auto                        # auto: torchrun across the cell's GPUs when the backend is
+                                            # deepspeed and there are several; torchrun | deepspeed | none
+      max_parallel: 4                       # array tasks at once (%4; --max-parallel overrides)
+      requeue: true                         # near the time limit: checkpoint, requeue, resume (default true)
+      signal_grace_s: 900                   # ... that many seconds before it (SIGUSR1)
+      template: FILE                        # your own sbatch, with {array} and {command}
+      extra: ["--qos=high"]                 # more #SBATCH lines
 
 **Arms and cells.** Arms are the product env x algo x sources x granularity x placement, in
 that order, duplicates dropped. The sources, granularity and placement axes apply only to
@@ -51,8 +64,11 @@ outside ``[A-Za-z0-9._+-]`` becomes ``_``. The arm name is the cell name without
 **Runners.** :func:`run_cells` runs the cells here one after another, or ``parallel`` at a
 time as subprocesses each running ``serl ablate ... --cell i``; :func:`emit_slurm` writes
 ``OUT/ablate.sbatch``, a job array whose task i runs the same command with ``--cell
-"$SLURM_ARRAY_TASK_ID"``. The program is ``${SERL:-serl}`` so a cluster can point it at a
-virtual environment (``SERL=/path/venv/bin/serl sbatch OUT/ablate.sbatch``).
+"$SLURM_ARRAY_TASK_ID"`` (under torchrun or the deepspeed launcher across the cell's GPUs),
+``OUT/report.sbatch`` (``serl ablate --report OUT``) and ``OUT/submit.sh``, which submits the
+array and the report as a job that depends on it (``afterany``). The program is
+``${SERL:-serl}`` so a cluster can point it at a virtual environment
+(``SERL=/path/venv/bin/serl sbatch OUT/ablate.sbatch``).
 """
 
 from __future__ import annotations
@@ -70,9 +86,11 @@ from serl_cli.errors import SerlError
 
 ANNOTATING = ("serl", "rlsd", "sdpo")
 AXES = ("env", "algo", "sources", "granularity", "placement", "seeds")
-TOP_KEYS = ("description", "base", "grid", "final_eval", "slurm")
+TOP_KEYS = ("description", "base_config", "base", "grid", "final_eval", "slurm")
 FINAL_EVAL_KEYS = ("episodes", "split", "panel")
-SLURM_KEYS = ("partition", "time", "cpus_per_task", "gpus", "mem", "account", "template", "extra")
+SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "gpus", "cpus_per_task", "mem", "setup",
+              "launcher", "max_parallel", "requeue", "signal_grace_s", "template", "extra")
+LAUNCHERS = ("auto", "torchrun", "deepspeed", "none")
 GRID_VERSION = 1
 
 
@@ -127,6 +145,8 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
     base = data.get("base") or {}
     if not isinstance(base, dict):
         raise SerlError("base: must be a mapping of online-loop settings")
+    if path and data.get("base_config"):
+        base = cfgmod.merge(_base_configs(Path(path), data["base_config"]), base)
     if config_file:
         base = cfgmod.merge(base, cfgmod.load_yaml(config_file))
     base = cfgmod.apply_overrides(base, list(overrides or []))
@@ -188,9 +208,41 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
     if not isinstance(slurm, dict):
         raise SerlError("slurm: must be a mapping")
     _fail_unknown(slurm, SLURM_KEYS, "slurm.")
+    _check_slurm(slurm)
     grid = Grid(base=base_plain, axes=axes, final_eval=final_eval, slurm=slurm, description=str(data.get("description", "")))
     _validate_axes(grid)
     return grid
+
+
+def _check_slurm(s: dict) -> None:
+    """The ``slurm:`` settings, checked when the grid loads (not when the job starts)."""
+    if "gpus" in s and "gpus_per_node" in s:
+        raise SerlError("slurm: give gpus_per_node (gpus is its older name), not both")
+    for key in ("nodes", "gpus_per_node", "gpus", "cpus_per_task", "max_parallel", "signal_grace_s"):
+        v = s.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (0 if key in ("gpus", "gpus_per_node") else 1)):
+            raise SerlError(f"slurm.{key} must be a positive integer, got {v!r}")
+    for key in ("setup", "extra"):
+        v = s.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise SerlError(f"slurm.{key} must be a list of lines, got {v!r}")
+    if s.get("launcher", "auto") not in LAUNCHERS:
+        raise SerlError(f"unknown slurm.launcher {s['launcher']!r}: choose one of {', '.join(LAUNCHERS)}")
+    if "requeue" in s and not isinstance(s["requeue"], bool):
+        raise SerlError(f"slurm.requeue must be true or false, got {s['requeue']!r}")
+
+
+def _base_configs(grid_path: Path, value) -> dict:
+    """The run configs a grid's base starts from (``base_config``), merged left to right;
+    relative paths are from the grid file's folder, so a grid and its configs move together."""
+    files = [value] if isinstance(value, str) else value
+    if not isinstance(files, list) or not files or not all(isinstance(f, str) and f for f in files):
+        raise SerlError(f"base_config in {grid_path} must be a path or a list of paths, got {value!r}")
+    out: dict = {}
+    for f in files:
+        p = Path(f) if Path(f).is_absolute() else grid_path.parent / f
+        out = cfgmod.merge(out, cfgmod.load_yaml(p))
+    return out
 
 
 def _validate_axes(grid: Grid) -> None:
@@ -325,20 +377,49 @@ def _selection(train: Path) -> dict | None:
 
 
 def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
-    """Train and evaluate cell ``index``; returns done | skipped."""
+    """Train and evaluate cell ``index``; returns done | skipped. Under torchrun / the
+    deepspeed launcher every process calls it: all of them train (the online loop is
+    distributed), the main one keeps the cell's books and runs the final evaluation."""
+    from serl_cli.training.backends import is_main_process
+
     cell = select_cell(record, index)
     d = cell_dir(out, cell)
     if is_done(out, cell):
         log(f"cell {index} {cell['name']}: done, skipped")
         return "skipped"
+    if not is_main_process():
+        return _follow_cell(record, out, cell)
     with runlock.run_lock(d):  # two runners given the same cell: the second refuses, naming the first
         return _run_cell(record, out, cell, index, log)
 
 
+def cell_config(record: dict, out: str | Path, cell: dict):
+    """The cell's online-run configuration, writing into ``cells/<name>/train``."""
+    from serl_cli.stages.online import OnlineConfig
+
+    cfg = cfgmod.from_dict(OnlineConfig, cfgmod.merge(record["base"], cell["overrides"]), "cell")
+    cfg.out = str(cell_dir(out, cell) / "train")
+    return cfg
+
+
+def _follow_cell(record: dict, out: str | Path, cell: dict) -> str:
+    """A process other than the main one: its part of the cell's online run, nothing else."""
+    from serl_cli.stages.online import run_online
+
+    cfg = cell_config(record, out, cell)
+    train = Path(cfg.out)
+    if (train / "checkpoint" / "config.json").is_file() and _online_done(train):
+        return "skipped"
+    resume = (train / "manifest.json").is_file()  # read before the main process writes there (see run_online)
+    run_online(cfg, resume=resume, overwrite=not resume)
+    return "done"
+
+
 def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str:
+    from serl_cli.models.device import release_memory
     from serl_cli.rollout.worlds import EnvConfig
     from serl_cli.stages.evaluate import EvalConfig, run_eval
-    from serl_cli.stages.online import OnlineConfig, run_online
+    from serl_cli.stages.online import run_online
 
     d = cell_dir(out, cell)
     if is_done(out, cell):  # another runner finished it between the first check and the lock
@@ -356,21 +437,25 @@ def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str
         info["wall_time_s"] = round(before + time.perf_counter() - t0, 3)
         io.write_json(d / "cell.json", info)
 
-    cfg = cfgmod.from_dict(OnlineConfig, cfgmod.merge(record["base"], cell["overrides"]), "cell")
-    train = d / "train"
-    cfg.out = str(train)
+    cfg = cell_config(record, out, cell)
+    train = Path(cfg.out)
     trained = (train / "checkpoint" / "config.json").is_file() and _online_done(train)
     if not trained:
         resume = (train / "manifest.json").is_file()
         log(f"cell {index} {cell['name']}: {'resuming' if resume else 'training'} ({cfg.iterations} iterations)")
         run_online(cfg, resume=resume, overwrite=not resume, on_iteration=checkpoint_time)
+        release_memory()  # the trainer's GPU memory, before the evaluation's engine starts
     fe = record["final_eval"]
     if not (d / "eval.json").is_file():
+        # on the cell's engine (vLLM for the paper grids), device and precision
         ecfg = EvalConfig(env=EnvConfig(cfg.env.name, fe["split"], cfg.env.max_turns, cfg.env.settings,
                                         cfg.env.step_timeout_s), policy="model",
                           model=str(train / "checkpoint"), episodes=fe["episodes"], panel=fe.get("panel", "first"), seed=0,
                           batch_size=cfg.rollout.batch_size, history_turns=cfg.rollout.prompt.history_turns,
-                          max_new_tokens=cfg.rollout.sampling.max_new_tokens, threads=cfg.train.threads, out=str(d))
+                          max_new_tokens=cfg.rollout.sampling.max_new_tokens, threads=cfg.train.threads, out=str(d),
+                          temperature=cfg.eval.temperature,  # the base's eval temperature (paper: 0.4; 0 = greedy)
+                          engine=cfg.rollout.engine, vllm=cfg.rollout.vllm, gpus=cfg.rollout.gpus,
+                          device=cfg.train.device, dtype=cfg.train.dtype)
         run_eval(ecfg, overwrite=True)
     ev = io.read_json(d / "eval.json")
     checkpoint_time()

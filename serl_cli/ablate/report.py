@@ -23,6 +23,11 @@ arms differs only in the arm. Undefined statistics (one seed, zero variance) pri
 
 **Selection bias.** Per arm, from the last iteration's ``selection_report.json`` of each
 seed: the mean selected fraction of turns and the verdicts (how many seeds gave each).
+
+**Teacher signal.** Per arm, where the environment has an expert action, from the last
+iteration's report that has one (``teacher.teacher_signal``, ``method.teacher_signal``; after
+lambda has decayed to 0 the teacher is not run): the mean over seeds of ``right_direction``
+and ``expert_prob_gain``, and how many seeds measured it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,16 @@ def _curve(train: Path) -> list[dict]:
     return out
 
 
+def _teacher_signal(train: Path) -> dict | None:
+    """The teacher signal of the online run's last iteration that measured one (once lambda
+    has decayed to 0 the teacher is not run, and its iterations have none)."""
+    for path in sorted(train.glob("iter_*/selection_report.json"), reverse=True):
+        signal = io.read_json(path).get("teacher", {}).get("teacher_signal")
+        if signal:
+            return signal
+    return None
+
+
 def collect(out: str | Path) -> dict:
     out = Path(out)
     record = load_grid_record(out)
@@ -72,7 +87,8 @@ def collect(out: str | Path) -> dict:
         arms[cell["arm"]]["cells"][cell["seed"]] = {
             "success": float(ev["success_rate"]), "score": float(ev["score"]), "episodes": ev.get("episodes"),
             "wall_time_s": float(info.get("wall_time_s", 0.0)), "teacher_tokens": int(info.get("teacher_tokens_scored", 0)),
-            "selection": info.get("selection"), "curve": _curve(d / "train")}
+            "selection": info.get("selection"), "teacher_signal": _teacher_signal(d / "train"),
+            "curve": _curve(d / "train")}
     names = list(arms)
     baseline = next((n for n in names if arms[n]["algo"] == "grpo"), names[0] if names else None)
     return {"record": record, "arms": arms, "baseline": baseline, "unfinished": unfinished}
@@ -113,6 +129,10 @@ def summarize(data: dict) -> list[dict]:
             verdicts[x.get("verdict") or "none"] = verdicts.get(x.get("verdict") or "none", 0) + 1
         row["selected_fraction"] = sum(fracs) / len(fracs) if fracs else None
         row["selection_verdicts"] = "; ".join(f"{v} (x{k})" for v, k in verdicts.items()) if verdicts else None
+        signals = [c[s]["teacher_signal"] for s in seeds if c[s]["teacher_signal"]]
+        row["teacher_signal_seeds"] = len(signals)
+        for key in ("right_direction", "expert_prob_gain"):
+            row[f"teacher_{key}"] = sum(x[key] for x in signals) / len(signals) if signals else None
         walls = [c[s]["wall_time_s"] for s in seeds]
         row["wall_time_s_total"] = sum(walls) if walls else None
         row["wall_time_s_mean"] = sum(walls) / len(walls) if walls else None
@@ -174,6 +194,14 @@ def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str
               "| arm | selected fraction (mean) | verdicts |", "| --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['arm']} | {fmt(r['selected_fraction'])} | {r['selection_verdicts'] or 'n/a (no annotation)'} |")
+    lines += ["", "## Teacher signal (last iteration that measured it, mean over seeds)", "",
+              ("On scored turns with an expert action: how often the teacher moves the action the right way "
+               "(down off the expert's action, up on it), and the change the hindsight block makes to the "
+               "teacher's probability of the expert action."), "",
+              "| arm | seeds | right direction | expert prob gain |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        gain = "n/a" if r["teacher_expert_prob_gain"] is None else f"{r['teacher_expert_prob_gain']:+.3g}"
+        lines.append(f"| {r['arm']} | {r['teacher_signal_seeds']} | {fmt(r['teacher_right_direction'])} | {gain} |")
     lines += ["", "## Cost", "", "| arm | cells | wall time total (s) | per cell (s) | teacher tokens scored |",
               "| --- | --- | --- | --- | --- |"]
     for r in rows:

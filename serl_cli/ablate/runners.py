@@ -15,6 +15,7 @@ from pathlib import Path
 from serl_cli.ablate.grid import is_done, run_cell
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
+from serl_cli.stages.online import PREEMPTED_EXIT
 
 SELF_CMD = [sys.executable, "-m", "serl_cli"]  # how a subprocess runs serl itself
 
@@ -44,7 +45,9 @@ def run_cells(record: dict, out: str | Path, *, parallel: int = 1, log=print) ->
         for i, p in list(running.items()):
             if p.poll() is not None:
                 del running[i]
-                results[i] = "done" if p.returncode == 0 else f"failed (exit {p.returncode})"
+                results[i] = "done" if p.returncode == 0 else \
+                    f"stopped (exit {p.returncode}): rerun to resume it" if p.returncode == PREEMPTED_EXIT else \
+                    f"failed (exit {p.returncode})"
                 log(f"cell {i} {record['cells'][i]['name']}: {results[i]}")
                 if p.returncode:
                     failed.append(i)
@@ -57,23 +60,146 @@ DEFAULT_SBATCH = """#!/bin/bash
 #SBATCH --job-name=serl-ablate
 #SBATCH --array={array}
 #SBATCH --output={logs}/%A_%a.out
+#SBATCH --open-mode=append
 {resources}
 # serl ablate job array: task i trains and evaluates cell i of {grid}
-# (a finished cell is skipped, a killed one resumes). Override the program with SERL=/path/to/serl.
+# (a finished cell is skipped, a killed one resumes). Override the program with SERL=/path/to/serl
+# (torchrun, deepspeed: TORCHRUN=..., DEEPSPEED=...). Submit it with its report job: bash {submit}
 set -euo pipefail
-{command}
+{setup}
+{launch}
+"""
+
+# The cell runs in the background so that this shell can pass a signal on to it: SLURM sends
+# SIGUSR1 {grace} s before the time limit (--signal=B:USR1@...), the cell checkpoints at its next
+# safe point and exits (serl: 75), and the task is requeued; its rerun resumes the cell.
+LAUNCH = """cell="$SLURM_ARRAY_TASK_ID"
+{prepare}{command} &
+child=$!
+stopped=""
+trap 'stopped=USR1; kill -USR1 "$child" 2>/dev/null || true' USR1
+trap 'stopped=TERM; kill -TERM "$child" 2>/dev/null || true' TERM
+rc=0
+wait "$child" || rc=$?
+while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done
+if [ "$stopped" = USR1 ] || [ "$rc" = {preempted} ]; then
+    echo "cell $cell stopped (exit $rc): requeued, it resumes where it stopped"
+    {requeue}
+    exit 0
+fi
+exit "$rc"
+"""
+
+MULTI_NODE = """head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+port=$((29500 + SLURM_ARRAY_TASK_ID % 1000))
+"""
+
+REPORT_SBATCH = """#!/bin/bash
+#SBATCH --job-name=serl-ablate-report
+#SBATCH --output={logs}/report_%j.out
+{resources}
+# The ablation's report, once every task of the array has ended (submitted by {submit} with
+# --dependency=afterany:<array job id>): report.md, report.csv, curves.png in {out}.
+set -euo pipefail
+{setup}
+${{SERL:-serl}} ablate --report {out}
+"""
+
+SUBMIT = """#!/bin/bash
+# Submit the ablation: the job array, then its report as a job that starts when every task
+# of the array has ended, whatever their exit status (afterany).
+set -euo pipefail
+array=$(sbatch --parsable {out}/ablate.sbatch)
+array=${{array%%;*}}   # --parsable prints "id" or "id;cluster"
+report=$(sbatch --parsable --dependency=afterany:"$array" {out}/report.sbatch)
+echo "submitted: array $array, report ${{report%%;*}} (after the array)"
 """
 
 
+def cell_processes(record: dict) -> tuple[int, int]:
+    """(nodes, trainer processes per node) a cell of this grid runs with: one per GPU, or one
+    per ``train.gpus`` entry when vLLM has GPUs of its own (``rollout.gpus``)."""
+    s = record.get("slurm") or {}
+    nodes = int(s.get("nodes") or 1)
+    gpus = int(s.get("gpus_per_node", s.get("gpus")) or 0)
+    train_gpus = (record.get("base") or {}).get("train", {}).get("gpus")
+    return nodes, len(train_gpus) if train_gpus else max(gpus, 1)
+
+
+def choose_launcher(record: dict) -> str:
+    """``slurm.launcher``; ``auto``: torchrun when a cell trains on more than one process
+    (DeepSpeed), else one process."""
+    s = record.get("slurm") or {}
+    launcher = s.get("launcher", "auto")
+    if launcher != "auto":
+        return launcher
+    nodes, per_node = cell_processes(record)
+    deepspeed = (record.get("base") or {}).get("train", {}).get("backend") == "deepspeed"
+    return "torchrun" if deepspeed and nodes * per_node > 1 else "none"
+
+
+def launch_command(record: dict, out: Path, *, grace: int) -> tuple[str, str]:
+    """(preparation lines, the command) of one array task: the cell's command on one
+    process, or under torchrun / the deepspeed launcher across the cell's GPUs."""
+    args = shlex.join(["ablate", *record["source_args"], "--out", str(Path(out).resolve()), "--cell"])
+    args += ' "$SLURM_ARRAY_TASK_ID"'
+    nodes, per_node = cell_processes(record)
+    launcher = choose_launcher(record)
+    if launcher == "none":
+        return "", f"${{SERL:-serl}} {args}"
+    if launcher == "deepspeed":
+        hosts = "" if nodes == 1 else " --hostfile \"$SERL_HOSTFILE\""
+        return "", f"${{DEEPSPEED:-deepspeed}}{hosts} --num_nodes {nodes} --num_gpus {per_node} --module serl_cli {args}"
+    # torchrun passes SIGUSR1/SIGTERM on to its workers and gives them the grace period to stop
+    common = (f"--nproc_per_node {per_node} --signals-to-handle SIGTERM,SIGINT,SIGUSR1 "
+              f"--shutdown-timeout {max(grace - 60, 30)}")
+    if nodes == 1:
+        return "", f"${{TORCHRUN:-torchrun}} --standalone {common} -m serl_cli {args}"
+    rdzv = '--rdzv_backend c10d --rdzv_endpoint "$head:$port" --rdzv_id "$SLURM_JOB_ID"'
+    return MULTI_NODE, (f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 ${{TORCHRUN:-torchrun}} --nnodes {nodes} "
+                        f"{rdzv} {common} -m serl_cli {args}")
+
+
+def _resources(s: dict, *, gpus: bool) -> list[str]:
+    lines = []
+    keys = (("partition", "partition"), ("account", "account"))
+    if gpus:
+        keys += (("time", "time"), ("nodes", "nodes"), ("cpus_per_task", "cpus-per-task"), ("mem", "mem"))
+    for key, flag in keys:
+        if s.get(key) is not None:
+            lines.append(f"#SBATCH --{flag}={s[key]}")
+    if not gpus:  # the report: a few CPU minutes
+        return lines + ["#SBATCH --time=01:00:00", "#SBATCH --cpus-per-task=2", "#SBATCH --mem=8G"]
+    if int(s.get("nodes") or 1) > 1:
+        lines.append("#SBATCH --ntasks-per-node=1")
+    per_node = s.get("gpus_per_node", s.get("gpus"))
+    if per_node:
+        lines.append(f"#SBATCH --gres=gpu:{per_node}")
+    for extra in s.get("extra") or []:
+        lines.append(f"#SBATCH {extra}")
+    return lines
+
+
 def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, parallel: int = 0) -> Path:
+    """Write ``OUT/ablate.sbatch`` (the job array: task i runs cell i, on the cell's GPUs),
+    ``OUT/report.sbatch`` (``serl ablate --report``) and ``OUT/submit.sh`` (the array, then
+    the report with ``--dependency=afterany``). ``parallel`` (or ``slurm.max_parallel``) caps
+    the tasks that run at once (``%N``)."""
     out = Path(out).resolve()
     n = len(record["cells"])
-    array = f"0-{n - 1}" + (f"%{parallel}" if parallel and parallel > 0 else "")
-    cmd = shlex.join(cell_command(record, out, "CELL", program=["SERL_PROGRAM"]))
-    cmd = cmd.replace("SERL_PROGRAM", "${SERL:-serl}", 1)
-    cmd = cmd[: cmd.rfind("CELL")] + '"$SLURM_ARRAY_TASK_ID"'
     s = record.get("slurm") or {}
+    cap = parallel if parallel and parallel > 0 else int(s.get("max_parallel") or 0)
+    array = f"0-{n - 1}" + (f"%{cap}" if cap else "")
+    grace = int(s.get("signal_grace_s") or 900)
+    requeue = s.get("requeue", True)
+    prepare, command = launch_command(record, out, grace=grace)
+    setup = "\n".join(s.get("setup") or [])
+    requeue_cmd = ('scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" || true' if requeue
+                   else ": # slurm.requeue is false: rerun the task to resume it")
+    launch = LAUNCH.format(prepare=prepare, command=command, grace=grace, preempted=PREEMPTED_EXIT,
+                           requeue=requeue_cmd)
     template = template or s.get("template")
+    submit = out / "submit.sh"
     if template:
         p = Path(template)
         if not p.is_file():
@@ -83,21 +209,19 @@ def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, pa
             raise SerlError(f"slurm template {p} has no {{command}} placeholder")
         if "{array}" not in text:
             raise SerlError(f"slurm template {p} has no {{array}} placeholder")
-        script = text.replace("{array}", array).replace("{command}", cmd).replace("{out}", shlex.quote(str(out)))
+        script = text.replace("{array}", array).replace("{command}", launch).replace("{out}", shlex.quote(str(out)))
     else:
-        lines = []
-        for key, flag in (("partition", "partition"), ("account", "account"), ("time", "time"),
-                          ("cpus_per_task", "cpus-per-task"), ("mem", "mem")):
-            if s.get(key) is not None:
-                lines.append(f"#SBATCH --{flag}={s[key]}")
-        if s.get("gpus"):
-            lines.append(f"#SBATCH --gres=gpu:{s['gpus']}")
-        for extra in s.get("extra") or []:
-            lines.append(f"#SBATCH {extra}")
-        script = DEFAULT_SBATCH.format(array=array, logs=shlex.quote(str(out / "logs")), resources="\n".join(lines),
-                                       grid=out / "grid.json", command=cmd)
+        resources = _resources(s, gpus=True)
+        if requeue:
+            resources += [f"#SBATCH --signal=B:USR1@{grace}", "#SBATCH --requeue"]
+        script = DEFAULT_SBATCH.format(array=array, logs=shlex.quote(str(out / "logs")), resources="\n".join(resources),
+                                       grid=out / "grid.json", setup=setup, launch=launch, submit=submit)
+    report = REPORT_SBATCH.format(logs=shlex.quote(str(out / "logs")), resources="\n".join(_resources(s, gpus=False)),
+                                  submit=submit, setup=setup, out=shlex.quote(str(out)))
     (out / "logs").mkdir(parents=True, exist_ok=True)
     path = out / "ablate.sbatch"
-    io.atomic_write_text(path, script)
-    path.chmod(0o755)
+    for target, text in ((path, script), (out / "report.sbatch", report),
+                         (submit, SUBMIT.format(out=shlex.quote(str(out))))):
+        io.atomic_write_text(target, text)
+        target.chmod(0o755)
     return path

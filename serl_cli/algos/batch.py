@@ -39,6 +39,8 @@ class MicroBatch:
     weights: torch.Tensor | None = None  # [B, K] token weights, 1 on padding; None: all 1 (GRPO)
     logp_teacher: torch.Tensor | None = None  # [B, K]
     distill: torch.Tensor | None = None  # [B] bool: the row carries the distillation term
+    entropy: torch.Tensor | None = None  # [B, K] the current policy's entropy per reply token, set by the
+    #                                      forward pass only when train.entropy_coef > 0 (training.step.forward)
 
 
 def make_micro_batches(samples: list, order: list[int], max_tokens: int, pad_id: int,

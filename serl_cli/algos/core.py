@@ -62,7 +62,7 @@ def kl_k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
 def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor,
                   weights: Tensor | None, mask: Tensor, clip_eps: float = 0.2,
-                  num_tokens: float | None = None) -> tuple[Tensor, dict]:
+                  num_tokens: float | None = None, dual_clip: float = 0.0) -> tuple[Tensor, dict]:
     """Token-level PPO clip on the reweighted advantage w * A (METHOD.md section 6).
 
     loss = sum_k -min(r_k w_k A, clip(r_k, 1-eps, 1+eps) w_k A) / N_tokens over masked k.
@@ -70,6 +70,10 @@ def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor,
     SERL weights (constants, no gradient), None for all ones (GRPO). num_tokens: the
     token count of the whole batch when this call sees one micro-batch (gradient
     accumulation must divide by the batch total, not the micro-batch's).
+
+    dual_clip c > 1 (Ye et al. 2019, arXiv 1912.09729; verl's ``clip_ratio_c``, 3.0 in the
+    authors' runs): where w A < 0 the per-token loss is also capped at -c w A, so a ratio
+    far above 1 on a penalized token cannot blow the loss up. 0 (default) = off.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
@@ -80,7 +84,13 @@ def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor,
     surr = ratio * wa
     surr_clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * wa
     n = mask.sum().clamp_min(1) if num_tokens is None else num_tokens
-    loss = masked_sum(-torch.min(surr, surr_clipped), mask) / n
+    per_token = -torch.min(surr, surr_clipped)
+    if dual_clip:
+        # cap -c*wA binds only on penalized tokens (wA < 0); elsewhere the plain clip stands
+        capped = torch.minimum(per_token, -dual_clip * wa)
+        lower = ((wa < 0) & (capped < per_token)).to(logp.dtype)
+        per_token = torch.where(wa < 0, capped, per_token)
+    loss = masked_sum(per_token, mask) / n
     with torch.no_grad():
         # The clipped branch binds where it is strictly smaller: A>0 and r>1+eps, or
         # A<0 and r<1-eps. There its gradient is zero.
@@ -88,6 +98,8 @@ def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor,
         stats = {"clip_frac": masked_mean(clipped, mask).item(),
                  "ratio_mean": masked_mean(ratio, mask).item(),
                  "approx_kl": masked_mean(-log_ratio, mask).item()}
+        if dual_clip:
+            stats["dual_clip_frac"] = masked_mean(lower, mask).item()
     return loss, stats
 
 
@@ -97,22 +109,34 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor
                 logp_teacher: Tensor | None = None, distill_coef: float = 0.0,
                 distill_mask: Tensor | None = None,
                 num_tokens: float | None = None,
-                distill_num_tokens: float | None = None) -> tuple[Tensor, dict]:
+                distill_num_tokens: float | None = None,
+                dual_clip: float = 0.0,
+                entropy: Tensor | None = None, entropy_coef: float = 0.0) -> tuple[Tensor, dict]:
     """The one loss every algorithm trains on:
 
         PPO-clip(w * A)  +  kl_coef * mean_k3(pi || ref)  +  distill_coef * mean_k3(pi || T)
+                         -  entropy_coef * mean_k H(pi(. | prefix_k))
 
     grpo/gigpo: weights None. rlsd/serl: SERL weights. sdpo: advantages all 0 and a
     distill term; its per-token value is sdpo.distill_kl (= kl_k3 with the teacher),
     averaged over distill_mask (action tokens of selected turns of failed rollouts).
     A term whose coefficient is 0 is skipped, so it needs no inputs. num_tokens (see
     ppo_clip_loss) normalizes the PPO and KL terms; the distill term is a mean over
-    the distill_mask tokens of this call, or, given distill_num_tokens (the batch's
-    count of distillation tokens), a sum divided by it, so micro-batches add up.
+    the distill_mask tokens of this call, or, given distill_num_tokens (the optimizer
+    step's count of distillation tokens, as num_tokens is its count of reply tokens), a
+    sum divided by it, so micro-batches add up.
+    dual_clip: see ppo_clip_loss. entropy: [B, T] the policy's entropy at each reply
+    position (differentiable), needed only when entropy_coef > 0; its term has the PPO
+    term's normalizer (the authors' token-mean, verl dp_actor.py:564-568).
     """
-    pg, stats = ppo_clip_loss(logp, logp_old, advantages, weights, mask, clip_eps, num_tokens)
+    pg, stats = ppo_clip_loss(logp, logp_old, advantages, weights, mask, clip_eps, num_tokens, dual_clip)
     loss = pg
     stats["pg_loss"] = pg.item()
+    if entropy_coef:
+        n = mask.sum().clamp_min(1) if num_tokens is None else num_tokens
+        ent = masked_sum(entropy, mask) / n
+        loss = loss - entropy_coef * ent
+        stats["entropy"] = ent.item()
     if kl_coef:
         # Same normalizer as the PPO term, so micro-batches add up to the batch mean.
         n = mask.sum().clamp_min(1) if num_tokens is None else num_tokens

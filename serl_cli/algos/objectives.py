@@ -59,26 +59,88 @@ def get_objective(name: str) -> Objective:
     return OBJECTIVES[name]
 
 
-def episode_advantages(samples: list[TurnSample], eps: float) -> torch.Tensor:
-    """GRPO: each turn carries its episode's group-normalized reward (METHOD.md 6)."""
-    episodes: dict[int, tuple[float, tuple]] = {}
+GROUP_NORMS = ("episode", "cross_steps")
+GIGPO_MODES = ("mean_std_norm", "mean_norm")
+
+
+def _score(s: TurnSample, success_reward: float) -> float:
+    """The task reward a turn's episode is scored with: the environment's, or (the authors'
+    recipe, ``train.success_reward`` > 0) ``success_reward`` on a success and 0 otherwise
+    (agent_system/environments/env_package/webshop/envs.py:47-53: 10 for a win)."""
+    return (success_reward if s.success else 0.0) if success_reward else s.episode_reward
+
+
+def episode_advantages(samples: list[TurnSample], eps: float, *, std_norm: bool = True,
+                       invalid_penalty: float = 0.0, success_reward: float = 0.0) -> torch.Tensor:
+    """GRPO: each turn carries its episode's group-normalized score (METHOD.md 6).
+
+    The score is the task reward (see ``_score``) minus ``invalid_penalty`` per invalid turn
+    of the episode. Episodes an environment fault ended (``faulted``: a crash or a timeout,
+    never the policy's doing) are left out of their group's statistics and get 0.
+    """
+    episodes: dict[int, list] = {}
     for s in samples:
-        episodes.setdefault(s.episode, (s.episode_reward, s.group_key))
+        if s.faulted:
+            continue
+        entry = episodes.setdefault(s.episode, [_score(s, success_reward), s.group_key])
+        if invalid_penalty and s.invalid:
+            entry[0] -= invalid_penalty
     ep_ids = sorted(episodes)
     group_index: dict[tuple, int] = {}
     groups = torch.tensor([group_index.setdefault(episodes[e][1], len(group_index)) for e in ep_ids])
     rewards = torch.tensor([episodes[e][0] for e in ep_ids], dtype=torch.float64)
-    by_episode = dict(zip(ep_ids, core.group_advantages(rewards, groups, eps=eps).tolist()))
-    return torch.tensor([by_episode[s.episode] for s in samples], dtype=torch.float32)
+    adv = core.group_advantages(rewards, groups, eps=eps, std_norm=std_norm)
+    by_episode = dict(zip(ep_ids, adv.tolist()))
+    return torch.tensor([by_episode.get(s.episode, 0.0) for s in samples], dtype=torch.float32)
+
+
+def cross_step_advantages(samples: list[TurnSample], eps: float, *, std_norm: bool = True,
+                          invalid_penalty: float = 0.0, success_reward: float = 0.0) -> torch.Tensor:
+    """The authors' GRPO normalization (``compute_mean_std_cross_steps=True``,
+    verl/trainer/ppo/core_algos.py:114-175, called at ray_trainer.py:289-295): every turn is
+    a sample scored with its episode's reward minus ``invalid_penalty`` if *this* turn was
+    invalid (ray_trainer.py:198-222), and mean and std are pooled over all turns of the
+    group, so a long episode weighs more in them. Faulted episodes are left out (0)."""
+    keep = [i for i, s in enumerate(samples) if not s.faulted]
+    group_index: dict[tuple, int] = {}
+    groups = torch.tensor([group_index.setdefault(samples[i].group_key, len(group_index)) for i in keep],
+                          dtype=torch.long)
+    scores = torch.tensor([_score(samples[i], success_reward) - (invalid_penalty if samples[i].invalid else 0.0)
+                           for i in keep], dtype=torch.float64)
+    out = torch.zeros(len(samples), dtype=torch.float32)
+    if keep:
+        out[keep] = core.group_advantages(scores, groups, eps=eps, std_norm=std_norm).to(torch.float32)
+    return out
+
+
+def turn_advantages(samples: list[TurnSample], cfg, *, std_norm: bool = True) -> torch.Tensor:
+    """The GRPO advantage of every turn under ``cfg``'s settings (``train.group_norm``,
+    ``train.invalid_action_penalty``, ``train.success_reward``); the defaults give exactly
+    :func:`episode_advantages`."""
+    kw = {"std_norm": std_norm, "invalid_penalty": getattr(cfg, "invalid_action_penalty", 0.0),
+          "success_reward": getattr(cfg, "success_reward", 0.0)}
+    mode = getattr(cfg, "group_norm", "episode")
+    if mode not in GROUP_NORMS:
+        raise SerlError(f"unknown train.group_norm {mode!r}: choose one of {', '.join(GROUP_NORMS)}")
+    if mode == "cross_steps":
+        return cross_step_advantages(samples, cfg.adv_eps, **kw)
+    return episode_advantages(samples, cfg.adv_eps, **kw)
+
+
+def default_advantages(cfg) -> bool:
+    """Whether ``cfg`` scores turns exactly as serl always did (the annotate stage's advantage)."""
+    return (getattr(cfg, "group_norm", "episode") == "episode" and not getattr(cfg, "invalid_action_penalty", 0.0)
+            and not getattr(cfg, "success_reward", 0.0))
 
 
 def policy_gradient_loss(mb: MicroBatch, logp: torch.Tensor, cfg, *, num_tokens: float, distill_tokens: float = 0.0,
                          logp_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """PPO-clip on the (optionally reweighted) advantage, + KL to the reference, + distillation.
+    """PPO-clip on the (optionally reweighted) advantage, + KL to the reference, + distillation,
+    (- the entropy bonus, with dual-clip, when those settings are on).
 
-    The distillation term is normalized by the batch's count of distillation tokens
-    (``distill_tokens``, not the micro-batch's), so micro-batches add up to the batch mean
-    as the other terms do.
+    ``num_tokens`` and ``distill_tokens`` are the optimizer step's (mini-batch's) counts of
+    reply and distillation tokens, not the micro-batch's, so micro-batches add up to the
+    mini-batch mean, and both terms keep their scale whatever ``train.mini_batches`` is.
     """
     distill = bool(cfg.distill_coef and mb.distill is not None and mb.logp_teacher is not None)
     distill_mask = sdpo.distill_token_mask(mb.reply_mask, mb.distill) if distill else None
@@ -86,7 +148,9 @@ def policy_gradient_loss(mb: MicroBatch, logp: torch.Tensor, cfg, *, num_tokens:
                             clip_eps=cfg.clip_eps, logp_ref=logp_ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens,
                             logp_teacher=mb.logp_teacher if distill else None,
                             distill_coef=cfg.distill_coef if distill else 0.0,
-                            distill_mask=distill_mask, distill_num_tokens=distill_tokens)
+                            distill_mask=distill_mask, distill_num_tokens=distill_tokens,
+                            dual_clip=getattr(cfg, "dual_clip", 0.0), entropy=mb.entropy,
+                            entropy_coef=getattr(cfg, "entropy_coef", 0.0))
 
 
 # -- sft: behaviour cloning on the reply tokens of reference trajectories ----------------
@@ -104,7 +168,7 @@ register(Objective("sft", _sft_prepare, _sft_loss, uses_behaviour_logprobs=False
 
 # -- grpo: group-normalized episode advantage, all weights 1 -------------------------------
 def _grpo_prepare(samples, inputs, cfg) -> PerTurn:
-    adv = episode_advantages(samples, cfg.adv_eps)
+    adv = turn_advantages(samples, cfg)
     return PerTurn(advantages=adv, stats={"mean_abs_advantage": adv.abs().mean().item()})
 
 
@@ -112,16 +176,22 @@ register(Objective("grpo", _grpo_prepare, policy_gradient_loss))
 
 
 # -- serl / rlsd / sdpo: the annotate stage's teacher scores and weights ---------------------
-def _annotated(samples, inputs: UpdateInputs, cfg, *, weights: bool, distill: bool, placement: str | None = None) -> PerTurn:
+def _annotated(samples, inputs: UpdateInputs, cfg, *, weights: bool, distill: bool, placement: str | None = None,
+               tokens: str | None = None) -> PerTurn:
+    """serl: the weights on the parsed action's tokens of the annotation's turns (default: every
+    turn with a block); rlsd (``placement="all"``, ``tokens="reply"``): on every reply token."""
     ann = inputs.annotations
     if ann is None:
         raise SerlError(f"--algo {cfg.algo} needs annotations: run `serl annotate RUN` first")
     if len(ann) != len(samples):
         raise SerlError(f"annotations hold {len(ann)} turns but the rollouts {len(samples)}: annotate this run again")
-    made_with = (inputs.annotate_config or {}).get("placement")
-    if placement and made_with and made_with != placement:
-        raise SerlError(f"--algo {cfg.algo} needs annotations with placement {placement!r}, these used {made_with!r}")
-    adv = episode_advantages(samples, cfg.adv_eps)
+    made = inputs.annotate_config or {}
+    if placement and made.get("placement") and made["placement"] != placement:
+        raise SerlError(f"--algo {cfg.algo} needs annotations with placement {placement!r}, these used {made['placement']!r}")
+    if tokens and made and made.get("tokens", "action") != tokens:
+        raise SerlError(f"--algo {cfg.algo} weights every reply token: annotate with --set tokens={tokens} "
+                        f"(these annotations weighted {made.get('tokens', 'action')!r} tokens)")
+    adv = turn_advantages(samples, cfg)
     prep = PerTurn(advantages=torch.zeros_like(adv) if distill and not weights else adv)
     if weights:
         prep.token_weights = [a["weights"] if a["weights"] is not None else [1.0] * len(s.action_ids)
@@ -167,25 +237,40 @@ def _sdpo_prepare(samples, inputs: UpdateInputs, cfg) -> PerTurn:
 
 register(Objective("serl", lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False),
                    policy_gradient_loss, needs_annotations=True))
-register(Objective("rlsd", lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False, placement="all"),
+register(Objective("rlsd", lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False, placement="all",
+                                                        tokens="reply"),
                    policy_gradient_loss, needs_annotations=True, placement="all"))
 register(Objective("sdpo", _sdpo_prepare, policy_gradient_loss, needs_annotations=True))
 
 
 # -- gigpo: episode advantage + omega x step advantage within anchor states ----------------
 def _gigpo_prepare(samples, inputs, cfg) -> PerTurn:
-    episode_adv = episode_advantages(samples, cfg.adv_eps)
+    mode = getattr(cfg, "gigpo_mode", "mean_std_norm")
+    if mode not in GIGPO_MODES:
+        raise SerlError(f"unknown train.gigpo_mode {mode!r}: choose one of {', '.join(GIGPO_MODES)}")
+    std_norm = mode == "mean_std_norm"  # verl-agent's "mean_norm" subtracts the mean only, at both levels
+    penalty, success_reward = getattr(cfg, "invalid_action_penalty", 0.0), getattr(cfg, "success_reward", 0.0)
+    episode_adv = turn_advantages(samples, cfg, std_norm=std_norm)
     returns, by_episode = [], {}
     for s in samples:
-        by_episode.setdefault(s.episode, []).append(s)
+        if not s.faulted:
+            by_episode.setdefault(s.episode, []).append(s)
     ret_of = {}
-    for e, turns in by_episode.items():
-        for s, r in zip(turns, gigpo.discounted_returns([t.turn_reward for t in turns], cfg.gamma)):
-            ret_of[id(s)] = r
+    for turns in by_episode.values():
+        rewards = [t.turn_reward for t in turns]
+        if success_reward:  # the authors' reward: success_reward on the winning turn, 0 elsewhere
+            rewards = [0.0] * (len(turns) - 1) + [success_reward if turns[-1].success else 0.0]
+        for s, r in zip(turns, gigpo.discounted_returns(rewards, cfg.gamma)):
+            # the penalty comes off the invalid turn's return, after discounting (ray_trainer.py:217-218)
+            ret_of[id(s)] = r - penalty if penalty and s.invalid else r
+    kept = [i for i, s in enumerate(samples) if not s.faulted]
     anchor_index: dict[tuple, int] = {}
-    anchors = torch.tensor([anchor_index.setdefault((s.group_key, s.state_key), len(anchor_index)) for s in samples])
-    returns = torch.tensor([ret_of[id(s)] for s in samples], dtype=torch.float64)
-    step = gigpo.step_advantages(returns, anchors, eps=cfg.adv_eps).to(torch.float32)
+    anchors = torch.tensor([anchor_index.setdefault((samples[i].group_key, samples[i].state_key), len(anchor_index))
+                            for i in kept], dtype=torch.long)
+    returns = torch.tensor([ret_of[id(samples[i])] for i in kept], dtype=torch.float64)
+    step = torch.zeros(len(samples), dtype=torch.float32)
+    if kept:
+        step[kept] = gigpo.step_advantages(returns, anchors, eps=cfg.adv_eps, std_norm=std_norm).to(torch.float32)
     adv = gigpo.gigpo_advantages(episode_adv, step, omega=cfg.omega)
     return PerTurn(advantages=adv, stats={"mean_abs_advantage": adv.abs().mean().item(),
                                            "mean_abs_step_advantage": step.abs().mean().item(),

@@ -104,6 +104,8 @@ class TurnSample:
     state_key: str
     turn_reward: float
     off_expert: bool = False  # a noisy expert's exploration move: it reaches a state, it is no SFT target
+    invalid: bool = False  # the environment flagged the action (feedback.error): the invalid-action penalty's target
+    faulted: bool = False  # the episode was ended by an environment fault (crash, timeout): it teaches nothing
 
 
 def turn_samples(episodes: list[dict]) -> list[TurnSample]:
@@ -123,6 +125,8 @@ def turn_samples(episodes: list[dict]) -> list[TurnSample]:
                     state_key=t["state_key"],
                     turn_reward=float(t["reward"]),
                     off_expert=bool(t.get("off_expert", False)),
+                    invalid=bool((t.get("feedback") or {}).get("error")),
+                    faulted=bool(ep.get("error")),
                 )
             )
     return out

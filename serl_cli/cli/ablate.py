@@ -19,8 +19,10 @@ import typer
 from serl_cli.ablate import grid as ab
 from serl_cli.ablate import runners
 from serl_cli.cli.common import summary_table
-from serl_cli.cli.root import QuietOpt, SetOpt, VerboseOpt, app, console
+from serl_cli.cli.root import QuietOpt, SetOpt, VerboseOpt, app, console, err_console
 from serl_cli.errors import SerlError
+from serl_cli.stages.online import PREEMPTED_EXIT, Preempted
+from serl_cli.training.backends import is_main_process
 
 
 def _report(out: Path, quiet: bool) -> None:
@@ -54,6 +56,8 @@ def ablate_command(
     cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell i (what SLURM array task i runs)."),
     parallel: int = typer.Option(1, "--parallel", help="Cells at a time here (subprocesses); with --emit slurm: "
                                                        "the array's concurrency limit."),
+    max_parallel: Optional[int] = typer.Option(None, "--max-parallel", help="--emit slurm: array tasks running at "
+                                               "once (%N); default: slurm.max_parallel of the grid, else no cap."),
     emit: Optional[str] = typer.Option(None, "--emit", help="slurm: write OUT/ablate.sbatch instead of running."),
     slurm_template: Optional[str] = typer.Option(None, "--slurm-template", help="A sbatch template with {array} and "
                                                                                 "{command} placeholders."),
@@ -81,6 +85,8 @@ def ablate_command(
         raise SerlError(f"unknown --emit {emit!r}: choose slurm")
     if parallel < 1:
         raise SerlError(f"--parallel must be at least 1, got {parallel}")
+    if max_parallel is not None and max_parallel < 1:
+        raise SerlError(f"--max-parallel must be at least 1, got {max_parallel}")
     grid = ab.load_grid(grid_file, config_file=config, overrides=list(set_ or []), flags=flags)
     source_args: list[str] = [str(Path(grid_file).resolve())] if grid_file else []
     for name, value in flags.items():
@@ -94,14 +100,23 @@ def ablate_command(
     out_dir = Path(out or "runs/ablate")
     if cell is not None:
         ab.select_cell(record, cell)  # range check before anything is written
-    ab.write_grid(out_dir, record)
-    log = (lambda msg: None) if quiet else (lambda msg: console.print(msg, highlight=False))
+    main = is_main_process()  # under torchrun (a cell on several GPUs) rank 0 keeps the books
+    if main:
+        ab.write_grid(out_dir, record)
+    log = (lambda msg: None) if quiet or not main else (lambda msg: console.print(msg, highlight=False))
     if emit == "slurm":
-        path = runners.emit_slurm(record, out_dir, template=slurm_template, parallel=parallel if parallel > 1 else 0)
-        console.print(f"{len(record['cells'])} cells; job array written to {path}: sbatch {path}", highlight=False)
+        cap = max_parallel or (parallel if parallel > 1 else 0)
+        path = runners.emit_slurm(record, out_dir, template=slurm_template, parallel=cap)
+        console.print(f"{len(record['cells'])} cells; job array written to {path}; submit it with its report job: "
+                      f"bash {out_dir.resolve() / 'submit.sh'} (or sbatch {path} alone)", highlight=False)
         return
     if cell is not None:
-        ab.run_cell(record, out_dir, cell, log=log)
+        try:
+            ab.run_cell(record, out_dir, cell, log=log)
+        except Preempted as e:  # SIGTERM/SIGUSR1: checkpointed; rerunning the same command resumes the cell
+            if main:
+                err_console.print(f"[yellow]preempted:[/] cell {cell}: {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(PREEMPTED_EXIT) from None
         return
     runners.run_cells(record, out_dir, parallel=parallel, log=log)
     _report(out_dir, quiet)

@@ -22,6 +22,10 @@ def annotate_command(
     placement: Optional[str] = typer.Option(None, "--placement", help="feedback | gap | all | random."),
     teacher: Optional[str] = typer.Option(None, "--teacher", help="Teacher model (default: the rollouts' policy)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    device: Optional[str] = typer.Option(None, "--device", help="The teacher's device: auto (CUDA when present) | cpu | "
+                                         "cuda."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="The teacher's precision: auto (bf16 on a GPU with it, "
+                                        "else fp32) | fp32 | bf16 | fp16 (autocast)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing annotations."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted annotation pass from its journal "
                                                        "(same settings); a finished one is left as it is."),
@@ -33,7 +37,7 @@ def annotate_command(
     """Annotate every turn: hindsight block, selected or not, teacher log-probs, SERL weights."""
     cfg = resolve(AnnotateConfig, config_file=config, overrides=set_, flags={
         "sources": sources, "granularity": granularity, "placement": placement, "teacher": teacher,
-        "threads": threads, "seed": seed})
+        "threads": threads, "seed": seed, "device": device, "dtype": dtype})
     s = run_annotate(run, cfg, overwrite=overwrite, resume=resume)
     save_resolved(run, "annotate.yaml", cfg)
     rep = s["report"]

@@ -14,7 +14,7 @@ from serl_cli.stages.evaluate import EvalConfig, run_eval
 
 @app.command("eval")
 @show_defaults(EvalConfig, env="env.name", policy="policy", episodes="episodes", panel="panel", max_turns="env.max_turns",
-               out="out")
+               engine="engine", device="device", dtype="dtype", out="out")
 def eval_command(
     env: Optional[str] = typer.Option(None, "--env", help="Environment: webshop, alfworld, sokoban, an installed serl.envs entry point, or package.module:factory (docs/ENVIRONMENTS.md)."),
     split: Optional[str] = typer.Option(None, "--split", help="Split whose panel to run (default: webshop test, alfworld valid_unseen)."),
@@ -23,6 +23,11 @@ def eval_command(
     episodes: Optional[int] = typer.Option(None, "--episodes", help="How many tasks of the split (default: all)."),
     panel: Optional[str] = typer.Option(None, "--panel", help="Which tasks: first (the first N, default) or spread (N evenly spaced)."),
     max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Turn limit per episode."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="A model policy generates with: hf | vllm (the vllm extra; "
+                                         "settings: --set vllm.tensor_parallel_size=N)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Engine hf: auto (CUDA when present) | cpu | cuda."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | "
+                                        "fp16: compute precision, through autocast."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads for a model policy (default: all cores)."),
     out: Optional[str] = typer.Option(None, "--out", help="Output directory (eval.json, episodes.jsonl)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing evaluation in --out."),
@@ -35,7 +40,8 @@ def eval_command(
     """Evaluate a policy on a split's fixed panel: success with a 95 % interval, score, turns."""
     cfg = resolve(EvalConfig, config_file=config, overrides=set_, flags={
         "env.name": env, "env.split": split, "env.max_turns": max_turns, "policy": policy, "model": model,
-        "episodes": episodes, "panel": panel, "threads": threads, "out": out, "seed": seed})
+        "episodes": episodes, "panel": panel, "threads": threads, "out": out, "seed": seed, "engine": engine,
+        "device": device, "dtype": dtype})
     with Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                   console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task("episodes", total=cfg.episodes)

@@ -26,6 +26,9 @@ def rollout_command(
     max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Turn limit per episode."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (0 = greedy)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass."),
+    device: Optional[str] = typer.Option(None, "--device", help="Engine hf: auto (CUDA when present) | cpu | cuda."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | "
+                                        "fp16: compute precision, through autocast."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
     out: Optional[str] = typer.Option(None, "--out", help="Run directory to write."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing rollouts in --out."),
@@ -41,7 +44,7 @@ def rollout_command(
     cfg = resolve(RolloutConfig, config_file=config, overrides=set_, flags={
         "env.name": env, "env.split": split, "env.max_turns": max_turns, "model": model, "policy": policy,
         "engine": engine, "tasks": tasks, "group_size": group_size, "sampling.temperature": temperature,
-        "sampling.top_p": top_p, "threads": threads, "out": out, "seed": seed})
+        "sampling.top_p": top_p, "threads": threads, "out": out, "seed": seed, "device": device, "dtype": dtype})
     with Progress(TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                   console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task("episodes", total=cfg.tasks * cfg.group_size)

@@ -15,7 +15,7 @@ from serl_cli.artifacts import runlock
 from serl_cli.artifacts.tracking import Tracker, check_backends
 from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console
-from serl_cli.stages.online import OnlineConfig, run_online
+from serl_cli.stages.online import PREEMPTED_EXIT, OnlineConfig, Preempted, run_online
 from serl_cli.stages.train import follow_train_on_run, train_on_run
 from serl_cli.training.backends import is_main_process
 
@@ -27,7 +27,7 @@ def _fmt(v) -> str:
 @app.command("train")
 @show_defaults(OnlineConfig, algo="train.algo", backend="train.backend", lora_rank="train.lora.rank",
                lora_alpha="train.lora.alpha", lora_targets="train.lora.targets", lora_save="train.lora.save",
-               iterations="iterations", engine="rollout.engine", env="env.name", tasks="rollout.tasks",
+               iterations="iterations", engine="rollout.engine", device="train.device", dtype="train.dtype", env="env.name", tasks="rollout.tasks",
                group_size="rollout.group_size", max_turns="env.max_turns", out="out")
 def train_command(
     run: Optional[str] = typer.Argument(None, help="A run directory with rollouts (one update). Omit for the online loop."),
@@ -44,6 +44,11 @@ def train_command(
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets",
                                                help="LoRA target modules, comma-separated, or all-linear."),
     lora_save: Optional[str] = typer.Option(None, "--lora-save", help="LoRA checkpoints: merged | adapter."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto (CUDA when present) | cpu | cuda."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | "
+                                        "fp16: compute precision, through autocast."),
+    gradient_checkpointing: Optional[bool] = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing",
+                                                          help="Recompute activations in backward (less memory)."),
     iterations: Optional[int] = typer.Option(None, "--iterations", help="Online loop: K x (rollout -> update)."),
     engine: Optional[str] = typer.Option(None, "--engine", help="Online loop: generation engine, hf | vllm."),
     env: Optional[str] = typer.Option(None, "--env", help="Environment for the online loop."),
@@ -72,7 +77,8 @@ def train_command(
         "train.threads": threads, "rollout.threads": threads, "out": out or (run if online else None), "seed": seed,
         "train.seed": seed, "train.deepspeed.config": deepspeed_config, "train.deepspeed.zero_stage": zero_stage,
         "train.deepspeed.offload": offload, "train.lora.rank": lora_rank, "train.lora.alpha": lora_alpha,
-        "train.lora.targets": lora_targets, "train.lora.save": lora_save})
+        "train.lora.targets": lora_targets, "train.lora.save": lora_save, "train.device": device, "train.dtype": dtype,
+        "rollout.device": device, "rollout.dtype": dtype, "train.gradient_checkpointing": gradient_checkpointing})
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
     trackers = check_backends(report_to) if main else []
     if not online:
@@ -107,12 +113,19 @@ def train_command(
         live.update(iterations_table(recent[-LIVE_ROWS:], cfg.iterations), refresh=True)
 
     if not main:
-        run_online(cfg, resume=resume, overwrite=overwrite)
+        try:
+            run_online(cfg, resume=resume, overwrite=overwrite)
+        except Preempted:
+            raise typer.Exit(PREEMPTED_EXIT) from None
         return
     tracker = Tracker(trackers, cfg.out, Path(cfg.out).name, dataclasses.asdict(cfg))
     try:
         with runlock.run_lock(cfg.out), live or contextlib.nullcontext():  # one writer per run directory
             history = run_online(cfg, resume=resume, overwrite=overwrite, on_iteration=show)
+    except Preempted as e:  # SIGTERM/SIGUSR1: checkpointed; the same command with --resume continues
+        save_resolved(cfg.out, "online.yaml", cfg)
+        err_console.print(f"[yellow]preempted:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(PREEMPTED_EXIT) from None
     finally:
         tracker.close()
     save_resolved(cfg.out, "online.yaml", cfg)

@@ -4,12 +4,12 @@ Anchor states are turns of different rollouts of one task in one group whose raw
 observation is the same (same ``state_key``) or, with a similarity threshold, whose
 observations' word-set Jaccard similarity reaches it (groups made transitive with
 union-find). A turn's hindsight block then pools what the other turns in its anchor state
-did and what that led to, and what the successful rollouts did from there.
+did and what that led to, and what the successful rollouts did from there. The block is
+laid out as at step granularity: titled sections, a blank line between them.
 """
 
 from __future__ import annotations
 
-from envs.base import state_key as hash_observation
 from serl_cli.errors import SerlError
 from serl_cli.method.feedback import (
     SOURCES,
@@ -21,10 +21,10 @@ from serl_cli.method.feedback import (
     _same,
     _short,
     _spec,
+    expert_steps,
     hindsight_step,
+    section,
 )
-
-ANCHOR_HEADER = "[Hindsight: what attempts from this same state revealed]"
 
 
 def anchor_groups(group: list[dict], similarity: float | None = None) -> dict[tuple[int, int], int]:
@@ -77,47 +77,54 @@ def _pool_field(src: TurnField, ctx: TurnContext, others: list[dict]) -> tuple[s
             lines.setdefault(_norm(_action(turn)), [_action(turn), v, 0])[2] += 1
     if not lines:
         return None, False
-    body = "\n".join(f"  {_short(a)} ({n} attempt{'s' * (n > 1)}): {_short(v)}" for a, v, n in lines.values())
+    body = "\n".join(f"{_short(a)} ({n} attempt{'s' * (n > 1)}): {_short(v)}" for a, v, n in lines.values())
     fired = any(_same(_action(t), _action(ctx.step)) and src.bad(t) for t in others)
-    return f"{src.pooled_label}:\n" + ctx.cut(body), fired
+    return section(src.pooled_title, body), fired
 
 
 def _pool_ref(ctx: TurnContext, members: list[tuple[int, int]]) -> tuple[str | None, bool]:
-    """What successful rollouts did here (each one's last visit), else the expert's action here."""
-    if ctx.episode.get("success"):
-        return None, False
-    last: dict[int, int] = {}  # ref_mode "expert": no siblings, straight to the expert
-    for p, t in members if ctx.ref_mode == "group" else []:
+    """What the group's other successful rollouts did here (each one's last visit), by rollout index."""
+    last: dict[int, int] = {}
+    for p, t in members:
         if ctx.group[p].get("success") and ctx.group[p] is not ctx.episode:
             last[p] = max(t, last.get(p, t))
     order = sorted(last, key=lambda p: ctx.group[p].get("rollout_index", p))
-    done = [(_action(ctx.group[p]["turns"][last[p]]), f"rollout {ctx.group[p].get('rollout_index', p)}") for p in order]
-    if not done and ctx.expert:
-        keys = {ctx.group[p]["turns"][t]["state_key"] for p, t in members}
-        here = [s for s in ctx.expert if (s.get("state_key") or hash_observation(s["observation"])) in keys]
-        done = [(here[-1]["action"], "expert")] if here else []
-    if not done:
-        return None, False
     by_action: dict[str, list] = {}
-    for a, who in done:
-        by_action.setdefault(_norm(a), [a, []])[1].append(who)
-    body = "\n".join(f"  {_short(a)} ({', '.join(who)})" for a, who in by_action.values())
+    for p in order:
+        a = _action(ctx.group[p]["turns"][last[p]])
+        by_action.setdefault(_norm(a), [a, []])[1].append(f"rollout {ctx.group[p].get('rollout_index', p)}")
+    if not by_action:
+        return None, False
+    body = "\n".join(f"{_short(a)} ({', '.join(who)})" for a, who in by_action.values())
     fired = any(not _same(a, _action(ctx.step)) for a, _ in by_action.values())
-    return "What successful attempts did from this state:\n" + ctx.cut(body), fired
+    return section("What successful attempts did from this state:", body), fired
+
+
+def _pool_expert(ctx: TurnContext, members: list[tuple[int, int]]) -> tuple[str | None, bool]:
+    """The expert's action from this anchor state (its last visit): privileged oracle information."""
+    keys = {ctx.group[p]["turns"][t]["state_key"] for p, t in members}
+    here = [a for a, key in expert_steps(ctx) if key in keys]
+    if not here:
+        return None, False
+    return (section("The expert's action from this state (privileged oracle information):", _short(here[-1])),
+            not _same(here[-1], _action(ctx.step)))
 
 
 def hindsight_anchor(ctx: TurnContext, spec, anchors: dict) -> tuple[str | None, list[str], list[str]]:
     """(block, used, fired) pooling the anchor state's evidence; a singleton falls back to step.
 
-    Pooled, per source named in the spec (fallback chains as in step): ``error``/``diff``/
-    ``obs``: the OTHER turns of this anchor state, one line per distinct action with its
-    first value and how many attempts took it; fires when another turn took this turn's
-    action and got an error (``error``) or "no change" (``diff``). ``ref``: the actions
-    successful rollouts of the group took here (their last visit), else the expert's action
-    here; none for a rollout that succeeded; fires when one differs from this action.
-    Sources with nothing to pool (``future``) render as at step granularity. This turn's
-    own error/diff/obs are not shown: the block speaks for the state, not the attempt (use
-    step granularity for that). Other turns with nothing to say give no block (None).
+    Pooled, per source named in the spec (fallback chains as in step), one titled section
+    each, laid out as the step block (``method.feedback``): ``error``/``diff``/``obs``: the
+    OTHER turns of this anchor state, one line per distinct action with its first value and
+    how many attempts took it; fires when another turn took this turn's action and got an
+    error (``error``) or "no change" (``diff``). ``ref``: the actions the group's other
+    successful rollouts took here (their last visit), never the expert's; fires when one
+    differs from this action. ``expert``: the expert's action here (privileged oracle
+    information); fires when it differs. Sources with nothing to pool (``future``) render as
+    at step granularity. This turn's own error/diff/obs are not shown: the block speaks for
+    the state, not the attempt (use step granularity for that). Other turns with nothing to
+    say give no block (None). The pooled layout is serl's own: the authors' ``anchor_*`` modes
+    (PC:713-840) list every action tried with its success count and returns instead.
     """
     pos = next((p for p, e in enumerate(ctx.group) if e is ctx.episode), None)
     if pos is None:
@@ -135,6 +142,8 @@ def hindsight_anchor(ctx: TurnContext, spec, anchors: dict) -> tuple[str | None,
                 text, fire = _pool_field(src, ctx, others)
             elif name == "ref":
                 text, fire = _pool_ref(ctx, members)
+            elif name == "expert":
+                text, fire = _pool_expert(ctx, members)
             else:
                 text = src.render(ctx)
                 fire = bool(text) and src.fires(ctx)
@@ -143,4 +152,4 @@ def hindsight_anchor(ctx: TurnContext, spec, anchors: dict) -> tuple[str | None,
                 used.append(name)
                 fired += [name] if fire else []
                 break
-    return _block(ANCHOR_HEADER, pieces, used, fired)
+    return _block(pieces, used, fired)

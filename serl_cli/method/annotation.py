@@ -1,11 +1,18 @@
 """Annotation, the core of ``serl annotate``: hindsight blocks, the critical set, teacher scores, SERL weights.
 
 For every stored turn: the chosen feedback sources (``method.feedback``) build the
-hindsight block at the chosen granularity; the placement rule (``method.placement``)
-picks the critical set S; the teacher (``method.teacher``) scores the student's action
-tokens with the block in its prompt -- only the turns that need it: the selected ones, or
-for ``gap`` every turn with a block; and the selected turns' action tokens get the weight
-of METHOD.md 6 (``algos.serl``). One record per turn (``artifacts.schema.ANNOTATION_KEYS``).
+hindsight block at the chosen granularity, cut as a whole to ``max_hindsight_tokens``; the
+placement rule (``method.placement``) picks the critical set S -- by default every turn
+with a block, as the authors do; the teacher (``method.teacher``) scores the student's reply
+with the block in its prompt -- only the turns that need it: the selected ones, or for
+``gap`` every turn with a block; and the selected turns' tokens get the weight of
+METHOD.md 6 (``algos.serl``): the parsed action's tokens (``tokens="action"``, serl) or every
+reply token (``tokens="reply"``, rlsd). One record per turn (``artifacts.schema.ANNOTATION_KEYS``).
+With lambda = 0 and no distillation wanting the teacher, the teacher is not run at all and
+every weight is 1, as in the authors' trainer (recipe/serl/serl_ray_trainer.py:405-433,
+verl/workers/actor/dp_actor.py:77-81).
+Where the turns carry an expert action, the statistics also say whether the teacher moves
+the student the right way (``method.teacher_signal``).
 """
 
 from __future__ import annotations
@@ -21,8 +28,16 @@ from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.method import anchors as anchors_mod
 from serl_cli.method import feedback as fb
-from serl_cli.method import placement
-from serl_cli.method.teacher import ScoreItem, action_span_mask, block_ids, score, teacher_prompt_ids
+from serl_cli.method import placement, teacher_signal
+from serl_cli.method.teacher import (
+    TOKEN_SCOPES,
+    UNPARSED,
+    ScoreItem,
+    action_span_mask,
+    block_ids,
+    score,
+    teacher_prompt_ids,
+)
 
 GRANULARITIES = ("step", "anchor")
 
@@ -30,15 +45,22 @@ GRANULARITIES = ("step", "anchor")
 
 @dataclass
 class AnnotateConfig:
-    sources: str = "ref|error"  # combine with ",", fall back with "|" (METHOD.md 3)
+    # combine with ",", fall back with "|" (METHOD.md 3). obs = the environment's raw answer, the
+    # authors' default mode immediate_feedback (serl_trainer.yaml:47, run_webshop.sh:22, run_alfworld.sh)
+    sources: str = "obs"
     granularity: str = "step"  # step | anchor
-    placement: str = "feedback"  # feedback | gap | all | random
+    placement: str = "all"  # all (every turn with a block: the authors') | feedback | gap | random (serl's extension)
     rho: float = 0.25  # `gap`: fraction of turns selected
     anchor_similarity: float | None = None  # `anchor`: also pool observations at least this similar
-    ref_mode: str = "group"  # group (a successful sibling, else the expert) | expert
-    max_feedback_tokens: int = 96  # per source, cut cleanly
+    # the whole block's cap, in tokens of the policy's tokenizer, cut cleanly from the end: 2048, the
+    # authors' ALFWorld max_reprompt_len (run_alfworld.sh:83), here for the block alone (see README)
+    max_hindsight_tokens: int = 2048
+    tokens: str = "action"  # action: the parsed action's tokens (serl) | reply: every reply token (rlsd)
+    unparsed: str = "none"  # a reply with no parseable action: none = no weights (the authors') | whole = all of it
     teacher: str | None = None  # teacher model; default: the policy that made the rollouts
-    skip_zero_advantage: bool = True  # a turn with advantage 0 keeps weight 1 whatever the teacher says: don't score it (sdpo needs false)
+    # a turn with advantage 0 keeps weight 1 whatever the teacher says: don't score it. false = the teacher's
+    # log-probs are wanted for themselves (distillation: sdpo needs false), so lambda = 0 does not skip the teacher
+    skip_zero_advantage: bool = True
     teacher_sync_interval: int = 10  # online loop: the teacher is the policy snapshot of every N-th update; 1 = the rollout policy
     weight_clip: float = 0.2  # c
     mixing_lambda: float = 0.5  # lambda at update 0
@@ -47,6 +69,7 @@ class AnnotateConfig:
     seed: int = 0  # `random` placement
     threads: int | None = None
     micro_batch_tokens: int = 16384
+    teacher_signal: bool = True  # check the teacher against the expert action, where turns have one
 
 
 
@@ -55,14 +78,18 @@ def validate(cfg: AnnotateConfig) -> list[list[str]]:
     if cfg.granularity not in GRANULARITIES:
         raise SerlError(f"unknown granularity {cfg.granularity!r}: choose one of {', '.join(GRANULARITIES)}")
     placement.check_rule(cfg.placement, rho=cfg.rho)
-    if cfg.ref_mode not in ("group", "expert"):
-        raise SerlError(f"unknown ref_mode {cfg.ref_mode!r}: choose group or expert")
+    if cfg.tokens not in TOKEN_SCOPES:
+        raise SerlError(f"unknown tokens {cfg.tokens!r}: choose one of {', '.join(TOKEN_SCOPES)}")
+    if cfg.unparsed not in UNPARSED:
+        raise SerlError(f"unknown unparsed {cfg.unparsed!r}: choose one of {', '.join(UNPARSED)}")
+    if not (isinstance(cfg.max_hindsight_tokens, int) and cfg.max_hindsight_tokens > 0):
+        raise SerlError(f"max_hindsight_tokens must be a positive number of tokens, got {cfg.max_hindsight_tokens!r}")
     return spec
 
 
 
 def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[dict]]:
-    """The environment's expert episode for each task (the `ref` source's fallback)."""
+    """The environment's expert episode for each task (the `expert` source: privileged oracle information)."""
     from serl_cli.rollout.policies import ExpertPolicy
     from serl_cli.rollout.runner import EpisodeSpec, run_episodes
     from serl_cli.rollout.worlds import EnvConfig, build_world
@@ -75,57 +102,101 @@ def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[d
                            for t in r["turns"]] for r in records}
 
 
+def action_format(env_cfg: dict | None):
+    """The environment's action format (which untagged replies are a bare action); WebShop's without one."""
+    from serl_cli.rollout.prompts import DEFAULT_ACTION_FORMAT, action_format_of
+    from serl_cli.rollout.worlds import EnvConfig, build_world
+
+    return action_format_of(build_world(EnvConfig(**env_cfg))) if env_cfg else DEFAULT_ACTION_FORMAT
+
+
+def action_masks(tokenizer, episodes: list[dict], unparsed: str, env_cfg: dict | None) -> tuple[list[list[int]], int]:
+    """The parsed action's tokens of every turn, in turn order, and how many replies had no
+    parseable action. The environment is built (for its bare-action format) only if some
+    reply has no ``<action>`` tag."""
+    from serl_cli.rollout.prompts import ACTION_TAG_RE
+
+    turns = [t for e in episodes for t in e["turns"]]
+    fmt = None if all(ACTION_TAG_RE.search(t.get("action_text") or "") for t in turns) else action_format(env_cfg)
+    masks = [action_span_mask(tokenizer, t["action_ids"], "none", fmt) for t in turns]
+    failed = [k for k, m in enumerate(masks) if not any(m)]
+    if unparsed != "none":
+        for k in failed:
+            masks[k] = action_span_mask(tokenizer, turns[k]["action_ids"], unparsed, fmt)
+    return masks, len(failed)
+
+
 
 def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, tokenizer, *, env_cfg: dict | None,
-                      temperature: float = 1.0, scorer=score) -> tuple[list[dict], dict]:
+                      temperature: float = 1.0, scorer=score, advantages: list[float] | None = None
+                      ) -> tuple[list[dict], dict]:
     """Annotation records for every turn, and statistics of the pass (teacher work).
-    ``scorer`` has :func:`serl_cli.method.teacher.score`'s signature (e.g. :func:`serl_cli.stages.annotate.journaled_scorer`)."""
+    ``scorer`` has :func:`serl_cli.method.teacher.score`'s signature (e.g. :func:`serl_cli.stages.annotate.journaled_scorer`).
+    ``advantages``: the update's advantage per turn, in turn order, whose sign sets each weight
+    (the authors sign by the final advantage, invalid-action penalty included:
+    verl/trainer/ppo/core_algos.py:466); default: the plain episode GRPO advantage."""
     spec = validate(cfg)
-    uses_ref = any("ref" in alt for alt in spec)
-    experts = expert_trajectories(env_cfg, episodes) if uses_ref and env_cfg else {}
+    uses_expert = any("expert" in alt for alt in spec)
+    experts = expert_trajectories(env_cfg, episodes) if uses_expert and env_cfg else {}
     groups: dict[tuple, list[dict]] = {}
     for e in episodes:
         groups.setdefault((e["task_id"], e["group_id"]), []).append(e)
     anchors = {k: anchors_mod.anchor_groups(g, cfg.anchor_similarity) for k, g in groups.items()} if cfg.granularity == "anchor" else {}
-    cut = fb.make_cutter(tokenizer, cfg.max_feedback_tokens)
+    cut = fb.make_cutter(tokenizer, cfg.max_hindsight_tokens)  # the whole block, not each source
     samples = turn_samples(episodes)
-    advantages = episode_advantages(samples, 1e-6).tolist()
+    if advantages is None:
+        advantages = episode_advantages(samples, 1e-6).tolist()
+    elif len(advantages) != len(samples):
+        raise SerlError(f"annotate: {len(advantages)} advantages for {len(samples)} turns")
+    masks, parse_failures = action_masks(tokenizer, episodes, cfg.unparsed, env_cfg)
+    lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
+    # the weights are 1 at lambda = 0: skip the teacher unless its log-probs are wanted for themselves
+    use_teacher = lam > 0 or not cfg.skip_zero_advantage
 
     records = []
     i = 0
     for e_idx, ep in enumerate(episodes):
         key = (ep["task_id"], ep["group_id"])
         for t_idx, turn in enumerate(ep["turns"]):
-            ctx = fb.TurnContext(episode=ep, turn=t_idx, group=groups[key], expert=experts.get(ep["task_id"]), cut=cut,
-                                 ref_mode=cfg.ref_mode)
+            ctx = fb.TurnContext(episode=ep, turn=t_idx, group=groups[key], expert=experts.get(ep["task_id"]))
             if cfg.granularity == "anchor":
                 text, used, fired = anchors_mod.hindsight_anchor(ctx, spec, anchors[key])
             else:
                 text, used, fired = fb.hindsight_step(ctx, spec)
             records.append({"episode": e_idx, "task_id": ep["task_id"], "group_id": ep["group_id"],
                             "rollout_index": ep["rollout_index"], "turn": t_idx, "selected": False, "sources": used,
-                            "fired": fired, "hindsight": text, "action_mask": action_span_mask(tokenizer, turn["action_ids"]),
+                            "fired": fired, "hindsight": (cut(text) or None) if text else None, "action_mask": masks[i],
                             "teacher_logprobs": None, "weights": None, "advantage": advantages[i],
                             "log_ratio_mean": None, "distill": False})
             i += 1
 
+    def scorable(r: dict) -> bool:
+        """Selected, would the teacher score it? A block, and -- where the teacher serves the weights
+        alone -- a nonzero advantage and some token to weight."""
+        if r["hindsight"] is None:
+            return False
+        return not cfg.skip_zero_advantage or (r["advantage"] != 0 and (cfg.tokens == "reply" or any(r["action_mask"])))
+
+    def turn_infos() -> list[placement.TurnInfo]:
+        return [placement.TurnInfo(k, bool(r["fired"]), r["log_ratio_mean"], r["hindsight"] is not None, scorable(r))
+                for k, r in enumerate(records)]
+
     # Select first where the rule allows it, so the teacher scores only the turns that need it.
     need_scores_first = placement.needs_teacher_before_selection(cfg.placement)
-    to_score = [k for k, r in enumerate(records) if r["hindsight"] is not None] if need_scores_first else None
-    if not need_scores_first:
-        chosen = placement.select(cfg.placement, [placement.TurnInfo(k, bool(r["fired"]), None) for k, r in enumerate(records)],
-                                  rho=cfg.rho, seed=cfg.seed)
-        for r, c in zip(records, chosen):
+    if need_scores_first:
+        to_score = [k for k, r in enumerate(records) if r["hindsight"] is not None]
+    else:
+        for r, c in zip(records, placement.select(cfg.placement, turn_infos(), rho=cfg.rho, seed=cfg.seed)):
             r["selected"] = bool(c)
-        to_score = [k for k, r in enumerate(records) if r["selected"] and r["hindsight"] is not None]
-    if cfg.skip_zero_advantage and not need_scores_first:
-        to_score = [k for k in to_score if records[k]["advantage"] != 0]
+        to_score = [k for k, r in enumerate(records) if r["selected"] and scorable(r)]
+    if not use_teacher:
+        to_score = []  # no teacher prompt, no forward pass (serl_ray_trainer.py:405-433)
 
     t0 = time.perf_counter()
     eot = tokenizer.eos_token_id
     items = [ScoreItem(teacher_prompt_ids(samples[k].prompt_ids, block_ids(tokenizer, records[k]["hindsight"]), eot),
                        samples[k].action_ids) for k in to_score]
-    scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens)
+    scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens) if items else []
     for k, lp in zip(to_score, scored):
         old = samples[k].behaviour_logprobs
         records[k]["teacher_logprobs"] = lp
@@ -135,22 +206,26 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
     teacher_s = time.perf_counter() - t0
 
     if need_scores_first:
-        chosen = placement.select(cfg.placement, [placement.TurnInfo(k, bool(r["fired"]), r["log_ratio_mean"])
-                                                  for k, r in enumerate(records)], rho=cfg.rho, seed=cfg.seed)
-        for r, c in zip(records, chosen):
+        for r, c in zip(records, placement.select(cfg.placement, turn_infos(), rho=cfg.rho, seed=cfg.seed)):
             r["selected"] = bool(c)
 
-    lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
     for k, r in enumerate(records):
         if not r["selected"] or r["teacher_logprobs"] is None:
             continue
         lp_t = torch.tensor(r["teacher_logprobs"], dtype=torch.float64)
         lp_old = torch.tensor(samples[k].behaviour_logprobs, dtype=torch.float64)
         w = blend_weights(hindsight_weights(lp_t, lp_old, torch.tensor(r["advantage"]), cfg.weight_clip), lam)
-        r["weights"] = apply_placement(w, torch.tensor(r["action_mask"], dtype=torch.bool)).tolist()
+        where = torch.ones(len(w), dtype=torch.bool) if cfg.tokens == "reply" else torch.tensor(r["action_mask"], dtype=torch.bool)
+        r["weights"] = apply_placement(w, where).tolist()
         r["distill"] = not episodes[r["episode"]]["success"]
     stats = {"turns": len(records), "selected": sum(r["selected"] for r in records), "teacher_turns_scored": len(items),
              "teacher_tokens_scored": sum(len(it.prompt_ids) + len(it.action_ids) for it in items),
              "teacher_action_tokens": sum(len(it.action_ids) for it in items), "teacher_s": round(teacher_s, 3),
-             "lambda": lam}
+             "lambda": lam, "teacher_skipped": not use_teacher,
+             "turns_with_block": sum(r["hindsight"] is not None for r in records),
+             "action_parse_failures": parse_failures}
+    signal = teacher_signal.measure(records, episodes, teacher_model, tokenizer, temperature,
+                                    cfg.micro_batch_tokens) if cfg.teacher_signal else None
+    if signal is not None:
+        stats["teacher_signal"] = signal
     return records, stats

@@ -1,46 +1,66 @@
 """Feedback sources and the hindsight block (METHOD.md sections 3-4). Pure functions over
 rollout records (``serl_cli.artifacts.schema``); no model.
 
-Sources (``SOURCES``, one small class each; ``render`` gives a labelled section or None,
-``fires`` says whether the evidence counts for placement ``feedback``):
+The block follows the layout of the authors' default teacher prompt (github.com/OliverLeeXZ/SERL
+at 5a2a85b, ``recipe/serl/privileged_context.py``, "PC" below): every source renders one
+named section, its title on one line and its stripped text below (PC:161-171, PC:442-446),
+and the block is the sections joined by a blank line (PC:449-452). ``method.teacher`` wraps
+the block in the authors' template, closing instruction included, and splices it into the
+student prompt as tokens.
 
-    error   the environment's answer when it flags a problem; fires when present
-    diff    what changed ("no change" included); fires only on "no change"
-    obs     the next observation; never fires: it is shown whatever happened, so alone it
-            says nothing about whether this turn went wrong
-    future  this rollout from turn t to its end (``turn k: action -> effect``) and its
-            outcome; never fires (the outcome is the reward's business, not placement's)
-    ref     a reference trajectory: the successful sibling with the lowest rollout_index,
-            else the expert (``ref_mode="expert"``: always the expert); None for a rollout
-            that succeeded. Rendered from the reference's last visit of this turn's state
-            (its last visit: earlier ones came back here, so their actions did not lead on);
-            where it never visits the state, from the same turn index, or in full when it
-            is shorter. Fires when its action at the matching point (the state visit, else
-            the same index; none when shown in full) differs from the action taken.
+Sources (``SOURCES``, one small class each; ``render`` gives the section or None, ``fires``
+says whether the evidence counts for placement ``feedback``, serl's turn-selection axis):
 
-Actions compare case- and whitespace-insensitively. Turns are shown 1-based, as the
-student prompt numbers them. Each section's body is cut to the per-source budget
-(``TurnContext.cut``); labels are not cut, so outcomes written there survive.
+    obs     "Immediate feedback from the current step:" and the environment's raw answer to
+            the action (the next raw observation) -- the authors' default mode
+            ``immediate_feedback`` (PC:1634-1637, PC:1679-1682; the raw answer:
+            agent_system/multi_turn_rollout/rollout_loop.py:110-136). Never fires: it is
+            shown whatever happened, so alone it says nothing about whether the turn went wrong.
+    error   serl's: the raw answer only where it flags a problem (invalid action, a button
+            that does not exist, "Nothing happens."). Fires when present.
+    diff    serl's: what changed on screen, "no change" included. Fires only on "no change".
+    future  "Observed future trajectory of the current step:" and the turns AFTER turn t of
+            this rollout, each ``Step k`` / ``Response:`` / the reply with its reasoning
+            removed (PC:384-404, PC:407-426): never turn t's own reply, and no outcome line.
+            Nothing at the last turn. Never fires.
+    ref     "Successful trajectory in the same task, if any:" and the whole trajectory of the
+            first successful rollout of the group by rollout index other than this rollout
+            (``dont_reprompt_on_self_success``: PC:633-659, recipe/serl/config/serl_trainer.yaml:58),
+            in the same step format; nothing when no other rollout of the group succeeded.
+            Never the expert. Fires when its action at the matching point (its last visit of
+            this turn's state, else the same turn index) differs from the action taken.
+    expert  the environment's expert demonstration for the task, labelled as privileged
+            oracle information: the paper never uses it. Same step format; fires as ``ref``.
+
+Choices written down here: steps are numbered from 1, as serl's student prompt numbers its
+turns (the authors number env steps from 0, rollout_loop.py:502); reasoning is removed with
+the authors' ``<think>...</think>`` rule (recipe/serl/serl_ray_trainer.py:186-188). Actions
+compare case- and whitespace-insensitively. Blocks are not cut here: the annotation cuts the
+whole block to ``max_hindsight_tokens`` (the authors cap the whole teacher prompt,
+``max_reprompt_len``, serl_ray_trainer.py:562).
 
 The ``anchor`` granularity's pooled block lives in ``serl_cli.method.anchors``.
 
-Spec strings: ``,`` combines (every part gets its own section), ``|`` falls back (the
-first alternative that renders): ``"ref|error,diff"`` -> ``[["ref", "error"], ["diff"]]``.
+Spec strings: ``,`` combines (every part that renders gets its own section), ``|`` falls
+back (the first alternative that renders): ``"ref|obs"`` is the authors'
+``successful_sample_or_immediate_feedback`` (PC:1689-1695).
 """
 
 from __future__ import annotations
 
 import abc
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 from envs.base import state_key as hash_observation
 from serl_cli.errors import SerlError
+from serl_cli.rollout.prompts import format_action
 
-REF_MODES = ("group", "expert")
-STEP_HEADER = "[Hindsight: what the environment revealed about this step]"
 TAIL_CHARS = 16  # a cut drops a partial word up to max(20 % of the text, this many characters)
-EFFECT_CHARS = 100  # one line of `future`/`ref`/pooled evidence: a glimpse, the budget cuts the rest
+EFFECT_CHARS = 100  # one line of pooled anchor evidence: a glimpse
+SECTION_SEPARATOR = "\n\n"  # between sections (PC:452)
+THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)  # reasoning, removed from shown replies
 
 
 def _norm(action: str | None) -> str:
@@ -93,12 +113,8 @@ class TurnContext:
     turn: int  # index into episode["turns"]
     group: list[dict] = field(default_factory=list)  # episodes of this (task_id, group_id), this one included
     expert: list[dict] | None = None  # the expert's steps {"observation", "action"[, "state_key"]} from the start
-    cut: Callable[[str], str] = lambda text: text  # per-source budget
-    ref_mode: str = "group"  # group: a successful sibling, else the expert | expert: always the expert
 
     def __post_init__(self):
-        if self.ref_mode not in REF_MODES:
-            raise SerlError(f"unknown ref_mode {self.ref_mode!r}: choose one of {', '.join(REF_MODES)}")
         self.group = self.group or [self.episode]
 
     @property
@@ -110,22 +126,28 @@ def _action(turn: dict) -> str:
     return turn.get("action") or turn.get("action_text") or ""
 
 
+def _reply(turn: dict) -> str:
+    """What the policy wrote, reasoning removed (the authors' ``remove_thinking_from_demonstration``)."""
+    return THINK_RE.sub("", turn.get("action_text") or format_action(_action(turn))).strip()
+
+
 def _short(text: str) -> str:
     return char_cutter(EFFECT_CHARS)(text)
 
 
-def _effect(turn: dict) -> str:
-    fb = turn.get("feedback") or {}
-    return _short(f"error: {fb['error']}" if fb.get("error") else fb.get("diff") or "")
+def section(title: str, body: str | None) -> str | None:
+    """``title`` over the stripped ``body``; None when the body is empty (PC:442-446)."""
+    body = (body or "").strip()
+    return f"{title}\n{body}" if body else None
 
 
-def _lines(steps: list[tuple[int, str, str]]) -> str:
-    """``turn k: action -> effect`` lines, k 1-based as in the student prompt."""
-    return "\n".join(f"  turn {k + 1}: {_short(a)}" + (f" -> {e}" if e else "") for k, a, e in steps)
+def trajectory_text(replies: list[tuple[int, str]]) -> str:
+    """``Step k`` / ``Response:`` / reply per step (k 1-based), a blank line between steps (PC:384-404)."""
+    return SECTION_SEPARATOR.join(f"Step {k + 1}\nResponse:\n{r}" for k, r in replies)
 
 
 class Source(abc.ABC):
-    """``render``: a labelled section, or None (nothing to say); ``fires``: counts for placement."""
+    """``render``: a titled section, or None (nothing to say); ``fires``: counts for placement."""
 
     name = ""
 
@@ -148,7 +170,7 @@ class TurnField(Source):
     """A source read off one turn: ``value`` its text, ``bad`` whether it flags the action.
     At anchor granularity it is pooled over the other turns of the anchor state."""
 
-    label = pooled_label = ""
+    title = pooled_title = ""
 
     @abc.abstractmethod
     def value(self, turn: dict) -> str | None: ...
@@ -157,8 +179,7 @@ class TurnField(Source):
         return False
 
     def render(self, ctx):
-        v = self.value(ctx.step)
-        return f"{self.label}: {ctx.cut(v)}" if v else None
+        return section(self.title, self.value(ctx.step))
 
     def fires(self, ctx):
         return self.bad(ctx.step)
@@ -166,7 +187,7 @@ class TurnField(Source):
 
 @register
 class Error(TurnField):
-    name, label, pooled_label = "error", "Environment error", "Errors other attempts got here"
+    name, title, pooled_title = "error", "Environment error at the current step:", "Errors other attempts got here:"
 
     def value(self, turn):
         return (turn.get("feedback") or {}).get("error")
@@ -177,7 +198,7 @@ class Error(TurnField):
 
 @register
 class Diff(TurnField):
-    name, label, pooled_label = "diff", "What changed", "What other attempts changed here"
+    name, title, pooled_title = "diff", "What changed after the current step:", "What other attempts changed here:"
 
     def value(self, turn):
         return (turn.get("feedback") or {}).get("diff")
@@ -188,7 +209,8 @@ class Diff(TurnField):
 
 @register
 class Obs(TurnField):  # never fires: shown whatever happened, it flags nothing by itself
-    name, label, pooled_label = "obs", "Next observation", "What other attempts saw next"
+    # the authors' title for their default mode, immediate_feedback (PC:1634-1637)
+    name, title, pooled_title = "obs", "Immediate feedback from the current step:", "What other attempts saw next:"
 
     def value(self, turn):
         return turn.get("next_observation")
@@ -196,52 +218,70 @@ class Obs(TurnField):  # never fires: shown whatever happened, it flags nothing 
 
 @register
 class Future(Source):
-    name = "future"
+    """The turns after turn t only, no outcome (PC:407-426): the teacher must not see turn t's
+    own action (it would score the very tokens it is shown) nor the reward (the sign's business)."""
+
+    name, title = "future", "Observed future trajectory of the current step:"  # PC:1642-1652
 
     def render(self, ctx):
-        ep = ctx.episode
-        outcome = f"{'succeeded' if ep.get('success') else 'failed'}, reward {float(ep.get('reward', 0)):.2f}"
-        steps = [(k, _action(t), _effect(t)) for k, t in enumerate(ep["turns"]) if k >= ctx.turn]
-        return f"What happened next (this attempt {outcome}):\n" + ctx.cut(_lines(steps))
+        later = [(k, _reply(t)) for k, t in enumerate(ctx.episode["turns"]) if k > ctx.turn]
+        return section(self.title, trajectory_text(later)) if later else None
 
 
-def _ref_point(ctx: TurnContext):
-    """(title, steps, start, matching index or None), or None when there is no reference.
-    ``steps``: (action, state_key, effect) of the reference, from its start."""
-    if ctx.episode.get("success"):
-        return None  # a rollout that succeeded gets no ref (METHOD.md 3)
+def reference_rollout(ctx: TurnContext) -> dict | None:
+    """The first successful rollout of the group by rollout index, other than this one; None if none."""
     wins = [e for e in ctx.group if e.get("success") and e is not ctx.episode]
-    if ctx.ref_mode == "group" and wins:
-        best = min(wins, key=lambda e: e.get("rollout_index", 0))
-        who = f"A successful attempt (rollout {best.get('rollout_index', 0)})"
-        steps = [(_action(t), t.get("state_key"), _effect(t)) for t in best["turns"]]
-    elif ctx.expert:
-        who = "The expert's demonstration"
-        steps = [(s["action"], s.get("state_key") or hash_observation(s["observation"]), "") for s in ctx.expert]
-    else:
-        return None
-    visits = [j for j, s in enumerate(steps) if s[1] == ctx.step.get("state_key")]
+    return min(wins, key=lambda e: e.get("rollout_index", 0)) if wins else None
+
+
+def _matching_action(ctx: TurnContext, steps: list[tuple[str, str | None]]) -> str | None:
+    """The reference's action at this turn's state (its last visit: earlier ones came back
+    here, so their actions did not lead on), else at the same turn index, else None."""
+    visits = [j for j, (_, key) in enumerate(steps) if key == ctx.step.get("state_key")]
     if visits:
-        return f"{who}, from this same state on", steps, visits[-1], visits[-1]
-    if ctx.turn < len(steps):
-        return f"{who}, from its turn {ctx.turn + 1} on (it never saw this state)", steps, ctx.turn, ctx.turn
-    return f"{who}, in full (it never saw this state)", steps, 0, None
+        return steps[visits[-1]][0]
+    return steps[ctx.turn][0] if ctx.turn < len(steps) else None
+
+
+def _disagrees(ctx: TurnContext, steps: list[tuple[str, str | None]]) -> bool:
+    other = _matching_action(ctx, steps)
+    return other is not None and not _same(other, _action(ctx.step))
 
 
 @register
 class Ref(Source):
-    name = "ref"
+    name, title = "ref", "Successful trajectory in the same task, if any:"  # PC:1630-1633
 
     def render(self, ctx):
-        point = _ref_point(ctx)
-        if point is None:
+        ref = reference_rollout(ctx)
+        if ref is None:
             return None
-        title, steps, start, _ = point
-        return f"{title}:\n" + ctx.cut(_lines([(j, a, e) for j, (a, _, e) in enumerate(steps) if j >= start]))
+        return section(self.title, trajectory_text([(k, _reply(t)) for k, t in enumerate(ref["turns"])]))
 
     def fires(self, ctx):
-        point = _ref_point(ctx)
-        return point is not None and point[3] is not None and not _same(point[1][point[3]][0], _action(ctx.step))
+        ref = reference_rollout(ctx)
+        return ref is not None and _disagrees(ctx, [(_action(t), t.get("state_key")) for t in ref["turns"]])
+
+
+def expert_steps(ctx: TurnContext) -> list[tuple[str, str]]:
+    """(action, state key) of the expert's demonstration from the start; a key is computed
+    from the observation where the record has none."""
+    return [(s["action"], s.get("state_key") or hash_observation(s["observation"])) for s in ctx.expert or []]
+
+
+@register
+class Expert(Source):
+    """Privileged oracle information the paper never uses: a separate source, never a fallback of ``ref``."""
+
+    name, title = "expert", "Expert demonstration for this task (privileged oracle information):"
+
+    def render(self, ctx):
+        if not ctx.expert:
+            return None
+        return section(self.title, trajectory_text([(k, format_action(s["action"])) for k, s in enumerate(ctx.expert)]))
+
+    def fires(self, ctx):
+        return bool(ctx.expert) and _disagrees(ctx, expert_steps(ctx))
 
 
 def parse_sources(spec: str) -> list[list[str]]:
@@ -269,8 +309,8 @@ def _spec(spec) -> list[list[str]]:
     return parse_sources(spec) if isinstance(spec, str) else spec
 
 
-def _block(header: str, pieces: list[str], used: list[str], fired: list[str]):
-    return ("\n".join([header, *pieces]) if pieces else None), used, fired
+def _block(sections: list[str], used: list[str], fired: list[str]):
+    return (SECTION_SEPARATOR.join(sections) if sections else None), used, fired
 
 
 def hindsight_step(ctx: TurnContext, spec) -> tuple[str | None, list[str], list[str]]:
@@ -285,4 +325,4 @@ def hindsight_step(ctx: TurnContext, spec) -> tuple[str | None, list[str], list[
                 if SOURCES[name].fires(ctx):
                     fired.append(name)
                 break
-    return _block(STEP_HEADER, pieces, used, fired)
+    return _block(pieces, used, fired)

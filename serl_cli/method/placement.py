@@ -3,20 +3,28 @@
 A rule sees every turn of a run, in the run's turn order, as a ``TurnInfo`` and returns a
 bool per turn (True: the turn is in S). Rules are registered by name in ``PLACEMENTS``:
 
-    feedback  turns whose sources fired (SERL's default)
+    all       every turn with a hindsight block: the authors' recipe and ``--algo serl``'s
+              default (their ``used_context`` mask, recipe/serl/privileged_context.py:1843-1845)
+    feedback  turns whose sources fired
     gap       the top fraction ``rho`` of turns by |mean token log-ratio| of teacher and
               student; turns without a score are never selected
-    all       every turn (dense: the RLSD-style baseline)
-    random    as many turns as ``feedback`` picks, drawn uniformly without replacement
-              with ``random.Random(seed)``: the matched-budget control
+    random    as many SCORED turns as ``feedback`` gives, drawn uniformly without
+              replacement with ``random.Random(seed)`` among the turns the teacher would
+              score: the matched-budget control
+
+``feedback``, ``gap`` and ``random`` are serl's extension (the paper's "when" question): the
+authors reweight every turn with a block and let the teacher's disagreement size the change.
 
 Choices the paper leaves open, written down here:
 
 - ``gap`` selects ``round_half_up(rho * n_scored)`` turns (so 2.5 -> 3, not Python's
   banker's 2), at least 1 when ``rho > 0`` and any turn is scored; ties in |log-ratio|
   go to the earlier turn. A NaN score counts as no score.
-- ``random`` draws from all turns, fired or not, so its budget equals ``feedback``'s on
-  the same run; the draw depends only on the seed and the number of turns.
+- ``random``'s budget is counted on scored turns: a turn ``feedback`` selects is scored
+  only if it is ``scorable`` (it has a block and, where zero-advantage turns are skipped, a
+  nonzero advantage), so ``random`` draws ``#(fired and scorable)`` turns among the
+  scorable ones, and both arms give the teacher the same number of turns to reweight. The
+  draw depends only on the seed and which turns are scorable.
 - Only ``gap`` needs the teacher before selecting (``needs_teacher_before_selection``);
   for the others the caller selects first and lets the teacher score only turns in S.
 """
@@ -38,6 +46,8 @@ class TurnInfo:
     key: tuple  # identifies the turn, e.g. (episode, turn)
     fired: bool  # a chosen feedback source produced evidence for this turn
     log_ratio_mean: float | None  # mean over action tokens of log pi_T - log pi_old; None: not scored
+    has_block: bool = True  # the sources rendered a hindsight block for it
+    scorable: bool = True  # selected, the teacher would score it: a block (and a nonzero advantage where A = 0 is skipped)
 
 
 Rule = Callable[..., list[bool]]  # rule(turns, *, rho, seed) -> one bool per turn
@@ -97,13 +107,14 @@ def _gap(turns: list[TurnInfo], *, rho: float, seed: int) -> list[bool]:
 
 @placement("all")
 def _all(turns: list[TurnInfo], *, rho: float, seed: int) -> list[bool]:
-    return [True] * len(turns)
+    return [bool(t.has_block) for t in turns]
 
 
 @placement("random")
 def _random(turns: list[TurnInfo], *, rho: float, seed: int) -> list[bool]:
-    k = sum(_feedback(turns, rho=rho, seed=seed))
-    chosen = set(random.Random(seed).sample(range(len(turns)), k))
+    pool = [i for i, t in enumerate(turns) if t.scorable]
+    k = sum(1 for t in turns if t.fired and t.scorable)  # what `feedback` gets scored
+    chosen = set(random.Random(seed).sample(pool, k))
     return [i in chosen for i in range(len(turns))]
 
 

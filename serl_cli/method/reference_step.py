@@ -8,15 +8,19 @@ A test (tests/test_reference_step.py) checks that the pipeline's loss and gradie
 fixed batch equal this one's, so this file cannot drift from what serl trains.
 
     1. advantages   A_i = (R_i - mean(R)) / (std(R) + eps)                 (METHOD.md 6)
-    2. hindsight    the feedback sources render a block per turn           (METHOD.md 3-4)
+    2. hindsight    the feedback sources render a block per turn, cut whole (METHOD.md 3-4)
     3. placement    the rule picks the critical set S among turns          (METHOD.md 5)
-    4. teacher      log pi_T(a_t | prompt_t + block_t), no gradient        (METHOD.md 4)
+    4. teacher      log pi_T(a_t | prompt_t + block_t), no gradient; not run
+                    at all when lambda = 0                                 (METHOD.md 4)
     5. weights      w = clip(exp(sign(A) (log pi_T - log pi_old)), 1 +- c),
-                    w' = (1 - lambda) + lambda w on action tokens of S      (METHOD.md 6)
+                    w' = (1 - lambda) + lambda w on the action tokens of S
+                    (rlsd: on every reply token of S)                      (METHOD.md 6)
     6. loss         token-level PPO-clip on w' * A, / number of reply tokens
 
-Step-granularity placement rules that select before scoring (``feedback``, ``all``,
-``random``); ``gap`` scores first and is left to the pipeline.
+Step-granularity placement rules that select before scoring (``all``, the default,
+``feedback``, ``random``); ``gap`` scores first and is left to the pipeline. Sources that
+need the environment (``expert``) and replies without an ``<action>`` tag outside WebShop's
+bare format are left to the pipeline too: this file builds no environment.
 """
 
 from __future__ import annotations
@@ -48,37 +52,46 @@ def reference_step(policy, teacher, tokenizer, group: list[dict], cfg: AnnotateC
     episode_adv = core.group_advantages(rewards, torch.zeros(len(group), dtype=torch.long), eps=adv_eps)
     adv = {id(ep): float(a) for ep, a in zip(group, episode_adv)}
 
-    # 2. hindsight: what the environment said, rendered for the teacher's context
+    # 2. hindsight: what the environment said, rendered for the teacher's context, cut as a whole
     sources = feedback.parse_sources(cfg.sources)
-    cut = feedback.make_cutter(tokenizer, cfg.max_feedback_tokens)
+    cut = feedback.make_cutter(tokenizer, cfg.max_hindsight_tokens)
     blocks = []
     for ep, t in turns:
-        ctx = feedback.TurnContext(episode=ep, turn=t, group=group, cut=cut, ref_mode=cfg.ref_mode)
-        blocks.append(feedback.hindsight_step(ctx, sources))  # (text or None, used, fired)
+        ctx = feedback.TurnContext(episode=ep, turn=t, group=group)
+        text, used, fired = feedback.hindsight_step(ctx, sources)
+        blocks.append((cut(text) if text else None, used, fired))
 
-    # 3. placement: the critical set S, chosen before the teacher is asked anything
-    infos = [placement.TurnInfo(k, bool(fired), None) for k, (_, _, fired) in enumerate(blocks)]
+    # 3. placement: the critical set S, chosen before the teacher is asked anything. A turn is
+    # scorable with a block, a nonzero advantage and (serl) a parsed action to weight
+    masks = [action_span_mask(tokenizer, ep["turns"][t]["action_ids"], cfg.unparsed) for ep, t in turns]
+    scorable = [text is not None and adv[id(ep)] != 0 and (cfg.tokens == "reply" or any(m))
+                for (ep, _), (text, _, _), m in zip(turns, blocks, masks)]
+    infos = [placement.TurnInfo(k, bool(fired), None, text is not None, ok)
+             for k, ((text, _, fired), ok) in enumerate(zip(blocks, scorable))]
     selected = placement.select(cfg.placement, infos, rho=cfg.rho, seed=cfg.seed)
 
     lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
     pg_terms, reply_tokens = [], 0
-    for (ep, t), (text, _, _), in_s in zip(turns, blocks, selected):
+    for (ep, t), (text, _, _), in_s, ok, mask in zip(turns, blocks, selected, scorable, masks):
         step = ep["turns"][t]
         prompt, reply = step["prompt_ids"], step["action_ids"]
         logp_old = torch.tensor(step["behaviour_logprobs"], dtype=torch.float64)
         a = torch.tensor(adv[id(ep)])
         reply_tokens += len(reply)
 
-        # 4. teacher: the same network, the block spliced before the user message ends
+        # 4. teacher: the same network, the block spliced before the user message ends; at
+        # lambda = 0 every weight is 1 and the teacher is not asked
         weights = torch.ones(len(reply), dtype=torch.float64)
-        if in_s and text is not None and a != 0:
+        if in_s and ok and lam > 0:
             with torch.no_grad():
                 teacher_prompt = teacher_prompt_ids(prompt, block_ids(tokenizer, text), tokenizer.eos_token_id)
                 logp_teacher = token_logprobs(teacher, teacher_prompt, reply, temperature).double()
 
-            # 5. weights: teacher-vs-student agreement, signed by A, clipped, blended, on action tokens only
+            # 5. weights: teacher-vs-student agreement, signed by A, clipped, blended, on the
+            # parsed action's tokens (serl) or every reply token (rlsd)
             w = blend_weights(hindsight_weights(logp_teacher, logp_old, a, cfg.weight_clip), lam)
-            weights = apply_placement(w, torch.tensor(action_span_mask(tokenizer, reply), dtype=torch.bool))
+            where = [1] * len(reply) if cfg.tokens == "reply" else mask
+            weights = apply_placement(w, torch.tensor(where, dtype=torch.bool))
 
         # 6. loss: PPO-clip on the reweighted advantage, summed over this turn's reply tokens
         logp = token_logprobs(policy, prompt, reply, temperature)

@@ -1,11 +1,25 @@
 """The hindsight teacher: the same network, shown a hindsight block, scoring the student's tokens.
 
-The teacher's prompt is the student's stored prompt with the block's tokens spliced in
-just before the end-of-turn token that closes the user message -- after the observation
-and the admissible actions, and before the assistant's turn opens. Splicing token ids
-(never re-rendering text) keeps every other token of the prompt exactly as the student
-saw it. The teacher then scores the student's own action tokens, in batches, without
-gradient: ``log pi_T(a_t | prompt_t + hindsight)``.
+The teacher's prompt follows the authors' reprompt layout (github.com/OliverLeeXZ/SERL at
+5a2a85b): the user message becomes ``REPROMPT_TEMPLATE`` filled with the student's user
+message and the block -- the prompt, a blank line, the block's sections, a blank line and
+their closing instruction (recipe/serl/config/serl_trainer.yaml:65,
+recipe/serl/privileged_context.py:1569-1572, 449-452). serl builds it by splicing the
+tokens of everything the template puts after ``{prompt}`` just before the end-of-turn token
+that closes the user message -- after the observation and the admissible actions, before
+the assistant's turn opens. Splicing token ids (never re-rendering text) keeps every other
+token of the prompt exactly as the student saw it; the system message stays, as the
+authors' chat template keeps its own (their student prompt is one user message:
+agent_system/multi_turn_rollout/rollout_loop.py:201-211). A turn with no block keeps the
+student's prompt and is not scored (PC:449-451). The teacher then scores the student's own
+reply tokens, in batches, without gradient: ``log pi_T(a_t | prompt_t + hindsight)``
+(recipe/serl/serl_ray_trainer.py:568).
+
+Differences on purpose: the authors strip the prompt text (PC:244-251) -- serl's user
+messages carry no leading or trailing whitespace to strip; and their ``max_reprompt_len``
+truncates the whole templated prompt from the right (serl_ray_trainer.py:36-39, 562), which
+can cut off the closing instruction and the assistant header -- serl caps the block alone
+(``AnnotateConfig.max_hindsight_tokens``), so the instruction always survives.
 """
 
 from __future__ import annotations
@@ -20,7 +34,10 @@ from serl_cli.errors import SerlError
 from serl_cli.rollout.prompts import action_span
 from serl_cli.training.step import action_logprobs
 
-HINDSIGHT_SEPARATOR = "\n\n"
+# The authors' default template (serl_trainer.yaml:65; the code default at PC:1569-1572).
+REPROMPT_TEMPLATE = "{prompt}\n\n{privileged_context}\n\nCorrectly solve the current task.\n"
+TOKEN_SCOPES = ("action", "reply")  # serl: the parsed action's tokens | rlsd: every reply token
+UNPARSED = ("none", "whole")  # a reply with no parseable action: no weights (the authors') | all of it
 
 
 @dataclass
@@ -40,26 +57,42 @@ def teacher_prompt_ids(prompt_ids: list[int], block_ids: list[int], end_of_turn_
     return prompt_ids[:cut] + block_ids + prompt_ids[cut:]
 
 
+def teacher_suffix(block: str) -> str:
+    """What the template puts after the student's prompt, for ``block`` (the sections)."""
+    return REPROMPT_TEMPLATE.split("{prompt}", 1)[1].format(privileged_context=block)
+
+
 def block_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(HINDSIGHT_SEPARATOR + text, add_special_tokens=False)
+    """The tokens spliced into the student's user message for the block ``text``."""
+    return tokenizer.encode(teacher_suffix(text), add_special_tokens=False)
 
 
-def action_span_mask(tokenizer, action_ids: list[int]) -> list[int]:
-    """1 for tokens inside the parsed action, 0 for reasoning, tags and the end token (METHOD.md 5).
+def action_span_mask(tokenizer, action_ids: list[int], unparsed: str = "none", action_format=None) -> list[int]:
+    """1 for tokens of the parsed action, 0 for reasoning, tags and the end token (METHOD.md 5).
 
-    A reply with no parseable action was handed to the environment whole: all its visible
-    tokens count as the action.
+    A reply with no parseable action gets no weights (all 0) with ``unparsed="none"``, as in
+    the authors' ``serl_action_mask`` (recipe/serl/serl_ray_trainer.py:104-152, 592-596);
+    ``"whole"`` counts all its visible tokens instead, since the environment received all of it.
 
     Character offsets come from decoding growing prefixes, so the mask follows the
-    tokenizer's own detokenization; a token overlapping the action's span counts.
+    tokenizer's own detokenization; a token overlapping the action's span counts (as the
+    authors' offset match, serl_ray_trainer.py:98-102). The parsed action is the one the
+    environment executed (``rollout.prompts.action_span``: the last ``<action>`` tag or a bare
+    action in ``action_format``, the environment's; WebShop's when None); the authors mark every
+    tagged span and fall back to WebShop verbs anywhere in the reply.
     """
+    if unparsed not in UNPARSED:
+        raise SerlError(f"unknown unparsed {unparsed!r}: choose one of {', '.join(UNPARSED)}")
     ends, text = [], ""
     for k in range(len(action_ids)):
         text = tokenizer.decode(action_ids[: k + 1], skip_special_tokens=True)
         ends.append(len(text))
-    # No parseable action: the whole reply is what the environment received, so every
-    # visible token is the action (the end-of-turn token still keeps weight 1).
-    start, end = action_span(text) or (0, len(text))
+    span = action_span(text, action_format) if action_format is not None else action_span(text)
+    if span is None:
+        if unparsed == "none":
+            return [0] * len(action_ids)
+        span = (0, len(text))  # the end-of-turn token still keeps weight 1
+    start, end = span
     mask, prev = [], 0
     for e in ends:
         mask.append(1 if (e > prev and prev < end and e > start) else 0)

@@ -30,9 +30,29 @@ def _looks_like_path(name: str) -> bool:
 
 
 
-def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) from a local HF model directory or a hub name."""
-    name = str(name_or_dir)
+def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32, *, device: torch.device | str | None = None,
+               attn_implementation: str | None = None):
+    """Load (model, tokenizer) from a local HF model directory or a hub name: weights in
+    ``dtype``, moved to ``device`` (default: left on the CPU), with ``attn_implementation``
+    (default: transformers' choice, SDPA where torch has it)."""
+    model, tokenizer = _load_model(str(name_or_dir), dtype, attn_implementation)
+    if device is not None and torch.device(device) != model.device:
+        model = model.to(device)
+    return model, tokenizer
+
+
+def load_for_inference(name_or_dir: str, precision):
+    """(model, tokenizer) to run, not train, at ``precision`` (``models.device.Precision``):
+    on its device, its weights stored as :meth:`Precision.storage_dtype` says, in eval mode,
+    tagged so that every forward pass runs under the precision's autocast."""
+    from serl_cli.models.device import tag
+
+    model, tokenizer = load_model(name_or_dir, precision.storage_dtype(training=False), device=precision.device,
+                                  attn_implementation=precision.attn_implementation)
+    return tag(model.eval(), precision), tokenizer
+
+
+def _load_model(name: str, dtype: torch.dtype, attn_implementation: str | None):
     path = Path(name).expanduser()
     local = path.exists() or _looks_like_path(name)
     if local:
@@ -41,7 +61,7 @@ def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32):
         if not path.is_dir():
             raise ModelError(f"model path {name} is a file, not a model directory")
         if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
-            return load_adapter_model(path, dtype)  # a LoRA adapter-only checkpoint: its base + the adapter
+            return load_adapter_model(path, dtype, attn_implementation)  # a LoRA adapter-only checkpoint: base + adapter
         if not (path / "config.json").is_file():
             raise ModelError(f"model directory {name} has no config.json: not a Hugging Face model")
         source = str(path)
@@ -51,7 +71,8 @@ def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32):
             _check_hub_reachable(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
     except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: truncated or corrupt weights
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if local:
@@ -148,7 +169,7 @@ def load_adapters(model, adapter: Path, trainable: bool):
 
 
 
-def load_adapter_model(path: str | Path, dtype: torch.dtype = torch.float32):
+def load_adapter_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
     """(model, tokenizer) of an adapter-only checkpoint: its base model plus the adapter,
     merged for inference (eval and rollouts load these unchanged)."""
     from transformers import AutoTokenizer
@@ -156,7 +177,7 @@ def load_adapter_model(path: str | Path, dtype: torch.dtype = torch.float32):
     from serl_cli.models.loading import load_model
 
     path = Path(path)
-    model, _ = load_model(base_model_name(path), dtype)
+    model, _ = load_model(base_model_name(path), dtype, attn_implementation=attn_implementation)
     model = load_adapters(model, path, trainable=False).merge_and_unload()
     return model, AutoTokenizer.from_pretrained(str(path))
 

@@ -39,7 +39,7 @@ CHAT_TEMPLATE = (
 
 
 
-# Tied embeddings (the vocab matrix is the largest block at this scale). head_dim 64, GQA 2:1.
+# Tied embeddings (the vocab matrix is the largest block at this scale). head_dim 64 (micro: 32), GQA 2:1.
 # max_position_embeddings only bounds RoPE positions (no parameters), so keep it generous
 # for long WebShop pages. Parameter counts are stated in tests/test_model.py.
 _COMMON = dict(
@@ -54,6 +54,10 @@ _COMMON = dict(
 
 
 PRESETS: dict[str, dict] = {
+    # ~0.9M params: 4 x 0.2M layers and at most 0.13M embedding. The Sokoban demo's: small
+    # enough that an online iteration (8 rooms x 8) runs in seconds on one CPU thread
+    "micro": dict(_COMMON, vocab_size=1024, hidden_size=128, intermediate_size=384,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
     # ~4.2M params: 1.05M embedding + 4 x 0.79M layers
     "tiny": dict(_COMMON, vocab_size=4096, hidden_size=256, intermediate_size=768,
                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),

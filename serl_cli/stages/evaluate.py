@@ -15,6 +15,7 @@ from pathlib import Path
 
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
+from serl_cli.rollout.engines.vllm import VLLMConfig
 from serl_cli.rollout.policies import ExpertPolicy, RandomPolicy
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 from serl_cli.rollout.worlds import EnvConfig, build_world
@@ -43,6 +44,11 @@ class EvalConfig:
     history_turns: int | None = None  # None: what the checkpoint was trained with, else 2
     max_new_tokens: int = 48
     threads: int | None = None
+    engine: str = "hf"  # hf | vllm: what a model policy generates with
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # engine vllm: tensor parallelism, memory, dtype
+    gpus: list[int] | None = None  # engine vllm: its CUDA devices (one per shard); None: vLLM's choice
+    device: str = "auto"  # engine hf: auto (CUDA when present) | cpu | cuda
+    dtype: str = "auto"  # engine hf: auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | fp16 (autocast)
     out: str = "runs/eval"
 
 
@@ -81,7 +87,17 @@ def make_policy(cfg: EvalConfig):
         prompt.history_turns = cfg.history_turns
     cfg.history_turns = prompt.history_turns  # recorded in eval_config.yaml
     return model_policy(cfg.model, temperature=cfg.temperature, seed=cfg.seed, prompt=prompt,
-                        max_new_tokens=cfg.max_new_tokens, threads=cfg.threads)
+                        max_new_tokens=cfg.max_new_tokens, threads=cfg.threads, engine=cfg.engine,
+                        device=cfg.device, dtype=cfg.dtype, vllm=cfg.vllm, gpus=cfg.gpus)
+
+
+def check_model_settings(cfg: EvalConfig) -> None:
+    """An unknown engine, vLLM without its extra, bad device/dtype words: before anything loads."""
+    from serl_cli.models.device import check_names
+    from serl_cli.rollout.engines import check_engine
+
+    check_names(cfg.device, cfg.dtype)
+    check_engine(cfg.engine)
 
 
 def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=None) -> dict:
@@ -92,6 +108,9 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
         raise SerlError("policy 'model' needs --model DIR (a Hugging Face model directory or name)")
     if cfg.panel not in PANELS:
         raise SerlError(f"unknown panel {cfg.panel!r}: choose one of {', '.join(PANELS)}")
+    own = policy is None and cfg.policy == "model"  # an engine this call starts, and closes
+    if own:
+        check_model_settings(cfg)
     out = Path(cfg.out)
     io.prepare_output(out / "eval.json", overwrite=overwrite, what="an evaluation")
     world = build_world(cfg.env)
@@ -102,9 +121,15 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
     policy = policy or make_policy(cfg)
     started = time.time()
     task_ids = PANELS[cfg.panel](n, total)
-    records = run_episodes(world, cfg.env.split, [EpisodeSpec(task_id=i) for i in task_ids], policy,
-                           max_turns=cfg.env.max_turns, batch_size=cfg.batch_size, on_episode_done=progress,
-                           step_timeout_s=cfg.env.step_timeout_s)
+    try:
+        records = run_episodes(world, cfg.env.split, [EpisodeSpec(task_id=i) for i in task_ids], policy,
+                               max_turns=cfg.env.max_turns, batch_size=cfg.batch_size, on_episode_done=progress,
+                               step_timeout_s=cfg.env.step_timeout_s)
+    finally:
+        if own:
+            from serl_cli.rollout.engines import close_engine
+
+            close_engine(policy.engine)
     if hasattr(world, "task_type"):  # ALFWorld: success by task type in eval.json
         for r in records:
             r["task_type"] = world.task_type(cfg.env.split, r["task_id"])

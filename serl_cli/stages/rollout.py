@@ -4,7 +4,9 @@ Tasks are drawn from the split with ``random.Random(seed)`` (without replacement
 task is run ``group_size`` times (its group). A model policy samples with the run's seed,
 so the same command twice gives byte-identical ``rollouts.jsonl`` on CPU. The expert
 policy records SFT data: the same prompt ids a model would see and the expert's action as
-the reply, tokenized with ``--model``'s tokenizer (or the default model's).
+the reply, tokenized with ``--model``'s tokenizer (or the default model's); with
+``expert_noise`` / ``expert_blunders`` it is a noisy expert (``rollout.policies.ExpertPolicy``)
+whose random moves are marked ``off_expert``.
 
 **Resume.** Every lockstep round's decisions (token ids, log-probs, text) are appended to
 ``rollouts.journal.jsonl`` and fsynced before the environments step. ``--resume`` after a
@@ -28,7 +30,7 @@ from serl_cli.artifacts.schema import ROLLOUTS_FILE
 from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, TokenizedExpertPolicy, make_engine
 from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling
-from serl_cli.rollout.policies import Decision
+from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 from serl_cli.rollout.worlds import EnvConfig, build_world
@@ -42,8 +44,15 @@ class RolloutConfig:
     env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))
     model: str | None = None  # None: the embedded default tiny model for the environment
     policy: str = "model"  # model | expert (SFT data)
+    expert_noise: float = 0.0  # policy expert: chance per turn of a random detour (kept solvable where the env can tell), marked off_expert
+    expert_blunders: float = 0.0  # policy expert: chance per turn of a move that makes the task unsolvable, where one exists
     engine: str = "hf"  # hf | vllm
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # --engine vllm: tensor parallelism, memory, dtype
+    # engine hf (models.device): auto = CUDA when present | cpu | cuda; auto = bf16 on a GPU with it, else fp32.
+    # In the online loop the hf engine generates with the trainer's own model: train.device / train.dtype
+    device: str = "auto"
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16
+    gpus: list[int] | None = None  # engine vllm: CUDA devices of its own (one per tensor-parallel shard); None: shared
     tasks: int = 8  # how many tasks to sample from the split
     group_size: int = 8  # G rollouts per task
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -67,8 +76,14 @@ def validate(cfg: RolloutConfig) -> None:
         raise SerlError(f"sampling.max_new_tokens must be at least 1, got {s.max_new_tokens}")
     if cfg.batch_size < 1:
         raise SerlError(f"batch_size must be at least 1, got {cfg.batch_size}")
+    for name in ("expert_noise", "expert_blunders"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise SerlError(f"{name} is a probability: it must be in [0, 1], got {getattr(cfg, name)}")
     if cfg.policy == "model" and cfg.engine == "vllm":
         check_sampling(cfg.sampling)  # before vLLM starts (a minute), not at its first call
+    from serl_cli.models.device import check_names
+
+    check_names(cfg.device, cfg.dtype)
 
 
 def sample_tasks(num_tasks: int, count: int, seed: int) -> list[int]:
@@ -93,7 +108,7 @@ def resolve_model(cfg: RolloutConfig, world) -> str:
 
 def make_rollout_policy(cfg: RolloutConfig, model, tokenizer, engine=None):
     if cfg.policy == "expert":
-        return TokenizedExpertPolicy(tokenizer, cfg.prompt)
+        return TokenizedExpertPolicy(tokenizer, cfg.prompt, ExpertPolicy(cfg.expert_noise, cfg.expert_blunders, cfg.seed))
     if cfg.policy == "model":
         if engine is None:
             engine = make_engine(cfg.engine, model, tokenizer, vllm=cfg.vllm, seed=cfg.seed)
@@ -179,8 +194,13 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
     set_torch_threads(cfg.threads)
     if model is None and engine is None:
         if cfg.policy == "model" and cfg.engine == "vllm":  # vLLM loads the weights itself
-            engine = make_engine("vllm", None, None, model_dir=cfg.model, vllm=cfg.vllm, seed=cfg.seed)
-        else:
+            engine = make_engine("vllm", None, None, model_dir=cfg.model, vllm=cfg.vllm, seed=cfg.seed, gpus=cfg.gpus)
+        elif cfg.policy == "model":
+            from serl_cli.models.device import resolve
+            from serl_cli.models.loading import load_for_inference
+
+            model, tokenizer = load_for_inference(cfg.model, resolve(cfg.device, cfg.dtype))
+        else:  # the expert: only its tokenizer is needed (kept on the CPU)
             model, tokenizer = load_model(cfg.model)
     if engine is not None:
         tokenizer = engine.tokenizer

@@ -1,6 +1,7 @@
 """``serl show RUN``: a run directory rendered for a person, or one episode as JSON.
 
-Without an episode: the manifest's stages and a table of episodes. With one: every turn --
+Without an episode: the manifest's stages, a table of episodes and, where the annotation
+measured it, the teacher signal (``method.teacher_signal``). With one: every turn --
 what the policy saw and wrote, what the environment said and, where ``annotations.jsonl``
 exists, whether the turn is selected, its hindsight block and its per-token weights, each
 action token shaded by its weight. Everything from the run is shown as plain text, never
@@ -65,8 +66,10 @@ def _check_index(what: str, i: int | None, n: int) -> None:
 # -- the run: stages and episodes ----------------------------------------------------------------
 def _stage_detail(entry: dict) -> str:
     cfg = entry.get("config") or {}
-    keys = ("model", "policy", "sources", "granularity", "placement", "algo", "teacher")
+    keys = ("model", "policy", "sources", "granularity", "placement", "tokens", "algo", "teacher")
     parts = [f"{k} {cfg[k]}" for k in keys if cfg.get(k) not in (None, "")]
+    if "expert" in str(cfg.get("sources", "")).replace("|", ",").split(","):
+        parts.append("expert = privileged oracle information")
     if entry.get("checkpoint"):
         parts.append(f"checkpoint {entry['checkpoint']}")
     return ", ".join(parts)
@@ -98,7 +101,26 @@ def run_view(run_dir: str | Path, manifest: dict, episodes: list[dict], ann: dic
     total = f"{len(rows)} episodes, success {sum(r['success'] for r in rows) / len(rows):.3f}"
     if ann is not None:
         total += f", {sum(r['selected_turns'] for r in rows)} of {len(ann)} turns selected"
-    return Group(head, stages, table, Text(total + "; `serl show RUN --episode N` for one episode", style="dim"))
+    parts: list[RenderableType] = [head, stages, table]
+    signal = ((manifest.get("stages", {}).get("annotate") or {}).get("stats") or {}).get("teacher_signal")
+    if signal:
+        parts.append(teacher_signal_text(signal))
+    return Group(*parts, Text(total + "; `serl show RUN --episode N` for one episode", style="dim"))
+
+
+def teacher_signal_text(s: dict) -> Text:
+    """How often the teacher moves the student's action the right way, and what its block does to the expert's."""
+    off, on, sides = s["off_expert_turns"], s["on_expert_turns"], []
+    if off:
+        sides.append(f"lowers {s['off_expert_right_direction']:.0%} of the {off} actions off the expert's")
+    if on:
+        sides.append(f"raises {s['on_expert_right_direction']:.0%} of the {on} on it")
+    t = Text("teacher signal", style="bold")
+    t.append(f", {s['turns']} scored turns with an expert action: the teacher moves the action the right way on "
+             f"{s['right_direction']:.1%} ({', '.join(sides)}); the hindsight block moves the expert "
+             f"action's probability by {s['expert_prob_gain']:+.3g} "
+             f"({s['expert_prob_without_block']:.3g} -> {s['expert_prob_with_block']:.3g})")
+    return t
 
 
 def episode_rows(episodes: list[dict], ann: dict | None) -> list[dict]:
@@ -167,7 +189,7 @@ def weights_summary(weights: list[float]) -> str:
     return s + f", {len(weights) - len(up) - len(down)} at 1"
 
 
-def legend(clip: float, by_index: bool) -> Text:
+def legend(clip: float, by_index: bool, tokens: str = "action") -> Text:
     t = Text()
     t.append("weights: ", style="bold")
     for label, w in ((f"w={1 + clip:g}", 1 + clip), (f"w={1 + clip / 2:g}", 1 + clip / 2), ("w=1", 1.0),
@@ -175,6 +197,8 @@ def legend(clip: float, by_index: bool) -> Text:
         t.append(f" {label} ", style=weight_style(w, clip) or None)
         t.append(" ")
     t.append(f"  green: up-weighted, red: down-weighted, shade: |w-1|/{clip:g}; dim: outside the parsed action")
+    t.append("; reweighted: every reply token (rlsd)" if tokens == "reply" else
+             "; reweighted: the parsed action's tokens only (a reply with none keeps 1)")
     if by_index:
         t.append("; shown as token-index:weight")
     return t
@@ -212,6 +236,8 @@ def turn_view(i: int, turn: dict, rec: dict | None, full: bool, tokenizer, clip:
         _field(grid, "log-ratio", "(not scored)" if lr is None else f"{lr:+.4f}  (mean log pi_T - log pi_old)")
         if rec["weights"] is None:
             _field(grid, "weights", "all 1", "dim")
+        elif rec["action_mask"] is not None and not any(rec["action_mask"]) and all(w == 1 for w in rec["weights"]):
+            _field(grid, "weights", "all 1 (no parseable action: nothing to reweight)", "dim")
         else:
             _field(grid, "weights", weights_summary(rec["weights"]))
             _field(grid, "", weights_text(turn["action_ids"], rec["weights"], rec["action_mask"], tokenizer, clip))
@@ -233,9 +259,10 @@ def episode_view(manifest: dict, episodes: list[dict], ann: dict | None, index: 
     shown = range(len(ep["turns"])) if turn is None else [turn]
     weighted = any(t["annotation"] and t["annotation"]["weights"] is not None for t in ep["turns"])
     tokenizer, why = tokenizer_loader(manifest) if weighted else (None, "")
-    clip = float(((manifest.get("stages", {}).get("annotate") or {}).get("config") or {}).get("weight_clip", DEFAULT_CLIP))
+    acfg = (manifest.get("stages", {}).get("annotate") or {}).get("config") or {}
+    clip = float(acfg.get("weight_clip", DEFAULT_CLIP))
     if weighted:
-        parts.append(legend(clip, tokenizer is None))
+        parts.append(legend(clip, tokenizer is None, acfg.get("tokens", "action")))
         if tokenizer is None:
             parts.append(Text(f"({why}: weights by token index)", style="dim"))
     parts += [turn_view(i, t, t["annotation"], full, tokenizer, clip) for i, t in zip(shown, ep["turns"])]

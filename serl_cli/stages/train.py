@@ -13,6 +13,8 @@ from serl_cli.algos.objectives import get_objective
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.schema import read_rollouts, rollout_temperature
 from serl_cli.errors import SerlError
+from serl_cli.method.feedback import parse_sources
+from serl_cli.method.hindsight_sft import examples_for_run
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.training.learner import Learner, TrainConfig, training_episodes
 
@@ -36,7 +38,9 @@ def follow_train_on_run(run_dir: str, cfg: TrainConfig, *, resume: bool = False)
         annotations = read_annotations(run)
         meta = manifest["stages"]["annotate"]
     learner = Learner(model_name, cfg)
-    learner.update(training_episodes(read_rollouts(run), cfg, run), 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
+    episodes = training_episodes(read_rollouts(run), cfg, run)
+    episodes += _hindsight_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
+    learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
     learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
 
 
@@ -51,6 +55,26 @@ def train_on_run(run_dir: str, cfg: TrainConfig, *, overwrite: bool = False, res
 
 
 
+def check_hindsight_sft(cfg: TrainConfig) -> None:
+    """``train.hindsight_sft``, checked before any model loads: SFT only, known sources."""
+    if cfg.hindsight_sft is None:
+        return
+    if cfg.algo != "sft":
+        raise SerlError(f"train.hindsight_sft adds SFT examples: it goes with --algo sft, not {cfg.algo}")
+    parse_sources(cfg.hindsight_sft)
+
+
+
+def _hindsight_examples(episodes: list[dict], cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> list[dict]:
+    """With ``train.hindsight_sft``, the SFT data's teacher-prompt examples (``method.hindsight_sft``); else none."""
+    if cfg.hindsight_sft is None:
+        return []
+    prompt = rollout_cfg.get("prompt") or {}
+    return examples_for_run(episodes, tokenizer, cfg.hindsight_sft, rollout_cfg.get("env"),
+                            bare_replies=bool(prompt.get("bare_replies")))
+
+
+
 def _comparable(cfg: TrainConfig) -> dict:
     plain = io.to_plain(cfg)
     plain.pop("threads")
@@ -61,6 +85,7 @@ def _comparable(cfg: TrainConfig) -> dict:
 def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool) -> dict:
     manifest = io.load_manifest(run)
     get_objective(cfg.algo)
+    check_hindsight_sft(cfg)
     stage_name = f"train:{cfg.algo}"
     stage = manifest["stages"].get(stage_name, {})
     checkpoint = Path(cfg.checkpoint) if cfg.checkpoint else run / "checkpoint"
@@ -92,7 +117,11 @@ def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool)
     line, timings_line = io.count_jsonl(metrics_path), io.count_jsonl(timings_path)
     io.mark_stage(run, stage_name, "running", metrics_line=line, timings_line=timings_line)
     learner = Learner(model_name, cfg)
-    metrics = learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
+    examples = _hindsight_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
+    metrics = learner.update(episodes + examples, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest),
+                             annotations, meta)
+    if cfg.hindsight_sft is not None:
+        metrics["hindsight_examples"] = sum(len(e["turns"]) for e in examples)
     timing = metrics.pop("timing")  # wall-clock figures apart, so metrics.jsonl is deterministic
     from safetensors import SafetensorError
 

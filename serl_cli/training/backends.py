@@ -21,6 +21,8 @@ import torch
 
 from serl_cli.algos.batch import MicroBatch
 from serl_cli.errors import SerlError
+from serl_cli.models.device import grad_scaler, tag
+from serl_cli.models.device import resolve as resolve_precision
 from serl_cli.training.step import LossFn, accumulate_step, make_optimizer
 
 
@@ -30,26 +32,32 @@ def is_main_process() -> bool:
 
 
 class TorchBackend:
-    """Single-process training with the model as it is."""
+    """Single-process training on ``train.device`` in ``train.dtype`` (``models.device``): the
+    weights and AdamW's state in fp32 on the device, the forward passes under autocast for
+    bf16/fp16 (fp16 with a gradient scaler). On the CPU in fp32 it is the plain model."""
 
     name = "torch"
     rank, world, is_main = 0, 1, True
-    load_dtype = torch.float32
+    load_dtype = torch.float32  # master weights: the update of a small lr survives only in fp32
 
     def __init__(self, cfg):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SerlError("the torch backend runs in one process: under torchrun or the deepspeed launcher "
                             "use --backend deepspeed")
         self.cfg = cfg
+        self.precision = resolve_precision(cfg.device, cfg.dtype, cfg.attn_implementation, cfg.gpus)
+        self.scaler = grad_scaler(self.precision)
         self.model = None
         self.optimizer = None
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self.precision.device
 
     def wrap(self, model) -> None:
-        self.model = model
+        if model.device != self.device:
+            model = model.to(self.device)
+        self.model = tag(model, self.precision)
         self.optimizer = make_optimizer(model, self.cfg.optim)
 
     @property
@@ -57,22 +65,28 @@ class TorchBackend:
         """The network as the user knows it (a Hugging Face model, or its peft wrapper)."""
         return self.model
 
-    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, num_tokens: float, temperature: float) -> dict:
+    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, num_tokens: float, temperature: float,
+             entropy: bool = False) -> dict:
         return accumulate_step(self.model, self.optimizer, micro_batches, loss_fn, num_tokens, temperature,
-                               self.cfg.optim.grad_clip)
+                               self.cfg.optim.grad_clip, entropy=entropy, scaler=self.scaler)
 
     @contextmanager
     def full_model(self):
         yield self.model
 
     def resume_state(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
 
     def save_engine_state(self, directory: Path) -> None:
         """Backend-native resume files (none: the optimizer state goes in trainer_state.pt)."""
 
     def load_state(self, state: dict, directory: Path) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
 
     def broadcast(self, obj):
         return obj

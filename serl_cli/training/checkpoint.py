@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from serl_cli.artifacts.io import follow_umask
+from serl_cli.models.device import precision_of, tag
 
 
 def frozen_copy(model, device=None):
@@ -24,7 +25,9 @@ def frozen_copy(model, device=None):
     with torch.random.fork_rng(devices=[]):  # building a model draws initial weights: keep the caller's stream
         replica = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
     replica.load_state_dict(model.state_dict())
-    return replica.to(device or model.device).eval().requires_grad_(False)
+    replica = replica.to(device or model.device).eval().requires_grad_(False)
+    precision = precision_of(model)
+    return tag(replica, precision) if precision is not None else replica
 
 
 

@@ -41,12 +41,13 @@ import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from serl_cli.algos.batch import MicroBatch
 from serl_cli.errors import SerlError
-from serl_cli.training.step import ADDITIVE_STATS, LossFn, action_logprobs, make_optimizer
+from serl_cli.training.step import ADDITIVE_STATS, LossFn, forward, make_optimizer
 
 ZERO_STAGES = (1, 2, 3)
 DEFAULT_STAGE = 2
@@ -98,9 +99,11 @@ def _own(config: dict, key: str, value, why: str, where: str) -> None:
     config[key] = value
 
 
-def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool) -> dict:
+def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool, dtype: str = "auto") -> dict:
     """The dictionary handed to ``deepspeed.initialize``: the file (or the stage's default),
-    the stage and offload settings, and the keys serl owns."""
+    the stage and offload settings, the keys serl owns, and ``train.dtype`` (fp32 | bf16 |
+    fp16 sets the file's ``bf16``/``fp16`` sections; ``auto`` leaves them as they are, where
+    ``"auto"`` means bf16 when ``bf16_available``)."""
     where = ds.config or "(serl default)"
     if ds.zero_stage is not None and ds.zero_stage not in ZERO_STAGES:
         raise SerlError(f"ZeRO stage must be 1, 2 or 3, got {ds.zero_stage}")
@@ -148,6 +151,15 @@ def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool) -> dict:
         section = config.get(half)
         if section is not None and not isinstance(section, dict):
             raise SerlError(f"DeepSpeed config {where}: {half} must be an object")
+    if dtype != "auto":
+        for half in ("bf16", "fp16"):
+            on = dtype == half
+            section = config.setdefault(half, {})
+            given = section.get("enabled", "auto")
+            if given != "auto" and bool(given) != on:
+                raise SerlError(f"DeepSpeed config {where}: {half}.enabled is {given!r} but train.dtype is {dtype}; "
+                                f"write \"auto\" there or change --dtype")
+            section["enabled"] = on
     bf16 = config.setdefault("bf16", {"enabled": False})
     if bf16.get("enabled") == "auto":
         bf16["enabled"] = bf16_available
@@ -166,10 +178,14 @@ def uses_bf16(config: dict) -> bool:
     return bool(config.get("bf16", {}).get("enabled"))
 
 
+def uses_fp16(config: dict) -> bool:
+    return bool(config.get("fp16", {}).get("enabled"))
+
+
 # -- the process group ---------------------------------------------------------------------------
 def check_config(cfg) -> None:
     """The configuration resolves and DeepSpeed is installed (nothing is started)."""
-    resolve_config(cfg.deepspeed, cfg.optim, bf16_available=False)
+    resolve_config(cfg.deepspeed, cfg.optim, bf16_available=False, dtype=cfg.dtype)
     if importlib.util.find_spec("deepspeed") is None:
         raise SerlError(MISSING)
 
@@ -203,8 +219,11 @@ def init_distributed(deepspeed) -> None:
     deepspeed.init_distributed(verbose=False)
 
 
-def _bf16_available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+def _choose_accelerator(device: torch.device) -> None:
+    """DeepSpeed picks its accelerator when first imported: CUDA wherever torch sees a GPU.
+    ``--device cpu`` on a GPU machine asks for its CPU accelerator instead."""
+    if device.type == "cpu" and torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 @contextmanager
@@ -237,12 +256,24 @@ class DeepSpeedBackend:
     name = "deepspeed"
 
     def __init__(self, cfg):
+        from serl_cli.models.device import Precision, attention_implementation
+        from serl_cli.models.device import resolve as resolve_precision
+
         self.cfg = cfg
         # validate before starting anything: bad input is one line, not a half-started job
-        self.config = resolve_config(cfg.deepspeed, cfg.optim, bf16_available=_bf16_available())
+        wanted = resolve_precision(cfg.device, cfg.dtype, cfg.attn_implementation, cfg.gpus)
+        self.config = resolve_config(cfg.deepspeed, cfg.optim, bf16_available=wanted.dtype == torch.bfloat16,
+                                     dtype=cfg.dtype)
         self.stage = zero_stage(self.config)
-        self.load_dtype = torch.bfloat16 if uses_bf16(self.config) else torch.float32
+        # DeepSpeed holds the module in the half dtype itself (fp32 master weights in its optimizer)
+        half = torch.bfloat16 if uses_bf16(self.config) else torch.float16 if uses_fp16(self.config) else None
+        self.load_dtype = half or torch.float32
+        self.precision = Precision(wanted.device, half or torch.float32,
+                                   attention_implementation(cfg.attn_implementation, wanted.device, half or torch.float32))
+        _choose_accelerator(wanted.device)
         self._deepspeed = _import_deepspeed()
+        if wanted.device.type == "cuda":
+            torch.cuda.set_device(wanted.device)  # before NCCL starts: each process on its own GPU
         init_distributed(self._deepspeed)
         import torch.distributed as dist
 
@@ -260,9 +291,11 @@ class DeepSpeedBackend:
     def wrap(self, model) -> None:
         client_optimizer = None if "optimizer" in self.config else make_optimizer(model, self.cfg.optim)
         trainable = [p for p in model.parameters() if p.requires_grad]
+        # the process's GPU: LOCAL_RANK's, or train.gpus[LOCAL_RANK] (split from vLLM's devices)
+        args = SimpleNamespace(device_rank=self.precision.device.index) if self.precision.device.type == "cuda" else None
         try:
             self.engine, self.optimizer, _, _ = self._deepspeed.initialize(
-                model=model, optimizer=client_optimizer, model_parameters=trainable, config=self.config)
+                args=args, model=model, optimizer=client_optimizer, model_parameters=trainable, config=self.config)
         except (ValueError, AssertionError, TypeError, KeyError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise SerlError(f"DeepSpeed rejected the configuration ({self.cfg.deepspeed.config or 'serl default'}): "
@@ -272,7 +305,8 @@ class DeepSpeedBackend:
     def module(self):
         return self.engine.module
 
-    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, num_tokens: float, temperature: float) -> dict:
+    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, num_tokens: float, temperature: float,
+             entropy: bool = False) -> dict:
         mine = micro_batches[self.rank::self.world]
         passes = -(-len(micro_batches) // self.world)  # the same on every process
         run_tokens = sum(mb.reply_mask.sum().item() for mb in micro_batches)
@@ -281,7 +315,7 @@ class DeepSpeedBackend:
         for j in range(passes):
             real = j < len(mine)
             mb = mine[j] if real else micro_batches[0]  # a stand-in pass: collectives need every process
-            logp = action_logprobs(self.engine, mb, temperature)
+            logp = forward(self.engine, mb, temperature, entropy)
             loss, s = loss_fn(mb, logp, num_tokens)
             if not real:
                 loss, s = loss * 0.0, {}

@@ -15,13 +15,16 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from serl_cli.algos.batch import make_micro_batches
-from serl_cli.algos.objectives import UpdateInputs, get_objective
+from serl_cli.algos.objectives import (GIGPO_MODES, GROUP_NORMS, UpdateInputs, default_advantages, get_objective,
+                                      turn_advantages)
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
+from serl_cli.models.device import tag
 from serl_cli.models.loading import ADAPTER_SUBDIR, adapter_dir, base_model_name, load_adapters, require_peft
 from serl_cli.rollout.prompts import PROMPT_FILE, PromptConfig, prompt_file_text
 from serl_cli.training import lora as lora_mod
@@ -41,28 +44,62 @@ class TrainConfig:
     algo: str = "grpo"
     model: str | None = None  # the policy to update; default: the model that produced the rollouts
     backend: str = "torch"  # torch | deepspeed (serl_cli.training.backends)
+    # where and in which precision (serl_cli.models.device): auto = CUDA when present; auto = bf16 on a GPU
+    # with it, fp32 elsewhere. Half precision is autocast over fp32 master weights (DeepSpeed: its bf16/fp16)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16
+    attn_implementation: str = "auto"  # auto (flash_attention_2 when installed, on CUDA, in bf16/fp16; else sdpa) | sdpa | eager
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % more compute
+    gpus: list[int] | None = None  # CUDA devices of the trainer's processes, one each (LOCAL_RANK r takes gpus[r]);
+                                   # None: LOCAL_RANK's. With rollout.gpus: vLLM on its own GPUs
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # with backend deepspeed
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train LoRA adapters only
     optim: OptimConfig = field(default_factory=OptimConfig)
     epochs: int = 1  # passes over the batch per update
     mini_batches: int = 1  # optimizer steps per pass
+    # > 0: optimizer steps per pass = ceil(turns / mini_batch_turns) instead of mini_batches, the authors'
+    # ppo_mini_batch_size in step-rows (paper: 64 WebShop, 256 ALFWorld; recipe/serl/run_webshop.sh:81)
+    mini_batch_turns: int = 0
     clip_eps: float = 0.2
+    # dual-clip PPO's c (> 1): the loss of a token with w*A < 0 is capped at -c*w*A. 0 = off
+    # (paper: 3.0, verl's clip_ratio_c, always on there: core_algos.py:583-587)
+    dual_clip: float = 0.0
+    entropy_coef: float = 0.0  # entropy bonus, token-mean over reply tokens (paper: 0.001, ppo_trainer.yaml:57)
     kl_coef: float = 0.0  # k3 KL to the frozen starting policy
     distill_coef: float = 0.0  # KL(pi || teacher) on selected turns of failed rollouts (off in serl, on in sdpo)
     omega: float = 1.0  # gigpo: weight of the step advantage
     gamma: float = 0.95  # gigpo: discount of the per-turn return
+    gigpo_mode: str = "mean_std_norm"  # gigpo: mean_std_norm (divide by std) | mean_norm (mean only; verl-agent's default)
     adv_eps: float = 1e-6
+    # how a group's statistics pool: episode (one score per episode, serl's) | cross_steps (every turn a
+    # sample, the authors' compute_mean_std_cross_steps=True, core_algos.py:114-175)
+    group_norm: str = "episode"
+    # subtracted from a turn's score when the environment flagged its action (feedback.error), before the
+    # advantage (paper: 0.1, ray_trainer.py:198-222); under group_norm episode: per invalid turn of the episode
+    invalid_action_penalty: float = 0.0
+    # > 0: an episode's training reward is this on a success and 0 otherwise, in place of the environment's
+    # reward (paper: 10.0, env_package/webshop/envs.py:47-53); 0 = the environment's reward
+    success_reward: float = 0.0
+    # recompute the behaviour log-probs (pi_old) with the trainer's model before the update: null = when the
+    # rollouts came from an engine other than hf (vLLM's numerics differ from the trainer's), true, false
+    recompute_logp_old: bool | None = None
     sft_successful_only: bool = False  # sft: clone successful episodes only (filtered behaviour cloning)
     seed: int = 0
     threads: int | None = None
     checkpoint: str | None = None  # default RUN/checkpoint
+    hindsight_sft: str | None = None  # sft: also teacher prompts built by these feedback sources, e.g. "ref|error" (method.hindsight_sft)
 
 
 
 def check_train_config(cfg: TrainConfig) -> None:
     """Everything about ``cfg`` that can be wrong, checked before any model loads or any
     file is written: the algorithm, the backend and its config, LoRA, the extras they need."""
+    from serl_cli.models.device import check_names, resolve_device
+
     get_objective(cfg.algo)
+    _check_loss_settings(cfg)
+    check_names(cfg.device, cfg.dtype, cfg.attn_implementation)
+    resolve_device(cfg.device, cfg.gpus)  # --device cuda without a GPU: one line, before anything loads
     lora_mod.validate(cfg.lora)
     if cfg.backend not in BACKENDS:
         raise SerlError(f"unknown backend {cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -72,6 +109,30 @@ def check_train_config(cfg: TrainConfig) -> None:
         check_config(cfg)
     if lora_mod.enabled(cfg.lora):
         require_peft()
+
+
+
+def _check_loss_settings(cfg: TrainConfig) -> None:
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        raise SerlError(f"train.dual_clip must be 0 (off) or above 1, got {cfg.dual_clip}")
+    for name in ("entropy_coef", "invalid_action_penalty", "success_reward", "mini_batch_turns"):
+        if getattr(cfg, name) < 0:
+            raise SerlError(f"train.{name} must be 0 or positive, got {getattr(cfg, name)}")
+    if cfg.mini_batches < 1:
+        raise SerlError(f"train.mini_batches must be at least 1, got {cfg.mini_batches}")
+    if cfg.group_norm not in GROUP_NORMS:
+        raise SerlError(f"unknown train.group_norm {cfg.group_norm!r}: choose one of {', '.join(GROUP_NORMS)}")
+    if cfg.gigpo_mode not in GIGPO_MODES:
+        raise SerlError(f"unknown train.gigpo_mode {cfg.gigpo_mode!r}: choose one of {', '.join(GIGPO_MODES)}")
+
+
+
+def recompute_enabled(cfg: TrainConfig, engine: str | None) -> bool:
+    """Whether pi_old is recomputed by the trainer: the setting, or (null) when the rollouts
+    came from an engine other than hf, whose log-probs are not the trainer's numerics."""
+    if cfg.recompute_logp_old is not None:
+        return bool(cfg.recompute_logp_old)
+    return engine not in (None, "hf")
 
 
 
@@ -87,13 +148,17 @@ def training_episodes(episodes: list[dict], cfg: TrainConfig, run: Path) -> list
 
 
 
-def load_policy(model_name: str, cfg: TrainConfig, dtype: torch.dtype, resume_dir: Path | None = None):
+def load_policy(model_name: str, cfg: TrainConfig, dtype: torch.dtype, resume_dir: Path | None = None,
+                attn_implementation: str | None = None):
     """(model, tokenizer) to train. With LoRA, a fresh run adds new adapters to the model (a
     checkpoint's own adapter, if it has one, is merged into it first), so the model as
     loaded is the starting policy and the KL reference is that model with adapters off; a
     resumed run puts its saved adapter back on the same base and keeps training it."""
+    from functools import partial
+
     from serl_cli.models.loading import load_model
 
+    load_model = partial(load_model, attn_implementation=attn_implementation)
     if not lora_mod.enabled(cfg.lora):
         return load_model(model_name, dtype)
     adapter = adapter_dir(resume_dir) if resume_dir is not None else None
@@ -122,16 +187,22 @@ class Learner:
         self.cfg = cfg
         self.uses_lora = lora_mod.enabled(cfg.lora)
         resume_dir = state_file.parent if state_file is not None and state_file.is_file() else None
-        model, self.tokenizer = load_policy(model_name, cfg, self.backend.load_dtype, resume_dir)
+        model, self.tokenizer = load_policy(model_name, cfg, self.backend.load_dtype, resume_dir,
+                                            self.backend.precision.attn_implementation)
         model.config.use_cache = False
+        if cfg.gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA) and under ZeRO
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.20's name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # the KL reference is the starting policy: under LoRA the adapters switched off, else a frozen copy
         self.reference = frozen_copy(model) if cfg.kl_coef > 0 and not self.uses_lora else None
         self.backend.wrap(model)
         if self.reference is not None:
-            self.reference.to(self.backend.device)
+            tag(self.reference.to(self.backend.device), self.backend.precision)
         self.updates = 0
         if resume_dir is not None:
-            state = torch.load(state_file, weights_only=False)
+            state = torch.load(state_file, weights_only=False, map_location="cpu")
             self.backend.load_state(state, resume_dir)
             self.updates = state["updates"]
             if self.reference is not None and "reference" in state:
@@ -157,6 +228,14 @@ class Learner:
         (a collective under ZeRO-3: every process enters)."""
         return self.backend.full_model()
 
+    def export_weights(self, module):
+        """The policy's weights as ``(Hugging Face name, tensor)`` pairs, what a checkpoint of
+        it holds (under LoRA: merged), for an engine with its own copy (``module``: from
+        :meth:`full_model`)."""
+        if self.uses_lora:
+            return lora_mod.merged_state_dict(module).items()
+        return module.state_dict().items()
+
     def broadcast(self, obj):
         """``obj`` as the main process has it, on every process."""
         return self.backend.broadcast(obj)
@@ -174,12 +253,58 @@ class Learner:
             with lora_mod.reference_view(self.backend.module) as base:
                 return action_logprobs(base, mb, temperature)
 
+    def recompute_logp_old(self, episodes: list[dict], temperature: float) -> dict:
+        """Replace every turn's ``behaviour_logprobs`` (pi_old) by the trainer's own log-probs
+        of the same tokens, in place, before anything reads them (the annotate stage's
+        weights and the PPO ratio); the engine's stay in ``engine_logprobs``. Returns the
+        engine-trainer mismatch over all reply tokens, mean and max |delta log p| (verl logs
+        the same comparison in probabilities, ray_trainer.py:1170-1192). Turns already
+        recomputed are left alone, so calling it twice costs nothing."""
+        turns = [t for ep in episodes for t in ep["turns"]
+                 if t.get("behaviour_logprobs") and "engine_logprobs" not in t]
+        if not turns:
+            return {}
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        items = [SimpleNamespace(prompt_ids=t["prompt_ids"], action_ids=t["action_ids"]) for t in turns]
+        order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].action_ids))
+        new: list[list[float] | None] = [None] * len(items)
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad(), self.full_model() as module:
+            for mb in make_micro_batches(items, order, self.cfg.optim.micro_batch_tokens, pad):
+                logp = action_logprobs(module, mb, temperature)
+                k = logp.shape[1]
+                for row, i in enumerate(mb.index):
+                    new[i] = logp[row, k - len(items[i].action_ids):].tolist()
+        if was_training:
+            self.model.train()
+        total, worst, count = 0.0, 0.0, 0
+        for t, lp in zip(turns, new):
+            deltas = [abs(a - b) for a, b in zip(lp, t["behaviour_logprobs"])]
+            total, count = total + sum(deltas), count + len(deltas)
+            worst = max([worst, *deltas])
+            t["engine_logprobs"], t["behaviour_logprobs"] = t["behaviour_logprobs"], lp
+        return {"logp_old_recomputed_turns": len(turns), "logp_mismatch_mean": total / max(count, 1),
+                "logp_mismatch_max": worst}
+
     def update(self, episodes: list[dict], temperature: float, annotations: list[dict] | None = None,
-               annotate_meta: dict | None = None) -> dict:
-        """Train on a batch of episodes; returns the update's metrics."""
+               annotate_meta: dict | None = None, engine: str | None = None) -> dict:
+        """Train on a batch of episodes; returns the update's metrics. ``engine``: what
+        generated the rollouts (hf, vllm), for ``train.recompute_logp_old: null``."""
         cfg = self.cfg
         objective = get_objective(cfg.algo)
+        recomputed = {}
+        if objective.uses_behaviour_logprobs and recompute_enabled(cfg, engine):
+            recomputed = self.recompute_logp_old(episodes, temperature)
         samples = turn_samples(episodes)
+        # an episode the environment broke (a crash, a timeout) says nothing about the policy:
+        # out of its group's statistics and out of the loss, counted in the metrics
+        faulted = [i for i, s in enumerate(samples) if s.faulted]
+        if faulted:
+            gone = set(faulted)
+            samples = [s for i, s in enumerate(samples) if i not in gone]
+            if annotations is not None and len(annotations) == len(samples) + len(gone):
+                annotations = [a for i, a in enumerate(annotations) if i not in gone]
         if not objective.uses_behaviour_logprobs:  # imitation: a noisy expert's exploration moves are no targets
             samples = [s for s in samples if not s.off_expert]
         if objective.uses_behaviour_logprobs and any(not s.behaviour_logprobs for s in samples):
@@ -188,31 +313,41 @@ class Learner:
         meta = annotate_meta or {}
         inputs = UpdateInputs(episodes, annotations, meta.get("config"), meta.get("stats"))
         prepared = objective.prepare(samples, inputs, cfg)
-        distill_tokens = prepared.stats.get("distill_tokens", 0)
+        if prepared.token_weights is not None and not default_advantages(cfg):
+            _check_annotated_advantages(prepared.advantages, annotations, turn_advantages(samples, cfg), cfg)
         num_tokens = float(sum(len(s.action_ids) for s in samples))
         active = self._contributing(objective, samples, prepared)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         rng = random.Random(cfg.seed * 7919 + self.updates)
+        n_mini = -(-len(samples) // cfg.mini_batch_turns) if cfg.mini_batch_turns else cfg.mini_batches
+        n_mini = max(n_mini, 1)
+        # every turn of the step counts in the normalizer, skipped or not (METHOD.md: / N_tokens); a
+        # mini-batch's share of the batch's reply tokens and of its distillation tokens alike, so both
+        # terms keep their scale whatever the number of mini-batches
+        chunk_tokens = num_tokens / n_mini
+        chunk_distill_tokens = prepared.stats.get("distill_tokens", 0) / n_mini
+        entropy = cfg.entropy_coef > 0
         t0 = time.perf_counter()
         self.model.train()
         step_stats = []
         for _ in range(cfg.epochs):
             order = list(active)
             rng.shuffle(order)
-            chunks = [order[i::cfg.mini_batches] for i in range(cfg.mini_batches)]
+            chunks = [order[i::n_mini] for i in range(n_mini)]
             for chunk in chunks:
                 if not chunk:
                     continue
                 chunk.sort(key=lambda i: len(samples[i].prompt_ids) + len(samples[i].action_ids))
                 mbs = make_micro_batches(samples, chunk, cfg.optim.micro_batch_tokens, pad, prepared)
-                # every turn of the step counts in the normalizer, skipped or not (METHOD.md: / N_tokens)
-                chunk_tokens = num_tokens / cfg.mini_batches
 
                 def loss_fn(mb, logp, n_tokens):
-                    return objective.loss(mb, logp, cfg, num_tokens=n_tokens, distill_tokens=distill_tokens,
+                    return objective.loss(mb, logp, cfg, num_tokens=n_tokens, distill_tokens=chunk_distill_tokens,
                                           logp_ref=self._reference_logprobs(mb, temperature))
 
-                step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature))
+                if entropy:
+                    step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature, entropy=True))
+                else:
+                    step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature))
         self.model.eval()
         self.updates += 1
         wall = time.perf_counter() - t0
@@ -221,6 +356,7 @@ class Learner:
         metrics.update(_mean_stats(step_stats))
         metrics.update(prepared.stats)
         metrics.update(_episode_stats(episodes))
+        metrics.update(recomputed)
         metrics["timing"] = {"update_s": round(wall, 4), "action_tokens_per_s": round(num_tokens * cfg.epochs / wall, 2) if wall else 0.0}
         return metrics
 
@@ -292,5 +428,24 @@ def _mean_stats(steps: list[dict]) -> dict:
 
 def _episode_stats(episodes: list[dict]) -> dict:
     n = len(episodes)
+    faulted = [e for e in episodes if e.get("error")]  # crashed, timed out, or failed at reset
     return {"mean_reward": sum(e["reward"] for e in episodes) / n, "success_rate": sum(e["success"] for e in episodes) / n,
-            "episodes": n}
+            "episodes": n, "faulted_episodes": len(faulted), "faulted_turns": sum(len(e["turns"]) for e in faulted)}
+
+
+
+def _check_annotated_advantages(used: torch.Tensor, annotations: list[dict] | None, expected: torch.Tensor,
+                                cfg: TrainConfig) -> None:
+    """Under non-default advantage settings (group_norm, invalid_action_penalty,
+    success_reward) a weighted objective (serl, rlsd) must train on the advantages those
+    settings define, and its annotations' weights must be signed the same way, or a turn
+    would be reweighted in the wrong direction. Refuse, rather than run what the config
+    does not say."""
+    settings = (f"train.group_norm={cfg.group_norm}, invalid_action_penalty={cfg.invalid_action_penalty}, "
+                f"success_reward={cfg.success_reward}")
+    if not torch.allclose(used, expected, rtol=0, atol=1e-6):
+        raise SerlError(f"--algo {cfg.algo} does not compute its advantages with {settings} (docs/PARITY.md)")
+    for a, adv in zip(annotations or [], expected.tolist()):
+        if a["weights"] is not None and a["advantage"] * adv < 0:
+            raise SerlError(f"the annotations' weights were signed by advantages computed without {settings}: "
+                            f"they would push some turns the wrong way (docs/PARITY.md)")

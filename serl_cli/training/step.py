@@ -1,7 +1,8 @@
 """The torch training step: token log-probs of stored turns, micro-batched gradient accumulation.
 
-Gradients accumulate over micro-batches and every loss is divided by the whole batch's
-action-token count, so the update equals one full-batch step whatever the micro-batch size.
+Gradients accumulate over micro-batches and every loss is divided by the optimizer step's
+action-token count (the learner's share of the update for one of ``train.mini_batches``), so
+the step equals one full-batch step whatever the micro-batch size.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable
 import torch
 
 from serl_cli.algos.batch import MicroBatch
+from serl_cli.models.device import autocast, model_device
 
 
 @dataclass
@@ -25,22 +27,33 @@ class OptimConfig:
 
 
 
-def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(a_k | prompt, a_<k) for the reply tokens of each row: [B, K] (0 where masked)."""
+def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0, entropy: bool = False):
+    """log pi(a_k | prompt, a_<k) for the reply tokens of each row: [B, K] (0 where masked).
+
+    ``entropy=True`` also gives the policy's entropy at each reply position, [B, K] (0 where
+    masked, differentiable), from the same logits and temperature (the authors' entropy
+    bonus, verl dp_actor.py:469-472): returns ``(logp, entropy)``. The default path does
+    exactly what it did before (no [B, K, V] softmax kept for it)."""
     k = mb.reply_ids.shape[1]
-    # the forward runs where the model lives; the [B, K] result comes back to the CPU, where
-    # every objective's per-turn tensors are built (the copy is differentiable)
-    device = getattr(model, "device", None) or torch.device("cpu")
+    # the forward runs where the model lives, in its precision (models.device: autocast for
+    # bf16/fp16, nothing for fp32); the [B, K] result comes back to the CPU, where every
+    # objective's per-turn tensors are built (the copy is differentiable)
+    device = model_device(model)
     # logits at position j predict token j+1: the K reply tokens need the K positions before them
-    out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
-                position_ids=mb.position_ids.to(device), logits_to_keep=k + 1, use_cache=False)
+    with autocast(model):
+        out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
+                    position_ids=mb.position_ids.to(device), logits_to_keep=k + 1, use_cache=False)
     logits = out.logits[:, :-1, :].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, mb.reply_ids.to(device).unsqueeze(-1)).squeeze(-1)
-    return logp.cpu() * mb.reply_mask
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, mb.reply_ids.to(device).unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return logp.cpu() * mb.reply_mask
+    ent = -(log_probs.exp() * log_probs).sum(-1)
+    return logp.cpu() * mb.reply_mask, ent.cpu() * mb.reply_mask
 
 
 
-ADDITIVE_STATS = frozenset({"loss", "pg_loss", "kl_ref", "nll", "distill_kl"})
+ADDITIVE_STATS = frozenset({"loss", "pg_loss", "kl_ref", "nll", "distill_kl", "entropy"})
 
 
 
@@ -48,32 +61,53 @@ LossFn = Callable[[MicroBatch, torch.Tensor, float], tuple[torch.Tensor, dict]]
 
 
 
+def forward(model, mb: MicroBatch, temperature: float, entropy: bool) -> torch.Tensor:
+    """The policy's log-probs of ``mb``'s reply tokens; with ``entropy`` the per-token
+    entropy is put on ``mb.entropy`` for the loss to read."""
+    if not entropy:
+        return action_logprobs(model, mb, temperature)
+    logp, mb.entropy = action_logprobs(model, mb, temperature, entropy=True)
+    return logp
+
+
+
 def accumulate_step(model, optimizer, micro_batches: list[MicroBatch], loss_fn: LossFn, num_tokens: float,
-                    temperature: float, grad_clip: float) -> dict:
-    """One optimizer step over ``micro_batches``; skipped (and reported) if the loss is not finite."""
+                    temperature: float, grad_clip: float, entropy: bool = False, scaler=None) -> dict:
+    """One optimizer step over ``micro_batches``; skipped (and reported) if the loss is not finite.
+    ``entropy``: also compute the policy's entropy per reply token (``mb.entropy``). ``scaler``:
+    fp16's ``torch.amp.GradScaler`` (the loss is scaled for backward and the gradients
+    unscaled before clipping; a step whose gradients overflow is skipped and lowers the scale)."""
     optimizer.zero_grad(set_to_none=True)
     stats: dict[str, float] = {}
     total_loss = 0.0
     run_tokens = sum(mb.reply_mask.sum().item() for mb in micro_batches)  # the turns run, not the skipped ones
     for mb in micro_batches:
-        logp = action_logprobs(model, mb, temperature)
+        logp = forward(model, mb, temperature, entropy)
         loss, s = loss_fn(mb, logp, num_tokens)
         if not torch.isfinite(loss):
             optimizer.zero_grad(set_to_none=True)
             return {"skipped": 1.0, "loss": float("nan")}
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         total_loss += loss.item()
         share = mb.reply_mask.sum().item() / max(run_tokens, 1)
         for key, v in s.items():
             # loss terms are already divided by the batch's token count: they add up;
             # per-micro-batch means (clip_frac, ratio_mean, ...) are averaged by token share
             stats[key] = stats.get(key, 0.0) + (v if key in ADDITIVE_STATS else v * share)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
                                                grad_clip if grad_clip > 0 else math.inf)
     if not torch.isfinite(grad_norm):
+        if scaler is not None:
+            scaler.update()  # the overflow was recorded by unscale_: the next step runs at a lower scale
         optimizer.zero_grad(set_to_none=True)
         return {"skipped": 1.0, "loss": total_loss, "grad_norm": float("nan")}
-    optimizer.step()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     stats.update(loss=total_loss, grad_norm=float(grad_norm), skipped=0.0)
     return stats
 

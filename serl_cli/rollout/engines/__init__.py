@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from envs.base import Step
-from serl_cli.rollout.policies import Decision
+from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import (
     DEFAULT_ACTION_FORMAT,
     PromptConfig,
     build_messages,
+    format_reply,
     parse_action,
     render_prompt_ids,
+    reply_ids,
 )
 
 ENGINES = ("hf", "vllm")
@@ -79,24 +81,32 @@ class ModelPolicy:
 
 
 class TokenizedExpertPolicy:
-    """The expert, recorded as a model would see it: the same prompt ids, and the expert's
-    action written as a reply and tokenized (with the end-of-turn token) -- SFT data."""
+    """The expert (``expert``, by default the plain one), recorded as a model would see it:
+    the same prompt ids, and its action written as a reply (tagged, or bare with
+    ``prompt.bare_replies``) and tokenized with the end-of-turn token -- SFT data."""
 
     name = "expert"
 
-    def __init__(self, tokenizer, prompt: PromptConfig):
-        from serl_cli.rollout.prompts import format_action
-
-        self.tokenizer, self.prompt, self._format = tokenizer, prompt, format_action
+    def __init__(self, tokenizer, prompt: PromptConfig, expert: ExpertPolicy | None = None):
+        self.tokenizer, self.prompt = tokenizer, prompt
+        self.expert = expert or ExpertPolicy()
         self._prompter = ModelPolicy(engine=_TokenizerOnly(tokenizer), sampling=SamplingConfig(), prompt=prompt)
+
+    @property
+    def calls(self) -> int:  # a resumed rollout sets it: the noisy expert's draws go on where they stood
+        return self.expert.calls
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        self.expert.calls = value
 
     def act(self, steps: list[Step], contexts: list[dict]) -> list[Decision]:
         prompt_ids = self._prompter.prompts(steps, contexts)
         out = []
-        for ids, step in zip(prompt_ids, steps):
-            reply = self._format(step.expert_action or "")
-            action_ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-            out.append(Decision(action=step.expert_action or "", text=reply, prompt_ids=ids, action_ids=action_ids))
+        bare = self.prompt.bare_replies
+        for ids, d in zip(prompt_ids, self.expert.act(steps, contexts)):
+            out.append(Decision(action=d.action, text=format_reply(d.action, bare), prompt_ids=ids,
+                                action_ids=reply_ids(self.tokenizer, d.action, bare), off_expert=d.off_expert))
         return out
 
 
@@ -118,10 +128,11 @@ def check_engine(kind: str) -> None:
 
 
 def make_engine(kind: str, model, tokenizer, threads: int | None = None, *, model_dir: str | None = None,
-                vllm=None, seed: int = 0) -> Engine:
+                vllm=None, seed: int = 0, gpus: list[int] | None = None) -> Engine:
     """``hf`` generates with ``model`` itself; ``vllm`` loads its own copy of the policy from
     ``model_dir`` (default: the directory ``model`` was loaded from), with ``vllm`` a
-    :class:`serl_cli.rollout.engines.vllm.VLLMConfig`."""
+    :class:`serl_cli.rollout.engines.vllm.VLLMConfig`, on the CUDA devices ``gpus`` when
+    given (``rollout.gpus``: split from the trainer's), else where vLLM puts it."""
     from serl_cli.errors import SerlError
 
     check_engine(kind)
@@ -134,7 +145,13 @@ def make_engine(kind: str, model, tokenizer, threads: int | None = None, *, mode
     source = model_dir or getattr(model, "name_or_path", None)
     if not source:
         raise SerlError("--engine vllm loads the policy from a model directory, and this model has none")
-    return VLLMEngine(str(source), tokenizer, vllm, seed=seed)
+    return VLLMEngine(str(source), tokenizer, vllm, seed=seed, gpus=gpus)
+
+
+def holds_own_weights(engine: Engine) -> bool:
+    """Whether ``engine`` keeps a copy of the weights that must follow each update (vLLM);
+    the hf engine generates with the trainer's model itself and is always current."""
+    return hasattr(engine, "update_weights") or hasattr(engine, "load_weights")
 
 
 def refresh_weights(engine: Engine, checkpoint_dir) -> None:
@@ -145,13 +162,36 @@ def refresh_weights(engine: Engine, checkpoint_dir) -> None:
         reload(checkpoint_dir)
 
 
+def sleep_engine(engine: Engine) -> None:
+    """Let an engine free its accelerator memory while the trainer updates (vLLM with
+    ``sleep: true``); it wakes when the next weights arrive. A no-op for the others."""
+    sleep = getattr(engine, "sleep", None)
+    if sleep is not None:
+        sleep()
+
+
 def model_policy(model_name: str, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  prompt: PromptConfig | None = None, max_new_tokens: int = 48, threads: int | None = None,
-                 engine: str = "hf") -> ModelPolicy:
-    from serl_cli.models.loading import load_model, set_torch_threads
+                 engine: str = "hf", device: str = "auto", dtype: str = "auto", vllm=None,
+                 gpus: list[int] | None = None) -> ModelPolicy:
+    """A policy generating with ``model_name`` on ``engine``: hf on ``device`` in ``dtype``
+    (``models.device``), or a vLLM engine of its own (``vllm``: its ``VLLMConfig``; close it
+    with :func:`close_engine`)."""
+    from serl_cli.models.device import resolve
+    from serl_cli.models.loading import load_for_inference, set_torch_threads
 
+    check_engine(engine)
     set_torch_threads(threads)
-    model, tokenizer = load_model(model_name)
-    model.eval()
-    return ModelPolicy(make_engine(engine, model, tokenizer), SamplingConfig(temperature, top_p, max_new_tokens),
-                       prompt or PromptConfig(), seed=seed)
+    if engine == "vllm":
+        eng = make_engine("vllm", None, None, model_dir=model_name, vllm=vllm, seed=seed, gpus=gpus)
+    else:
+        model, tokenizer = load_for_inference(model_name, resolve(device, dtype))
+        eng = make_engine(engine, model, tokenizer)
+    return ModelPolicy(eng, SamplingConfig(temperature, top_p, max_new_tokens), prompt or PromptConfig(), seed=seed)
+
+
+def close_engine(engine) -> None:
+    """Free an engine's own resources (vLLM's engine process and its memory); hf has none."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()

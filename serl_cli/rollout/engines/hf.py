@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from serl_cli.models.device import autocast, model_device
 from serl_cli.rollout.engines import Generation, SamplingConfig
 
 
@@ -32,9 +33,13 @@ class HFEngine:
             input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attention[i, width - len(p):] = 1
         greedy = sampling.temperature <= 0
-        with torch.random.fork_rng(devices=[]):  # seed this call without disturbing the caller's RNG
+        device = model_device(self.model)  # the model's device and precision (models.device); the CPU: unchanged
+        if device.type != "cpu":
+            input_ids, attention = input_ids.to(device), attention.to(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
             torch.manual_seed(seed)
-            out = self._generate(input_ids, attention, sampling, greedy)
+            with autocast(self.model):
+                out = self._generate(input_ids, attention, sampling, greedy)
         new_tokens = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1).float()  # [B, new, V], raw (before sampling processors)
         scale = 1.0 if greedy else sampling.temperature

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The prepared GPU check (benchmarks/gpu_check.py): Qwen2.5-0.5B and -1.5B shapes with random
+# weights and serl's own tokenizer, no downloads; a vLLM rollout on Sokoban, one DeepSpeed ZeRO-2
+# bf16 update, the in-memory weight sync, one online iteration. About 8 minutes on one H100/H200.
+#
+#   bash benchmarks/gpu_check.sh                       # the whole check, results/gpu_check.json
+#   bash benchmarks/gpu_check.sh --smoke               # CPU, tiny shapes, under a minute (tests/test_gpu_check.py)
+#   bash benchmarks/gpu_check.sh --shapes qwen2.5-1.5b --out /tmp/x.json
+#
+# Exit 0 when every stage ran, 1 when one failed (the JSON and the table say which and why).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
+args=("$@")
+case " $* " in *" --out "* | *" --out="*) ;; *) args+=(--out "benchmarks/results/gpu_check$([[ " $* " == *" --smoke "* ]] && echo _smoke).json") ;; esac
+# the whole check stays within its budget: 15 minutes at most, whatever hangs
+exec timeout --signal=TERM --kill-after=30 "${SERL_GPU_CHECK_TIMEOUT:-900}" "${PYTHON:-python}" -m benchmarks.gpu_check "${args[@]}"

@@ -1,0 +1,88 @@
+"""Hindsight SFT (``train.hindsight_sft``): teach a small model to read a hindsight block.
+
+SERL's teacher is the policy itself, shown a hindsight block (METHOD.md 4). The paper's
+7B model reads such a block zero-shot; a model trained from scratch has never seen one,
+so its teacher scores exactly like the student, every weight is about 1, and SERL is GRPO
+by construction. This is a **small-scale necessity, not part of the paper's method**: a
+warm-start option that adds SFT examples rendered exactly as the annotation renders
+teacher prompts, so that the same network can later serve as a teacher that says
+something.
+
+Where the examples come from: the turns of the data where a noisy expert
+(``serl rollout --policy expert --set expert_noise=...``) moved off the expert
+(``off_expert``) from a state that still had an expert action. The block built for such a
+turn says what that mistake led to -- the environment's error, a reference trajectory --
+which is what the teacher will be shown about the student's mistakes online. The target is
+the expert's action from the same state, written as the expert writes it for SFT.
+
+Each example comes twice, with the block and without it. Without the second copy the
+block would only mark "an unusual state", and the model would learn to move away from
+whatever it would otherwise do whenever a block is present, whatever the block says;
+with it, the block is worth reading only for what it says (docs/ENVS.md, Sokoban: a line
+naming a deadlocking action lowers that action, a line naming another does not).
+
+Blocks are built at step granularity with :func:`serl_cli.method.feedback.hindsight_step`
+and spliced with :func:`serl_cli.method.teacher.teacher_prompt_ids`, the whole block cut to
+``max_hindsight_tokens`` tokens: the annotation's own functions and budget, so the teacher
+prompts online look like the ones trained on.
+"""
+
+from __future__ import annotations
+
+from serl_cli.method import feedback as fb
+from serl_cli.method.annotation import expert_trajectories
+from serl_cli.method.teacher import block_ids, teacher_prompt_ids
+from serl_cli.rollout.prompts import format_reply, reply_ids
+
+
+def examples_for_run(episodes: list[dict], tokenizer, sources: str, env_cfg: dict | None,
+                     bare_replies: bool = False) -> list[dict]:
+    """:func:`hindsight_examples` of a run's episodes, with the environment's expert
+    trajectories for ``expert`` where the sources use it (as the annotation has them)."""
+    uses_expert = any("expert" in alts for alts in fb.parse_sources(sources))
+    experts = expert_trajectories(env_cfg, episodes) if uses_expert and env_cfg else None
+    return hindsight_examples(episodes, tokenizer, sources, experts=experts, bare_replies=bare_replies)
+
+
+def hindsight_turns(episodes: list[dict]) -> list[tuple[int, int]]:
+    """(episode, turn) of every off-expert move made from a state that had an expert action."""
+    return [(e, t) for e, ep in enumerate(episodes) for t, turn in enumerate(ep["turns"])
+            if turn.get("off_expert") and turn.get("expert_action")]
+
+
+def hindsight_examples(episodes: list[dict], tokenizer, sources: str, *, experts: dict[int, list[dict]] | None = None,
+                       max_hindsight_tokens: int = 2048, bare_replies: bool = False) -> list[dict]:
+    """The SFT examples, as episodes ``Learner.update`` reads: one per episode that has any,
+    holding two turns per hindsight turn whose ``sources`` render a block (with the block,
+    then without). ``experts``: the expert's trajectory per task, for the ``expert`` source
+    (``method.annotation.expert_trajectories``). ``bare_replies``: write the targets as the
+    data's demonstrations are written (``PromptConfig.bare_replies``)."""
+    spec = fb.parse_sources(sources)
+    groups: dict[tuple, list[dict]] = {}
+    for ep in episodes:
+        groups.setdefault((ep["task_id"], ep["group_id"]), []).append(ep)
+    cut = fb.make_cutter(tokenizer, max_hindsight_tokens)  # the whole block, as the annotation cuts it
+    by_episode: dict[int, list[dict]] = {}
+    for e, t in hindsight_turns(episodes):
+        ep = episodes[e]
+        ctx = fb.TurnContext(episode=ep, turn=t, group=groups[(ep["task_id"], ep["group_id"])],
+                             expert=(experts or {}).get(ep["task_id"]))
+        block, _, _ = fb.hindsight_step(ctx, spec)
+        if block is None:
+            continue
+        block = cut(block)
+        turn = ep["turns"][t]
+        teacher = teacher_prompt_ids(turn["prompt_ids"], block_ids(tokenizer, block), tokenizer.eos_token_id)
+        by_episode.setdefault(e, []).extend([_example(turn, teacher, tokenizer, block, bare_replies),
+                                             _example(turn, turn["prompt_ids"], tokenizer, None, bare_replies)])
+    return [{**{k: episodes[e][k] for k in ("task_id", "group_id", "rollout_index", "reward", "success")}, "turns": turns}
+            for e, turns in by_episode.items()]
+
+
+def _example(turn: dict, prompt_ids: list[int], tokenizer, hindsight: str | None, bare: bool) -> dict:
+    """A turn record whose reply is the expert's action from ``turn``'s state."""
+    expert = turn["expert_action"]
+    return {"turn": turn["turn"], "prompt_ids": prompt_ids, "action_ids": reply_ids(tokenizer, expert, bare),
+            "action_text": format_reply(expert, bare), "action": expert, "behaviour_logprobs": [],
+            "state_key": turn["state_key"], "feedback": turn["feedback"], "reward": 0.0, "done": False,
+            "hindsight": hindsight}

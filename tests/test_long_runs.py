@@ -1,0 +1,151 @@
+"""Long runs of the online loop: periodic evaluation, checkpoint retention (``save_every``,
+``keep_last``), and preemption -- SIGTERM / SIGUSR1 stops the loop at a safe point with a
+checkpoint and exit code 75, and ``--resume`` continues to the same artifacts as an
+uninterrupted run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from fixtures_model import synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
+from safetensors.torch import load_file
+
+from serl_cli.ablate.runners import SELF_CMD
+from serl_cli.errors import SerlError
+from serl_cli.rollout.engines import SamplingConfig
+from serl_cli.stages.online import (PREEMPTED_EXIT, OnlineConfig, OnlineEvalConfig, Preempted, checkpoint_due,
+                                    prune_checkpoints, resume_point, run_online)
+from serl_cli.stages.rollout import RolloutConfig
+from serl_cli.training.learner import Learner, TrainConfig
+from serl_cli.training.step import OptimConfig
+
+
+def online_cfg(model, out) -> OnlineConfig:
+    """3 iterations of SFT on the policy's own samples (always a gradient), a checkpoint every
+    2 (iterations 1 and 2), the newest kept, an evaluation every 2 at T 0.7."""
+    return OnlineConfig(env=synthetic_env(max_turns=2), model=str(model), iterations=3, seed=2, out=str(out),
+                        rollout=RolloutConfig(tasks=1, group_size=2, sampling=SamplingConfig(1.0, 1.0, 6), threads=1),
+                        train=TrainConfig(algo="sft", optim=OptimConfig(lr=1e-3), threads=1),
+                        eval=OnlineEvalConfig(episodes=1, every=2, temperature=0.7), save_every=2, keep_last=1)
+
+
+def same_weights(a, b) -> bool:
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+
+
+def assert_same_run(out, ref) -> None:
+    assert (out / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
+    for k in range(3):
+        it = f"iter_{k:04d}"
+        assert (out / it / "rollouts.jsonl").read_bytes() == (ref / it / "rollouts.jsonl").read_bytes(), it
+    assert same_weights(out / "checkpoint", ref / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("long") / "ref"
+    run_online(online_cfg(tiny_model_dir, out))
+    return out
+
+
+def test_periodic_evaluation_and_checkpoint_retention(reference):
+    metrics = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [("eval_success_rate" in m) for m in metrics] == [False, True, False]  # after iteration 2 of 3 (every 2)
+    assert {"eval_score", "eval_invalid_action_rate", "eval_mean_turns"} <= set(metrics[1])
+    assert (reference / "iter_0001" / "eval.json").is_file() and not (reference / "iter_0000" / "eval.json").exists()
+    # due: iterations 1 (every 2) and 2 (the last); kept: the newest one
+    assert sorted(p.parent.name for p in reference.glob("iter_*/checkpoint")) == ["iter_0002"]
+    assert (reference / "checkpoint" / "model.safetensors").is_file()
+
+
+def test_resume_point_and_pruning_rules(tmp_path):
+    cfg = OnlineConfig(iterations=10, save_every=3)
+    assert [k for k in range(10) if checkpoint_due(cfg, k)] == [2, 5, 8, 9]
+    for k in (2, 5, 6):  # 6: written off schedule (a stop)
+        d = tmp_path / f"iter_{k:04d}" / "checkpoint"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        (d / "trainer_state.pt").write_bytes(b"")
+    assert resume_point(tmp_path, cfg, 8) == 7  # iteration 7 finished without a checkpoint: redo it
+    assert resume_point(tmp_path, cfg, 2) == 0  # nothing due yet: from the start
+    with pytest.raises(SerlError, match="iteration 8 is marked done but .* is missing"):
+        resume_point(tmp_path, cfg, 9)  # 8 was due
+    prune_checkpoints(tmp_path, 2)
+    assert sorted(p.parent.name for p in tmp_path.glob("iter_*/checkpoint")) == ["iter_0005", "iter_0006"]
+    prune_checkpoints(tmp_path, 0)  # 0: keep all
+    assert len(list(tmp_path.glob("iter_*/checkpoint"))) == 2
+    for bad, match in (({"save_every": 0}, "save_every"), ({"keep_last": -1}, "keep_last")):
+        with pytest.raises(SerlError, match=match):
+            run_online(dataclasses.replace(OnlineConfig(out=str(tmp_path / "x")), **bad))
+    assert not (tmp_path / "x").exists()
+
+
+def test_stop_during_the_rollouts_abandons_the_iteration(tiny_model_dir, reference, tmp_path):
+    """A signal after iteration 0 lands in iteration 1's rollouts: iteration 1 is abandoned,
+    iteration 0 -- not due a checkpoint -- gets one, and the resumed run is the reference."""
+    out = tmp_path / "run"
+    with pytest.raises(Preempted) as stop:
+        run_online(online_cfg(tiny_model_dir, out), on_iteration=lambda m: os.kill(os.getpid(), signal.SIGUSR1))
+    assert stop.value.finished == 1 and stop.value.exit_code == PREEMPTED_EXIT and "SIGUSR1" in str(stop.value)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stages"]["iter_0000"]["status"] == "done" and "iter_0001" not in manifest["stages"]
+    assert (out / "iter_0000" / "checkpoint" / "trainer_state.pt").is_file()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the loop's handlers are gone
+    run_online(online_cfg(tiny_model_dir, out), resume=True)
+    assert_same_run(out, reference)
+
+
+def test_stop_during_the_update_finishes_the_iteration(tiny_model_dir, reference, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    update = Learner.update
+
+    def signalled_update(self, *args, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the update runs
+        return update(self, *args, **kw)
+
+    monkeypatch.setattr(Learner, "update", signalled_update)
+    with pytest.raises(Preempted) as stop:
+        run_online(online_cfg(tiny_model_dir, out))
+    monkeypatch.setattr(Learner, "update", update)
+    assert stop.value.finished == 1  # iteration 0 finished: its update, its checkpoint (off schedule)
+    assert json.loads((out / "manifest.json").read_text())["stages"]["iter_0000"]["status"] == "done"
+    assert (out / "iter_0000" / "checkpoint" / "model.safetensors").is_file()
+    run_online(online_cfg(tiny_model_dir, out), resume=True)
+    assert_same_run(out, reference)
+
+
+def test_cli_exits_75_on_sigusr1_and_resume_continues(tiny_model_dir, reference, tmp_path):
+    """``serl train`` in its own process, stopped by ``os.kill`` once iteration 0 is done."""
+    out = tmp_path / "run"
+    cfg_file = tmp_path / "online.yaml"
+    plain = dataclasses.asdict(online_cfg(tiny_model_dir, out))
+    cfg_file.write_text(yaml.safe_dump(plain))
+    env = {**os.environ, "SERL_THREADS": "1", "COLUMNS": "200"}
+    cmd = [*SELF_CMD, "train", "--config", str(cfg_file), "-q"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 240
+    manifest = out / "manifest.json"
+    while time.monotonic() < deadline and p.poll() is None:
+        if manifest.is_file() and json.loads(manifest.read_text()).get("stages", {}).get("iter_0000", {}).get(
+                "status") == "done":
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, p.communicate()[1][-2000:]
+    os.kill(p.pid, signal.SIGUSR1)
+    _, err = p.communicate(timeout=240)
+    assert p.returncode == PREEMPTED_EXIT, err[-2000:]
+    assert "preempted:" in err and "--resume" in err
+    q = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, timeout=300)
+    assert q.returncode == 0, q.stderr[-2000:]
+    assert_same_run(out, reference)
+    assert sys.executable  # (SELF_CMD runs this interpreter)

@@ -34,7 +34,7 @@ def test_smoke_runs_every_stage_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "SERL_THREADS": "1", "COLUMNS": "200"}
     p = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--smoke", "--device", "cpu", "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, env=env, timeout=300, cwd=ROOT, check=False)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["ok"] and data["smoke"] and data["device"] == "cpu"

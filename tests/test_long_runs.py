@@ -21,8 +21,16 @@ from safetensors.torch import load_file
 from serl_cli.ablate.runners import SELF_CMD
 from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import SamplingConfig
-from serl_cli.stages.online import (PREEMPTED_EXIT, OnlineConfig, OnlineEvalConfig, Preempted, checkpoint_due,
-                                    prune_checkpoints, resume_point, run_online)
+from serl_cli.stages.online import (
+    PREEMPTED_EXIT,
+    OnlineConfig,
+    OnlineEvalConfig,
+    Preempted,
+    checkpoint_due,
+    prune_checkpoints,
+    resume_point,
+    run_online,
+)
 from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.learner import Learner, TrainConfig
 from serl_cli.training.step import OptimConfig
@@ -145,7 +153,7 @@ def test_cli_exits_75_on_sigusr1_and_resume_continues(tiny_model_dir, reference,
     _, err = p.communicate(timeout=240)
     assert p.returncode == PREEMPTED_EXIT, err[-2000:]
     assert "preempted:" in err and "--resume" in err
-    q = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, timeout=300)
+    q = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, timeout=300, check=False)
     assert q.returncode == 0, q.stderr[-2000:]
     assert_same_run(out, reference)
     assert sys.executable  # (SELF_CMD runs this interpreter)

@@ -31,7 +31,7 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 
 def bash_ok(path: Path) -> bool:
-    return subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    return subprocess.run(["bash", "-n", str(path)], capture_output=True, check=False).returncode == 0
 
 
 def test_paper_grid_sbatch_runs_torchrun_on_the_cells_gpus(tmp_path):
@@ -129,7 +129,7 @@ def test_sigusr1_requeues_the_task_and_the_rerun_resumes(tmp_path, tiny_model_di
     assert "requeued" in stdout and (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77_0"]
     cell = json.loads((manifest.parent.parent / "cell.json").read_text())
     assert cell["status"] == "running" and not (manifest.parent.parent / "eval.json").exists()
-    q = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=300)  # the requeued run
+    q = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=300, check=False)  # the requeued run
     assert q.returncode == 0, q.stderr[-2000:]
     assert json.loads((manifest.parent.parent / "cell.json").read_text())["status"] == "done"
     metrics = (manifest.parent / "metrics.jsonl").read_text().splitlines()
@@ -147,7 +147,7 @@ def test_a_deepspeed_cell_runs_under_torchrun_from_the_sbatch(tmp_path, tiny_mod
     text = (out / "ablate.sbatch").read_text()
     assert "--standalone --nproc_per_node 2" in text
     p = subprocess.run(["bash", str(out / "ablate.sbatch")], capture_output=True, text=True, env=_fake_slurm(tmp_path),
-                       timeout=600)
+                       timeout=600, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads((out / "grid.json").read_text())
     d = out / "cells" / rec["cells"][0]["name"]
@@ -158,8 +158,7 @@ def test_a_deepspeed_cell_runs_under_torchrun_from_the_sbatch(tmp_path, tiny_mod
 def test_final_evaluation_runs_on_the_cells_engine_device_and_dtype(tmp_path, tiny_model_dir, monkeypatch):
     """The cell's online run is faked; its final evaluation gets the cell's engine (vLLM in the
     paper grids), vLLM settings and GPUs, and the trainer's device and dtype."""
-    import serl_cli.stages.evaluate as evaluate
-    import serl_cli.stages.online as online
+    from serl_cli.stages import evaluate, online
 
     grid = _grid(tmp_path, tiny_model_dir, {}, {"rollout": {"engine": "vllm", "vllm": {"tensor_parallel_size": 2},
                                                             "gpus": [6, 7]},

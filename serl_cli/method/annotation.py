@@ -68,6 +68,10 @@ class AnnotateConfig:
     update_step: int = 0  # the update these annotations feed (lambda schedule)
     seed: int = 0  # `random` placement
     threads: int | None = None
+    # `serl annotate`'s teacher (models.device): auto = CUDA when present | cpu | cuda; auto = bf16 on a GPU
+    # with it, else fp32 (autocast). The online loop's teacher is the trainer's snapshot: train.device/dtype
+    device: str = "auto"
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16
     micro_batch_tokens: int = 16384
     teacher_signal: bool = True  # check the teacher against the expert action, where turns have one
 
@@ -84,6 +88,9 @@ def validate(cfg: AnnotateConfig) -> list[list[str]]:
         raise SerlError(f"unknown unparsed {cfg.unparsed!r}: choose one of {', '.join(UNPARSED)}")
     if not (isinstance(cfg.max_hindsight_tokens, int) and cfg.max_hindsight_tokens > 0):
         raise SerlError(f"max_hindsight_tokens must be a positive number of tokens, got {cfg.max_hindsight_tokens!r}")
+    from serl_cli.models.device import check_names
+
+    check_names(cfg.device, cfg.dtype)
     return spec
 
 

@@ -72,7 +72,8 @@ def run_annotate(run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False, 
 
 def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bool) -> dict:
     from serl_cli.artifacts.schema import rollout_temperature
-    from serl_cli.models.loading import load_model, set_torch_threads
+    from serl_cli.models.device import resolve
+    from serl_cli.models.loading import load_for_inference, set_torch_threads
 
     manifest = io.load_manifest(run)
     validate(cfg)
@@ -98,7 +99,8 @@ def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bo
         io.start_journal(journal, header)
     io.mark_stage(run, "annotate", "running", resumed_from_unit=len(done))
     set_torch_threads(cfg.threads)
-    model, tokenizer = load_model(teacher_name)
+    # the teacher on cfg.device in cfg.dtype (a GPU: bf16 weights; a CPU: fp32 weights under autocast)
+    model, tokenizer = load_for_inference(teacher_name, resolve(cfg.device, cfg.dtype))
     records, stats = annotate_episodes(episodes, cfg, model, tokenizer, env_cfg=rollout_cfg.get("env"),
                                        temperature=rollout_temperature(manifest), scorer=journaled_scorer(journal, done))
     result = write_annotations(run, records, episodes, cfg, stats)

@@ -50,8 +50,16 @@ from serl_cli.errors import SerlError
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
 from serl_cli.method.teacher import TeacherSnapshot
 from serl_cli.models.loading import ADAPTER_CONFIG
-from serl_cli.rollout.engines import (ModelPolicy, SamplingConfig, check_engine, close_engine, holds_own_weights,
-                                      make_engine, refresh_weights, sleep_engine)
+from serl_cli.rollout.engines import (
+    ModelPolicy,
+    SamplingConfig,
+    check_engine,
+    close_engine,
+    holds_own_weights,
+    make_engine,
+    refresh_weights,
+    sleep_engine,
+)
 from serl_cli.rollout.engines.vllm import check_config as check_vllm_config
 from serl_cli.rollout.engines.vllm import check_gpus, check_sampling
 from serl_cli.rollout.worlds import EnvConfig, build_world

@@ -27,6 +27,7 @@ vLLM is an optional extra: it is imported here, inside the engine, never by the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -198,10 +199,10 @@ def read_shared(shm_name: str, rows) -> list:
     import torch
 
     block = shared_memory.SharedMemory(name=shm_name)
-    try:  # the sender owns the block: this process must not unlink it at exit
-        resource_tracker.unregister(block._name, "shared_memory")  # noqa: SLF001 (Python < 3.13 registers it)
-    except Exception:  # noqa: BLE001
-        pass
+    # the sender owns the block: this process must not unlink it at exit (Python < 3.13
+    # registers every block a process attaches to with its resource tracker)
+    with contextlib.suppress(KeyError, ValueError, OSError):
+        resource_tracker.unregister(block._name, "shared_memory")
     out = []
     try:
         for name, dtype, shape, offset, n in rows:

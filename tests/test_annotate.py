@@ -242,3 +242,15 @@ def test_serl_without_annotations_is_refused(run_dir, tmp_path):
         (run / f).write_bytes((run_dir / f).read_bytes())
     assert_one_line_error(serl("train", str(run), "--algo", "serl"), "has no annotations")
     assert not (run / "checkpoint").exists()
+
+
+def test_run_annotate_reports_teacher_progress(run_dir, tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    for f in ("manifest.json", "rollouts.jsonl"):
+        (run / f).write_bytes((run_dir / f).read_bytes())
+    calls = []
+    summary = run_annotate(str(run), AnnotateConfig(sources="obs", unparsed="whole", threads=1, teacher_signal=False),
+                           progress=lambda done, total: calls.append((done, total)))
+    assert calls and calls[-1] == (summary["teacher_turns_scored"],) * 2  # the bar ends full
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
@@ -38,7 +39,11 @@ def annotate_command(
     cfg = resolve(AnnotateConfig, config_file=config, overrides=set_, flags={
         "sources": sources, "granularity": granularity, "placement": placement, "teacher": teacher,
         "threads": threads, "seed": seed, "device": device, "dtype": dtype})
-    s = run_annotate(run, cfg, overwrite=overwrite, resume=resume)
+    with Progress(TextColumn("[bold]teacher"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=console, disable=quiet, transient=True) as bar:
+        task = bar.add_task("turns", total=None)
+        s = run_annotate(run, cfg, overwrite=overwrite, resume=resume,
+                         progress=lambda done, total: bar.update(task, completed=done, total=total))
     save_resolved(run, "annotate.yaml", cfg)
     rep = s["report"]
     rows = [("turns", str(s["turns"])), ("selected", f"{s['selected']} ({s['selected'] / max(s['turns'], 1):.1%})"),

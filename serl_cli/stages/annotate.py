@@ -29,11 +29,13 @@ JOURNAL_FILE = "annotations.journal.jsonl"
 
 
 
-def journaled_scorer(journal: Path, done: list[dict]):
-    """A :func:`score` that reuses the units in ``done`` and journals each one it scores."""
+def journaled_scorer(journal: Path, done: list[dict], progress=None):
+    """A :func:`score` that reuses the units in ``done`` and journals each one it scores;
+    ``progress(turns scored, turns to score)`` after each unit (a progress bar)."""
 
     def scorer(model, tokenizer, items, temperature, micro_batch_tokens):
         out: list[list[float]] = [[] for _ in items]
+        finished = 0
         for u, index in enumerate(score_units(tokenizer, items, micro_batch_tokens)):
             if u < len(done):
                 if done[u].get("items") != index:
@@ -45,6 +47,9 @@ def journaled_scorer(journal: Path, done: list[dict]):
                 io.append_journal(journal, {"unit": u, "items": index, "logprobs": logprobs})
             for i, lp in zip(index, logprobs):
                 out[i] = lp
+            finished += len(index)
+            if progress is not None:
+                progress(finished, len(items))
         return out
 
     return scorer
@@ -61,16 +66,17 @@ def _finished(run: Path, manifest: dict) -> dict | None:
 
 
 
-def run_annotate(run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+def run_annotate(run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False, resume: bool = False,
+                 progress=None) -> dict:
     """Annotate a run's rollouts; ``resume`` continues an interrupted pass from its journal
     (or returns the summary of a finished one)."""
     run = Path(run_dir)
     with runlock.run_lock(run):
-        return _run_annotate(run, cfg, overwrite=overwrite, resume=resume)
+        return _run_annotate(run, cfg, overwrite=overwrite, resume=resume, progress=progress)
 
 
 
-def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bool) -> dict:
+def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bool, progress=None) -> dict:
     from serl_cli.artifacts.schema import rollout_temperature
     from serl_cli.models.device import resolve
     from serl_cli.models.loading import load_for_inference, set_torch_threads
@@ -102,7 +108,7 @@ def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bo
     # the teacher on cfg.device in cfg.dtype (a GPU: bf16 weights; a CPU: fp32 weights under autocast)
     model, tokenizer = load_for_inference(teacher_name, resolve(cfg.device, cfg.dtype))
     records, stats = annotate_episodes(episodes, cfg, model, tokenizer, env_cfg=rollout_cfg.get("env"),
-                                       temperature=rollout_temperature(manifest), scorer=journaled_scorer(journal, done))
+                                       temperature=rollout_temperature(manifest), scorer=journaled_scorer(journal, done, progress))
     result = write_annotations(run, records, episodes, cfg, stats)
     journal.unlink(missing_ok=True)
     return result

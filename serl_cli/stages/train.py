@@ -39,7 +39,7 @@ def follow_train_on_run(run_dir: str, cfg: TrainConfig, *, resume: bool = False)
         meta = manifest["stages"]["annotate"]
     learner = Learner(model_name, cfg)
     episodes = training_episodes(read_rollouts(run), cfg, run)
-    episodes += _hindsight_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
+    episodes += hindsight_sft_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
     learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
     learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
 
@@ -65,7 +65,7 @@ def check_hindsight_sft(cfg: TrainConfig) -> None:
 
 
 
-def _hindsight_examples(episodes: list[dict], cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> list[dict]:
+def hindsight_sft_examples(episodes: list[dict], cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> list[dict]:
     """With ``train.hindsight_sft``, the SFT data's teacher-prompt examples (``method.hindsight_sft``); else none."""
     if cfg.hindsight_sft is None:
         return []
@@ -117,7 +117,7 @@ def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool)
     line, timings_line = io.count_jsonl(metrics_path), io.count_jsonl(timings_path)
     io.mark_stage(run, stage_name, "running", metrics_line=line, timings_line=timings_line)
     learner = Learner(model_name, cfg)
-    examples = _hindsight_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
+    examples = hindsight_sft_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
     metrics = learner.update(episodes + examples, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest),
                              annotations, meta)
     if cfg.hindsight_sft is not None:

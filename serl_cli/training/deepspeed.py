@@ -210,13 +210,21 @@ def init_distributed(deepspeed) -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # not started by torchrun / the deepspeed launcher: a group of one
+    alone = "RANK" not in os.environ  # not started by torchrun / the deepspeed launcher: a group of one
+    if alone:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
     # the first initialize on a CPU compiles a small shared-memory op; cache it with serl's cache
     cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(cache) / "torch_extensions"))
-    deepspeed.init_distributed(verbose=False)
+    for attempt in range(3):
+        try:
+            deepspeed.init_distributed(verbose=False)
+            return
+        except RuntimeError as e:  # DistNetworkError: a free port picked, then taken by another process
+            if not alone or "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+            os.environ["MASTER_PORT"] = str(_free_port())
 
 
 def _choose_accelerator(device: torch.device) -> None:

@@ -39,6 +39,7 @@ import json
 import random
 import shutil
 import tempfile
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -397,7 +398,9 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     set_torch_threads(args.threads)
-    log = (lambda m: None) if args.smoke else (lambda m: print(m, flush=True))
+    # the smoke run keeps stdout to the table; a failing stage's traceback still reaches stderr
+    log = (lambda m: print(m, file=sys.stderr, flush=True) if "Traceback" in m else None) if args.smoke \
+        else (lambda m: print(m, flush=True))
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="serl-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -191,3 +191,29 @@ def test_non_finite_loss_skips_the_step(tiny_model_dir):
     metrics = learner.update(episodes, 1.0)
     assert metrics["skipped_steps"] == 1 and math.isnan(metrics["loss"])
     assert all(torch.equal(before[n], p) for n, p in full_parameters(learner).items())
+
+
+
+SOLO_GROUP = """
+import os, subprocess, sys
+from serl_cli.training.deepspeed import _import_deepspeed, init_distributed
+init_distributed(_import_deepspeed())  # this process's group of one, its store on MASTER_PORT
+if sys.argv[1:] == ["parent"]:  # a child inherits RANK/MASTER_PORT: it must make its own group, on another port
+    child = subprocess.run([sys.executable, __file__], capture_output=True, text=True)
+    sys.stderr.write(child.stderr)
+    print(child.stdout.strip(), os.environ["MASTER_PORT"])
+    sys.exit(child.returncode)
+print(os.environ["MASTER_PORT"])
+"""
+
+
+@needs_deepspeed
+def test_a_child_of_a_group_of_one_makes_its_own_group(tmp_path):
+    # pytest and `serl ablate` start serl processes from a process that already holds a group of one
+    script = tmp_path / "solo.py"
+    script.write_text(SOLO_GROUP)
+    p = subprocess.run([sys.executable, str(script), "parent"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "SERL_THREADS": "1"}, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    child_port, parent_port = p.stdout.split()[-2:]
+    assert child_port != parent_port

@@ -198,6 +198,9 @@ def _import_deepspeed():
     return deepspeed
 
 
+SOLO_MARK = "SERL_SOLO_GROUP_PID"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,10 +213,15 @@ def init_distributed(deepspeed) -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    alone = "RANK" not in os.environ  # not started by torchrun / the deepspeed launcher: a group of one
+    # Not started by torchrun / the deepspeed launcher: a group of one. Variables a parent serl process set
+    # for its own group of one (marked with its pid) are inherited, not a launcher's: the child is alone too,
+    # and must not reuse the parent's port, which the parent's store still holds.
+    inherited = os.environ.get(SOLO_MARK) not in (None, str(os.getpid()))
+    alone = "RANK" not in os.environ or inherited
     if alone:
+        port = None if inherited else os.environ.get("MASTER_PORT")
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
+                          MASTER_PORT=port or str(_free_port()), **{SOLO_MARK: str(os.getpid())})
     # the first initialize on a CPU compiles a small shared-memory op; cache it with serl's cache
     cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(cache) / "torch_extensions"))

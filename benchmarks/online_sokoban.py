@@ -51,7 +51,7 @@ PARTS = ("rollout", "annotate", "update")
 
 @dataclass
 class OnlineBench:
-    preset: str = "micro"
+    preset: str = "micro"  # the embedded default for Sokoban, the demo's
     model: str | None = None  # None: the embedded preset model, random weights, with synthetic rewards
     tasks: int = 8
     group_size: int = 8

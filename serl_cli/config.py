@@ -125,6 +125,10 @@ def _coerce(tp, value, where: str):
             except SerlError as e:
                 errors.append(e)
         raise errors[0]
+    if tp is tuple or origin is tuple:  # YAML has lists only: a tuple setting loads as the tuple it dumped
+        if not isinstance(value, (list, tuple)):
+            raise SerlError(f"setting {where} must be a list, got {value!r}")
+        return tuple(value)
     if tp is typing.Any or origin in (dict, list) or tp in (dict, list):
         want = origin or tp
         if want in (dict, list) and not isinstance(value, want):
@@ -154,18 +158,32 @@ def _coerce(tp, value, where: str):
     return value
 
 
-def resolve(cls, *, config_file: str | list[str] | None, flags: dict, overrides: list[str], base: dict | None = None):
-    """defaults < base (a stage's own defaults) < YAML files, left to right < flags given < --set."""
+def resolve(cls, *, config_file: str | list[str] | None, flags: dict, overrides: list[str], base: dict | None = None,
+            reader=None):
+    """defaults < base (a stage's own defaults) < YAML files, left to right < flags given < --set.
+
+    ``reader`` (optional) reads settings laid out as another schema -- a run file given to
+    ``serl eval`` -- as ``cls``'s own: each file, and the ``--set`` keys, for which
+    ``reader.claims(data)`` holds become ``reader.read(data, where)`` before they merge (the
+    ``--set`` keys it claims merge after the flags, before the other ``--set`` keys)."""
     data = base or {}
     files = [config_file] if isinstance(config_file, (str, Path)) else list(config_file or [])
     for path in files:
-        data = merge(data, load_yaml(path))
-    data = merge(data, _nest({k: v for k, v in flags.items() if v is not None}))
+        layer = load_yaml(path)
+        if reader is not None and reader.claims(layer):
+            layer = reader.read(layer, str(path))
+        data = merge(data, layer)
+    data = merge(data, nest({k: v for k, v in flags.items() if v is not None}))
+    if reader is not None:
+        theirs = [text for text in overrides if reader.claims(apply_overrides({}, [text]))]
+        if theirs:
+            data = merge(data, reader.read(apply_overrides({}, theirs), "--set"))
+            overrides = [text for text in overrides if text not in theirs]
     data = apply_overrides(data, overrides)
     return from_dict(cls, data)
 
 
-def _nest(flat: dict) -> dict:
+def nest(flat: dict) -> dict:
     """{"env.name": "webshop"} -> {"env": {"name": "webshop"}}."""
     out: dict = {}
     for key, value in flat.items():

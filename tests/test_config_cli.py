@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from test_cli_env import assert_one_line_error, serl
 
 from serl_cli import config as cfgmod
 from serl_cli.errors import SerlError
+from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.online import OnlineConfig
 
 SERL_YAML = str(Path(__file__).resolve().parent.parent / "experiments" / "webshop" / "serl.yaml")
@@ -83,3 +85,117 @@ def test_live_table_of_the_online_loop_shows_the_last_iterations():
     text = console.export_text()
     assert "iteration 3 of 10" in text and "eval" in text and "0.25" in text
     assert "weight mean" not in text  # a GRPO run logs no SERL weights: no empty column
+
+
+# ------------------------------------------------------------------ a run file read by serl eval / rollout
+GRPO_YAML = str(Path(__file__).resolve().parent.parent / "experiments" / "webshop" / "grpo.yaml")
+
+
+def _count_keys(node, name: str) -> int:
+    if not isinstance(node, dict):
+        return 0
+    return sum((k == name) + _count_keys(v, name) for k, v in node.items())
+
+
+def test_eval_takes_a_training_config_and_reads_its_eval_section(tmp_path):
+    """`serl eval --config grpo.yaml`: the sections eval does not use are named in one note; the
+    file's eval section (here from a second file composed on top) sets the evaluation's temperature."""
+    extra = tmp_path / "eval_section.yaml"
+    extra.write_text("eval: {temperature: 0.4, episodes: 2}\n")
+    out = tmp_path / "ev"
+    p = serl("eval", "--config", GRPO_YAML, "--config", str(extra), "--set", "env.settings.catalog=synthetic",
+             "--max-turns", "2", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    notes = [ln for ln in p.stderr.splitlines() if ln.startswith("note:")]
+    assert notes == ["note: ignoring iterations, train of the run config (not used by serl eval)"], p.stderr
+    saved = yaml.safe_load((out / "eval_config.yaml").read_text())
+    assert saved["temperature"] == 0.4 and saved["episodes"] == 2  # the eval section
+    assert saved["max_new_tokens"] == 32 and saved["history_turns"] == 2  # the rollouts' budget and prompt
+    assert saved["env"]["max_turns"] == 2 and saved["env"]["split"] != "train"  # a flag wins; not the training split
+    assert yaml.safe_load((out / "eval.json").read_text())["episodes"] == 2
+
+
+def test_a_run_file_maps_onto_eval_and_rollout_settings(tmp_path, capsys):
+    from serl_cli.cli.common import resolve
+    from serl_cli.stages.evaluate import EvalConfig
+    from serl_cli.stages.rollout import RolloutConfig
+
+    cfg = resolve(EvalConfig, config_file=[GRPO_YAML], overrides=[], flags={}, command="eval")
+    assert cfg.temperature == 0.0 and cfg.episodes is None  # no eval.temperature: greedy; eval.episodes 0: all
+    assert (cfg.env.name, cfg.env.split, cfg.env.max_turns) == ("webshop", None, 15)
+    assert "ignoring iterations, train" in capsys.readouterr().err
+    cfg = resolve(EvalConfig, config_file=[GRPO_YAML], overrides=["eval.temperature=0.3", "temperature=0.2"],
+                  flags={}, command="eval", quiet=True)
+    assert cfg.temperature == 0.2 and capsys.readouterr().err == ""  # eval's own --set key last; -q: no note
+    cfg = resolve(EvalConfig, config_file=[GRPO_YAML], overrides=["eval.temperature=0.3"], flags={}, command="eval")
+    assert cfg.temperature == 0.3  # a --set key in the run file's layout
+    # serl rollout: the rollout section as an iteration runs it, with the run's env, model, seed
+    old = tmp_path / "old_online.yaml"  # an online.yaml as written before: per-stage copies of env, seed, out
+    old.write_text(yaml.safe_dump(dataclasses.asdict(OnlineConfig(
+        env=EnvConfig(name="webshop", split="train", max_turns=15), seed=5, out="runs/x"))))
+    for files in ([GRPO_YAML], [str(old)]):
+        r = resolve(RolloutConfig, config_file=files, overrides=[], flags={"out": str(tmp_path / "r")},
+                    command="rollout")
+        assert (r.env.split, r.env.max_turns, r.out) == ("train", 15, str(tmp_path / "r"))
+    assert r.seed == 5 and r.model is None
+    r = resolve(RolloutConfig, config_file=[GRPO_YAML], overrides=["rollout.tasks=2"], flags={}, command="rollout")
+    assert (r.tasks, r.group_size, r.sampling.temperature, r.sampling.max_new_tokens) == (2, 8, 1.0, 32)
+    assert "ignoring iterations, train, eval of the run config (not used by serl rollout)" in capsys.readouterr().err
+
+
+def test_unknown_keys_in_a_run_file_still_fail_with_the_closest(tmp_path):
+    from serl_cli.cli.common import resolve
+    from serl_cli.stages.evaluate import EvalConfig
+
+    with pytest.raises(SerlError, match=r"unknown setting eval\.temprature: did you mean eval\.temperature\?"):
+        resolve(EvalConfig, config_file=[GRPO_YAML], overrides=["eval.temprature=0.4"], flags={}, command="eval")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("iterations: 2\nrollout: {sampling: {temprature: 1.0}}\n")
+    with pytest.raises(SerlError, match=r"rollout\.sampling\.temprature: did you mean rollout\.sampling\.temperature"):
+        resolve(EvalConfig, config_file=[str(bad)], overrides=[], flags={}, command="eval")
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text("eval: {temperature: 0.4}\nmax_new_tokens: 8\n")
+    assert_one_line_error(serl("eval", "--config", str(mixed)), "mixes the online loop's layout (eval)",
+                          "serl eval's own (max_new_tokens)")
+    assert_one_line_error(serl("eval", "--set", "temprature=0.4"), "did you mean temperature?")  # as before
+
+
+def test_resolved_online_config_carries_each_setting_once():
+    from serl_cli.cli.common import resolve
+    from serl_cli.stages.online import LOOP_SETS, run_settings
+
+    cfg = resolve(OnlineConfig, config_file=[SERL_YAML], overrides=["seed=3", "out=runs/s", "train.optim.lr=1e-5"],
+                  flags={})
+    text = yaml.safe_dump(run_settings(cfg), sort_keys=False)
+    saved = yaml.safe_load(text)
+    assert "out" not in saved["rollout"] and "env" not in saved["rollout"] and "model" not in saved["rollout"]
+    assert _count_keys(saved, "seed") == 1 and saved["seed"] == 3 and _count_keys(saved, "out") == 1
+    assert not any(key in saved[section] for section, keys in LOOP_SETS.items() for key in keys)
+    assert cfgmod.from_dict(OnlineConfig, saved) == cfg  # loading it gives the same run configuration
+    assert cfg.train.optim.betas == (0.9, 0.999) and isinstance(saved["train"]["optim"]["betas"], list)
+
+
+def test_online_yaml_of_a_run_is_its_config_for_resume_and_eval(tiny_model_dir, tmp_path):
+    """The online.yaml a run writes: each setting once; with it as --config, --resume goes on and
+    serl eval evaluates the run's checkpoint as its periodic evaluation would."""
+    run = tmp_path / "run"
+    p = serl("train", "--config", GRPO_YAML, "--iterations", "1", "--model", str(tiny_model_dir), "--tasks", "1",
+             "--group-size", "2", "--max-turns", "2", "--seed", "3", "--threads", "1", "--out", str(run), "-q",
+             "--set", "env.settings.catalog=synthetic", "--set", "rollout.sampling.max_new_tokens=4")
+    assert p.returncode == 0, p.stderr
+    saved = yaml.safe_load((run / "online.yaml").read_text())
+    assert _count_keys(saved, "seed") == 1 and saved["seed"] == 3 and "out" not in saved["rollout"]
+    assert "env" not in saved["rollout"] and saved["env"]["max_turns"] == 2
+    p = serl("train", "--config", str(run / "online.yaml"), "--iterations", "2", "--resume", "-q")
+    assert p.returncode == 0, p.stderr
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert yaml.safe_load((run / "online.yaml").read_text())["iterations"] == 2
+    ev = tmp_path / "ev"
+    p = serl("eval", "--config", str(run / "online.yaml"), "--model", str(run / "checkpoint"), "--episodes", "1",
+             "--out", str(ev), "--threads", "1")
+    assert p.returncode == 0, p.stderr
+    note = next(ln for ln in p.stderr.splitlines() if ln.startswith("note: ignoring"))
+    assert set(note.split("ignoring ")[1].split(" of ")[0].split(", ")) == {"iterations", "train", "annotate",
+                                                                             "save_every", "keep_last", "out"}
+    saved = yaml.safe_load((ev / "eval_config.yaml").read_text())
+    assert (saved["max_new_tokens"], saved["env"]["max_turns"], saved["seed"]) == (4, 2, 3)

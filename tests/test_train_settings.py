@@ -171,6 +171,41 @@ def test_mini_batch_turns_sets_the_optimizer_steps(episodes, stopping_model_dir)
     assert metrics["optimizer_steps"] == -(-turns // 4)  # ceil(turns / 4): the authors' ppo_mini_batch_size
 
 
+def test_update_reports_its_micro_batches_and_trains_the_same(episodes, stopping_model_dir):
+    """progress(done, total) over the update's micro-batches (the `serl train RUN` bar): from 0,
+    never back, ending full; the update itself is the one without it."""
+    calls = []
+    settings = {"algo": "grpo", "epochs": 2, "mini_batches": 2}
+    with_bar = _learner(stopping_model_dir, **settings).update(copy.deepcopy(episodes), 1.0,
+                                                               progress=lambda d, t: calls.append((d, t)))
+    plain = _learner(stopping_model_dir, **settings).update(copy.deepcopy(episodes), 1.0)
+    total = calls[0][1]
+    assert calls[0] == (0, total) and calls[-1] == (total, total) and {t for _, t in calls} == {total}
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls) and len(calls) == total + 1  # one per micro-batch
+    assert total >= with_bar["optimizer_steps"] == 4  # 2 epochs x 2 mini-batches, micro-batched at 600 tokens
+    with_bar.pop("timing"), plain.pop("timing")
+    assert with_bar == plain
+
+
+def test_update_bar_draws_on_a_terminal_only():
+    import io
+
+    from rich.console import Console
+
+    from serl_cli.cli.train import update_bar
+
+    def drive(console, quiet=False):
+        with update_bar(console, quiet) as progress:
+            for done in range(4):
+                progress(done, 3)
+        return console.file.getvalue()
+
+    shown = drive(Console(file=io.StringIO(), force_terminal=True, width=120))
+    assert "update" in shown and "3/3" in shown and "micro-batches" in shown
+    assert drive(Console(file=io.StringIO(), force_terminal=True, width=120), quiet=True) == ""  # -q
+    assert drive(Console(file=io.StringIO(), force_terminal=False, width=120)) == ""  # a log file
+
+
 def _with_faults(episodes):
     eps = copy.deepcopy(episodes)
     crashed = eps[1]  # a rollout of task 0 that the environment broke mid-way: reward 0, cut short

@@ -97,6 +97,7 @@ class SokobanWorld:
     rules = RULES
     eval_split = "test"
     action_format = ACTION_FORMAT
+    model_preset = "micro"  # serl's embedded default model: 0.9M parameters learn a 6x6 room in minutes
 
     def __init__(self, config: SokobanConfig | None = None):
         self.config = config or SokobanConfig()

@@ -48,18 +48,23 @@ def make_micro_batches(samples: list, order: list[int], max_tokens: int, pad_id:
     """Group ``samples`` (turns, or anything with ``prompt_ids`` and ``action_ids``), in
     ``order``, into left-padded micro-batches of at most ``max_tokens`` padded tokens,
     carrying what ``per_turn`` fixed for each of them."""
-    batches, current = [], []
+    return [collate(samples, group, pad_id, per_turn) for group in micro_batch_groups(samples, order, max_tokens)]
+
+
+def micro_batch_groups(samples: list, order: list[int], max_tokens: int) -> list[list[int]]:
+    """The sample indices of each micro-batch :func:`make_micro_batches` makes (without building them)."""
+    groups, current = [], []
     width = 0
     for i in order:
         length = len(samples[i].prompt_ids) + len(samples[i].action_ids)
         if current and max(width, length) * (len(current) + 1) > max_tokens:
-            batches.append(collate(samples, current, pad_id, per_turn))
+            groups.append(current)
             current, width = [], 0
         current.append(i)
         width = max(width, length)
     if current:
-        batches.append(collate(samples, current, pad_id, per_turn))
-    return batches
+        groups.append(current)
+    return groups
 
 
 def collate(samples: list, index: list[int], pad_id: int, per_turn: PerTurn | None = None) -> MicroBatch:

@@ -38,7 +38,7 @@ def annotate_command(
     """Annotate every turn: hindsight block, selected or not, teacher log-probs, SERL weights."""
     cfg = resolve(AnnotateConfig, config_file=config, overrides=set_, flags={
         "sources": sources, "granularity": granularity, "placement": placement, "teacher": teacher,
-        "threads": threads, "seed": seed, "device": device, "dtype": dtype})
+        "threads": threads, "seed": seed, "device": device, "dtype": dtype}, command="annotate", quiet=quiet)
     with Progress(TextColumn("[bold]teacher"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task("turns", total=None)

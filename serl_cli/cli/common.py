@@ -10,6 +10,7 @@ from rich.table import Table
 
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
+from serl_cli.cli.root import err_console
 
 
 def show_defaults(cls, **flag_keys: str):
@@ -35,15 +36,35 @@ def show_defaults(cls, **flag_keys: str):
     return wrap
 
 
-def resolve(cls, *, config_file, overrides, flags: dict, base: dict | None = None):
-    return cfgmod.resolve(cls, config_file=config_file, flags=flags, overrides=list(overrides or []), base=base)
+# The commands that also take a run file (the online loop's layout: `serl train --config`'s) as
+# --config, reading what the loop's corresponding step reads of it (stages.online.RUN_FILE_READS).
+READS_RUN_FILES = ("rollout", "eval", "annotate")
+
+
+def resolve(cls, *, config_file, overrides, flags: dict, base: dict | None = None, command: str | None = None,
+            quiet: bool = False):
+    """``cls`` from defaults < ``base`` < ``--config`` files < flags < ``--set``. With ``command``
+    (one of :data:`READS_RUN_FILES`) a run file is read too, and the keys of it the command does
+    not use are named in one note on stderr (not under ``-q``)."""
+    reader = None
+    if command in READS_RUN_FILES:
+        from serl_cli.stages.online import RunFileReader
+
+        reader = RunFileReader(command, cls)
+    cfg = cfgmod.resolve(cls, config_file=config_file, flags=flags, overrides=list(overrides or []), base=base,
+                         reader=reader)
+    note = reader.note() if reader is not None else None
+    if note and not quiet:
+        err_console.print(note, highlight=False, markup=False, soft_wrap=True)
+    return cfg
 
 
 def save_resolved(out_dir: str | Path, name: str, cfg) -> None:
-    """The resolved configuration, next to the artifacts it produced."""
+    """The resolved configuration (a settings dataclass, or its plain form), next to the artifacts it produced."""
     import yaml
 
-    io.atomic_write_text(Path(out_dir) / name, yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    plain = cfg if isinstance(cfg, dict) else dataclasses.asdict(cfg)
+    io.atomic_write_text(Path(out_dir) / name, yaml.safe_dump(plain, sort_keys=False))
 
 
 def summary_table(title: str, rows: list[tuple[str, str]]) -> Table:

@@ -64,5 +64,5 @@ def show_command(
             raise SerlError("--defaults prints the defaults alone: drop --config and --set")
         cfg = cls()
     else:
-        cfg = resolve(cls, config_file=config, overrides=set_, flags={})
+        cfg = resolve(cls, config_file=config, overrides=set_, flags={}, command=command)
     console.print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="", highlight=False, markup=False)

@@ -41,7 +41,7 @@ def eval_command(
     cfg = resolve(EvalConfig, config_file=config, overrides=set_, flags={
         "env.name": env, "env.split": split, "env.max_turns": max_turns, "policy": policy, "model": model,
         "episodes": episodes, "panel": panel, "threads": threads, "out": out, "seed": seed, "engine": engine,
-        "device": device, "dtype": dtype})
+        "device": device, "dtype": dtype}, command="eval", quiet=quiet)
     with Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                   console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task("episodes", total=cfg.episodes)

@@ -44,7 +44,8 @@ def rollout_command(
     cfg = resolve(RolloutConfig, config_file=config, overrides=set_, flags={
         "env.name": env, "env.split": split, "env.max_turns": max_turns, "model": model, "policy": policy,
         "engine": engine, "tasks": tasks, "group_size": group_size, "sampling.temperature": temperature,
-        "sampling.top_p": top_p, "threads": threads, "out": out, "seed": seed, "device": device, "dtype": dtype})
+        "sampling.top_p": top_p, "threads": threads, "out": out, "seed": seed, "device": device, "dtype": dtype},
+        command="rollout", quiet=quiet)
     with Progress(TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                   console=console, disable=quiet, transient=True) as bar:
         task = bar.add_task("episodes", total=cfg.tasks * cfg.group_size)

@@ -8,14 +8,16 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.console import Console
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from serl_cli.artifacts import runlock
 from serl_cli.artifacts.tracking import Tracker, check_backends
 from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console
-from serl_cli.stages.online import PREEMPTED_EXIT, OnlineConfig, Preempted, run_online
+from serl_cli.stages.online import PREEMPTED_EXIT, OnlineConfig, Preempted, run_online, run_settings
 from serl_cli.stages.train import follow_train_on_run, train_on_run
 from serl_cli.training.backends import is_main_process
 
@@ -75,7 +77,8 @@ def train_command(
         "train.algo": algo, "model": model, "train.backend": backend, "iterations": iterations, "env.name": env,
         "rollout.engine": engine, "rollout.tasks": tasks, "rollout.group_size": group_size, "env.max_turns": max_turns,
         "train.threads": threads, "rollout.threads": threads, "out": out or (run if online else None), "seed": seed,
-        "train.seed": seed, "train.deepspeed.config": deepspeed_config, "train.deepspeed.zero_stage": zero_stage,
+        "train.seed": None if online else seed,  # the online loop seeds its update with the run's seed
+        "train.deepspeed.config": deepspeed_config, "train.deepspeed.zero_stage": zero_stage,
         "train.deepspeed.offload": offload, "train.lora.rank": lora_rank, "train.lora.alpha": lora_alpha,
         "train.lora.targets": lora_targets, "train.lora.save": lora_save, "train.device": device, "train.dtype": dtype,
         "rollout.device": device, "rollout.dtype": dtype, "train.gradient_checkpointing": gradient_checkpointing})
@@ -87,7 +90,8 @@ def train_command(
         if not main:
             follow_train_on_run(run, cfg.train, resume=resume)
             return
-        m = train_on_run(run, cfg.train, overwrite=overwrite, resume=resume)
+        with update_bar(console, quiet) as progress:
+            m = train_on_run(run, cfg.train, overwrite=overwrite, resume=resume, progress=progress)
         tracker = Tracker(trackers, run, Path(run).name, dataclasses.asdict(cfg.train))
         tracker.log(m, step=m.get("update", 1))
         tracker.close()
@@ -118,21 +122,32 @@ def train_command(
         except Preempted:
             raise typer.Exit(PREEMPTED_EXIT) from None
         return
-    tracker = Tracker(trackers, cfg.out, Path(cfg.out).name, dataclasses.asdict(cfg))
+    tracker = Tracker(trackers, cfg.out, Path(cfg.out).name, run_settings(cfg))
     try:
         with runlock.run_lock(cfg.out), live or contextlib.nullcontext():  # one writer per run directory
             history = run_online(cfg, resume=resume, overwrite=overwrite, on_iteration=show)
     except Preempted as e:  # SIGTERM/SIGUSR1: checkpointed; the same command with --resume continues
-        save_resolved(cfg.out, "online.yaml", cfg)
+        save_resolved(cfg.out, "online.yaml", run_settings(cfg))
         err_console.print(f"[yellow]preempted:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(PREEMPTED_EXIT) from None
     finally:
         tracker.close()
-    save_resolved(cfg.out, "online.yaml", cfg)
+    save_resolved(cfg.out, "online.yaml", run_settings(cfg))
     if history:
         last = history[-1]
         console.print(summary_table(f"online {cfg.train.algo}: {cfg.out}", [(k, _fmt(v)) for k, v in last.items()]))
     console.print(f"final policy: {cfg.out}/checkpoint")
+
+
+@contextlib.contextmanager
+def update_bar(out: Console, quiet: bool):
+    """A progress bar over an update's micro-batches, with an ETA, on a terminal (nothing under
+    ``-q`` or in a log); yields the ``progress(done, total)`` callback for ``Learner.update``."""
+    with Progress(TextColumn("[bold]update"), BarColumn(), MofNCompleteColumn(), TextColumn("micro-batches"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=out, disable=quiet or not out.is_terminal,
+                  transient=True) as bar:
+        task = bar.add_task("micro-batches", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def warn_if_no_gradient(m: dict) -> None:

@@ -29,15 +29,7 @@ from serl_cli.errors import SerlError
 from serl_cli.method import anchors as anchors_mod
 from serl_cli.method import feedback as fb
 from serl_cli.method import placement, teacher_signal
-from serl_cli.method.teacher import (
-    TOKEN_SCOPES,
-    UNPARSED,
-    ScoreItem,
-    action_span_mask,
-    block_ids,
-    score,
-    teacher_prompt_ids,
-)
+from serl_cli.method.teacher import TOKEN_SCOPES, UNPARSED, ScoreItem, action_span_mask, score, teacher_prompt
 
 GRANULARITIES = ("step", "anchor")
 
@@ -135,13 +127,15 @@ def action_masks(tokenizer, episodes: list[dict], unparsed: str, env_cfg: dict |
 
 
 def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, tokenizer, *, env_cfg: dict | None,
-                      temperature: float = 1.0, scorer=score, advantages: list[float] | None = None
-                      ) -> tuple[list[dict], dict]:
+                      temperature: float = 1.0, scorer=score, advantages: list[float] | None = None,
+                      chat_template_kwargs: dict | None = None) -> tuple[list[dict], dict]:
     """Annotation records for every turn, and statistics of the pass (teacher work).
     ``scorer`` has :func:`serl_cli.method.teacher.score`'s signature (e.g. :func:`serl_cli.stages.annotate.journaled_scorer`).
     ``advantages``: the update's advantage per turn, in turn order, whose sign sets each weight
     (the authors sign by the final advantage, invalid-action penalty included:
-    verl/trainer/ppo/core_algos.py:466); default: the plain episode GRPO advantage."""
+    verl/trainer/ppo/core_algos.py:466); default: the plain episode GRPO advantage.
+    ``chat_template_kwargs``: those the rollouts' prompts were rendered with (``prompt.chat_template_kwargs``),
+    for the teacher's prompts (``method.teacher.teacher_prompt``)."""
     spec = validate(cfg)
     uses_expert = any("expert" in alt for alt in spec)
     experts = expert_trajectories(env_cfg, episodes) if uses_expert and env_cfg else {}
@@ -200,8 +194,7 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
         to_score = []  # no teacher prompt, no forward pass (serl_ray_trainer.py:405-433)
 
     t0 = time.perf_counter()
-    eot = tokenizer.eos_token_id
-    items = [ScoreItem(teacher_prompt_ids(samples[k].prompt_ids, block_ids(tokenizer, records[k]["hindsight"]), eot),
+    items = [ScoreItem(teacher_prompt(tokenizer, samples[k].prompt_ids, records[k]["hindsight"], chat_template_kwargs),
                        samples[k].action_ids) for k in to_score]
     scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens) if items else []
     for k, lp in zip(to_score, scored):
@@ -231,8 +224,8 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
              "lambda": lam, "teacher_skipped": not use_teacher,
              "turns_with_block": sum(r["hindsight"] is not None for r in records),
              "action_parse_failures": parse_failures}
-    signal = teacher_signal.measure(records, episodes, teacher_model, tokenizer, temperature,
-                                    cfg.micro_batch_tokens) if cfg.teacher_signal else None
+    signal = teacher_signal.measure(records, episodes, teacher_model, tokenizer, temperature, cfg.micro_batch_tokens,
+                                    chat_template_kwargs) if cfg.teacher_signal else None
     if signal is not None:
         stats["teacher_signal"] = signal
     return records, stats

@@ -22,7 +22,7 @@ with it, the block is worth reading only for what it says (docs/ENVS.md, Sokoban
 naming a deadlocking action lowers that action, a line naming another does not).
 
 Blocks are built at step granularity with :func:`serl_cli.method.feedback.hindsight_step`
-and spliced with :func:`serl_cli.method.teacher.teacher_prompt_ids`, the whole block cut to
+and spliced with :func:`serl_cli.method.teacher.teacher_prompt`, the whole block cut to
 ``max_hindsight_tokens`` tokens: the annotation's own functions and budget, so the teacher
 prompts online look like the ones trained on.
 """
@@ -31,17 +31,18 @@ from __future__ import annotations
 
 from serl_cli.method import feedback as fb
 from serl_cli.method.annotation import expert_trajectories
-from serl_cli.method.teacher import block_ids, teacher_prompt_ids
+from serl_cli.method.teacher import teacher_prompt
 from serl_cli.rollout.prompts import format_reply, reply_ids
 
 
 def examples_for_run(episodes: list[dict], tokenizer, sources: str, env_cfg: dict | None,
-                     bare_replies: bool = False) -> list[dict]:
+                     bare_replies: bool = False, chat_template_kwargs: dict | None = None) -> list[dict]:
     """:func:`hindsight_examples` of a run's episodes, with the environment's expert
     trajectories for ``expert`` where the sources use it (as the annotation has them)."""
     uses_expert = any("expert" in alts for alts in fb.parse_sources(sources))
     experts = expert_trajectories(env_cfg, episodes) if uses_expert and env_cfg else None
-    return hindsight_examples(episodes, tokenizer, sources, experts=experts, bare_replies=bare_replies)
+    return hindsight_examples(episodes, tokenizer, sources, experts=experts, bare_replies=bare_replies,
+                              chat_template_kwargs=chat_template_kwargs)
 
 
 def hindsight_turns(episodes: list[dict]) -> list[tuple[int, int]]:
@@ -51,12 +52,14 @@ def hindsight_turns(episodes: list[dict]) -> list[tuple[int, int]]:
 
 
 def hindsight_examples(episodes: list[dict], tokenizer, sources: str, *, experts: dict[int, list[dict]] | None = None,
-                       max_hindsight_tokens: int = 2048, bare_replies: bool = False) -> list[dict]:
+                       max_hindsight_tokens: int = 2048, bare_replies: bool = False,
+                       chat_template_kwargs: dict | None = None) -> list[dict]:
     """The SFT examples, as episodes ``Learner.update`` reads: one per episode that has any,
     holding two turns per hindsight turn whose ``sources`` render a block (with the block,
     then without). ``experts``: the expert's trajectory per task, for the ``expert`` source
     (``method.annotation.expert_trajectories``). ``bare_replies``: write the targets as the
-    data's demonstrations are written (``PromptConfig.bare_replies``)."""
+    data's demonstrations are written (``PromptConfig.bare_replies``); ``chat_template_kwargs``: the data's
+    ``PromptConfig.chat_template_kwargs``, for the teacher prompts."""
     spec = fb.parse_sources(sources)
     groups: dict[tuple, list[dict]] = {}
     for ep in episodes:
@@ -72,7 +75,7 @@ def hindsight_examples(episodes: list[dict], tokenizer, sources: str, *, experts
             continue
         block = cut(block)
         turn = ep["turns"][t]
-        teacher = teacher_prompt_ids(turn["prompt_ids"], block_ids(tokenizer, block), tokenizer.eos_token_id)
+        teacher = teacher_prompt(tokenizer, turn["prompt_ids"], block, chat_template_kwargs)
         by_episode.setdefault(e, []).extend([_example(turn, teacher, tokenizer, block, bare_replies),
                                              _example(turn, turn["prompt_ids"], tokenizer, None, bare_replies)])
     return [{**{k: episodes[e][k] for k in ("task_id", "group_id", "rollout_index", "reward", "success")}, "turns": turns}

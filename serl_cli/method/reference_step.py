@@ -31,7 +31,7 @@ from serl_cli.algos import core
 from serl_cli.algos.serl import apply_placement, blend_weights, hindsight_weights, mixing_lambda
 from serl_cli.method import feedback, placement
 from serl_cli.method.annotation import AnnotateConfig
-from serl_cli.method.teacher import action_span_mask, block_ids, teacher_prompt_ids
+from serl_cli.method.teacher import action_span_mask, teacher_prompt
 
 
 def token_logprobs(model, prompt_ids: list[int], reply_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -84,8 +84,8 @@ def reference_step(policy, teacher, tokenizer, group: list[dict], cfg: AnnotateC
         weights = torch.ones(len(reply), dtype=torch.float64)
         if in_s and ok and lam > 0:
             with torch.no_grad():
-                teacher_prompt = teacher_prompt_ids(prompt, block_ids(tokenizer, text), tokenizer.eos_token_id)
-                logp_teacher = token_logprobs(teacher, teacher_prompt, reply, temperature).double()
+                with_block = teacher_prompt(tokenizer, prompt, text)
+                logp_teacher = token_logprobs(teacher, with_block, reply, temperature).double()
 
             # 5. weights: teacher-vs-student agreement, signed by A, clipped, blended, on the
             # parsed action's tokens (serl) or every reply token (rlsd)

@@ -4,12 +4,29 @@ The teacher's prompt follows the authors' reprompt layout (github.com/OliverLeeX
 5a2a85b): the user message becomes ``REPROMPT_TEMPLATE`` filled with the student's user
 message and the block -- the prompt, a blank line, the block's sections, a blank line and
 their closing instruction (recipe/serl/config/serl_trainer.yaml:65,
-recipe/serl/privileged_context.py:1569-1572, 449-452). serl builds it by splicing the
-tokens of everything the template puts after ``{prompt}`` just before the end-of-turn token
-that closes the user message -- after the observation and the admissible actions, before
-the assistant's turn opens. Splicing token ids (never re-rendering text) keeps every other
-token of the prompt exactly as the student saw it; the system message stays, as the
-authors' chat template keeps its own (their student prompt is one user message:
+recipe/serl/privileged_context.py:1569-1572, 449-452). Stored turns hold token ids only, so
+serl never re-renders a stored prompt: it splices token ids into it, which keeps every other
+token exactly as the student saw it. Where they go is learnt from the tokenizer's own chat
+template (any model family: ChatML, Llama 3, Gemma, Mistral's ``[INST]``), on a probe
+conversation of one user message rendered with ``apply_chat_template(add_generation_prompt=True)``
+and the prompt's ``chat_template_kwargs``:
+
+* the *tail* is what the template writes after the user message's text (the end of the
+  user turn and the assistant header): the longest common suffix of two probes whose texts
+  differ in their last character;
+* the probe rendered again with the block text at the end of its user message must be the
+  probe's own ids around an inserted part -- student = P + tail, teacher = P + X + tail --
+  and X (the block as the template renders it: Gemma and Llama 3 trim the message, so no
+  final newline) is spliced into the stored prompt just before its tail.
+
+Fallback, where that check fails (the tokenizer merges tokens across the boundary, the
+template rewrites the message) or the stored prompt does not end with the tail (it was
+rendered with other ``chat_template_kwargs``): the block's own tokens
+(:func:`block_ids`) go before the last end-of-turn (eos) token of the prompt, serl's
+original layout (:func:`teacher_prompt_ids`); with no eos token in the prompt, before the
+tail; with neither, :func:`teacher_prompt` refuses. For serl's own models and Qwen-style
+ChatML templates both paths give the same ids. The system message stays, as the authors'
+chat template keeps its own (their student prompt is one user message:
 agent_system/multi_turn_rollout/rollout_loop.py:201-211). A turn with no block keeps the
 student's prompt and is not scored (PC:449-451). The teacher then scores the student's own
 reply tokens, in batches, without gradient: ``log pi_T(a_t | prompt_t + hindsight)``
@@ -19,7 +36,9 @@ Differences on purpose: the authors strip the prompt text (PC:244-251) -- serl's
 messages carry no leading or trailing whitespace to strip; and their ``max_reprompt_len``
 truncates the whole templated prompt from the right (serl_ray_trainer.py:36-39, 562), which
 can cut off the closing instruction and the assistant header -- serl caps the block alone
-(``AnnotateConfig.max_hindsight_tokens``), so the instruction always survives.
+(``AnnotateConfig.max_hindsight_tokens``), so the instruction always survives. And splicing
+token ids means the token where the user's text meets the block is never merged, as a
+re-rendered prompt could merge it (``]`` + ``\\n\\n`` under a Qwen or Llama 3 tokenizer).
 """
 
 from __future__ import annotations
@@ -31,7 +50,7 @@ import torch
 
 from serl_cli.algos.batch import make_micro_batches
 from serl_cli.errors import SerlError
-from serl_cli.rollout.prompts import action_span
+from serl_cli.rollout.prompts import action_span, render_prompt_ids
 from serl_cli.training.step import action_logprobs
 
 # The authors' default template (serl_trainer.yaml:65; the code default at PC:1569-1572).
@@ -47,7 +66,8 @@ class ScoreItem:
 
 
 def teacher_prompt_ids(prompt_ids: list[int], block_ids: list[int], end_of_turn_id: int) -> list[int]:
-    """The student prompt with ``block_ids`` inserted before the user message's end-of-turn token."""
+    """The student prompt with ``block_ids`` inserted before the user message's end-of-turn token
+    (the fallback layout of :func:`teacher_prompt`)."""
     try:
         # the last end-of-turn token before the assistant header closes the user message
         cut = len(prompt_ids) - 1 - prompt_ids[::-1].index(end_of_turn_id)
@@ -55,6 +75,84 @@ def teacher_prompt_ids(prompt_ids: list[int], block_ids: list[int], end_of_turn_
         raise SerlError("cannot place the hindsight block: the stored prompt has no end-of-turn token "
                         "(the tokenizer's eos token must close each chat message)") from None
     return prompt_ids[:cut] + block_ids + prompt_ids[cut:]
+
+
+# The probe conversation's user text: two variants that differ in their last character only.
+PROBE_TEXTS = ("Probe message A", "Probe message B")
+
+
+def _render_probe(tokenizer, text: str, chat_template_kwargs: dict | None) -> list[int] | None:
+    """A one-user-message prompt, as the student's prompts are rendered; None where the
+    tokenizer has no chat template or the template refuses it."""
+    from jinja2 import TemplateError
+
+    try:
+        return render_prompt_ids(tokenizer, [{"role": "user", "content": text}], chat_template_kwargs)
+    except (ValueError, TemplateError):
+        return None
+
+
+def _common_suffix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def chat_tail(tokenizer, chat_template_kwargs: dict | None = None) -> list[int] | None:
+    """The token ids the chat template writes after the user message's text (the end of the
+    user turn, the assistant header): the longest common suffix of two probe prompts."""
+    a, b = (_render_probe(tokenizer, text, chat_template_kwargs) for text in PROBE_TEXTS)
+    if a is None or b is None:
+        return None
+    return a[len(a) - _common_suffix(a, b):]
+
+
+def spliced_part(student: list[int], teacher: list[int], tail: list[int]) -> list[int] | None:
+    """X where student = P + tail and teacher = P + X + tail (X not empty); None where the
+    teacher is not the student with a part inserted just before ``tail``."""
+    cut = len(student) - len(tail)
+    end = len(teacher) - len(tail)
+    if student[cut:] != tail or teacher[end:] != tail or end <= cut or teacher[:cut] != student[:cut]:
+        return None
+    return teacher[cut:end]
+
+
+def inserted_ids(tokenizer, block: str, tail: list[int], chat_template_kwargs: dict | None = None) -> list[int] | None:
+    """The block's ids as the chat template renders them at the end of a user message
+    (:func:`spliced_part` of a probe with and without it); None where the check fails."""
+    text = PROBE_TEXTS[0]
+    student = _render_probe(tokenizer, text, chat_template_kwargs)
+    teacher = _render_probe(tokenizer, text + teacher_suffix(block), chat_template_kwargs)
+    if student is None or teacher is None:
+        return None
+    return spliced_part(student, teacher, tail)
+
+
+def _ends_with(ids: list[int], tail: list[int]) -> bool:
+    return len(ids) >= len(tail) and ids[len(ids) - len(tail):] == tail
+
+
+def teacher_prompt(tokenizer, prompt_ids: list[int], block: str, chat_template_kwargs: dict | None = None) -> list[int]:
+    """The teacher's prompt: the stored student ``prompt_ids`` with the hindsight ``block``
+    (the sections' text) at the end of the user message (module docstring: the layout and
+    its fallback). ``chat_template_kwargs``: those the student's prompts were rendered with."""
+    tail = chat_tail(tokenizer, chat_template_kwargs)
+    if tail is not None and _ends_with(prompt_ids, tail):
+        cut = len(prompt_ids) - len(tail)
+        inserted = inserted_ids(tokenizer, block, tail, chat_template_kwargs)
+        if inserted is not None:
+            return prompt_ids[:cut] + inserted + prompt_ids[cut:]
+    ids = block_ids(tokenizer, block)
+    eos = tokenizer.eos_token_id
+    if eos is not None and eos in prompt_ids:
+        return teacher_prompt_ids(prompt_ids, ids, eos)
+    if tail is not None and _ends_with(prompt_ids, tail):
+        cut = len(prompt_ids) - len(tail)
+        return prompt_ids[:cut] + ids + prompt_ids[cut:]
+    raise SerlError("cannot place the hindsight block: the stored prompt has no end-of-turn (eos) token and does "
+                    "not end as the tokenizer's chat template ends a user message (rendered with other "
+                    "prompt.chat_template_kwargs, or by another tokenizer?)")
 
 
 def teacher_suffix(block: str) -> str:

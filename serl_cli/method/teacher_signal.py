@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 
 from serl_cli.method.feedback import _same
-from serl_cli.method.teacher import ScoreItem, action_span_mask, block_ids, score, teacher_prompt_ids
+from serl_cli.method.teacher import ScoreItem, action_span_mask, score, teacher_prompt
 from serl_cli.rollout.prompts import format_action
 
 
@@ -82,7 +82,7 @@ def teacher_signal(records: list[dict], episodes: list[dict],
 
 
 def measure(records: list[dict], episodes: list[dict], teacher_model, tokenizer, temperature: float,
-            micro_batch_tokens: int) -> dict | None:
+            micro_batch_tokens: int, chat_template_kwargs: dict | None = None) -> dict | None:
     """Score the expert's reply with and without each turn's block, and summarize (:func:`teacher_signal`)."""
     turns = signal_turns(records, episodes)
     if not turns:
@@ -90,12 +90,11 @@ def measure(records: list[dict], episodes: list[dict], teacher_model, tokenizer,
     expert = [_turn(records, episodes, k)["expert_action"] for k in turns]
     reply = {a: expert_reply_ids(tokenizer, a) for a in set(expert)}
     span = {a: action_span_mask(tokenizer, ids) for a, ids in reply.items()}
-    eot = tokenizer.eos_token_id
     items = []
     for k, a in zip(turns, expert):
         prompt = _turn(records, episodes, k)["prompt_ids"]
-        block = block_ids(tokenizer, records[k]["hindsight"])
-        items += [ScoreItem(teacher_prompt_ids(prompt, block, eot), reply[a]), ScoreItem(prompt, reply[a])]
+        with_block = teacher_prompt(tokenizer, prompt, records[k]["hindsight"], chat_template_kwargs)
+        items += [ScoreItem(with_block, reply[a]), ScoreItem(prompt, reply[a])]
     scored = score(teacher_model, tokenizer, items, temperature, micro_batch_tokens)
 
     def on_span(logprobs: list[float], a: str) -> list[float]:

@@ -1,9 +1,10 @@
-"""The embedded default model: a tiny model built on first use for an environment, cached.
+"""The embedded default model: a small model built on first use for an environment, cached.
 
-``serl rollout --env webshop`` with no ``--model`` uses it. Its tokenizer is trained on
-the text the policy will read and write: prompts rendered from expert episodes on the
-train split (system rules, instructions, pages, admissible actions) and the catalog's
-product text. The cache lives in ``$SERL_CACHE_DIR`` (default ``~/.cache/serl``), keyed
+``serl rollout --env webshop`` with no ``--model`` uses it: the ``tiny`` preset, or the
+preset the environment names (``model_preset``: Sokoban's 6x6 grids need only ``micro``).
+Its tokenizer is trained on the text the policy will read and write: prompts rendered
+from expert episodes on the train split (system rules, instructions, pages, admissible
+actions) and the environment's own text (the catalog's products, Sokoban's feedback). The cache lives in ``$SERL_CACHE_DIR`` (default ``~/.cache/serl``), keyed
 by environment, preset, data source and seed, so a changed catalog builds a new model.
 """
 
@@ -42,10 +43,12 @@ def tokenizer_corpus(world, episodes: int = 300) -> list[str]:
     return texts + list(getattr(world, "corpus_texts", lambda: [])())
 
 
-def default_model_dir(world, env_name: str, preset: str = "tiny", seed: int = 0) -> Path:
-    """The cached default model for an environment, built now if absent."""
+def default_model_dir(world, env_name: str, preset: str | None = None, seed: int = 0) -> Path:
+    """The cached default model for an environment, built now if absent: ``preset``, else the
+    world's own ``model_preset`` (Sokoban: ``micro``), else ``tiny``."""
     from serl_cli.models.tiny import init_model
 
+    preset = preset or getattr(world, "model_preset", "tiny")
     source = getattr(getattr(world, "catalog", None), "source", env_name)
     key = hashlib.sha1(f"{env_name}|{preset}|{source}|{seed}".encode()).hexdigest()[:10]
     path = cache_root() / "models" / f"{env_name}-{preset}-{key}"

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from envs.base import ActionFormat
+from serl_cli.errors import SerlError
 
 ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 BARE_ACTION_RE = re.compile(r"[a-z][a-z ]*\[.*\]", re.DOTALL)  # WebShop's verb[argument]
@@ -49,6 +50,9 @@ class PromptConfig:
     max_admissible: int = 40  # list at most this many admissible actions; 0 = no list
     system: bool = True  # the system message (the environment's rules, the action format); false: none
     bare_replies: bool = False  # demonstrations reply with the bare action, not <action>...</action>
+    # keyword arguments for the tokenizer's chat template, on every prompt the student and the teacher
+    # see, e.g. {enable_thinking: false} for Qwen3 (README, Model families)
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 PROMPT_FILE = "serl_prompt.json"  # beside a checkpoint: the prompt settings it was trained with
@@ -94,8 +98,21 @@ def build_messages(rules: str, instruction: str, history: list[dict], observatio
     return [{"role": "system", "content": f"{rules}\n{action_format.instruction()}"}, user]
 
 
-def render_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+# apply_chat_template's arguments serl sets itself: not chat template keyword arguments
+RESERVED_TEMPLATE_KWARGS = ("conversation", "add_generation_prompt", "tokenize")
+
+
+def check_chat_template_kwargs(kwargs: dict) -> None:
+    for key in RESERVED_TEMPLATE_KWARGS:
+        if key in kwargs:
+            raise SerlError(f"prompt.chat_template_kwargs.{key} is set by serl itself: remove it")
+
+
+def render_prompt_ids(tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+    """``messages`` rendered with the tokenizer's chat template and the assistant header;
+    ``chat_template_kwargs`` (``PromptConfig.chat_template_kwargs``) reach the template."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **(chat_template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some transformers versions
         ids = ids["input_ids"]
     return list(ids)

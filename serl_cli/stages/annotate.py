@@ -108,7 +108,8 @@ def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bo
     # the teacher on cfg.device in cfg.dtype (a GPU: bf16 weights; a CPU: fp32 weights under autocast)
     model, tokenizer = load_for_inference(teacher_name, resolve(cfg.device, cfg.dtype))
     records, stats = annotate_episodes(episodes, cfg, model, tokenizer, env_cfg=rollout_cfg.get("env"),
-                                       temperature=rollout_temperature(manifest), scorer=journaled_scorer(journal, done, progress))
+                                       temperature=rollout_temperature(manifest), scorer=journaled_scorer(journal, done, progress),
+                                       chat_template_kwargs=(rollout_cfg.get("prompt") or {}).get("chat_template_kwargs"))
     result = write_annotations(run, records, episodes, cfg, stats)
     journal.unlink(missing_ok=True)
     return result

@@ -3,7 +3,7 @@
 Layout of ``RUN``::
 
     RUN/manifest.json              stages: one entry per finished iteration
-    RUN/online.yaml                the resolved configuration
+    RUN/online.yaml                the resolved configuration, each setting once (run_settings)
     RUN/iter_0000/                 rollouts.jsonl, manifest.json (+ annotations, eval.json)
     RUN/iter_0000/checkpoint/      the policy after this iteration's update (every ``save_every``
                                    iterations, the newest ``keep_last`` kept)
@@ -14,7 +14,7 @@ Layout of ``RUN``::
 An iteration counts as finished once the manifest says so; ``--resume`` restarts after
 the newest iteration with a checkpoint (model, optimizer, update counter, teacher), redoing
 any finished iterations after it, so a resumed run's artifacts equal an uninterrupted run's.
-Iteration k's rollouts use seed ``seed * 1000 + k``.
+Iteration k's rollouts use seed ``seed * 1000 + k``; the update is seeded by ``seed``.
 
 **Checkpoints.** Iteration k writes ``iter_k/checkpoint`` when ``(k + 1) % save_every == 0``,
 at the last iteration, and when the run is stopped; then only the newest ``keep_last`` of
@@ -32,6 +32,7 @@ the same command with ``--resume`` continues where it stopped.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 import signal
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from serl_cli import config as cfgmod
 from serl_cli.algos.objectives import default_advantages, get_objective, turn_advantages
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts, turn_samples
@@ -163,6 +165,97 @@ class OnlineConfig:
     out: str = "runs/online"
 
 
+# -- the run file: each setting once, and what each stage's command reads of it ---------------------
+# The per-stage copies of the run's own settings that the loop sets itself: the rollouts' environment,
+# policy, seed (seed * 1000 + k) and directory (iter_k); the update's starting policy, seed (the run's)
+# and checkpoint (iter_k/checkpoint, RUN/checkpoint); the annotation's seed and update counter. The
+# resolved online.yaml leaves them out, so each setting appears once; a file that sets them (an older
+# online.yaml) still loads, and they are ignored, as they always were.
+LOOP_SETS = {"rollout": ("env", "model", "seed", "out"), "train": ("model", "seed", "checkpoint"),
+             "annotate": ("seed", "update_step")}
+
+
+def run_settings(cfg: OnlineConfig) -> dict:
+    """The run's configuration as written to ``RUN/online.yaml`` and the manifest: every setting
+    once, without the per-stage copies the loop sets (:data:`LOOP_SETS`). Loaded again it gives
+    the same run (``from_dict(OnlineConfig, run_settings(cfg))``)."""
+    plain = io.to_plain(cfg)
+    for section, keys in LOOP_SETS.items():
+        for key in keys:
+            plain[section].pop(key)
+    return plain
+
+
+# What `serl rollout`, `serl eval` and `serl annotate` read of a run file (the online loop's layout):
+# (key in the run file, key of the command's own settings[, a value that means "not set"]). Each reads
+# it as the loop's step does: rollouts as an iteration collects them (its `rollout` section, the run's
+# env, model and seed), an evaluation as the periodic one runs (the `eval` section; the environment's
+# evaluation split unless eval.split; the rollouts' engine, batch, token budget and prompt history).
+# A section "S.*" is all of S but the keys the loop sets. Keys of the file not read are named in a note.
+RUN_FILE_READS = {
+    "rollout": [("env", "env"), ("model", "model"), ("seed", "seed"), ("rollout.*", "")],
+    "eval": [("env.name", "env.name"), ("env.max_turns", "env.max_turns"), ("env.settings", "env.settings"),
+             ("env.step_timeout_s", "env.step_timeout_s"), ("model", "model"), ("seed", "seed"),
+             ("eval.split", "env.split"), ("eval.episodes", "episodes", 0),  # 0: the run evaluated none; here all
+             ("eval.temperature", "temperature"), ("rollout.engine", "engine"), ("rollout.vllm", "vllm"),
+             ("rollout.gpus", "gpus"), ("rollout.device", "device"), ("rollout.dtype", "dtype"),
+             ("rollout.threads", "threads"), ("rollout.batch_size", "batch_size"),
+             ("rollout.sampling.max_new_tokens", "max_new_tokens"), ("rollout.prompt.history_turns", "history_turns")],
+    "annotate": [("annotate.*", ""), ("seed", "seed")],
+}
+
+
+class RunFileReader:
+    """Reads a run file (or ``--set`` keys in its layout) for one stage's command, by
+    :data:`RUN_FILE_READS`; the file is checked as a whole run config first (an unknown key
+    fails with the closest known one). ``ignored``: the file's top-level keys the command
+    does not read, for :meth:`note`. A config resolver's ``reader`` (``config.resolve``)."""
+
+    def __init__(self, command: str, cls):
+        self.command, self.reads = command, RUN_FILE_READS[command]
+        own = {f.name for f in dataclasses.fields(cls)}
+        run = {f.name for f in dataclasses.fields(OnlineConfig)}
+        self.run_only, self.own_only = run - own, own - run
+        self.ignored: list[str] = []
+
+    def claims(self, data: dict) -> bool:
+        """A run file: it has a key only a run config has (a section, iterations...)."""
+        return any(key in self.run_only for key in data)
+
+    def read(self, data: dict, where: str) -> dict:
+        mixed = [key for key in data if key in self.own_only]
+        if mixed:
+            theirs = ", ".join(key for key in data if key in self.run_only)
+            raise SerlError(f"{where} mixes the online loop's layout ({theirs}) with serl {self.command}'s own "
+                            f"({', '.join(mixed)}): use one layout per file")
+        cfgmod.from_dict(OnlineConfig, data)  # every key known and of its type, as `serl train` would check
+        out: dict = {}
+        for src, dst, *unset in self.reads:
+            if src.endswith(".*"):
+                section = src[:-2]
+                skip = LOOP_SETS.get(section, ())
+                values = {k: v for k, v in (data.get(section) or {}).items() if k not in skip}
+                out = cfgmod.merge(out, values)
+                continue
+            node, found = data, True
+            for part in src.split("."):
+                if not isinstance(node, dict) or part not in node:
+                    found = False
+                    break
+                node = node[part]
+            if not found or (unset and node == unset[0]):
+                continue
+            out = cfgmod.merge(out, cfgmod.nest({dst: node}))
+        used = {src.split(".")[0] for src, *_ in self.reads}
+        self.ignored += [key for key in data if key not in used and key not in self.ignored]
+        return out
+
+    def note(self) -> str | None:
+        if not self.ignored:
+            return None
+        return f"note: ignoring {', '.join(self.ignored)} of the run config (not used by serl {self.command})"
+
+
 def eval_sampling(cfg: OnlineConfig) -> SamplingConfig:
     """How the periodic evaluation samples: greedy (``eval.temperature`` 0) or at that
     temperature, top_p 1, with the rollouts' token budget."""
@@ -259,6 +352,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
     # the run directory: rank 0 writes there only after the learner's process group is up and
     # a barrier has passed.
     main = is_main_process()
+    train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed)  # the update is seeded by the run's seed (LOOP_SETS)
     start = 0
     if resume and (run / "manifest.json").exists():
         manifest = io.load_manifest(run)
@@ -267,16 +361,16 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
         raise SerlError(f"run directory {run} already exists: pass --resume to continue it or --overwrite to replace it")
     if start == 0:
         cfg.model = resolve_model(RolloutConfig(env=cfg.env, model=cfg.model), world)
-        learner = Learner(cfg.model, cfg.train)
+        learner = Learner(cfg.model, train_cfg)
     else:
         last = _iter_dir(run, start - 1) / "checkpoint"
-        learner = Learner(str(last), cfg.train, state_file=last / "trainer_state.pt")
+        learner = Learner(str(last), train_cfg, state_file=last / "trainer_state.pt")
     learner.barrier()
     if main and start == 0:
         if run.exists() and any(run.iterdir()) and not (resume and (run / "manifest.json").exists()):
             shutil.rmtree(run)  # --overwrite
         run.mkdir(parents=True, exist_ok=True)
-        io.write_json(run / "manifest.json", io.new_manifest("online", io.to_plain(cfg), cfg.seed))
+        io.write_json(run / "manifest.json", io.new_manifest("online", run_settings(cfg), cfg.seed))
     if resume and main:
         # a kill between appending an iteration's metrics and marking it done leaves a line
         # for an unfinished iteration, and iterations past the newest checkpoint are redone:
@@ -370,7 +464,8 @@ def _iterations(cfg: OnlineConfig, run: Path, start: int, learner: Learner, obje
                         with teacher.scoring() as teacher_model:
                             annotations, stats = annotate_episodes(episodes, acfg, teacher_model, learner.tokenizer,
                                                                    env_cfg=io.to_plain(cfg.env),
-                                                                   temperature=temperature, advantages=adv)
+                                                                   temperature=temperature, advantages=adv,
+                                                                   chat_template_kwargs=rcfg.prompt.chat_template_kwargs)
                         write_annotations(it, annotations, episodes, acfg, stats)
                         meta = {"config": io.to_plain(acfg), "stats": stats}
                 abandon = abandon or stop.requested  # a stop before the update: abandon this iteration

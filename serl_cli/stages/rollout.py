@@ -31,7 +31,7 @@ from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, TokenizedExpertPolicy, make_engine
 from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling
 from serl_cli.rollout.policies import Decision, ExpertPolicy
-from serl_cli.rollout.prompts import PromptConfig
+from serl_cli.rollout.prompts import PromptConfig, check_chat_template_kwargs
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 from serl_cli.rollout.worlds import EnvConfig, build_world
 
@@ -76,6 +76,7 @@ def validate(cfg: RolloutConfig) -> None:
         raise SerlError(f"sampling.max_new_tokens must be at least 1, got {s.max_new_tokens}")
     if cfg.batch_size < 1:
         raise SerlError(f"batch_size must be at least 1, got {cfg.batch_size}")
+    check_chat_template_kwargs(cfg.prompt.chat_template_kwargs)
     for name in ("expert_noise", "expert_blunders"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise SerlError(f"{name} is a probability: it must be in [0, 1], got {getattr(cfg, name)}")

@@ -44,14 +44,16 @@ def follow_train_on_run(run_dir: str, cfg: TrainConfig, *, resume: bool = False)
     learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
 
 
-def train_on_run(run_dir: str, cfg: TrainConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+def train_on_run(run_dir: str, cfg: TrainConfig, *, overwrite: bool = False, resume: bool = False,
+                 progress=None) -> dict:
     """One update on a run's rollouts, under the run's lock. The update is the unit of work:
     a killed one reruns from the start (the checkpoint is written atomically and the
     metrics lines of an unfinished attempt are dropped); ``resume`` returns a finished
-    update's metrics without redoing it."""
+    update's metrics without redoing it. ``progress(done, total)``: the update's micro-batches
+    (:meth:`Learner.update`)."""
     run = Path(run_dir)
     with runlock.run_lock(run):
-        return _train_on_run(run, cfg, overwrite=overwrite, resume=resume)
+        return _train_on_run(run, cfg, overwrite=overwrite, resume=resume, progress=progress)
 
 
 
@@ -71,7 +73,8 @@ def hindsight_sft_examples(episodes: list[dict], cfg: TrainConfig, tokenizer, ro
         return []
     prompt = rollout_cfg.get("prompt") or {}
     return examples_for_run(episodes, tokenizer, cfg.hindsight_sft, rollout_cfg.get("env"),
-                            bare_replies=bool(prompt.get("bare_replies")))
+                            bare_replies=bool(prompt.get("bare_replies")),
+                            chat_template_kwargs=prompt.get("chat_template_kwargs"))
 
 
 
@@ -82,7 +85,7 @@ def _comparable(cfg: TrainConfig) -> dict:
 
 
 
-def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool) -> dict:
+def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool, progress=None) -> dict:
     manifest = io.load_manifest(run)
     get_objective(cfg.algo)
     check_hindsight_sft(cfg)
@@ -119,7 +122,7 @@ def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool)
     learner = Learner(model_name, cfg)
     examples = hindsight_sft_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
     metrics = learner.update(episodes + examples, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest),
-                             annotations, meta)
+                             annotations, meta, progress=progress)
     if cfg.hindsight_sft is not None:
         metrics["hindsight_examples"] = sum(len(e["turns"]) for e in examples)
     timing = metrics.pop("timing")  # wall-clock figures apart, so metrics.jsonl is deterministic

@@ -198,7 +198,16 @@ def _import_deepspeed():
     return deepspeed
 
 
-SOLO_MARK = "SERL_SOLO_GROUP_PID"
+SOLO_MARK = "SERL_SOLO_GROUP"  # "pid:port" of the process that made its own group of one
+
+
+def _inherited_solo_group() -> bool:
+    """True where the rank variables are exactly those another serl process set for its own group
+    of one (its pid and port in ``SOLO_MARK``), not a launcher's: torchrun sets its own port and
+    ``TORCHELASTIC_RUN_ID``, and the parent's port stays taken by the parent's store."""
+    pid, _, port = os.environ.get(SOLO_MARK, "").partition(":")
+    return (bool(pid) and pid != str(os.getpid()) and port == os.environ.get("MASTER_PORT")
+            and "TORCHELASTIC_RUN_ID" not in os.environ)
 
 
 def _free_port() -> int:
@@ -214,14 +223,15 @@ def init_distributed(deepspeed) -> None:
     if dist.is_available() and dist.is_initialized():
         return
     # Not started by torchrun / the deepspeed launcher: a group of one. Variables a parent serl process set
-    # for its own group of one (marked with its pid) are inherited, not a launcher's: the child is alone too,
+    # for its own group of one (marked with its pid and port) are inherited, not a launcher's: the child is alone too,
     # and must not reuse the parent's port, which the parent's store still holds.
-    inherited = os.environ.get(SOLO_MARK) not in (None, str(os.getpid()))
+    inherited = _inherited_solo_group()
     alone = "RANK" not in os.environ or inherited
     if alone:
         port = None if inherited else os.environ.get("MASTER_PORT")
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=port or str(_free_port()), **{SOLO_MARK: str(os.getpid())})
+                          MASTER_PORT=port or str(_free_port()))
+        os.environ[SOLO_MARK] = f"{os.getpid()}:{os.environ['MASTER_PORT']}"
     # the first initialize on a CPU compiles a small shared-memory op; cache it with serl's cache
     cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(cache) / "torch_extensions"))
@@ -233,6 +243,7 @@ def init_distributed(deepspeed) -> None:
             if not alone or "EADDRINUSE" not in str(e) or attempt == 2:
                 raise
             os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ[SOLO_MARK] = f"{os.getpid()}:{os.environ['MASTER_PORT']}"
 
 
 def _choose_accelerator(device: torch.device) -> None:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from serl_cli.algos.batch import make_micro_batches
+from serl_cli.algos.batch import make_micro_batches, micro_batch_groups
 from serl_cli.algos.objectives import (GIGPO_MODES, GROUP_NORMS, UpdateInputs, default_advantages, get_objective,
                                       turn_advantages)
 from serl_cli.artifacts.schema import turn_samples
@@ -288,9 +288,11 @@ class Learner:
                 "logp_mismatch_max": worst}
 
     def update(self, episodes: list[dict], temperature: float, annotations: list[dict] | None = None,
-               annotate_meta: dict | None = None, engine: str | None = None) -> dict:
+               annotate_meta: dict | None = None, engine: str | None = None, progress=None) -> dict:
         """Train on a batch of episodes; returns the update's metrics. ``engine``: what
-        generated the rollouts (hf, vllm), for ``train.recompute_logp_old: null``."""
+        generated the rollouts (hf, vllm), for ``train.recompute_logp_old: null``.
+        ``progress(done, total)``: micro-batches run of the update's, once before the first
+        and after each one (a progress bar; its last call has ``done == total``)."""
         cfg = self.cfg
         objective = get_objective(cfg.algo)
         recomputed = {}
@@ -330,24 +332,28 @@ class Learner:
         t0 = time.perf_counter()
         self.model.train()
         step_stats = []
+        steps = []  # each optimizer step's turns: `epochs` shuffles of the active turns, in n_mini chunks
         for _ in range(cfg.epochs):
             order = list(active)
             rng.shuffle(order)
-            chunks = [order[i::n_mini] for i in range(n_mini)]
-            for chunk in chunks:
-                if not chunk:
-                    continue
-                chunk.sort(key=lambda i: len(samples[i].prompt_ids) + len(samples[i].action_ids))
-                mbs = make_micro_batches(samples, chunk, cfg.optim.micro_batch_tokens, pad, prepared)
+            for chunk in (order[i::n_mini] for i in range(n_mini)):
+                if chunk:
+                    chunk.sort(key=lambda i: len(samples[i].prompt_ids) + len(samples[i].action_ids))
+                    steps.append(chunk)
+        tick = _Ticker(progress, sum(len(micro_batch_groups(samples, c, cfg.optim.micro_batch_tokens)) for c in steps))
+        for chunk in steps:
+            mbs = make_micro_batches(samples, chunk, cfg.optim.micro_batch_tokens, pad, prepared)
 
-                def loss_fn(mb, logp, n_tokens):
-                    return objective.loss(mb, logp, cfg, num_tokens=n_tokens, distill_tokens=chunk_distill_tokens,
-                                          logp_ref=self._reference_logprobs(mb, temperature))
+            def loss_fn(mb, logp, n_tokens):
+                tick.one()  # a micro-batch's forward pass is done; its backward follows
+                return objective.loss(mb, logp, cfg, num_tokens=n_tokens, distill_tokens=chunk_distill_tokens,
+                                      logp_ref=self._reference_logprobs(mb, temperature))
 
-                if entropy:
-                    step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature, entropy=True))
-                else:
-                    step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature))
+            if entropy:
+                step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature, entropy=True))
+            else:
+                step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature))
+            tick.step(len(mbs))
         self.model.eval()
         self.updates += 1
         wall = time.perf_counter() - t0
@@ -410,6 +416,28 @@ class Learner:
             torch.save(state, directory / "trainer_state.pt")
             for name, text in files.items():
                 (directory / name).write_text(text, encoding="utf-8")
+
+
+class _Ticker:
+    """An update's progress in micro-batches for ``progress(done, total)``: one per forward pass,
+    and at each optimizer step's end all of the step's (a step that stopped early on a non-finite
+    loss, or a DeepSpeed process that ran only its share of the micro-batches, catches up there)."""
+
+    def __init__(self, progress, total: int):
+        self.progress, self.total, self.done, self.base = progress, total, 0, 0
+        if progress is not None:
+            progress(0, total)
+
+    def one(self) -> None:
+        if self.progress is not None and self.done < self.total:
+            self.done += 1
+            self.progress(self.done, self.total)
+
+    def step(self, micro_batches: int) -> None:
+        self.base += micro_batches
+        if self.progress is not None and self.done < self.base:
+            self.done = self.base
+            self.progress(self.done, self.total)
 
 
 def _mean_stats(steps: list[dict]) -> dict:

@@ -63,7 +63,7 @@ class ModelPolicy:
             messages = build_messages(ctx["rules"], ctx["instruction"], history, step.observation,
                                       step.admissible_actions, self.prompt,
                                       ctx.get("action_format") or DEFAULT_ACTION_FORMAT)
-            out.append(render_prompt_ids(self.engine.tokenizer, messages))
+            out.append(render_prompt_ids(self.engine.tokenizer, messages, self.prompt.chat_template_kwargs))
         return out
 
     def act(self, steps: list[Step], contexts: list[dict]) -> list[Decision]:

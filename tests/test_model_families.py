@@ -1,0 +1,274 @@
+"""The teacher prompt and ``chat_template_kwargs`` under the chat templates of real model families.
+
+The templates are the published ones (tests/fixtures/chat_templates, sources in its README),
+each paired with a small byte-level BPE trained here with the family's special tokens. The
+teacher prompt must be the stored student prompt with the block spliced in at the end of the
+user message -- student = P + tail, teacher = P + X + tail -- and decode to exactly what the
+family's template renders for the teacher's conversation; where that check fails, the
+documented fallback (``serl_cli/method/teacher.py``) places it.
+"""
+
+from __future__ import annotations
+
+import string
+from functools import cache
+from pathlib import Path
+
+import pytest
+from fixtures_model import webshop_like_corpus
+from tokenizers import Tokenizer, decoders, models, trainers
+from tokenizers import pre_tokenizers as pre
+from transformers import PreTrainedTokenizerFast
+
+from envs.base import Feedback, Step
+from serl_cli.config import from_dict
+from serl_cli.errors import SerlError
+from serl_cli.method import annotation
+from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
+from serl_cli.method.teacher import (
+    block_ids,
+    chat_tail,
+    inserted_ids,
+    spliced_part,
+    teacher_prompt,
+    teacher_prompt_ids,
+    teacher_suffix,
+)
+from serl_cli.models.tiny import _qwen2_pipeline
+from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, _TokenizerOnly
+from serl_cli.rollout.prompts import PromptConfig, build_messages, prompt_file_text, render_prompt_ids, trained_prompt
+from serl_cli.stages.rollout import RolloutConfig, validate
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+
+# template file, special tokens (the first is the pad token), bos, eos, whether the template takes a system message
+FAMILIES = {
+    "qwen2.5": ("qwen2.5-instruct.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", True),
+    "qwen3": ("qwen3.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None,
+              "<|im_end|>", True),
+    "llama3.1": ("llama3.1-instruct.jinja", ["<|finetune_right_pad_id|>", "<|begin_of_text|>", "<|end_of_text|>",
+                                             "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                                             "<|python_tag|>"], "<|begin_of_text|>", "<|eot_id|>", True),
+    # Gemma 2's template refuses a system message; its end of turn is not its eos token
+    "gemma2": ("gemma2-it.jinja", ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>",
+               False),
+    # Mistral: the system text goes into the last user turn; no assistant header; no end-of-user token but [/INST]
+    "mistral-v0.3": ("mistral-7b-instruct-v0.3.jinja", ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>",
+                     True),
+}
+BLOCK = "Immediate feedback from the current step:\nInstruction: [SEP] i need a red mug [SEP] Back to Search"
+
+
+def _wrap(tok: Tokenizer, family: str) -> PreTrainedTokenizerFast:
+    template, specials, bos, eos, _ = FAMILIES[family]
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=specials[0],
+                                   chat_template=(TEMPLATES / template).read_text(encoding="utf-8"),
+                                   clean_up_tokenization_spaces=False)
+
+
+@cache
+def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (Qwen2's pre-tokenizer) trained on WebShop-like text, with the family's specials."""
+    tok = _qwen2_pipeline(Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False)))
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=FAMILIES[family][1],
+                                  initial_alphabet=pre.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(webshop_like_corpus(), trainer=trainer)
+    return _wrap(tok, family)
+
+
+@cache
+def merging_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with no pre-tokenizer split, whose only merges join a letter with the
+    newline after it: the block's first newline merges with the user text's last letter."""
+    alphabet = sorted(pre.ByteLevel.alphabet())
+    specials = FAMILIES[family][1]
+    newline = "\u010a"  # the byte-level symbol of "\n"
+    merges = [(c, newline) for c in string.ascii_letters]
+    vocab = {t: i for i, t in enumerate(specials + alphabet + [a + b for a, b in merges])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    return _wrap(tok, family)
+
+
+def _messages(family: str) -> list[dict]:
+    cfg = PromptConfig(system=FAMILIES[family][4])
+    return build_messages("You shop.", "i need a red mug", [], "WebShop [SEP] Search", ["search[<query>]"], cfg)
+
+
+def _teacher_messages(messages: list[dict], block: str) -> list[dict]:
+    return messages[:-1] + [{"role": "user", "content": messages[-1]["content"] + teacher_suffix(block)}]
+
+
+def _text(tok, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------- the templates themselves
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fixture_templates_render_serl_prompts(family):
+    tok = family_tokenizer(family)
+    messages = _messages(family)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert messages[-1]["content"] in text
+    assert _text(tok, render_prompt_ids(tok, messages)) == text  # the byte-level BPE decodes back exactly
+    if family == "gemma2":
+        with pytest.raises(Exception, match="System role not supported"):
+            tok.apply_chat_template(build_messages("r", "t", [], "o", [], PromptConfig()), tokenize=False)
+
+
+# ---------------------------------------------------------------- the splice
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block", [BLOCK, "x", "ends in a newline\n", "Reference:\n[turn 1] click[b0x] ]]"])
+def test_teacher_prompt_is_student_prefix_block_suffix(family, block):
+    tok = family_tokenizer(family)
+    messages = _messages(family)
+    student = render_prompt_ids(tok, messages)
+    teacher = teacher_prompt(tok, student, block)
+    tail = chat_tail(tok)
+    assert tail and student[len(student) - len(tail):] == tail
+    inserted = spliced_part(student, teacher, tail)  # student = P + tail, teacher = P + X + tail
+    assert inserted and teacher == student[: len(student) - len(tail)] + inserted + tail
+    # exactly the family's own rendering of the teacher's conversation: the block at the end of the user message
+    rendered = tok.apply_chat_template(_teacher_messages(messages, block), tokenize=False, add_generation_prompt=True)
+    assert _text(tok, teacher) == rendered
+    assert messages[-1]["content"] + "\n\n" + block.rstrip() in _text(tok, teacher)
+    if family in ("qwen2.5", "qwen3"):  # ChatML: serl's original end-of-turn splice, id for id
+        assert teacher == teacher_prompt_ids(student, block_ids(tok, block), tok.eos_token_id)
+
+
+def test_the_block_goes_where_each_family_closes_the_user_message():
+    ends = {"qwen2.5": "Correctly solve the current task.\n<|im_end|>\n<|im_start|>assistant\n",
+            "llama3.1": "Correctly solve the current task.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+            "gemma2": "Correctly solve the current task.<end_of_turn>\n<start_of_turn>model\n",  # | trim
+            "mistral-v0.3": "Correctly solve the current task.\n[/INST]"}
+    for family, end in ends.items():
+        tok = family_tokenizer(family)
+        assert _text(tok, teacher_prompt(tok, render_prompt_ids(tok, _messages(family)), BLOCK)).endswith(end), family
+
+
+def spy_scorer(seen: list):
+    def scorer(model, tokenizer, items, temperature, micro_batch_tokens):
+        seen.extend(items)
+        return [[-1.0] * len(it.action_ids) for it in items]
+    return scorer
+
+
+def _group(tok, prompt_ids: list[int]) -> list[dict]:
+    """Two rollouts of one task, one turn each, the first successful: the turn gets a block (obs)."""
+    reply = tok.encode("<action>click[b01]</action>", add_special_tokens=False) + [tok.eos_token_id]
+    turn = {"observation": "WebShop [SEP] Search", "state_key": "s0", "expert_action": None, "prompt_ids": prompt_ids,
+            "action_text": "<action>click[b01]</action>", "action": "click[b01]", "action_ids": reply,
+            "behaviour_logprobs": [-2.0] * len(reply), "next_observation": "Instruction: [SEP] i need a red mug",
+            "reward": 0.0, "done": False, "feedback": {"error": None, "diff": ""}}
+    return [{"task_id": 0, "group_id": 0, "rollout_index": i, "turns": [dict(turn)], "success": i == 0,
+             "reward": float(i == 0)} for i in range(2)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_annotation_builds_each_familys_teacher_prompt(family):
+    tok = family_tokenizer(family)
+    student = render_prompt_ids(tok, _messages(family))
+    seen: list = []
+    records, _ = annotate_episodes(_group(tok, student), AnnotateConfig(teacher_signal=False), None, tok, env_cfg=None,
+                                   scorer=spy_scorer(seen))
+    assert len(seen) == 2
+    assert seen[0].prompt_ids == teacher_prompt(tok, student, records[0]["hindsight"])
+    assert "Immediate feedback from the current step:" in _text(tok, seen[0].prompt_ids)
+
+
+# ---------------------------------------------------------------- the fallback
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "gemma2", "mistral-v0.3"])
+def test_a_tokenizer_merging_across_the_boundary_falls_back(family):
+    tok = merging_tokenizer(family)
+    student = render_prompt_ids(tok, _messages(family))
+    tail = chat_tail(tok)
+    assert tail and student[len(student) - len(tail):] == tail
+    assert inserted_ids(tok, BLOCK, tail) is None  # the probe's last letter merged with the block's newline
+    teacher = teacher_prompt(tok, student, BLOCK)
+    if tok.eos_token_id in student:  # ChatML: before the last end-of-turn token, serl's original layout
+        assert family == "qwen2.5"
+        assert teacher == teacher_prompt_ids(student, block_ids(tok, BLOCK), tok.eos_token_id)
+    else:  # Gemma (<eos> never closes a turn), Mistral (no end-of-user token): the block's ids before the tail
+        cut = len(student) - len(tail)
+        assert teacher == student[:cut] + block_ids(tok, BLOCK) + student[cut:]
+    assert BLOCK in _text(tok, teacher)
+
+
+def test_a_prompt_the_template_did_not_end_is_refused():
+    tok = family_tokenizer("gemma2")
+    student = render_prompt_ids(tok, _messages("gemma2"))
+    with pytest.raises(SerlError, match="cannot place the hindsight block"):
+        teacher_prompt(tok, student[:-1], BLOCK)
+
+
+# ---------------------------------------------------------------- chat_template_kwargs
+
+
+NO_THINKING = {"enable_thinking": False}
+
+
+def test_chat_template_kwargs_reach_the_template():
+    tok = family_tokenizer("qwen3")
+    messages = _messages("qwen3")
+    assert _text(tok, render_prompt_ids(tok, messages)).endswith("<|im_start|>assistant\n")
+    assert _text(tok, render_prompt_ids(tok, messages, NO_THINKING)).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_the_policy_renders_with_the_prompt_settings_kwargs():
+    tok = family_tokenizer("qwen3")
+    step = Step(observation="WebShop [SEP] Search", reward=0.0, done=False, feedback=Feedback(),
+                admissible_actions=["search[<query>]"], state_key="s0", expert_action=None)
+    ctx = {"turns": [], "rules": "You shop.", "instruction": "i need a red mug"}
+    policy = ModelPolicy(_TokenizerOnly(tok), SamplingConfig(), PromptConfig(chat_template_kwargs=NO_THINKING))
+    messages = build_messages("You shop.", "i need a red mug", [], step.observation, step.admissible_actions,
+                              PromptConfig())
+    assert policy.prompts([step], [ctx]) == [render_prompt_ids(tok, messages, NO_THINKING)]
+
+
+def test_the_teacher_prompt_renders_with_the_same_kwargs():
+    tok = family_tokenizer("qwen3")
+    messages = _messages("qwen3")
+    student = render_prompt_ids(tok, messages, NO_THINKING)
+    tail = chat_tail(tok, NO_THINKING)
+    assert _text(tok, tail).endswith("<think>\n\n</think>\n\n")
+    teacher = teacher_prompt(tok, student, BLOCK, NO_THINKING)
+    assert _text(tok, teacher) == tok.apply_chat_template(_teacher_messages(messages, BLOCK), tokenize=False,
+                                                          add_generation_prompt=True, **NO_THINKING)
+    # without them the stored prompt does not end as the template would: the end-of-turn fallback, same ids here
+    assert teacher_prompt(tok, student, BLOCK) == teacher
+
+
+def test_annotation_passes_the_kwargs_to_the_teacher_prompt(monkeypatch):
+    tok = family_tokenizer("qwen3")
+    asked = []
+
+    def spy(tokenizer, prompt_ids, block, chat_template_kwargs=None):
+        asked.append(chat_template_kwargs)
+        return teacher_prompt(tokenizer, prompt_ids, block, chat_template_kwargs)
+
+    monkeypatch.setattr(annotation, "teacher_prompt", spy)
+    student = render_prompt_ids(tok, _messages("qwen3"), NO_THINKING)
+    annotate_episodes(_group(tok, student), AnnotateConfig(teacher_signal=False), None, tok, env_cfg=None,
+                      scorer=spy_scorer([]), chat_template_kwargs=NO_THINKING)
+    assert asked and all(kw == NO_THINKING for kw in asked)
+
+
+def test_chat_template_kwargs_is_a_prompt_setting(tmp_path):
+    cfg = from_dict(RolloutConfig, {"prompt": {"chat_template_kwargs": {"enable_thinking": False}}})
+    assert cfg.prompt.chat_template_kwargs == NO_THINKING and PromptConfig().chat_template_kwargs == {}
+    validate(cfg)
+    with pytest.raises(SerlError, match="must be a dict"):
+        from_dict(RolloutConfig, {"prompt": {"chat_template_kwargs": "enable_thinking=false"}})
+    with pytest.raises(SerlError, match="set by serl itself"):
+        validate(from_dict(RolloutConfig, {"prompt": {"chat_template_kwargs": {"add_generation_prompt": False}}}))
+    (tmp_path / "serl_prompt.json").write_text(prompt_file_text(cfg.prompt))  # a checkpoint keeps them
+    assert trained_prompt(str(tmp_path)) == cfg.prompt

@@ -403,3 +403,23 @@ def test_serl_trains_on_the_configured_advantages():
     cfg = TrainConfig(algo="serl", group_norm="cross_steps", invalid_action_penalty=0.1)
     prepared = get_objective("serl").prepare(s, UpdateInputs([], ann, {}, {}), cfg)
     assert prepared.advantages.tolist() == pytest.approx(turn_advantages(s, cfg).tolist())
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_single_update_recomputes_pi_old_for_the_engine_that_rolled_out(stopping_model_dir, tmp_path, engine):
+    """`serl train RUN` reads which engine generated the run: on vLLM's rollouts pi_old is the
+    trainer's by default (recompute_logp_old: null), as in the online loop; on hf's it is not."""
+    from serl_cli.artifacts import io
+    from serl_cli.stages.train import train_on_run
+
+    run = tmp_path / "run"
+    run_rollout(rollout_config(stopping_model_dir, run, max_new_tokens=10))
+    if engine == "vllm":  # the manifest says who generated the rollouts; the stored log-probs stand in for vLLM's
+        manifest = io.load_manifest(run)
+        manifest["stages"]["rollout"]["config"]["engine"] = "vllm"
+        io.write_json(run / "manifest.json", manifest)
+    cfg = TrainConfig(algo="grpo", optim=OptimConfig(lr=0.0), threads=1, checkpoint=str(tmp_path / "ckpt"))
+    metrics = train_on_run(str(run), cfg)
+    assert ("logp_old_recomputed_turns" in metrics) == (engine == "vllm")
+    if engine == "vllm":
+        assert metrics["logp_old_recomputed_turns"] > 0 and metrics["logp_mismatch_max"] < 1e-4

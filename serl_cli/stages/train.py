@@ -40,7 +40,8 @@ def follow_train_on_run(run_dir: str, cfg: TrainConfig, *, resume: bool = False)
     learner = Learner(model_name, cfg)
     episodes = training_episodes(read_rollouts(run), cfg, run)
     episodes += hindsight_sft_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
-    learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta)
+    learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta,
+                   engine=rollout_cfg.get("engine", "hf"))
     learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
 
 
@@ -121,8 +122,9 @@ def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool,
     io.mark_stage(run, stage_name, "running", metrics_line=line, timings_line=timings_line)
     learner = Learner(model_name, cfg)
     examples = hindsight_sft_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
+    # the engine that generated the rollouts: on vLLM's, pi_old is recomputed by default (recompute_logp_old: null)
     metrics = learner.update(episodes + examples, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest),
-                             annotations, meta, progress=progress)
+                             annotations, meta, engine=rollout_cfg.get("engine", "hf"), progress=progress)
     if cfg.hindsight_sft is not None:
         metrics["hindsight_examples"] = sum(len(e["turns"]) for e in examples)
     timing = metrics.pop("timing")  # wall-clock figures apart, so metrics.jsonl is deterministic

@@ -103,7 +103,8 @@ def measure(cfg: OnlineBench) -> dict:
                 synthetic_outcomes(episodes, cfg.group_size)
             with Stopwatch() as watches["annotate"]:
                 records, stats = annotate_episodes(episodes, annotate, teacher, learner.tokenizer,
-                                                   env_cfg=io.to_plain(rcfg.env), temperature=temperature)
+                                                   env_cfg=io.to_plain(rcfg.env), temperature=temperature,
+                                                   bare_replies=rcfg.prompt.bare_replies)
             with Stopwatch() as watches["update"]:
                 metrics = learner.update(episodes, temperature, records, {"config": io.to_plain(annotate), "stats": stats})
             for part, w in watches.items():

@@ -92,12 +92,18 @@ def sokoban_run(tiny_model_dir, tmp_path_factory):
     return run
 
 
-def test_expert_reply_is_what_the_expert_policy_records(tiny_model_dir, model_and_tokenizer, tmp_path):
+@pytest.mark.parametrize("bare", [False, True])
+def test_expert_reply_is_what_the_expert_policy_records(tiny_model_dir, model_and_tokenizer, tmp_path, bare):
+    from serl_cli.rollout.prompts import PromptConfig
+
     out = tmp_path / "expert"
-    run_rollout(rollout_config(tiny_model_dir, out, env=SOKOBAN, tasks=2, group_size=1, policy="expert"))
+    run_rollout(rollout_config(tiny_model_dir, out, env=SOKOBAN, tasks=2, group_size=1, policy="expert",
+                               prompt=PromptConfig(bare_replies=bare)))
     _, tok = model_and_tokenizer
     turns = [t for ep in read_rollouts(out) for t in ep["turns"]]
-    assert turns and all(t["action_ids"] == expert_reply_ids(tok, t["action"]) for t in turns)
+    assert turns and all(t["action_ids"] == expert_reply_ids(tok, t["action"], bare) for t in turns)
+    # the other form is another token sequence: scored in it, the expert's reply means nothing
+    assert all(t["action_ids"] != expert_reply_ids(tok, t["action"], not bare) for t in turns)
 
 
 def test_selection_report_has_the_signal_of_forward_passes(sokoban_run, model_and_tokenizer):

@@ -128,14 +128,15 @@ def action_masks(tokenizer, episodes: list[dict], unparsed: str, env_cfg: dict |
 
 def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, tokenizer, *, env_cfg: dict | None,
                       temperature: float = 1.0, scorer=score, advantages: list[float] | None = None,
-                      chat_template_kwargs: dict | None = None) -> tuple[list[dict], dict]:
+                      chat_template_kwargs: dict | None = None, bare_replies: bool = False) -> tuple[list[dict], dict]:
     """Annotation records for every turn, and statistics of the pass (teacher work).
     ``scorer`` has :func:`serl_cli.method.teacher.score`'s signature (e.g. :func:`serl_cli.stages.annotate.journaled_scorer`).
     ``advantages``: the update's advantage per turn, in turn order, whose sign sets each weight
     (the authors sign by the final advantage, invalid-action penalty included:
     verl/trainer/ppo/core_algos.py:466); default: the plain episode GRPO advantage.
     ``chat_template_kwargs``: those the rollouts' prompts were rendered with (``prompt.chat_template_kwargs``),
-    for the teacher's prompts (``method.teacher.teacher_prompt``)."""
+    for the teacher's prompts (``method.teacher.teacher_prompt``); ``bare_replies``: whether they asked for
+    bare replies (``prompt.bare_replies``), the form the teacher signal scores the expert's reply in."""
     spec = validate(cfg)
     uses_expert = any("expert" in alt for alt in spec)
     experts = expert_trajectories(env_cfg, episodes) if uses_expert and env_cfg else {}
@@ -225,7 +226,7 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
              "turns_with_block": sum(r["hindsight"] is not None for r in records),
              "action_parse_failures": parse_failures}
     signal = teacher_signal.measure(records, episodes, teacher_model, tokenizer, temperature, cfg.micro_batch_tokens,
-                                    chat_template_kwargs) if cfg.teacher_signal else None
+                                    chat_template_kwargs, bare_replies) if cfg.teacher_signal else None
     if signal is not None:
         stats["teacher_signal"] = signal
     return records, stats

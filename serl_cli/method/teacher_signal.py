@@ -36,12 +36,14 @@ import math
 
 from serl_cli.method.feedback import _same
 from serl_cli.method.teacher import ScoreItem, action_span_mask, score, teacher_prompt
-from serl_cli.rollout.prompts import format_action
+from serl_cli.rollout.prompts import format_reply
 
 
-def expert_reply_ids(tokenizer, action: str) -> list[int]:
-    """The expert's action as a reply, tokenized as ``TokenizedExpertPolicy`` records it for SFT."""
-    return tokenizer.encode(format_action(action), add_special_tokens=False) + [tokenizer.eos_token_id]
+def expert_reply_ids(tokenizer, action: str, bare_replies: bool = False) -> list[int]:
+    """The expert's action as a reply, tokenized as ``TokenizedExpertPolicy`` records it for SFT:
+    tagged, or bare where the rollouts' prompts ask for bare replies (``prompt.bare_replies``) --
+    scored in the wrong form, the expert's reply has almost no probability under either prompt."""
+    return tokenizer.encode(format_reply(action, bare_replies), add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
 def _turn(records: list[dict], episodes: list[dict], k: int) -> dict:
@@ -82,13 +84,13 @@ def teacher_signal(records: list[dict], episodes: list[dict],
 
 
 def measure(records: list[dict], episodes: list[dict], teacher_model, tokenizer, temperature: float,
-            micro_batch_tokens: int, chat_template_kwargs: dict | None = None) -> dict | None:
+            micro_batch_tokens: int, chat_template_kwargs: dict | None = None, bare_replies: bool = False) -> dict | None:
     """Score the expert's reply with and without each turn's block, and summarize (:func:`teacher_signal`)."""
     turns = signal_turns(records, episodes)
     if not turns:
         return None
     expert = [_turn(records, episodes, k)["expert_action"] for k in turns]
-    reply = {a: expert_reply_ids(tokenizer, a) for a in set(expert)}
+    reply = {a: expert_reply_ids(tokenizer, a, bare_replies) for a in set(expert)}
     span = {a: action_span_mask(tokenizer, ids) for a, ids in reply.items()}
     items = []
     for k, a in zip(turns, expert):

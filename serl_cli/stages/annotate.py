@@ -109,7 +109,8 @@ def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bo
     model, tokenizer = load_for_inference(teacher_name, resolve(cfg.device, cfg.dtype))
     records, stats = annotate_episodes(episodes, cfg, model, tokenizer, env_cfg=rollout_cfg.get("env"),
                                        temperature=rollout_temperature(manifest), scorer=journaled_scorer(journal, done, progress),
-                                       chat_template_kwargs=(rollout_cfg.get("prompt") or {}).get("chat_template_kwargs"))
+                                       chat_template_kwargs=(rollout_cfg.get("prompt") or {}).get("chat_template_kwargs"),
+                                       bare_replies=bool((rollout_cfg.get("prompt") or {}).get("bare_replies")))
     result = write_annotations(run, records, episodes, cfg, stats)
     journal.unlink(missing_ok=True)
     return result

@@ -465,7 +465,8 @@ def _iterations(cfg: OnlineConfig, run: Path, start: int, learner: Learner, obje
                             annotations, stats = annotate_episodes(episodes, acfg, teacher_model, learner.tokenizer,
                                                                    env_cfg=io.to_plain(cfg.env),
                                                                    temperature=temperature, advantages=adv,
-                                                                   chat_template_kwargs=rcfg.prompt.chat_template_kwargs)
+                                                                   chat_template_kwargs=rcfg.prompt.chat_template_kwargs,
+                                                                   bare_replies=rcfg.prompt.bare_replies)
                         write_annotations(it, annotations, episodes, acfg, stats)
                         meta = {"config": io.to_plain(acfg), "stats": stats}
                 abandon = abandon or stop.requested  # a stop before the update: abandon this iteration

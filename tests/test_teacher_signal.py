@@ -188,3 +188,31 @@ def test_ablation_report_averages_the_last_measured_iteration_over_seeds(tmp_pat
     md = (tmp_path / "report.md").read_text()
     assert f"| {SERL_ARM} | 2 | 0.600 | +0.005 |" in md and "| webshop-grpo | 0 | n/a | n/a |" in md
     assert "teacher_right_direction" in (tmp_path / "report.csv").read_text()
+
+
+def test_bare_replies_score_the_bare_expert_reply_on_its_action_span(tiny_model_dir, model_and_tokenizer, tmp_path):
+    """With prompt.bare_replies the expert's reply is the bare move, scored on its action span as
+    Sokoban's action format finds it: the signal's probability is that of those tokens (before
+    the fix it was the tagged reply's, or 1 over an empty span)."""
+    from serl_cli.method.annotation import action_format
+    from serl_cli.rollout.prompts import PromptConfig
+
+    run = tmp_path / "bare"
+    run_rollout(rollout_config(tiny_model_dir, run, env=SOKOBAN, tasks=2, group_size=2, max_new_tokens=4,
+                               prompt=PromptConfig(history_turns=0, max_admissible=0, system=False, bare_replies=True)))
+    run_annotate(str(run), AnnotateConfig(sources="error,diff", placement="all", skip_zero_advantage=False, threads=1))
+    s = io.read_json(run / "selection_report.json")["teacher"]["teacher_signal"]
+    model, tok = model_and_tokenizer
+    fmt = action_format(SOKOBAN.__dict__)
+    probs = []
+    for turn in (t for ep in read_rollouts(run) for t in ep["turns"] if t["expert_action"]):
+        reply = expert_reply_ids(tok, turn["expert_action"], bare_replies=True)
+        assert tok.decode(reply, skip_special_tokens=True) == turn["expert_action"]
+        mask = torch.tensor(action_span_mask(tok, reply, "none", fmt), dtype=torch.bool)
+        assert mask.any() and not mask[-1]  # the move's tokens, not the end-of-turn token
+        with torch.no_grad():
+            logits = model(torch.tensor([turn["prompt_ids"] + reply])).logits[0, len(turn["prompt_ids"]) - 1:-1]
+        probs.append(logits.log_softmax(-1).gather(1, torch.tensor(reply)[:, None])[:, 0][mask].sum().exp().item())
+    assert s["turns"] == len(probs) > 0
+    assert s["expert_prob_without_block"] == pytest.approx(sum(probs) / len(probs), rel=1e-4)
+    assert s["expert_prob_without_block"] < 1

@@ -226,7 +226,8 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
              "turns_with_block": sum(r["hindsight"] is not None for r in records),
              "action_parse_failures": parse_failures}
     signal = teacher_signal.measure(records, episodes, teacher_model, tokenizer, temperature, cfg.micro_batch_tokens,
-                                    chat_template_kwargs, bare_replies) if cfg.teacher_signal else None
+                                    chat_template_kwargs, bare_replies,
+                                    action_format(env_cfg) if bare_replies else None) if cfg.teacher_signal else None
     if signal is not None:
         stats["teacher_signal"] = signal
     return records, stats

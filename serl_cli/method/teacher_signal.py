@@ -84,14 +84,21 @@ def teacher_signal(records: list[dict], episodes: list[dict],
 
 
 def measure(records: list[dict], episodes: list[dict], teacher_model, tokenizer, temperature: float,
-            micro_batch_tokens: int, chat_template_kwargs: dict | None = None, bare_replies: bool = False) -> dict | None:
+            micro_batch_tokens: int, chat_template_kwargs: dict | None = None, bare_replies: bool = False,
+            action_format=None) -> dict | None:
     """Score the expert's reply with and without each turn's block, and summarize (:func:`teacher_signal`)."""
     turns = signal_turns(records, episodes)
     if not turns:
         return None
     expert = [_turn(records, episodes, k)["expert_action"] for k in turns]
     reply = {a: expert_reply_ids(tokenizer, a, bare_replies) for a in set(expert)}
-    span = {a: action_span_mask(tokenizer, ids) for a, ids in reply.items()}
+    # a bare reply's action is found by the environment's action format; an empty span would read as probability 1
+    span = {a: action_span_mask(tokenizer, ids, "none", action_format if bare_replies else None)
+            for a, ids in reply.items()}
+    keep = [j for j, a in enumerate(expert) if any(span[a])]
+    turns, expert = [turns[j] for j in keep], [expert[j] for j in keep]
+    if not turns:
+        return None
     items = []
     for k, a in zip(turns, expert):
         prompt = _turn(records, episodes, k)["prompt_ids"]

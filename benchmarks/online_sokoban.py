@@ -13,12 +13,14 @@ one thread, at most 15 s, so that a 100-iteration run fits in half an hour.
 
 The model: by default the embedded ``--preset`` model as built, with random weights. It
 never solves a room, so every episode runs to the turn limit -- the most turns an
-iteration can have -- and every reply is malformed, so the ``error`` source flags every
-turn and the teacher scores all of them: the worst case. Its rewards would all be 0 (every
-advantage 0: the teacher and the update would skip everything), so, as in
-``benchmarks.train_step``, the outcome is overwritten in memory: in every group the
-episodes with ``rollout_index < G // 2`` succeed. With ``--model`` (the demo's warm start,
-say) the rollouts and rewards are the model's own.
+iteration can have: the most rollout and update work. Its rewards would all be 0 (every
+advantage 0: the update would skip everything), so, as in ``benchmarks.train_step``, the
+outcome is overwritten in memory: in every group the episodes with ``rollout_index < G // 2``
+succeed. Every reply of random weights is malformed, though, and a reply with no parseable
+action has no action tokens to weight (``annotate.tokens: action``, ``unparsed: none``, the
+authors' defaults), so the teacher scores nothing: the annotate figure is the cost of the
+blocks alone. With ``--model`` (the demo's warm start, say) the rollouts, rewards and
+teacher work are the model's own -- that is the figure with the teacher in it.
 
 Each repeat is a fresh iteration (its own rollout seed) from the same weights; the median
 of each part is reported, in CPU seconds of the process (``benchmarks.common.Stopwatch``:

@@ -25,6 +25,9 @@ def test_config_show_prints_the_complete_resolved_config():
     assert shown["train"]["optim"]["lr"] == 1e-5  # --set wins
     assert shown["train"]["algo"] == "serl" and shown["env"]["name"] == "webshop"  # from the file
     assert shown["train"]["optim"]["grad_clip"] == 1.0 and "annotate" in shown and "rollout" in shown  # every section
+    # as RUN/online.yaml holds it: each setting once, none of the loop's own copies
+    assert p.stdout.count("seed:") == 1 and p.stdout.count("\nout:") + p.stdout.count(" out:") == 1
+    assert "env" not in shown["rollout"] and "model" not in shown["train"]
 
 
 def test_config_show_defaults_and_bad_input():

@@ -65,4 +65,10 @@ def show_command(
         cfg = cls()
     else:
         cfg = resolve(cls, config_file=config, overrides=set_, flags={}, command=command)
-    console.print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="", highlight=False, markup=False)
+    if command == "train":  # as RUN/online.yaml holds it: each setting once, without the loop's own copies
+        from serl_cli.stages.online import run_settings
+
+        plain = run_settings(cfg)
+    else:
+        plain = dataclasses.asdict(cfg)
+    console.print(yaml.safe_dump(plain, sort_keys=False), end="", highlight=False, markup=False)

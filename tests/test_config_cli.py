@@ -70,10 +70,13 @@ def test_single_update_honours_out_and_warns_without_gradient(tiny_model_dir, tm
 
     run = tmp_path / "run"
     run_rollout(rollout_config(tiny_model_dir, run, tasks=1, group_size=2, max_new_tokens=4))
-    p = serl("train", str(run), "--algo", "grpo", "--out", str(tmp_path / "ckpt"), "--threads", "1")
+    run_file = tmp_path / "run.yaml"  # a whole run's file: the single update reads its train section and says so
+    run_file.write_text("iterations: 3\nrollout: {tasks: 4}\ntrain: {algo: grpo}\n")
+    p = serl("train", str(run), "--config", str(run_file), "--out", str(tmp_path / "ckpt"), "--threads", "1")
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "ckpt" / "config.json").is_file() and not (run / "checkpoint").exists()
     assert "no turn had a gradient" in p.stderr
+    assert "note: ignoring iterations, rollout of the run config" in p.stderr
 
 
 def test_live_table_of_the_online_loop_shows_the_last_iterations():

@@ -85,6 +85,9 @@ def train_command(
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
     trackers = check_backends(report_to) if main else []
     if not online:
+        note = single_update_note(config, set_)
+        if note and main and not quiet:
+            err_console.print(note, highlight=False, markup=False, soft_wrap=True)
         cfg.train.model = cfg.train.model or model
         cfg.train.checkpoint = out or cfg.train.checkpoint
         if not main:
@@ -173,3 +176,23 @@ def iterations_table(rows: list[dict], total: int) -> Table:
     for r in rows:
         table.add_row(str(r["iteration"]), *(_fmt(r[key]) if key in r else "" for _, key in shown))
     return table
+
+
+# What a single update (`serl train RUN`) reads of a run file: its `train` section and the run's seed.
+SINGLE_UPDATE_READS = ("train", "seed")
+
+
+def single_update_note(config_files, overrides) -> str | None:
+    """One line naming the top-level keys of the --config files and --set keys that a single update
+    does not use (the rollouts already exist: env, rollout, annotate, eval, iterations ...)."""
+    from serl_cli import config as cfgmod
+
+    keys: list[str] = []
+    for path in config_files or []:
+        keys += [k for k in cfgmod.load_yaml(path) if k not in keys]
+    keys += [k for k in (text.split("=", 1)[0].split(".", 1)[0] for text in overrides or []) if k not in keys]
+    ignored = [k for k in keys if k not in SINGLE_UPDATE_READS]
+    if not ignored:
+        return None
+    return f"note: ignoring {', '.join(ignored)} of the run config (a single update reads train and seed; " \
+           f"the rollouts already exist)"

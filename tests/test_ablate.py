@@ -296,3 +296,11 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "b").exists()
     (tmp_path / "c").mkdir()
     assert_one_line_error(run("--report", str(tmp_path / "c")), "not an ablation")
+
+
+def test_report_names_how_the_final_evaluation_decoded():
+    from serl_cli.ablate.report import _decoding
+
+    assert _decoding({"base": {"eval": {"temperature": 0.4}}}) == "sampled at T 0.4"  # the paper's validation setting
+    assert _decoding({"base": {"eval": {"temperature": 0.0}}}) == "greedy"
+    assert _decoding({"base": {}}) == "greedy"  # a grid whose base sets no eval section: the default, greedy

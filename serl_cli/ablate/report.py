@@ -18,7 +18,7 @@ the others are listed as unfinished) and writes:
 first arm. Each arm is paired with the baseline by seed, over the seeds both have
 finished; pairing is valid because every cell is evaluated on the same fixed test panel
 (``final_eval.episodes`` tasks of the split, the first ones or, with ``panel: spread``,
-evenly spaced ones; greedy decoding), so seed s of two
+evenly spaced ones; decoded at the base's eval temperature with seed 0), so seed s of two
 arms differs only in the arm. Undefined statistics (one seed, zero variance) print n/a.
 
 **Selection bias.** Per arm, from the last iteration's ``selection_report.json`` of each
@@ -155,6 +155,12 @@ def _p(p) -> str:
     return "n/a" if p is None else (f"{p:.3g}")
 
 
+def _decoding(rec: dict) -> str:
+    """How the final evaluation decoded: the base's eval temperature (0: greedy), as the cells ran it."""
+    t = ((rec.get("base") or {}).get("eval") or {}).get("temperature") or 0.0
+    return "greedy" if not t else f"sampled at T {t:g}"
+
+
 def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str | None) -> str:
     rec = data["record"]
     n, unfinished = len(rec["cells"]), data["unfinished"]
@@ -168,7 +174,7 @@ def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str
     lines = [
         "# Ablation report", "",
         f"{n} cells ({n - len(unfinished)} finished, {len(unfinished)} unfinished): {len(rows)} arms x "
-        f"seeds {rec['axes']['seeds']}. Final evaluation: {panel}, greedy, "
+        f"seeds {rec['axes']['seeds']}. Final evaluation: {panel}, {_decoding(rec)}, "
         f"the same panel for every cell.", "",
         "## Results (final evaluation, mean ± std over seeds, 95 % t-interval)", "",
         "| arm | seeds | success | 95 % CI | score (0-100) | 95 % CI |",

@@ -81,7 +81,22 @@ def teacher_prompt_ids(prompt_ids: list[int], block_ids: list[int], end_of_turn_
 PROBE_TEXTS = ("Probe message A", "Probe message B")
 
 
+# Probe renders depend only on the tokenizer, the kwargs and the text, and the two fixed probes are
+# rendered for every scored turn: keep them, keyed by the tokenizer object (held, so the key stays its).
+_PROBE_CACHE: dict[tuple, tuple] = {}
+
+
 def _render_probe(tokenizer, text: str, chat_template_kwargs: dict | None) -> list[int] | None:
+    if text not in PROBE_TEXTS:
+        return _render_probe_now(tokenizer, text, chat_template_kwargs)
+    key = (id(tokenizer), text, repr(sorted((chat_template_kwargs or {}).items())))
+    hit = _PROBE_CACHE.get(key)
+    if hit is None or hit[0] is not tokenizer:
+        hit = _PROBE_CACHE[key] = (tokenizer, _render_probe_now(tokenizer, text, chat_template_kwargs))
+    return hit[1]
+
+
+def _render_probe_now(tokenizer, text: str, chat_template_kwargs: dict | None) -> list[int] | None:
     """A one-user-message prompt, as the student's prompts are rendered; None where the
     tokenizer has no chat template or the template refuses it."""
     from jinja2 import TemplateError

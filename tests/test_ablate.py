@@ -21,6 +21,7 @@ from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from scipy import stats
 from test_cli_env import assert_one_line_error
 
+from serl_cli.ablate import cells as ab_cells
 from serl_cli.ablate import grid as ab
 from serl_cli.ablate.report import write_report
 from serl_cli.ablate.runners import SELF_CMD
@@ -96,6 +97,39 @@ def test_non_annotating_algos_get_one_arm_and_names_are_safe():
     assert all(c not in n for n in names for c in "|/ ,")
 
 
+def test_explicit_arms_carry_their_settings_and_name_the_baseline(tmp_path):
+    path = tmp_path / "arms.yaml"
+    spec = {"base": {"env": {"name": "sokoban"}, "annotate": {"sources": "obs", "placement": "all"}},
+            "grid": {"seeds": 2},
+            "arms": [{"name": "grpo", "algo": "grpo", "set": {"train": {"optim": {"lr": 3.0e-4}}}},
+                     {"name": "serl plain", "algo": "serl", "placement": "feedback", "sources": "error",
+                      "set": {"model": "other/warm_start", "annotate": {"weight_clip": 0.5}}},
+                     {"name": "sdpo", "algo": "sdpo"}],
+            "baseline": "grpo"}
+    path.write_text(yaml.safe_dump(spec))
+    grid = ab.load_grid(str(path))
+    arms = ab.arms(grid)
+    assert [a["name"] for a in arms] == ["grpo", "serlplain", "sdpo"]  # only the listed arms: no axis was given
+    assert grid.baseline == "grpo" and ab.grid_record(grid, [])["baseline"] == "grpo"
+    cells = {c["name"]: c["overrides"] for c in ab.cells(grid)}
+    assert cells["grpo-s1"]["train"] == {"algo": "grpo", "seed": 1, "optim": {"lr": 3.0e-4}}
+    serl = cells["serlplain-s0"]
+    assert serl["model"] == "other/warm_start" and serl["annotate"] == {
+        "weight_clip": 0.5, "sources": "error", "granularity": "step", "placement": "feedback"}  # the arm's own win
+    assert cells["sdpo-s0"]["annotate"]["sources"] == "obs" and cells["sdpo-s0"]["train"]["distill_coef"] == 1.0
+    # with an axis given, the product's arms come first
+    path.write_text(yaml.safe_dump({**spec, "grid": {"algo": ["gigpo"], "seeds": 1}}))
+    assert [a["name"] for a in ab.arms(ab.load_grid(str(path)))] == ["sokoban-gigpo", "grpo", "serlplain", "sdpo"]
+    for bad, message in ((dict(spec, baseline="nope"), "baseline 'nope' is not an arm"),
+                         (dict(spec, arms=[{"name": "x", "algo": "serl", "set": {"trian": {}}}]), "trian"),
+                         (dict(spec, arms=[{"name": "x", "algo": "serl", "placement": "sometimes"}]), "sometimes"),
+                         (dict(spec, arms=[{"name": "x", "algo": "grpo"}, {"name": "x", "algo": "serl"}]), "share the name x"),
+                         (dict(spec, arms=[{"algo": "grpo"}]), "needs a name")):
+        path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(SerlError, match=message):
+            ab.load_grid(str(path))
+
+
 def test_grid_json_is_fixed_and_a_different_grid_is_refused(tmp_path):
     rec = ab.grid_record(ab.load_grid(flags={"sources": "error,ref", "seeds": 2}), ["--sources", "error,ref"])
     ab.write_grid(tmp_path, rec)
@@ -138,6 +172,33 @@ def test_study_grids_load_and_share_the_serl_arm(env):
     assert len({json.dumps(g.final_eval, sort_keys=True) for g in grids.values()}) == 1  # one panel for all
 
 
+def test_study_v3_grids_share_arms_cell_for_cell(tmp_path):
+    """Study v3's five grids: 10 seeds per arm, one base and panel, and an arm in two grids is the
+    same cell in both (experiments/study/reuse_cells.py copies it instead of training it again)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "experiments" / "study"))
+    import reuse_cells
+
+    folder = Path(__file__).parent.parent / "experiments" / "study"
+    names = ("methods", "sources", "placement", "granularity", "mechanism")
+    records = {n: ab.grid_record(ab.load_grid(str(folder / f"sokoban_v3_{n}.yaml")), []) for n in names}
+    for rec in records.values():
+        assert rec["axes"]["seeds"] == list(range(10)) and rec["base"] == records["methods"]["base"]
+        assert rec["baseline"] in [a["name"] for a in rec["arms"]] and rec["final_eval"] == records["methods"]["final_eval"]
+    cells = {}
+    for rec in records.values():
+        for c in rec["cells"]:
+            if c["name"] in cells:
+                assert reuse_cells.same_cell(cells[c["name"]][0], c, cells[c["name"]][1], rec), c["name"]
+            cells.setdefault(c["name"], (c, rec))
+    assert len(cells) == 150  # 15 distinct arms x 10 seeds
+    assert {c["overrides"]["train"]["algo"] for c, _ in cells.values()} == {"grpo", "gigpo", "rlsd", "sdpo", "serl"}
+    plain = cells["serl-error+diff-feedback-plain-warm-start-s0"][0]["overrides"]
+    assert plain["model"].endswith("warm_start_plain") and plain["annotate"]["placement"] == "feedback"
+    assert cells["serl-error+diff-feedback-loose-s3"][0]["overrides"]["annotate"]["weight_clip"] == 1.0
+
+
 # -- the report's numbers, on cells with known results -----------------------------------------
 
 def test_report_numbers_match_scipy_on_known_cells(tmp_path):
@@ -146,7 +207,7 @@ def test_report_numbers_match_scipy_on_known_cells(tmp_path):
     ab.write_grid(tmp_path, rec)
     results = {"webshop-grpo": [0.2, 0.4, 0.3], "webshop-serl-error-step-all": [0.5, 0.45, 0.6]}
     for cell in rec["cells"][:-1]:  # leave the last one unfinished
-        d = ab.cell_dir(tmp_path, cell)
+        d = ab_cells.cell_dir(tmp_path, cell)
         d.mkdir(parents=True)
         s = results[cell["arm"]][cell["seed"]]
         (d / "eval.json").write_text(json.dumps({"success_rate": s, "score": 100 * s, "episodes": 20}))
@@ -164,6 +225,46 @@ def test_report_numbers_match_scipy_on_known_cells(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "0.300 ± 0.100" in md and "+0.175" in md and "Unfinished cells" in md
     assert "webshop-serl-error-step-all-s2" in md
+
+
+def test_panel_curve_auc_budgets_and_holm_on_known_cells(tmp_path):
+    from serl_cli.ablate.report import curve_auc, success_at_budget
+
+    # trapezoids over env steps 100..400: (100 (0.2+0.4)/2 + 200 (0.4+0.4)/2) / 300 = (30 + 80) / 300
+    points = [(100.0, 0.2), (200.0, 0.4), (400.0, 0.4)]
+    assert curve_auc(points) == pytest.approx(110 / 300) and curve_auc(points[:1]) == 0.2 and curve_auc([]) is None
+    assert success_at_budget(points, 99) is None and success_at_budget(points, 250) == 0.4
+    assert success_at_budget(points, 150) == 0.2
+
+    grid = ab.load_grid(flags={"algo": "grpo,serl,gigpo", "sources": "error", "seeds": 2})
+    rec = ab.grid_record(grid, [])
+    ab.write_grid(tmp_path, rec)
+    panel = {"webshop-grpo": [[0.1, 0.3], [0.2, 0.2]], "webshop-serl-error-step-all": [[0.2, 0.5], [0.3, 0.3]],
+             "webshop-gigpo": [[0.1, 0.2], [0.1, 0.4]]}
+    for cell in rec["cells"]:
+        d = ab_cells.cell_dir(tmp_path, cell)
+        (d / "train").mkdir(parents=True)
+        ys = panel[cell["arm"]][cell["seed"]]
+        lines = [{"iteration": k, "env_steps": 50, "success_rate": 0.0, "advantage_mass_moved": 0.1 * k,
+                  **({"eval_success_rate": ys[k // 2]} if k % 2 else {})} for k in range(4)]
+        (d / "train" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        (d / "eval.json").write_text(json.dumps({"success_rate": ys[-1], "score": 100 * ys[-1], "episodes": 20}))
+        (d / "cell.json").write_text(json.dumps({"status": "done", "wall_time_s": 1.0}))
+    write_report(tmp_path)
+    rows = _csv(tmp_path / "report.csv")
+    # evaluations at 100 and 200 cumulative steps: AUC is the mean of the two points
+    aucs = {arm: [sum(y) / 2 for y in v] for arm, v in panel.items()}
+    s, g = rows["webshop-serl-error-step-all"], rows["webshop-gigpo"]
+    assert float(s["auc_mean"]) == pytest.approx(sum(aucs["webshop-serl-error-step-all"]) / 2)
+    assert float(s["diff_auc"]) == pytest.approx((0.35 - 0.2 + 0.3 - 0.2) / 2)
+    assert float(s["advantage_mass_moved"]) == pytest.approx(0.15)  # mean of 0, .1, .2, .3
+    assert s["success_at_50_steps"] == ""  # no evaluation within 50 steps
+    assert float(s["success_at_200_steps"]) == pytest.approx(0.4) and float(s["success_at_100_steps"]) == pytest.approx(0.25)
+    (p_lo, lo), (p_hi, hi) = sorted([(float(r["p_success"]), r) for r in (s, g)], key=lambda x: x[0])
+    assert float(lo["p_success_holm"]) == pytest.approx(min(1.0, 2 * p_lo))  # two comparisons: x2, then x1
+    assert float(hi["p_success_holm"]) == pytest.approx(max(min(1.0, 2 * p_lo), p_hi))
+    md = (tmp_path / "report.md").read_text()
+    assert "Holm p" in md and "100 steps" in md and "panel AUC" in md
 
 
 # -- end to end on the tiny model ----------------------------------------------------------
@@ -220,6 +321,9 @@ def test_emit_slurm_is_valid_bash_and_task_k_runs_cell_k(tmp_path, tiny_model_di
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     assert '--cell "$SLURM_ARRAY_TASK_ID"' in text
     assert not (out / "cells").exists()
+    # a task reads the grid the directory recorded: editing (here, breaking) the grid file after
+    # submission changes no cell
+    grid.write_text("grid: {algo: [grpo]\n", encoding="utf-8")
     wrapper = tmp_path / "serl_wrapper.py"
     wrapper.write_text(WRAPPER)
     env = {**os.environ, "SLURM_ARRAY_TASK_ID": "2", "SERL": f"{sys.executable} {wrapper}", "SERL_THREADS": "1"}
@@ -236,7 +340,8 @@ def test_user_template(tmp_path):
     p = run("--sources", "error", "--out", str(tmp_path / "abl"), "--emit", "slurm", "--slurm-template", str(tpl))
     assert p.returncode == 0, p.stderr
     text = (tmp_path / "abl" / "ablate.sbatch").read_text()
-    assert "#SBATCH --array=0-1\n" in text and "#SBATCH --qos=low" in text and "--sources error" in text
+    assert "#SBATCH --array=0-1\n" in text and "#SBATCH --qos=low" in text
+    assert f"ablate --out {(tmp_path / 'abl').resolve()} --cell" in text  # the grid from OUT/grid.json
     assert subprocess.run(["bash", "-n", str(tmp_path / "abl" / "ablate.sbatch")]).returncode == 0
 
 
@@ -264,7 +369,7 @@ def test_killed_cell_resumes_and_finished_cells_are_not_redone(tmp_path, tiny_mo
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not ab.is_done(out, rec["cells"][1]), "the cell finished before it could be killed"
+    assert not ab_cells.is_done(out, rec["cells"][1]), "the cell finished before it could be killed"
     iter0 = (cell1 / "train" / "iter_0000" / "rollouts.jsonl").stat().st_mtime_ns
 
     p = run(str(grid), "--out", str(out))  # rerun the whole array

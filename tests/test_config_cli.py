@@ -168,7 +168,7 @@ def test_unknown_keys_in_a_run_file_still_fail_with_the_closest(tmp_path):
 
 def test_resolved_online_config_carries_each_setting_once():
     from serl_cli.cli.common import resolve
-    from serl_cli.stages.online import LOOP_SETS, run_settings
+    from serl_cli.stages.run_file import LOOP_SETS, run_settings
 
     cfg = resolve(OnlineConfig, config_file=[SERL_YAML], overrides=["seed=3", "out=runs/s", "train.optim.lr=1e-5"],
                   flags={})

@@ -23,6 +23,7 @@ import yaml
 from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from test_ablate import run, tiny_grid
 
+from serl_cli.ablate import cells as ab_cells
 from serl_cli.ablate import grid as ab
 from serl_cli.errors import SerlError
 
@@ -183,5 +184,5 @@ def test_final_evaluation_runs_on_the_cells_engine_device_and_dtype(tmp_path, ti
 
     monkeypatch.setattr(online, "run_online", fake_online)
     monkeypatch.setattr(evaluate, "run_eval", fake_eval)
-    assert ab.run_cell(rec, out, 0, log=lambda m: None) == "done"
+    assert ab_cells.run_cell(rec, out, 0, log=lambda m: None) == "done"
     assert seen == {"engine": "vllm", "tp": 2, "gpus": [6, 7], "dtype": "bf16", "device": "cpu"}

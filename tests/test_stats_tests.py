@@ -70,3 +70,14 @@ def test_degenerate_cases_give_none_not_nan():
         paired_t_test([1.0, 2.0], [1.0])
     assert not any(isinstance(v, float) and math.isnan(v) for v in paired_t_test(A, B).values() if v is not None
                    and not isinstance(v, list))
+
+
+def test_holm_hand_values():
+    from serl_cli.stats.paired import holm
+
+    # m = 4 tests: sorted 0.01, 0.02, 0.03, 0.20 -> 0.04, 0.06, 0.06 (monotone: max(0.06, 0.06)), 0.20
+    adjusted = holm([0.03, 0.01, None, 0.20, 0.02])
+    assert adjusted[2] is None and adjusted[0] == pytest.approx(0.06) and adjusted[1] == pytest.approx(0.04)
+    assert adjusted[3] == pytest.approx(0.20) and adjusted[4] == pytest.approx(0.06)
+    assert holm([0.5, 0.6]) == [1.0, 1.0]  # capped at 1 and kept monotone
+    assert holm([]) == []

@@ -13,6 +13,7 @@ import torch
 from fixtures_model import rollout_config, tiny_model_dir  # noqa: F401  (fixture)
 from typer.testing import CliRunner
 
+from serl_cli.ablate import cells as ab_cells
 from serl_cli.ablate import grid as ab
 from serl_cli.ablate.report import write_report
 from serl_cli.artifacts import io
@@ -166,7 +167,7 @@ def test_ablation_report_averages_the_last_measured_iteration_over_seeds(tmp_pat
     ab.write_grid(tmp_path, rec)
     signals = {0: (0.5, 0.02), 1: (0.7, -0.01)}  # seed -> (right_direction, expert_prob_gain), last measured
     for cell in rec["cells"]:
-        d = ab.cell_dir(tmp_path, cell)
+        d = ab_cells.cell_dir(tmp_path, cell)
         d.mkdir(parents=True)
         io.write_json(d / "eval.json", {"success_rate": 0.5, "score": 50.0, "episodes": 10})
         io.write_json(d / "cell.json", {"status": "done", "wall_time_s": 1.0, "teacher_tokens_scored": 10})

@@ -2,7 +2,7 @@
 
     python experiments/sokoban/online_probe.py WARM_START --algo grpo --lr 1e-4 --iterations 40 \
         --tasks 32 --group-size 2 --mini-batches 4 [--group-norm cross_steps] [--invalid-penalty 0]
-        [--eval-every 20] --out runs/sokoban/probe
+        [--eval-every 20] [--temperature 1.0] [--episodes 200] --out runs/sokoban/probe
 
 ``serl train --iterations K`` (``serl_cli.stages.online.run_online``) from ``WARM_START`` with
 the demo's prompt (the grid alone, bare replies), sampling (T 1.0, 3 new tokens) and SERL
@@ -42,26 +42,28 @@ def main() -> None:
     ap.add_argument("--group-norm", default="cross_steps")
     ap.add_argument("--invalid-penalty", type=float, default=0.0)
     ap.add_argument("--eval-every", type=int, default=0, help="panel evaluation (200 rooms, T 0.4) every K iterations")
+    ap.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
+    ap.add_argument("--episodes", type=int, default=200, help="panel rooms in each evaluation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     prompt = PromptConfig(history_turns=0, max_admissible=0, system=False, bare_replies=True)
     cfg = OnlineConfig(
         env=EnvConfig(name="sokoban", split="train"), model=args.warm_start, iterations=args.iterations, seed=args.seed,
-        rollout=RolloutConfig(tasks=args.tasks, group_size=args.group_size, sampling=SamplingConfig(1.0, 1.0, 3),
+        rollout=RolloutConfig(tasks=args.tasks, group_size=args.group_size, sampling=SamplingConfig(args.temperature, 1.0, 3),
                               prompt=prompt),
         train=TrainConfig(algo=args.algo, optim=OptimConfig(lr=args.lr), mini_batches=args.mini_batches,
                           group_norm=args.group_norm, invalid_action_penalty=args.invalid_penalty),
         annotate=AnnotateConfig(sources="error,diff", placement="feedback"), out=args.out)
     if args.eval_every:
-        cfg.eval = OnlineEvalConfig(episodes=200, every=args.eval_every, temperature=0.4)
+        cfg.eval = OnlineEvalConfig(episodes=args.episodes, every=args.eval_every, temperature=0.4)
     t0 = time.time()
     run_online(cfg, overwrite=True, on_iteration=lambda h: print(json.dumps(
         {k: round(v, 4) if isinstance(v, float) else v for k, v in h.items() if k in SHOWN}
         | {"t": round(time.time() - t0, 1)}), flush=True))
     for temperature in (0.4, 0.0):
         result = run_eval(EvalConfig(env=EnvConfig(name="sokoban", split=None), policy="model",
-                                     model=f"{args.out}/checkpoint", episodes=200, temperature=temperature,
+                                     model=f"{args.out}/checkpoint", episodes=args.episodes, temperature=temperature,
                                      max_new_tokens=3, history_turns=0, out=f"{args.out}/eval_T{temperature:g}"),
                           overwrite=True)
         print(json.dumps({"eval_temperature": temperature, "success": result["success_rate"],

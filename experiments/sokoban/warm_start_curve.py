@@ -2,7 +2,7 @@
 
     serl rollout --config experiments/sokoban/expert.yaml --out runs/sokoban/expert
     python experiments/sokoban/warm_start_curve.py runs/sokoban/expert [--every 20] [--steps 400]
-           [--batch 128] [--lr 1e-3] [--hindsight error,diff] [--episodes 200] [--out FILE]
+           [--batch 128] [--lr 1e-3] [--hindsight error,diff] [--episodes 200] [--save 200,250] [--out FILE]
 
 The SFT of ``serl train RUN --algo sft`` (the same examples, hindsight ones included with
 ``--hindsight``, and the same ``Learner``), cut into updates of ``--every`` optimizer steps
@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--save", default="", help="comma-separated steps whose policy is saved to RUN/warm_start_STEP")
     args = ap.parse_args()
     run = Path(args.run)
     manifest = io.load_manifest(run)["stages"]["rollout"]["config"]
@@ -86,6 +87,8 @@ def main() -> None:
         row = {"step": step, "loss": round(loss, 4), "train_s": round(train_s, 1),
                **evaluate(learner, prompt, env, args.episodes, run / "curve_eval")}
         curve.append(row)
+        if step in {int(s) for s in args.save.split(",") if s}:
+            learner.save(run / f"warm_start_{step}", prompt)
         print(json.dumps(row), flush=True)
     out = Path(args.out) if args.out else run / "warm_start_curve.json"
     io.write_json(out, {"run": str(run), "examples": len(pool), "batch": args.batch, "lr": args.lr,

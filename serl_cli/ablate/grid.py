@@ -13,6 +13,13 @@ Grid file (YAML; unknown keys anywhere are errors)::
       granularity: [step]                   # default: [base annotate.granularity]
       placement: [feedback]                 # default: [base annotate.placement]
       seeds: 3                              # 3 = seeds 0, 1, 2; or a list [0, 7, 9]; default 1
+    arms:                                   # optional: arms beyond the axes' product, each with its own
+      - name: serl-plain-warm-start         # settings; with only arms: and grid: {seeds: N}, these are
+        algo: serl                          # all the arms. sources/granularity/placement default to the
+        sources: obs                        # base's; set: is merged into the base for this arm's cells
+        set: {model: runs/warm_start_plain}
+    baseline: sokoban-grpo                  # optional: the arm the report pairs the others with
+                                            # (default: the first grpo arm, else the first arm)
     final_eval: {episodes: 50, split: test} # the fixed panel every cell is scored on (default: whole split;
                                             # panel: spread takes N tasks evenly spaced, not the first N)
     slurm:                                  # the job array (serl_cli.ablate.runners.emit_slurm), all optional
@@ -29,7 +36,7 @@ Grid file (YAML; unknown keys anywhere are errors)::
       extra: ["--qos=high"]                 # more #SBATCH lines
 
 **Arms and cells.** Arms are the product env x algo x sources x granularity x placement, in
-that order, duplicates dropped. The sources, granularity and placement axes apply only to
+that order, duplicates dropped, then the ``arms:`` entries (named as given; names must be unique). The sources, granularity and placement axes apply only to
 the algorithms that annotate (serl, rlsd, sdpo); any other algorithm (grpo, gigpo) gets one
 arm per environment, however many values those axes hold -- no duplicate cells. rlsd
 always uses placement ``all`` (it is SERL's weights on every turn), so it gets one arm per
@@ -62,7 +69,8 @@ becomes ``+`` (``webshop-serl-ref_or_error-step-feedback-s0``); any other charac
 outside ``[A-Za-z0-9._+-]`` becomes ``_``. The arm name is the cell name without ``-s<seed>``.
 
 **Runners.** :func:`run_cells` runs the cells here one after another, or ``parallel`` at a
-time as subprocesses each running ``serl ablate ... --cell i``; :func:`emit_slurm` writes
+time as subprocesses each running ``serl ablate --out OUT --cell i``, which reads the grid
+from ``OUT/grid.json`` (so an edit to the grid file mid-run changes no cell); :func:`emit_slurm` writes
 ``OUT/ablate.sbatch``, a job array whose task i runs the same command with ``--cell
 "$SLURM_ARRAY_TASK_ID"`` (under torchrun or the deepspeed launcher across the cell's GPUs),
 ``OUT/report.sbatch`` (``serl ablate --report OUT``) and ``OUT/submit.sh``, which submits the
@@ -76,17 +84,17 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from serl_cli import config as cfgmod
-from serl_cli.artifacts import io, runlock
+from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
 
 ANNOTATING = ("serl", "rlsd", "sdpo")
 AXES = ("env", "algo", "sources", "granularity", "placement", "seeds")
-TOP_KEYS = ("description", "base_config", "base", "grid", "final_eval", "slurm")
+TOP_KEYS = ("description", "base_config", "base", "grid", "arms", "baseline", "final_eval", "slurm")
+ARM_KEYS = ("name", "env", "algo", "sources", "granularity", "placement", "set")
 FINAL_EVAL_KEYS = ("episodes", "split", "panel")
 SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "gpus", "cpus_per_task", "mem", "setup",
               "launcher", "max_parallel", "requeue", "signal_grace_s", "template", "extra")
@@ -102,6 +110,9 @@ class Grid:
     final_eval: dict = field(default_factory=lambda: {"episodes": None, "split": None})  # None: the env's eval split
     slurm: dict = field(default_factory=dict)
     description: str = ""
+    extra_arms: list = field(default_factory=list)  # the grid file's arms: list, resolved (see _explicit_arms)
+    product: bool = True  # whether the axes' product makes arms (not when only arms: and seeds are given)
+    baseline: str | None = None  # the arm the report pairs the others with (None: the first grpo arm)
 
 
 def _fail_unknown(keys, known, where: str) -> None:
@@ -209,9 +220,45 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
         raise SerlError("slurm: must be a mapping")
     _fail_unknown(slurm, SLURM_KEYS, "slurm.")
     _check_slurm(slurm)
-    grid = Grid(base=base_plain, axes=axes, final_eval=final_eval, slurm=slurm, description=str(data.get("description", "")))
+    explicit = _explicit_arms(data.get("arms"), base_plain, OnlineConfig)
+    axis_given = any(k != "seeds" for k in raw) or any(k in flags for k in ("env", "algo", "sources", "granularity",
+                                                                             "placement"))
+    grid = Grid(base=base_plain, axes=axes, final_eval=final_eval, slurm=slurm, description=str(data.get("description", "")),
+                extra_arms=explicit, product=axis_given or not explicit)
     _validate_axes(grid)
+    names = [a["name"] for a in arms(grid)]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise SerlError(f"two arms share the name {dup[0]}: give each entry of arms: its own name")
+    if data.get("baseline") is not None:
+        grid.baseline = _safe(str(data["baseline"]))
+        if grid.baseline not in names:
+            raise SerlError(f"baseline {data['baseline']!r} is not an arm of this grid: choose one of {', '.join(names)}")
     return grid
+
+
+def _explicit_arms(value, base: dict, config_cls) -> list[dict]:
+    """The grid file's ``arms:`` list: arms beyond the axes' product, each with its own
+    settings (``set:``, merged into the base for its cells), e.g. another warm start or looser
+    weight bounds. An arm's sources, granularity and placement default to the base's."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(a, dict) for a in value):
+        raise SerlError("arms: must be a list of mappings, each with a name and an algo")
+    out = []
+    for i, a in enumerate(value):
+        _fail_unknown(a, ARM_KEYS, f"arms[{i}].")
+        if not a.get("name") or not a.get("algo"):
+            raise SerlError(f"arms[{i}] needs a name and an algo")
+        overrides = a.get("set") or {}
+        if not isinstance(overrides, dict):
+            raise SerlError(f"arms[{i}].set must be a mapping of online-loop settings")
+        cfgmod.from_dict(config_cls, cfgmod.merge(base, overrides), f"arms[{i}].set")  # unknown keys fail here
+        ann = base["annotate"]
+        out.append({"name": _safe(str(a["name"])), "env": str(a.get("env", base["env"]["name"])), "algo": str(a["algo"]),
+                    "sources": str(a.get("sources", ann["sources"])), "granularity": str(a.get("granularity", ann["granularity"])),
+                    "placement": str(a.get("placement", ann["placement"])), "set": overrides})
+    return out
 
 
 def _check_slurm(s: dict) -> None:
@@ -249,7 +296,11 @@ def _validate_axes(grid: Grid) -> None:
     from serl_cli.algos.objectives import get_objective
     from serl_cli.method.annotation import AnnotateConfig, validate
 
-    for algo in grid.axes["algo"]:
+    for arm in grid.extra_arms:
+        get_objective(arm["algo"])
+        if arm["algo"] in ANNOTATING:
+            validate(AnnotateConfig(sources=arm["sources"], granularity=arm["granularity"], placement=arm["placement"]))
+    for algo in grid.axes["algo"] if grid.product else []:
         get_objective(algo)  # unknown algorithm: one line naming the known ones
         if algo == "sft":
             raise SerlError("--algo sft is not an online algorithm: warm-start with `serl train RUN --algo sft` and "
@@ -265,9 +316,11 @@ def _safe(text: str) -> str:
 
 
 def arms(grid: Grid) -> list[dict]:
+    """The product arms (unless only ``arms:`` was given), then the grid file's own arms."""
     out, seen = [], set()
-    for env, algo, sources, gran, place in itertools.product(grid.axes["env"], grid.axes["algo"], grid.axes["sources"],
-                                                             grid.axes["granularity"], grid.axes["placement"]):
+    product = itertools.product(grid.axes["env"], grid.axes["algo"], grid.axes["sources"], grid.axes["granularity"],
+                                grid.axes["placement"]) if grid.product else []
+    for env, algo, sources, gran, place in product:
         if algo in ANNOTATING:
             arm = {"env": env, "algo": algo, "sources": sources, "granularity": gran,
                    "placement": "all" if algo == "rlsd" else place}
@@ -279,6 +332,9 @@ def arms(grid: Grid) -> list[dict]:
             continue
         seen.add(name)
         out.append({"name": name, **arm})
+    for arm in grid.extra_arms:
+        out.append({**arm, "placement": "all" if arm["algo"] == "rlsd" else arm["placement"]}
+                   if arm["algo"] in ANNOTATING else {**arm, "sources": None, "granularity": None, "placement": None})
     return out
 
 
@@ -287,9 +343,9 @@ def cell_overrides(grid: Grid, arm: dict, seed: int) -> dict:
     o: dict = {"env": {"name": arm["env"]}, "train": {"algo": arm["algo"], "seed": seed}, "seed": seed}
     if arm["algo"] in ANNOTATING:
         o["annotate"] = {"sources": arm["sources"], "granularity": arm["granularity"], "placement": arm["placement"]}
-        if arm["algo"] == "sdpo" and not grid.base["train"].get("distill_coef"):
+        if arm["algo"] == "sdpo" and not cfgmod.merge(grid.base, arm.get("set") or {})["train"].get("distill_coef"):
             o["train"]["distill_coef"] = 1.0
-    return o
+    return cfgmod.merge(arm["set"], o) if arm.get("set") else o
 
 
 def cells(grid: Grid) -> list[dict]:
@@ -305,7 +361,7 @@ def cells(grid: Grid) -> list[dict]:
 def grid_record(grid: Grid, source_args: list[str]) -> dict:
     return {"kind": "serl-ablation", "version": GRID_VERSION, "source_args": list(source_args),
             "description": grid.description, "axes": grid.axes, "final_eval": grid.final_eval, "slurm": grid.slurm,
-            "base": grid.base, "arms": arms(grid), "cells": cells(grid)}
+            "base": grid.base, "arms": arms(grid), "baseline": grid.baseline, "cells": cells(grid)}
 
 
 _IDENTITY = ("version", "axes", "final_eval", "base", "cells")
@@ -333,142 +389,3 @@ def load_grid_record(out: str | Path) -> dict:
     if not isinstance(record, dict) or record.get("kind") != "serl-ablation":
         raise SerlError(f"{path} is not an ablation grid")
     return record
-
-
-def cell_dir(out: str | Path, cell: dict) -> Path:
-    return Path(out) / "cells" / cell["name"]
-
-
-def is_done(out: str | Path, cell: dict) -> bool:
-    d = cell_dir(out, cell)
-    if not (d / "cell.json").is_file() or not (d / "eval.json").is_file():
-        return False
-    try:
-        return io.read_json(d / "cell.json").get("status") == "done"
-    except SerlError:
-        return False
-
-
-def select_cell(record: dict, index: int) -> dict:
-    n = len(record["cells"])
-    if not 0 <= index < n:
-        raise SerlError(f"--cell {index} out of range: this grid has {n} cells (0..{n - 1})")
-    return record["cells"][index]
-
-
-def _teacher_tokens(train: Path) -> int:
-    total = 0
-    for m in sorted(train.glob("iter_*/manifest.json")):
-        try:
-            stats = io.read_json(m).get("stages", {}).get("annotate", {}).get("stats") or {}
-        except SerlError:
-            continue
-        total += int(stats.get("teacher_tokens_scored", 0) or 0)
-    return total
-
-
-def _selection(train: Path) -> dict | None:
-    reports = sorted(train.glob("iter_*/selection_report.json"))
-    if not reports:
-        return None
-    r = io.read_json(reports[-1])
-    return {"iteration": reports[-1].parent.name, "selected_fraction": r.get("counts", {}).get("selected_fraction"),
-            "verdict": r.get("tests", {}).get("verdict")}
-
-
-def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
-    """Train and evaluate cell ``index``; returns done | skipped. Under torchrun / the
-    deepspeed launcher every process calls it: all of them train (the online loop is
-    distributed), the main one keeps the cell's books and runs the final evaluation."""
-    from serl_cli.training.backends import is_main_process
-
-    cell = select_cell(record, index)
-    d = cell_dir(out, cell)
-    if is_done(out, cell):
-        log(f"cell {index} {cell['name']}: done, skipped")
-        return "skipped"
-    if not is_main_process():
-        return _follow_cell(record, out, cell)
-    with runlock.run_lock(d):  # two runners given the same cell: the second refuses, naming the first
-        return _run_cell(record, out, cell, index, log)
-
-
-def cell_config(record: dict, out: str | Path, cell: dict):
-    """The cell's online-run configuration, writing into ``cells/<name>/train``."""
-    from serl_cli.stages.online import OnlineConfig
-
-    cfg = cfgmod.from_dict(OnlineConfig, cfgmod.merge(record["base"], cell["overrides"]), "cell")
-    cfg.out = str(cell_dir(out, cell) / "train")
-    return cfg
-
-
-def _follow_cell(record: dict, out: str | Path, cell: dict) -> str:
-    """A process other than the main one: its part of the cell's online run, nothing else."""
-    from serl_cli.stages.online import run_online
-
-    cfg = cell_config(record, out, cell)
-    train = Path(cfg.out)
-    if (train / "checkpoint" / "config.json").is_file() and _online_done(train):
-        return "skipped"
-    resume = (train / "manifest.json").is_file()  # read before the main process writes there (see run_online)
-    run_online(cfg, resume=resume, overwrite=not resume)
-    return "done"
-
-
-def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str:
-    from serl_cli.models.device import release_memory
-    from serl_cli.rollout.worlds import EnvConfig
-    from serl_cli.stages.evaluate import EvalConfig, run_eval
-    from serl_cli.stages.online import run_online
-
-    d = cell_dir(out, cell)
-    if is_done(out, cell):  # another runner finished it between the first check and the lock
-        log(f"cell {index} {cell['name']}: done, skipped")
-        return "skipped"
-    d.mkdir(parents=True, exist_ok=True)
-    prev = io.read_json(d / "cell.json") if (d / "cell.json").is_file() else {}
-    info = {"index": index, "name": cell["name"], "arm": cell["arm"], "seed": cell["seed"], "params": cell["params"],
-            "status": "running", "attempts": int(prev.get("attempts", 0)) + 1,
-            "wall_time_s": float(prev.get("wall_time_s", 0.0)), "teacher_tokens_scored": 0}
-    io.write_json(d / "cell.json", info)
-    t0, before = time.perf_counter(), info["wall_time_s"]
-
-    def checkpoint_time(_metrics=None):  # a killed cell keeps the time it spent
-        info["wall_time_s"] = round(before + time.perf_counter() - t0, 3)
-        io.write_json(d / "cell.json", info)
-
-    cfg = cell_config(record, out, cell)
-    train = Path(cfg.out)
-    trained = (train / "checkpoint" / "config.json").is_file() and _online_done(train)
-    if not trained:
-        resume = (train / "manifest.json").is_file()
-        log(f"cell {index} {cell['name']}: {'resuming' if resume else 'training'} ({cfg.iterations} iterations)")
-        run_online(cfg, resume=resume, overwrite=not resume, on_iteration=checkpoint_time)
-        release_memory()  # the trainer's GPU memory, before the evaluation's engine starts
-    fe = record["final_eval"]
-    if not (d / "eval.json").is_file():
-        # on the cell's engine (vLLM for the paper grids), device and precision
-        ecfg = EvalConfig(env=EnvConfig(cfg.env.name, fe["split"], cfg.env.max_turns, cfg.env.settings,
-                                        cfg.env.step_timeout_s), policy="model",
-                          model=str(train / "checkpoint"), episodes=fe["episodes"], panel=fe.get("panel", "first"), seed=0,
-                          batch_size=cfg.rollout.batch_size, history_turns=cfg.rollout.prompt.history_turns,
-                          max_new_tokens=cfg.rollout.sampling.max_new_tokens, threads=cfg.train.threads, out=str(d),
-                          temperature=cfg.eval.temperature,  # the base's eval temperature (paper: 0.4; 0 = greedy)
-                          engine=cfg.rollout.engine, vllm=cfg.rollout.vllm, gpus=cfg.rollout.gpus,
-                          device=cfg.train.device, dtype=cfg.train.dtype)
-        run_eval(ecfg, overwrite=True)
-    ev = io.read_json(d / "eval.json")
-    checkpoint_time()
-    info.update(status="done", teacher_tokens_scored=_teacher_tokens(train), selection=_selection(train),
-                eval={k: ev.get(k) for k in ("episodes", "success_rate", "success_ci95", "score", "invalid_action_rate",
-                                             "mean_turns")})
-    io.write_json(d / "cell.json", info)
-    log(f"cell {index} {cell['name']}: success {ev['success_rate']:.3f}  score {ev['score']:.1f}")
-    return "done"
-
-
-def _online_done(train: Path) -> bool:
-    try:
-        return io.load_manifest(train).get("stages", {}).get("online", {}).get("status") == "done"
-    except SerlError:
-        return False

@@ -11,11 +11,27 @@ the others are listed as unfinished) and writes:
 * ``report.md``: the same, rounded, for a person.
 * ``curves.png``: success rate and mean reward of the training rollouts against cumulative
   environment steps (running sum of ``env_steps``), one line per arm: the mean over seeds
-  at each iteration (x is the seeds' mean cumulative steps there), shaded +- std. Needs
-  matplotlib (``serl[plots]``); without it the report says so and skips the PNG.
+  at each iteration (x is the seeds' mean cumulative steps there), shaded +- std; and, where
+  the cells evaluated during training (``eval.every``), the test-panel success of those
+  evaluations. Needs matplotlib (``serl[plots]``); without it the report says so and skips the PNG.
 
-**Baseline and pairing.** The baseline is the first grpo arm where one exists, else the
-first arm. Each arm is paired with the baseline by seed, over the seeds both have
+**Curves as numbers.** Per cell, from the evaluations during training: the panel AUC (the
+trapezoid rule over cumulative environment steps from the first evaluation to the last,
+divided by that span: the mean panel success over training), compared with the baseline
+like the final success; and the panel success at three environment-step budgets (1/4, 1/2
+and all of the smallest step count any finished cell reached; the last evaluation within
+the budget), so arms whose episodes differ in length are compared at equal experience.
+
+**Multiple comparisons.** Each metric's p-values against the baseline (one per arm) are one
+family, adjusted with Holm's step-down method (``p_<metric>_holm``), which holds the
+family-wise error rate at the nominal level whatever the dependence between arms.
+
+**Advantage mass moved.** Per arm, the mean over iterations and seeds of
+``advantage_mass_moved``: the share of the update's advantage mass the SERL weights
+change (0 for unweighted algorithms).
+
+**Baseline and pairing.** The baseline is the grid's ``baseline:`` arm, else the first grpo
+arm where one exists, else the first arm. Each arm is paired with the baseline by seed, over the seeds both have
 finished; pairing is valid because every cell is evaluated on the same fixed test panel
 (``final_eval.episodes`` tasks of the split, the first ones or, with ``panel: spread``,
 evenly spaced ones; decoded at the base's eval temperature with seed 0), so seed s of two
@@ -36,12 +52,14 @@ import csv
 import io as _stdio
 from pathlib import Path
 
-from serl_cli.ablate.grid import cell_dir, is_done, load_grid_record
+from serl_cli.ablate.cells import cell_dir, is_done
+from serl_cli.ablate.grid import load_grid_record
 from serl_cli.artifacts import io
-from serl_cli.stats.paired import paired_t_test, wilcoxon_signed_rank
+from serl_cli.stats.paired import holm, paired_t_test, wilcoxon_signed_rank
 from serl_cli.stats.summary import describe, fmt
 
-METRICS = (("success", "success_rate"), ("score", "score"))
+COMPARED = ("success", "score", "auc")  # final success, final score, area under the panel curve
+BUDGET_FRACTIONS = (0.25, 0.5, 1.0)  # of the smallest final step count of any finished cell
 
 
 def _curve(train: Path) -> list[dict]:
@@ -56,8 +74,31 @@ def _curve(train: Path) -> list[dict]:
         rec = by_iter[k]
         steps += int(rec.get("env_steps", 0) or 0)
         out.append({"iteration": k, "env_steps": steps, "success_rate": rec.get("success_rate"),
-                    "mean_reward": rec.get("mean_reward")})
+                    "mean_reward": rec.get("mean_reward"), "panel_success": rec.get("eval_success_rate"),
+                    "advantage_mass_moved": rec.get("advantage_mass_moved")})
     return out
+
+
+def panel_points(curve: list[dict]) -> list[tuple[float, float]]:
+    """(cumulative environment steps, test-panel success) at each of the run's evaluations."""
+    return [(float(p["env_steps"]), float(p["panel_success"])) for p in curve if p.get("panel_success") is not None]
+
+
+def curve_auc(points: list[tuple[float, float]]) -> float | None:
+    """Area under the panel curve, divided by its span: the trapezoid rule over environment steps
+    from the first evaluation to the last, so a run's mean success over training (one point: itself)."""
+    if not points:
+        return None
+    if len(points) == 1 or points[-1][0] == points[0][0]:
+        return points[-1][1]
+    area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(points, points[1:]))
+    return area / (points[-1][0] - points[0][0])
+
+
+def success_at_budget(points: list[tuple[float, float]], budget: float) -> float | None:
+    """Panel success of the last evaluation within ``budget`` environment steps (None: none yet)."""
+    within = [y for x, y in points if x <= budget]
+    return within[-1] if within else None
 
 
 def _teacher_signal(train: Path) -> dict | None:
@@ -89,9 +130,19 @@ def collect(out: str | Path) -> dict:
             "wall_time_s": float(info.get("wall_time_s", 0.0)), "teacher_tokens": int(info.get("teacher_tokens_scored", 0)),
             "selection": info.get("selection"), "teacher_signal": _teacher_signal(d / "train"),
             "curve": _curve(d / "train")}
+        c = arms[cell["arm"]]["cells"][cell["seed"]]
+        c["panel"] = panel_points(c["curve"])
+        c["auc"] = curve_auc(c["panel"])
+        moved = [p["advantage_mass_moved"] for p in c["curve"] if p.get("advantage_mass_moved") is not None]
+        c["advantage_mass_moved"] = sum(moved) / len(moved) if moved else None
+    finals = [c["panel"][-1][0] for a in arms.values() for c in a["cells"].values() if c["panel"]]
+    budgets = [round(f * min(finals)) for f in BUDGET_FRACTIONS] if finals else []
+    for a in arms.values():
+        for c in a["cells"].values():
+            c["at_budget"] = [success_at_budget(c["panel"], b) for b in budgets]
     names = list(arms)
-    baseline = next((n for n in names if arms[n]["algo"] == "grpo"), names[0] if names else None)
-    return {"record": record, "arms": arms, "baseline": baseline, "unfinished": unfinished}
+    baseline = record.get("baseline") or next((n for n in names if arms[n]["algo"] == "grpo"), names[0] if names else None)
+    return {"record": record, "arms": arms, "baseline": baseline, "unfinished": unfinished, "budgets": budgets}
 
 
 def summarize(data: dict) -> list[dict]:
@@ -103,20 +154,21 @@ def summarize(data: dict) -> list[dict]:
         seeds = sorted(c)
         row = {"arm": name, **{k: arm[k] for k in ("env", "algo", "sources", "granularity", "placement")},
                "seeds_done": len(seeds), "seeds": " ".join(map(str, seeds))}
-        for label, _ in METRICS:
-            d = describe([c[s][label] for s in seeds])
+        for label in COMPARED:
+            d = describe([c[s][label] for s in seeds if c[s][label] is not None])
             row.update({f"{label}_mean": d["mean"], f"{label}_std": d["std"],
                         f"{label}_ci_lo": d["ci95"][0] if d["ci95"] else None,
                         f"{label}_ci_hi": d["ci95"][1] if d["ci95"] else None})
         paired = sorted(set(seeds) & set(base_cells))
         row["baseline"] = baseline
         row["pairs"] = len(paired) if name != baseline else 0
-        for label, _ in METRICS:
-            if name == baseline or not paired:
+        for label in COMPARED:
+            both = [s for s in paired if c[s][label] is not None and base_cells[s][label] is not None]
+            if name == baseline or not both:
                 row.update({f"diff_{label}": None, f"diff_{label}_ci_lo": None, f"diff_{label}_ci_hi": None,
                             f"t_{label}": None, f"p_{label}": None, f"wilcoxon_p_{label}": None})
                 continue
-            a, b = [c[s][label] for s in paired], [base_cells[s][label] for s in paired]
+            a, b = [c[s][label] for s in both], [base_cells[s][label] for s in both]
             t = paired_t_test(a, b)
             w = wilcoxon_signed_rank(a, b)
             row.update({f"diff_{label}": t["mean_diff"], f"diff_{label}_ci_lo": t["ci95"][0] if t["ci95"] else None,
@@ -125,11 +177,17 @@ def summarize(data: dict) -> list[dict]:
         sel = [c[s]["selection"] for s in seeds if c[s]["selection"]]
         fracs = [x["selected_fraction"] for x in sel if x.get("selected_fraction") is not None]
         verdicts: dict[str, int] = {}
-        for x in sel:
-            verdicts[x.get("verdict") or "none"] = verdicts.get(x.get("verdict") or "none", 0) + 1
+        for x in sel:  # counted by what they say, without each seed's own p-values
+            said = (x.get("verdict") or "none").split(" (")[0]
+            verdicts[said] = verdicts.get(said, 0) + 1
         row["selected_fraction"] = sum(fracs) / len(fracs) if fracs else None
         row["selection_verdicts"] = "; ".join(f"{v} (x{k})" for v, k in verdicts.items()) if verdicts else None
         signals = [c[s]["teacher_signal"] for s in seeds if c[s]["teacher_signal"]]
+        for k, budget in enumerate(data["budgets"]):
+            vals = [c[s]["at_budget"][k] for s in seeds if c[s]["at_budget"][k] is not None]
+            row[f"success_at_{budget}_steps"] = sum(vals) / len(vals) if vals else None
+        moved = [c[s]["advantage_mass_moved"] for s in seeds if c[s]["advantage_mass_moved"] is not None]
+        row["advantage_mass_moved"] = sum(moved) / len(moved) if moved else None
         row["teacher_signal_seeds"] = len(signals)
         for key in ("right_direction", "expert_prob_gain"):
             row[f"teacher_{key}"] = sum(x[key] for x in signals) / len(signals) if signals else None
@@ -138,6 +196,10 @@ def summarize(data: dict) -> list[dict]:
         row["wall_time_s_mean"] = sum(walls) / len(walls) if walls else None
         row["teacher_tokens_total"] = sum(c[s]["teacher_tokens"] for s in seeds) if seeds else None
         rows.append(row)
+    # the comparisons with the baseline are one family per metric: Holm keeps its error rate at 5 %
+    for label in COMPARED:
+        for r, adjusted in zip(rows, holm([r[f"p_{label}"] for r in rows])):
+            r[f"p_{label}_holm"] = adjusted
     return rows
 
 
@@ -177,25 +239,37 @@ def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str
         f"seeds {rec['axes']['seeds']}. Final evaluation: {panel}, {_decoding(rec)}, "
         f"the same panel for every cell.", "",
         "## Results (final evaluation, mean ± std over seeds, 95 % t-interval)", "",
-        "| arm | seeds | success | 95 % CI | score (0-100) | 95 % CI |",
-        "| --- | --- | --- | --- | --- | --- |"]
+        "| arm | seeds | success | 95 % CI | score (0-100) | 95 % CI | panel AUC | 95 % CI |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['seeds_done']} | {_pm(r['success_mean'], r['success_std'], 3)} | "
                      f"{_ci(r['success_ci_lo'], r['success_ci_hi'], 3)} | {_pm(r['score_mean'], r['score_std'], 1)} | "
-                     f"{_ci(r['score_ci_lo'], r['score_ci_hi'], 1)} |")
+                     f"{_ci(r['score_ci_lo'], r['score_ci_hi'], 1)} | {_pm(r['auc_mean'], r['auc_std'], 3)} | "
+                     f"{_ci(r['auc_ci_lo'], r['auc_ci_hi'], 3)} |")
+    lines += ["", "Panel AUC: the test-panel success of the evaluations during training, averaged over "
+              "environment steps (trapezoid rule from the first evaluation to the last)."]
     lines += ["", f"## Difference from the baseline `{data['baseline']}` (paired by seed, paired t-test)", "",
               "Pairing is valid because every cell is evaluated on the same fixed test panel; "
-              "Wilcoxon signed-rank p is given where at least 6 seeds pair.", "",
-              "| arm | pairs | Δ success | 95 % CI | p | Wilcoxon p | Δ score | 95 % CI | p |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "Wilcoxon signed-rank p is given where at least 6 seeds pair. Holm p: adjusted over this table's "
+              "comparisons, one family per metric.", "",
+              "| arm | pairs | Δ success | 95 % CI | p | Holm p | Wilcoxon p | Δ panel AUC | 95 % CI | p | Holm p |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r["arm"] == data["baseline"]:
             continue
         d_s = "n/a" if r["diff_success"] is None else f"{r['diff_success']:+.3f}"
-        d_c = "n/a" if r["diff_score"] is None else f"{r['diff_score']:+.1f}"
+        d_a = "n/a" if r["diff_auc"] is None else f"{r['diff_auc']:+.3f}"
         lines.append(f"| {r['arm']} | {r['pairs']} | {d_s} | {_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
-                     f"{_p(r['p_success'])} | {_p(r['wilcoxon_p_success'])} | {d_c} | "
-                     f"{_ci(r['diff_score_ci_lo'], r['diff_score_ci_hi'], 1)} | {_p(r['p_score'])} |")
+                     f"{_p(r['p_success'])} | {_p(r['p_success_holm'])} | {_p(r['wilcoxon_p_success'])} | {d_a} | "
+                     f"{_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {_p(r['p_auc'])} | {_p(r['p_auc_holm'])} |")
+    if data["budgets"]:
+        cols = [f"success_at_{b}_steps" for b in data["budgets"]]
+        lines += ["", "## Panel success at fixed environment-step budgets (mean over seeds)", "",
+                  "The last evaluation within each budget; the budgets are 1/4, 1/2 and all of the smallest "
+                  "step count any finished cell reached.", "",
+                  "| arm | " + " | ".join(f"{b} steps" for b in data["budgets"]) + " |",
+                  "| --- | " + " | ".join("---" for _ in cols) + " |"]
+        lines += [f"| {r['arm']} | " + " | ".join(fmt(r[k]) for k in cols) + " |" for r in rows]
     lines += ["", "## Selection bias (last iteration's selection report, per seed)", "",
               "| arm | selected fraction (mean) | verdicts |", "| --- | --- | --- |"]
     for r in rows:
@@ -204,10 +278,13 @@ def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str
               ("On scored turns with an expert action: how often the teacher moves the action the right way "
                "(down off the expert's action, up on it), and the change the hindsight block makes to the "
                "teacher's probability of the expert action."), "",
-              "| arm | seeds | right direction | expert prob gain |", "| --- | --- | --- | --- |"]
+              "Advantage mass moved: the share of the update's advantage mass the weights change, "
+              "sum |A (w - 1)| / sum |A| over action tokens, averaged over iterations and seeds.", "",
+              "| arm | seeds | right direction | expert prob gain | advantage mass moved |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
         gain = "n/a" if r["teacher_expert_prob_gain"] is None else f"{r['teacher_expert_prob_gain']:+.3g}"
-        lines.append(f"| {r['arm']} | {r['teacher_signal_seeds']} | {fmt(r['teacher_right_direction'])} | {gain} |")
+        lines.append(f"| {r['arm']} | {r['teacher_signal_seeds']} | {fmt(r['teacher_right_direction'])} | {gain} | "
+                     f"{fmt(r['advantage_mass_moved'], 4)} |")
     lines += ["", "## Cost", "", "| arm | cells | wall time total (s) | per cell (s) | teacher tokens scored |",
               "| --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -231,20 +308,33 @@ def plot_curves(data: dict, path: Path) -> str | None:
         import numpy as np
     except ImportError:
         return "matplotlib is not installed (pip install 'serl[plots]')"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = any(c["panel"] for arm in data["arms"].values() for c in arm["cells"].values())
+    fig, axes = plt.subplots(1, 3 if panels else 2, figsize=(16 if panels else 11, 4))
     drawn = 0
+
+    def band(ax, xs, ys, name, marker):  # mean over seeds, shaded +- std
+        k = min(len(y) for y in ys)
+        x = np.mean([xx[:k] for xx in xs], axis=0)
+        y = np.array([yy[:k] for yy in ys], dtype=float)
+        m, s = y.mean(axis=0), (y.std(axis=0, ddof=1) if len(ys) > 1 else np.zeros(k))
+        line, = ax.plot(x, m, marker=marker, label=f"{name} (n={len(ys)})")
+        ax.fill_between(x, m - s, m + s, alpha=0.2, color=line.get_color())
+
     for name, arm in data["arms"].items():
         curves = [c["curve"] for c in arm["cells"].values() if c["curve"]]
         if not curves:
             continue
-        k = min(len(c) for c in curves)
-        x = np.mean([[p["env_steps"] for p in c[:k]] for c in curves], axis=0)
         for ax, key in zip(axes, ("success_rate", "mean_reward")):
-            y = np.array([[float(p[key] or 0.0) for p in c[:k]] for c in curves])
-            m, s = y.mean(axis=0), (y.std(axis=0, ddof=1) if len(curves) > 1 else np.zeros(k))
-            line, = ax.plot(x, m, marker="o", label=f"{name} (n={len(curves)})")
-            ax.fill_between(x, m - s, m + s, alpha=0.2, color=line.get_color())
+            band(ax, [[p["env_steps"] for p in c] for c in curves], [[float(p[key] or 0.0) for p in c] for c in curves],
+                 name, None)
+        points = [c["panel"] for c in arm["cells"].values() if c["panel"]]
+        if panels and points:
+            band(axes[2], [[x for x, _ in p] for p in points], [[y for _, y in p] for p in points], name, "o")
         drawn += 1
+    if panels:
+        axes[2].set_xlabel("cumulative environment steps")
+        axes[2].set_ylabel("test-panel success (evaluations)")
+        axes[2].grid(alpha=0.3)
     for ax, label in zip(axes, ("success rate (training rollouts)", "mean reward (training rollouts)")):
         ax.set_xlabel("cumulative environment steps")
         ax.set_ylabel(label)

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from serl_cli.ablate.grid import is_done, run_cell
+from serl_cli.ablate.cells import is_done, run_cell
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
 from serl_cli.stages.online import PREEMPTED_EXIT
@@ -21,7 +21,8 @@ SELF_CMD = [sys.executable, "-m", "serl_cli"]  # how a subprocess runs serl itse
 
 
 def cell_command(record: dict, out: str | Path, cell: str, program: list[str] | None = None) -> list[str]:
-    return [*(program or SELF_CMD), "ablate", *record["source_args"], "--out", str(Path(out).resolve()), "--cell", cell]
+    # the cell reads the grid from OUT/grid.json, not the grid file: an edit there mid-run changes no cell
+    return [*(program or SELF_CMD), "ablate", "--out", str(Path(out).resolve()), "--cell", cell]
 
 
 def run_cells(record: dict, out: str | Path, *, parallel: int = 1, log=print) -> dict:
@@ -141,7 +142,7 @@ def choose_launcher(record: dict) -> str:
 def launch_command(record: dict, out: Path, *, grace: int) -> tuple[str, str]:
     """(preparation lines, the command) of one array task: the cell's command on one
     process, or under torchrun / the deepspeed launcher across the cell's GPUs."""
-    args = shlex.join(["ablate", *record["source_args"], "--out", str(Path(out).resolve()), "--cell"])
+    args = shlex.join(["ablate", "--out", str(Path(out).resolve()), "--cell"])  # the grid from OUT/grid.json
     args += ' "$SLURM_ARRAY_TASK_ID"'
     nodes, per_node = cell_processes(record)
     launcher = choose_launcher(record)

@@ -209,6 +209,14 @@ def _annotation_stats(ann, adv, acfg: dict, astats: dict) -> dict:
     selected = [a for a in ann if a["selected"]]
     w = [x for a in ann if a["weights"] for x, m in zip(a["weights"], a["action_mask"]) if m]
     gaps = [abs(a["log_ratio_mean"]) for a in ann if a["log_ratio_mean"] is not None]
+    # the share of the update's advantage mass the weights move: sum |A (w - 1)| / sum |A| over every
+    # action token (an unweighted turn counts with w = 1); 0: the update is GRPO's
+    moved = total = 0.0
+    for a, turn_adv in zip(ann, adv.tolist()):
+        weights = a["weights"] or [1.0] * len(a["action_mask"])
+        for x, m in zip(weights, a["action_mask"]):
+            if m:
+                moved, total = moved + abs(turn_adv) * abs(x - 1.0), total + abs(turn_adv)
     lam, c = astats.get("lambda", 0.0), acfg.get("weight_clip", 0.2)
     # a blended weight sits at (1 - lam) + lam * (1 +- c) exactly when the clip bound was hit
     at_clip = [x for x in w if lam > 0 and abs(x - 1.0) >= lam * c * (1 - 1e-6)]
@@ -220,6 +228,7 @@ def _annotation_stats(ann, adv, acfg: dict, astats: dict) -> dict:
         "weight_min": min(w) if w else 1.0,
         "weight_max": max(w) if w else 1.0,
         "weight_clip_fraction": len(at_clip) / len(w) if w else 0.0,
+        "advantage_mass_moved": moved / total if total else 0.0,
         "mean_abs_log_ratio": sum(gaps) / len(gaps) if gaps else 0.0,
         "teacher_turns_scored": sum(a["teacher_logprobs"] is not None for a in ann),
         "teacher_action_tokens": sum(len(a["teacher_logprobs"]) for a in ann if a["teacher_logprobs"] is not None),

@@ -16,8 +16,8 @@ from typing import List, Optional
 
 import typer
 
+from serl_cli.ablate import cells, runners
 from serl_cli.ablate import grid as ab
-from serl_cli.ablate import runners
 from serl_cli.cli.common import summary_table
 from serl_cli.cli.root import QuietOpt, SetOpt, VerboseOpt, app, console, err_console
 from serl_cli.errors import SerlError
@@ -79,6 +79,12 @@ def ablate_command(
             raise SerlError("--report needs the ablation directory: serl ablate --report OUT")
         _report(Path(out), quiet)
         return
+    if cell is not None and grid_file is None and not defines_grid:
+        # the grid as the ablation directory recorded it: what every runner's cell command reads,
+        # so editing the grid file while the cells run changes none of them
+        out_dir = Path(out or "runs/ablate")
+        _run_one_cell(ab.load_grid_record(out_dir), out_dir, cell, quiet)
+        return
     if grid_file is not None and not Path(grid_file).is_file():
         raise SerlError(f"grid file not found: {grid_file}")
     if emit is not None and emit != "slurm":
@@ -99,7 +105,7 @@ def ablate_command(
     record = ab.grid_record(grid, source_args)
     out_dir = Path(out or "runs/ablate")
     if cell is not None:
-        ab.select_cell(record, cell)  # range check before anything is written
+        cells.select_cell(record, cell)  # range check before anything is written
     main = is_main_process()  # under torchrun (a cell on several GPUs) rank 0 keeps the books
     if main:
         ab.write_grid(out_dir, record)
@@ -111,12 +117,18 @@ def ablate_command(
                       f"bash {out_dir.resolve() / 'submit.sh'} (or sbatch {path} alone)", highlight=False)
         return
     if cell is not None:
-        try:
-            ab.run_cell(record, out_dir, cell, log=log)
-        except Preempted as e:  # SIGTERM/SIGUSR1: checkpointed; rerunning the same command resumes the cell
-            if main:
-                err_console.print(f"[yellow]preempted:[/] cell {cell}: {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(PREEMPTED_EXIT) from None
+        _run_one_cell(record, out_dir, cell, quiet)
         return
     runners.run_cells(record, out_dir, parallel=parallel, log=log)
     _report(out_dir, quiet)
+
+
+def _run_one_cell(record: dict, out_dir: Path, cell: int, quiet: bool) -> None:
+    main = is_main_process()
+    log = (lambda msg: None) if quiet or not main else (lambda msg: console.print(msg, highlight=False))
+    try:
+        cells.run_cell(record, out_dir, cell, log=log)
+    except Preempted as e:  # SIGTERM/SIGUSR1: checkpointed; rerunning the same command resumes the cell
+        if main:
+            err_console.print(f"[yellow]preempted:[/] cell {cell}: {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(PREEMPTED_EXIT) from None

@@ -37,7 +37,7 @@ def show_defaults(cls, **flag_keys: str):
 
 
 # The commands that also take a run file (the online loop's layout: `serl train --config`'s) as
-# --config, reading what the loop's corresponding step reads of it (stages.online.RUN_FILE_READS).
+# --config, reading what the loop's corresponding step reads of it (stages.run_file.RUN_FILE_READS).
 READS_RUN_FILES = ("rollout", "eval", "annotate")
 
 
@@ -48,9 +48,10 @@ def resolve(cls, *, config_file, overrides, flags: dict, base: dict | None = Non
     not use are named in one note on stderr (not under ``-q``)."""
     reader = None
     if command in READS_RUN_FILES:
-        from serl_cli.stages.online import RunFileReader
+        from serl_cli.stages.online import OnlineConfig
+        from serl_cli.stages.run_file import RunFileReader
 
-        reader = RunFileReader(command, cls)
+        reader = RunFileReader(command, cls, OnlineConfig)
     cfg = cfgmod.resolve(cls, config_file=config_file, flags=flags, overrides=list(overrides or []), base=base,
                          reader=reader)
     note = reader.note() if reader is not None else None

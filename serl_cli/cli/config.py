@@ -66,7 +66,7 @@ def show_command(
     else:
         cfg = resolve(cls, config_file=config, overrides=set_, flags={}, command=command)
     if command == "train":  # as RUN/online.yaml holds it: each setting once, without the loop's own copies
-        from serl_cli.stages.online import run_settings
+        from serl_cli.stages.run_file import run_settings
 
         plain = run_settings(cfg)
     else:

@@ -35,3 +35,15 @@ def wilcoxon_signed_rank(a: Sequence[float], b: Sequence[float], min_n: int = 6)
         return None
     res = _st.wilcoxon(d)
     return {"n": len(d), "statistic": _finite(res.statistic), "p": _finite(res.pvalue)}
+
+
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment of a family of p-values (None stays None, and is not counted):
+    the i-th smallest of m becomes max over j <= i of min(1, (m - j + 1) p_(j)). It controls the
+    family-wise error rate under any dependence between the tests (Holm 1979)."""
+    ranked = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
+    m, out, running = len(ranked), [None] * len(pvalues), 0.0
+    for j, (p, i) in enumerate(ranked):
+        running = max(running, min(1.0, (m - j) * p))
+        out[i] = running
+    return out

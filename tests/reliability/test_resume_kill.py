@@ -298,7 +298,8 @@ def test_online_resume_after_a_kill_between_metrics_and_done(tiny_model_dir, ref
 
 @pytest.fixture(scope="module")
 def grid_record(tiny_model_dir):
-    from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import cells as ab_cells
+from serl_cli.ablate import grid as ab
 
     overrides = [f"model={tiny_model_dir}", "env.settings.catalog=synthetic", "env.max_turns=3", "rollout.tasks=2",
                  "rollout.group_size=2", "rollout.sampling.max_new_tokens=8", "rollout.threads=1", "train.threads=1",
@@ -309,16 +310,18 @@ def grid_record(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference_cell(grid_record, tmp_path_factory):
-    from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import cells as ab_cells
+from serl_cli.ablate import grid as ab
 
     out = tmp_path_factory.mktemp("ref") / "abl"
     ab.write_grid(out, grid_record)
-    assert ab.run_cell(grid_record, out, 0, log=lambda m: None) == "done"
-    return ab.cell_dir(out, grid_record["cells"][0])
+    assert ab_cells.run_cell(grid_record, out, 0, log=lambda m: None) == "done"
+    return ab_cells.cell_dir(out, grid_record["cells"][0])
 
 
 def test_ablate_cell_resumes_identical_after_sigkill(grid_record, reference_cell, tmp_path):
-    from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import cells as ab_cells
+from serl_cli.ablate import grid as ab
 
     ref = reference_cell
     rng = random.Random(12)
@@ -332,10 +335,10 @@ def test_ablate_cell_resumes_identical_after_sigkill(grid_record, reference_cell
     for name, (point, delay) in points.items():
         out = tmp_path / name
         ab.write_grid(out, grid_record)
-        d = ab.cell_dir(out, grid_record["cells"][0])
-        assert kill_during(lambda: ab.run_cell(grid_record, out, 0, log=lambda m: None), lambda: point(d), delay=delay)
-        assert name == "eval" or not ab.is_done(out, grid_record["cells"][0])
-        assert ab.run_cell(grid_record, out, 0, log=lambda m: None) == "done"
+        d = ab_cells.cell_dir(out, grid_record["cells"][0])
+        assert kill_during(lambda: ab_cells.run_cell(grid_record, out, 0, log=lambda m: None), lambda: point(d), delay=delay)
+        assert name == "eval" or not ab_cells.is_done(out, grid_record["cells"][0])
+        assert ab_cells.run_cell(grid_record, out, 0, log=lambda m: None) == "done"
         assert (d / "train" / "metrics.jsonl").read_text() == (ref / "train" / "metrics.jsonl").read_text(), name
         assert (d / "episodes.jsonl").read_bytes() == (ref / "episodes.jsonl").read_bytes(), name
         ev, ref_ev = (json.loads((x / "eval.json").read_text()) for x in (d, ref))

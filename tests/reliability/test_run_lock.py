@@ -107,13 +107,14 @@ def test_refused_command_leaves_no_directories_behind(tmp_path, capsys):
 
 
 def test_same_ablate_cell_twice_refuses(tmp_path):
-    from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import cells as ab_cells
+from serl_cli.ablate import grid as ab
 
     grid = ab.load_grid(None, overrides=["env.settings.catalog=synthetic"], flags={"algo": "grpo", "seeds": 2})
     record = ab.grid_record(grid, [])
     ab.write_grid(tmp_path, record)
-    cell = ab.cell_dir(tmp_path, record["cells"][0])
+    cell = ab_cells.cell_dir(tmp_path, record["cells"][0])
     with runlock.run_lock(cell):  # a first runner busy with cell 0
         with pytest.raises(SerlError, match=f"in use by pid {os.getpid()}"):
-            ab.run_cell(record, tmp_path, 0, log=lambda m: None)
+            ab_cells.run_cell(record, tmp_path, 0, log=lambda m: None)
         assert not cell.exists()  # refused before writing anything

@@ -1,0 +1,151 @@
+"""Running one cell of an ablation (``serl ablate --cell i``): its directory, whether it is
+done, its online run and its final evaluation, resumable and locked against a second runner.
+The grid itself (the file, the arms, ``OUT/grid.json``) is :mod:`serl_cli.ablate.grid`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from serl_cli import config as cfgmod
+from serl_cli.artifacts import io, runlock
+from serl_cli.errors import SerlError
+
+
+def cell_dir(out: str | Path, cell: dict) -> Path:
+    return Path(out) / "cells" / cell["name"]
+
+
+def is_done(out: str | Path, cell: dict) -> bool:
+    d = cell_dir(out, cell)
+    if not (d / "cell.json").is_file() or not (d / "eval.json").is_file():
+        return False
+    try:
+        return io.read_json(d / "cell.json").get("status") == "done"
+    except SerlError:
+        return False
+
+
+def select_cell(record: dict, index: int) -> dict:
+    n = len(record["cells"])
+    if not 0 <= index < n:
+        raise SerlError(f"--cell {index} out of range: this grid has {n} cells (0..{n - 1})")
+    return record["cells"][index]
+
+
+def _teacher_tokens(train: Path) -> int:
+    total = 0
+    for m in sorted(train.glob("iter_*/manifest.json")):
+        try:
+            stats = io.read_json(m).get("stages", {}).get("annotate", {}).get("stats") or {}
+        except SerlError:
+            continue
+        total += int(stats.get("teacher_tokens_scored", 0) or 0)
+    return total
+
+
+def _selection(train: Path) -> dict | None:
+    reports = sorted(train.glob("iter_*/selection_report.json"))
+    if not reports:
+        return None
+    r = io.read_json(reports[-1])
+    return {"iteration": reports[-1].parent.name, "selected_fraction": r.get("counts", {}).get("selected_fraction"),
+            "verdict": r.get("tests", {}).get("verdict")}
+
+
+def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
+    """Train and evaluate cell ``index``; returns done | skipped. Under torchrun / the
+    deepspeed launcher every process calls it: all of them train (the online loop is
+    distributed), the main one keeps the cell's books and runs the final evaluation."""
+    from serl_cli.training.backends import is_main_process
+
+    cell = select_cell(record, index)
+    d = cell_dir(out, cell)
+    if is_done(out, cell):
+        log(f"cell {index} {cell['name']}: done, skipped")
+        return "skipped"
+    if not is_main_process():
+        return _follow_cell(record, out, cell)
+    with runlock.run_lock(d):  # two runners given the same cell: the second refuses, naming the first
+        return _run_cell(record, out, cell, index, log)
+
+
+def cell_config(record: dict, out: str | Path, cell: dict):
+    """The cell's online-run configuration, writing into ``cells/<name>/train``."""
+    from serl_cli.stages.online import OnlineConfig
+
+    cfg = cfgmod.from_dict(OnlineConfig, cfgmod.merge(record["base"], cell["overrides"]), "cell")
+    cfg.out = str(cell_dir(out, cell) / "train")
+    return cfg
+
+
+def _follow_cell(record: dict, out: str | Path, cell: dict) -> str:
+    """A process other than the main one: its part of the cell's online run, nothing else."""
+    from serl_cli.stages.online import run_online
+
+    cfg = cell_config(record, out, cell)
+    train = Path(cfg.out)
+    if (train / "checkpoint" / "config.json").is_file() and _online_done(train):
+        return "skipped"
+    resume = (train / "manifest.json").is_file()  # read before the main process writes there (see run_online)
+    run_online(cfg, resume=resume, overwrite=not resume)
+    return "done"
+
+
+def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str:
+    from serl_cli.models.device import release_memory
+    from serl_cli.rollout.worlds import EnvConfig
+    from serl_cli.stages.evaluate import EvalConfig, run_eval
+    from serl_cli.stages.online import run_online
+
+    d = cell_dir(out, cell)
+    if is_done(out, cell):  # another runner finished it between the first check and the lock
+        log(f"cell {index} {cell['name']}: done, skipped")
+        return "skipped"
+    d.mkdir(parents=True, exist_ok=True)
+    prev = io.read_json(d / "cell.json") if (d / "cell.json").is_file() else {}
+    info = {"index": index, "name": cell["name"], "arm": cell["arm"], "seed": cell["seed"], "params": cell["params"],
+            "status": "running", "attempts": int(prev.get("attempts", 0)) + 1,
+            "wall_time_s": float(prev.get("wall_time_s", 0.0)), "teacher_tokens_scored": 0}
+    io.write_json(d / "cell.json", info)
+    t0, before = time.perf_counter(), info["wall_time_s"]
+
+    def checkpoint_time(_metrics=None):  # a killed cell keeps the time it spent
+        info["wall_time_s"] = round(before + time.perf_counter() - t0, 3)
+        io.write_json(d / "cell.json", info)
+
+    cfg = cell_config(record, out, cell)
+    train = Path(cfg.out)
+    trained = (train / "checkpoint" / "config.json").is_file() and _online_done(train)
+    if not trained:
+        resume = (train / "manifest.json").is_file()
+        log(f"cell {index} {cell['name']}: {'resuming' if resume else 'training'} ({cfg.iterations} iterations)")
+        run_online(cfg, resume=resume, overwrite=not resume, on_iteration=checkpoint_time)
+        release_memory()  # the trainer's GPU memory, before the evaluation's engine starts
+    fe = record["final_eval"]
+    if not (d / "eval.json").is_file():
+        # on the cell's engine (vLLM for the paper grids), device and precision
+        ecfg = EvalConfig(env=EnvConfig(cfg.env.name, fe["split"], cfg.env.max_turns, cfg.env.settings,
+                                        cfg.env.step_timeout_s), policy="model",
+                          model=str(train / "checkpoint"), episodes=fe["episodes"], panel=fe.get("panel", "first"), seed=0,
+                          batch_size=cfg.rollout.batch_size, history_turns=cfg.rollout.prompt.history_turns,
+                          max_new_tokens=cfg.rollout.sampling.max_new_tokens, threads=cfg.train.threads, out=str(d),
+                          temperature=cfg.eval.temperature,  # the base's eval temperature (paper: 0.4; 0 = greedy)
+                          engine=cfg.rollout.engine, vllm=cfg.rollout.vllm, gpus=cfg.rollout.gpus,
+                          device=cfg.train.device, dtype=cfg.train.dtype)
+        run_eval(ecfg, overwrite=True)
+    ev = io.read_json(d / "eval.json")
+    checkpoint_time()
+    info.update(status="done", teacher_tokens_scored=_teacher_tokens(train), selection=_selection(train),
+                eval={k: ev.get(k) for k in ("episodes", "success_rate", "success_ci95", "score", "invalid_action_rate",
+                                             "mean_turns")})
+    io.write_json(d / "cell.json", info)
+    log(f"cell {index} {cell['name']}: success {ev['success_rate']:.3f}  score {ev['score']:.1f}")
+    return "done"
+
+
+def _online_done(train: Path) -> bool:
+    try:
+        return io.load_manifest(train).get("stages", {}).get("online", {}).get("status") == "done"
+    except SerlError:
+        return False

@@ -272,3 +272,39 @@ def test_chat_template_kwargs_is_a_prompt_setting(tmp_path):
         validate(from_dict(RolloutConfig, {"prompt": {"chat_template_kwargs": {"add_generation_prompt": False}}}))
     (tmp_path / "serl_prompt.json").write_text(prompt_file_text(cfg.prompt))  # a checkpoint keeps them
     assert trained_prompt(str(tmp_path)) == cfg.prompt
+
+
+# ---------------------------------------------------------------- where a reply ends
+
+
+@pytest.mark.parametrize("family, token", [("qwen2.5", "<|im_end|>"), ("qwen3", "<|im_end|>"),
+                                           ("llama3.1", "<|eot_id|>"), ("gemma2", "<end_of_turn>"),
+                                           ("mistral-v0.3", "</s>")])
+def test_a_reply_ends_with_the_templates_end_of_turn(family, token):
+    """The token the template writes after an assistant message closes a reply: SFT targets end
+    with it and the engines stop at it (Gemma's is not its eos token)."""
+    from serl_cli.rollout.prompts import end_of_turn_id, reply_ids, stop_token_ids
+
+    tok = family_tokenizer(family)
+    eot = tok.convert_tokens_to_ids(token)
+    assert end_of_turn_id(tok) == eot and reply_ids(tok, "click[x]")[-1] == eot
+    assert set(stop_token_ids(tok)) >= {eot, tok.eos_token_id}
+
+
+def test_gemma_generation_stops_at_end_of_turn():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from serl_cli.rollout.engines.hf import HFEngine
+
+    tok = family_tokenizer("gemma2")
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    bias = torch.zeros(len(tok))
+    bias[eot] = 100.0  # the model's every next token is <end_of_turn>
+    model.lm_head.register_forward_hook(lambda _m, _i, out: out + bias)
+    prompt = render_prompt_ids(tok, _messages("gemma2"))
+    gen = HFEngine(model, tok).generate([prompt], SamplingConfig(0.0, 1.0, 8), seed=0)[0]
+    assert gen.token_ids == [eot]  # not eight of them: the reply ended at the end of turn

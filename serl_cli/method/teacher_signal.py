@@ -36,14 +36,14 @@ import math
 
 from serl_cli.method.feedback import _same
 from serl_cli.method.teacher import ScoreItem, action_span_mask, score, teacher_prompt
-from serl_cli.rollout.prompts import format_reply
+from serl_cli.rollout.prompts import reply_ids
 
 
 def expert_reply_ids(tokenizer, action: str, bare_replies: bool = False) -> list[int]:
     """The expert's action as a reply, tokenized as ``TokenizedExpertPolicy`` records it for SFT:
     tagged, or bare where the rollouts' prompts ask for bare replies (``prompt.bare_replies``) --
     scored in the wrong form, the expert's reply has almost no probability under either prompt."""
-    return tokenizer.encode(format_reply(action, bare_replies), add_special_tokens=False) + [tokenizer.eos_token_id]
+    return reply_ids(tokenizer, action, bare_replies)
 
 
 def _turn(records: list[dict], episodes: list[dict], k: int) -> dict:

@@ -130,7 +130,49 @@ def format_reply(action: str, bare: bool = False) -> str:
 
 def reply_ids(tokenizer, action: str, bare: bool = False) -> list[int]:
     """:func:`format_reply` tokenized, with the end-of-turn token: an SFT target."""
-    return tokenizer.encode(format_reply(action, bare), add_special_tokens=False) + [tokenizer.eos_token_id]
+    return tokenizer.encode(format_reply(action, bare), add_special_tokens=False) + [end_of_turn_id(tokenizer)]
+
+
+_REPLY_PROBE = "Probe reply"
+# keyed by the tokenizer object (held, so the key stays its): one template render per tokenizer
+_END_OF_TURN: dict[int, tuple] = {}
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The token that closes an assistant turn: the special token the chat template writes right
+    after an assistant message (ChatML ``<|im_end|>``, Llama 3 ``<|eot_id|>``, Gemma
+    ``<end_of_turn>``, Mistral ``</s>``), else the eos token. It is what a reply ends with (the
+    engines stop there, an SFT target ends with it); Gemma's tokenizer does not name its end of
+    turn as the eos token, so eos alone would let replies run on to the token budget."""
+    hit = _END_OF_TURN.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        hit = _END_OF_TURN[id(tokenizer)] = (tokenizer, _probe_end_of_turn(tokenizer))
+    return hit[1]
+
+
+def _probe_end_of_turn(tokenizer) -> int:
+    eos = tokenizer.eos_token_id
+    if not getattr(tokenizer, "chat_template", None):
+        return eos
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Probe message"},
+                                              {"role": "assistant", "content": _REPLY_PROBE}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this conversation: keep eos
+        return eos
+    at = text.rfind(_REPLY_PROBE)
+    if at < 0:
+        return eos
+    after = tokenizer.encode(text[at + len(_REPLY_PROBE):], add_special_tokens=False)
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    return after[0] if after and after[0] in special else eos
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Where generation stops: the end of turn (:func:`end_of_turn_id`), the eos token (a model
+    may also end with it) and the pad token."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return sorted({t for t in (end_of_turn_id(tokenizer), eos, pad) if t is not None})
 
 
 def parse_action(text: str, action_format: ActionFormat = DEFAULT_ACTION_FORMAT) -> tuple[str, str | None]:

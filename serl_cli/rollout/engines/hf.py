@@ -12,6 +12,7 @@ import torch
 
 from serl_cli.models.device import autocast, model_device
 from serl_cli.rollout.engines import Generation, SamplingConfig
+from serl_cli.rollout.prompts import stop_token_ids
 
 
 class HFEngine:
@@ -20,7 +21,7 @@ class HFEngine:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         # a reply ends at the end-of-turn token, or at the end-of-text token a model may also emit
-        self.stop_ids = {self.eos_id, self.pad_id}
+        self.stop_ids = set(stop_token_ids(tokenizer))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int) -> list[Generation]:

@@ -37,6 +37,7 @@ import numpy as np
 
 from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import Generation, SamplingConfig
+from serl_cli.rollout.prompts import stop_token_ids
 
 # vLLM's log-probs after temperature (and top-p) processing; its default mode returns
 # the raw model distribution, which ignores the temperature.
@@ -318,9 +319,7 @@ class VLLMEngine:
 
             tokenizer = AutoTokenizer.from_pretrained(source)
         self.tokenizer = tokenizer
-        eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        self.stop_ids = sorted({eos, pad})  # as the hf engine: end-of-turn, or end-of-text
+        self.stop_ids = stop_token_ids(tokenizer)  # as the hf engine: end-of-turn, or end-of-text
         extra = {"enable_sleep_mode": True} if self.cfg.sleep else {}
         with visible_devices(gpus):
             self.llm = self.vllm.LLM(

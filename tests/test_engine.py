@@ -225,6 +225,64 @@ def test_same_seed_same_generations_other_seed_differs(runs, hf_models):
     assert [g.token_ids for g in first] != [g.token_ids for g in other]
 
 
+# ---------------------------------------------------------------- coupled sampling
+
+
+def test_gumbel_rows_draw_from_the_tempered_softmax():
+    """GumbelRows' argmax is a draw from softmax(logits / T): over 4000 row streams the
+    frequencies are within 4 standard errors of the probabilities."""
+    from serl_cli.rollout.engines.hf import GumbelRows
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    temperature, n = 0.7, 4000
+    picks = torch.tensor([int(GumbelRows([s], SamplingConfig(temperature, 1.0, 1))(None, logits).argmax())
+                          for s in range(n)])
+    p = torch.softmax(logits[0] / temperature, dim=-1)
+    freq = torch.bincount(picks, minlength=4).double() / n
+    assert torch.all((freq - p).abs() <= 4 * torch.sqrt(p * (1 - p) / n))
+    # top-p 0.8 keeps the two likeliest tokens (0.76 + 0.18 of the mass) and draws only from them
+    top = {int(GumbelRows([s], SamplingConfig(temperature, 0.8, 1))(None, logits).argmax()) for s in range(200)}
+    assert top == {0, 1}
+
+
+def test_coupled_rows_draw_the_same_alone_or_in_a_batch(runs, hf_models):
+    """Under coupled sampling a row's reply depends on its own seed, not on the rows batched
+    with it or on the call's seed; another row seed draws otherwise."""
+    model, tok = hf_models["plain"]
+    engine = HFEngine(model, tok)
+    prompts = _prompts_of_many_lengths(runs["greedy"], tok)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, coupled=True)
+    rows = list(range(100, 100 + len(prompts)))
+    batched = engine.generate(prompts, sampling, seed=7, row_seeds=rows)
+    for k in (0, len(prompts) - 1):
+        (alone,) = engine.generate([prompts[k]], sampling, seed=99, row_seeds=[rows[k]])
+        assert alone.token_ids == batched[k].token_ids
+        assert max(abs(x - y) for x, y in zip(alone.logprobs, batched[k].logprobs)) < TOL
+    shifted = engine.generate(prompts, sampling, seed=7, row_seeds=[r + 1 for r in rows])
+    assert [g.token_ids for g in shifted] != [g.token_ids for g in batched]
+
+
+def test_coupled_rollouts_do_not_depend_on_the_batching(stopping_model_dir, tmp_path):
+    """Coupled sampling draws each episode's turns from its own stream: the same rollouts whether
+    the episodes run 6 at a time or 1 at a time (one stream per batch would not give that)."""
+    def actions(batch_size: int, coupled: bool) -> list:
+        cfg = rollout_config(stopping_model_dir, tmp_path / f"b{batch_size}{coupled}", temperature=1.0, batch_size=batch_size)
+        cfg.sampling.coupled = coupled
+        run_rollout(cfg)
+        return [[t["action_ids"] for t in ep["turns"]] for ep in read_rollouts(cfg.out)]
+
+    assert actions(6, True) == actions(1, True)
+    assert actions(6, False) != actions(1, False)
+
+
+def test_row_seed_names_the_episode_turn():
+    from serl_cli.rollout.engines import row_seed
+
+    assert row_seed(3, (0, 1), 2) == row_seed(3, (0, 1), 2)
+    assert len({row_seed(3, (0, 1), 2), row_seed(4, (0, 1), 2), row_seed(3, (1, 1), 2), row_seed(3, (0, 0), 2),
+                row_seed(3, (0, 1), 3)}) == 5
+
+
 # ---------------------------------------------------------------- the rollout stage
 
 

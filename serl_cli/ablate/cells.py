@@ -131,6 +131,7 @@ def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str
                           batch_size=cfg.rollout.batch_size, history_turns=cfg.rollout.prompt.history_turns,
                           max_new_tokens=cfg.rollout.sampling.max_new_tokens, threads=cfg.train.threads, out=str(d),
                           temperature=cfg.eval.temperature,  # the base's eval temperature (paper: 0.4; 0 = greedy)
+                          coupled=cfg.rollout.sampling.coupled,
                           engine=cfg.rollout.engine, vllm=cfg.rollout.vllm, gpus=cfg.rollout.gpus,
                           device=cfg.train.device, dtype=cfg.train.dtype)
         run_eval(ecfg, overwrite=True)

@@ -113,7 +113,8 @@ def run_episodes(
     start_more()
     while live:
         contexts = [{"instruction": ep.instruction, "turns": rec["turns"], "rules": world.rules,
-                     "action_format": action_format, "episode": ep} for _, ep, _, rec in live]
+                     "action_format": action_format, "episode": ep, "row": (rec["group_id"], rec["rollout_index"])}
+                    for _, ep, _, rec in live]
         decisions = policy.act([step for _, _, step, _ in live], contexts)
         still_live = []
         for (i, ep, step, rec), d in zip(live, decisions):

@@ -41,6 +41,7 @@ class EvalConfig:
     seed: int = 0
     batch_size: int = 64
     temperature: float = 0.0  # 0 = greedy decoding for model policies
+    coupled: bool = False  # sampled: each episode's turns from their own stream (SamplingConfig.coupled)
     history_turns: int | None = None  # None: what the checkpoint was trained with, else 2
     max_new_tokens: int = 48
     threads: int | None = None
@@ -88,7 +89,7 @@ def make_policy(cfg: EvalConfig):
     cfg.history_turns = prompt.history_turns  # recorded in eval_config.yaml
     return model_policy(cfg.model, temperature=cfg.temperature, seed=cfg.seed, prompt=prompt,
                         max_new_tokens=cfg.max_new_tokens, threads=cfg.threads, engine=cfg.engine,
-                        device=cfg.device, dtype=cfg.dtype, vllm=cfg.vllm, gpus=cfg.gpus)
+                        device=cfg.device, dtype=cfg.dtype, vllm=cfg.vllm, gpus=cfg.gpus, coupled=cfg.coupled)
 
 
 def check_model_settings(cfg: EvalConfig) -> None:

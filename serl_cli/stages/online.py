@@ -131,10 +131,10 @@ class StoppableEngine:
     def __init__(self, engine, stop: StopSignal):
         self.engine, self.stop = engine, stop
 
-    def generate(self, prompts, sampling, seed):
+    def generate(self, prompts, sampling, seed, **rows):
         if self.stop.requested:
             raise _Abandon()
-        return self.engine.generate(prompts, sampling, seed)
+        return self.engine.generate(prompts, sampling, seed, **rows)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -167,8 +167,8 @@ class OnlineConfig:
 
 def eval_sampling(cfg: OnlineConfig) -> SamplingConfig:
     """How the periodic evaluation samples: greedy (``eval.temperature`` 0) or at that
-    temperature, top_p 1, with the rollouts' token budget."""
-    return SamplingConfig(cfg.eval.temperature, 1.0, cfg.rollout.sampling.max_new_tokens)
+    temperature, top_p 1, with the rollouts' token budget, coupled as the rollouts are."""
+    return SamplingConfig(cfg.eval.temperature, 1.0, cfg.rollout.sampling.max_new_tokens, cfg.rollout.sampling.coupled)
 
 
 def _iter_dir(run: Path, k: int) -> Path:
@@ -431,7 +431,8 @@ def _evaluate(cfg: OnlineConfig, rcfg: RolloutConfig, engine, it: Path) -> dict:
                                     cfg.env.step_timeout_s),
                       policy="model", episodes=cfg.eval.episodes, out=str(it), seed=cfg.seed,
                       batch_size=rcfg.batch_size, history_turns=rcfg.prompt.history_turns,
-                      temperature=cfg.eval.temperature, max_new_tokens=rcfg.sampling.max_new_tokens)
+                      temperature=cfg.eval.temperature, max_new_tokens=rcfg.sampling.max_new_tokens,
+                      coupled=rcfg.sampling.coupled)
     ev = run_eval(ecfg, overwrite=True, policy=ModelPolicy(engine, eval_sampling(cfg), rcfg.prompt, seed=cfg.seed))
     return {"eval_success_rate": ev["success_rate"], "eval_score": ev["score"],
             "eval_invalid_action_rate": ev["invalid_action_rate"], "eval_mean_turns": ev["mean_turns"]}

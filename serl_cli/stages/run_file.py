@@ -45,7 +45,8 @@ RUN_FILE_READS = {
              ("eval.temperature", "temperature"), ("rollout.engine", "engine"), ("rollout.vllm", "vllm"),
              ("rollout.gpus", "gpus"), ("rollout.device", "device"), ("rollout.dtype", "dtype"),
              ("rollout.threads", "threads"), ("rollout.batch_size", "batch_size"),
-             ("rollout.sampling.max_new_tokens", "max_new_tokens"), ("rollout.prompt.history_turns", "history_turns")],
+             ("rollout.sampling.max_new_tokens", "max_new_tokens"), ("rollout.sampling.coupled", "coupled"),
+             ("rollout.prompt.history_turns", "history_turns")],
     "annotate": [("annotate.*", ""), ("seed", "seed")],
 }
 

@@ -10,6 +10,7 @@ vLLM extra, holding its own copy of the weights: see :func:`refresh_weights`).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +34,18 @@ class SamplingConfig:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     max_new_tokens: int = 48
+    # common random numbers: each episode's turn draws from its own stream, keyed by the run's seed, the
+    # room's group, the rollout and the turn (:func:`row_seed`), not from one stream per batch. Two runs
+    # with the same seed then draw the same reply for the same turn wherever their policies agree closely
+    # (Gumbel-max on hf, per-request seeds on vLLM), so arms paired by seed stay paired after they diverge
+    coupled: bool = False
+
+
+def row_seed(seed: int, row: tuple, turn: int) -> int:
+    """The seed of one episode's turn under coupled sampling: a hash of the policy's seed, the
+    episode's (group, rollout) and the turn, the same in every run that shares the seed."""
+    digest = hashlib.blake2b(f"{seed}|{'|'.join(map(str, row))}|{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @dataclass
@@ -44,7 +57,8 @@ class Generation:
 class Engine(Protocol):
     tokenizer: object
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int) -> list[Generation]: ...
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
+                 row_seeds: list[int] | None = None) -> list[Generation]: ...
 
 
 class ModelPolicy:
@@ -69,7 +83,12 @@ class ModelPolicy:
     def act(self, steps: list[Step], contexts: list[dict]) -> list[Decision]:
         prompt_ids = self.prompts(steps, contexts)
         # one seed per call: a run's sampling is fixed by its seed, and no two calls share draws
-        gens = self.engine.generate(prompt_ids, self.sampling, seed=self.seed * 1_000_003 + self.calls)
+        seed = self.seed * 1_000_003 + self.calls
+        if self.sampling.coupled and self.sampling.temperature > 0:
+            rows = [row_seed(self.seed, ctx.get("row", ("batch", i)), len(ctx["turns"])) for i, ctx in enumerate(contexts)]
+            gens = self.engine.generate(prompt_ids, self.sampling, seed=seed, row_seeds=rows)
+        else:
+            gens = self.engine.generate(prompt_ids, self.sampling, seed=seed)
         self.calls += 1
         decisions = []
         for ids, gen, ctx in zip(prompt_ids, gens, contexts):
@@ -173,7 +192,7 @@ def sleep_engine(engine: Engine) -> None:
 def model_policy(model_name: str, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  prompt: PromptConfig | None = None, max_new_tokens: int = 48, threads: int | None = None,
                  engine: str = "hf", device: str = "auto", dtype: str = "auto", vllm=None,
-                 gpus: list[int] | None = None) -> ModelPolicy:
+                 gpus: list[int] | None = None, coupled: bool = False) -> ModelPolicy:
     """A policy generating with ``model_name`` on ``engine``: hf on ``device`` in ``dtype``
     (``models.device``), or a vLLM engine of its own (``vllm``: its ``VLLMConfig``; close it
     with :func:`close_engine`)."""
@@ -187,7 +206,8 @@ def model_policy(model_name: str, *, temperature: float = 0.0, top_p: float = 1.
     else:
         model, tokenizer = load_for_inference(model_name, resolve(device, dtype))
         eng = make_engine(engine, model, tokenizer)
-    return ModelPolicy(eng, SamplingConfig(temperature, top_p, max_new_tokens), prompt or PromptConfig(), seed=seed)
+    return ModelPolicy(eng, SamplingConfig(temperature, top_p, max_new_tokens, coupled), prompt or PromptConfig(),
+                       seed=seed)
 
 
 def close_engine(engine) -> None:

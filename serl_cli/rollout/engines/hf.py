@@ -9,6 +9,7 @@ recomputed after generation.
 from __future__ import annotations
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
 
 from serl_cli.models.device import autocast, model_device
 from serl_cli.rollout.engines import Generation, SamplingConfig
@@ -24,7 +25,8 @@ class HFEngine:
         self.stop_ids = set(stop_token_ids(tokenizer))
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
+                 row_seeds: list[int] | None = None) -> list[Generation]:
         if not prompts:
             return []
         width = max(len(p) for p in prompts)
@@ -40,7 +42,8 @@ class HFEngine:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
             torch.manual_seed(seed)
             with autocast(self.model):
-                out = self._generate(input_ids, attention, sampling, greedy)
+                coupled = None if greedy or row_seeds is None else GumbelRows(row_seeds, sampling)
+                out = self._generate(input_ids, attention, sampling, greedy, coupled)
         new_tokens = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1).float()  # [B, new, V], raw (before sampling processors)
         scale = 1.0 if greedy else sampling.temperature
@@ -52,12 +55,15 @@ class HFEngine:
             gens.append(Generation(token_ids=row[:n], logprobs=lp[:n]))
         return gens
 
-    def _generate(self, input_ids, attention, sampling: SamplingConfig, greedy: bool):
+    def _generate(self, input_ids, attention, sampling: SamplingConfig, greedy: bool, coupled=None):
+        if coupled is not None:  # the draw is the argmax of the noised scores (GumbelRows)
+            greedy = True
         return self.model.generate(
             input_ids=input_ids,
             attention_mask=attention,
             max_new_tokens=sampling.max_new_tokens,
             do_sample=not greedy,
+            logits_processor=LogitsProcessorList([coupled] if coupled is not None else []),
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
             top_k=None,  # no hidden top-k truncation: sample the full distribution
@@ -66,3 +72,25 @@ class HFEngine:
             return_dict_in_generate=True,
             output_logits=True,
         )
+
+
+class GumbelRows(LogitsProcessor):
+    """Sampling with a random stream per row (coupled sampling, ``SamplingConfig.coupled``):
+    the scores at temperature T, top-p truncated, plus Gumbel noise drawn from the row's own
+    generator; the argmax of that is a draw from the truncated softmax(logits / T) (the
+    Gumbel-max trick). A row's draws depend on its seed alone, not on the rows batched with it,
+    and two policies given the same stream pick the same token wherever their scores agree
+    closely enough."""
+
+    def __init__(self, seeds: list[int], sampling: SamplingConfig):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.temperature = sampling.temperature
+        self.top_p = TopPLogitsWarper(sampling.top_p) if sampling.top_p < 1.0 else None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.float() / self.temperature
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in self.generators])
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        return scores + gumbel.to(device=scores.device, dtype=scores.dtype)

@@ -337,13 +337,16 @@ class VLLMEngine:
             )
         self.asleep: set[str] = set()  # what sleep() freed and no wake-up has restored yet
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
+                 row_seeds: list[int] | None = None) -> list[Generation]:
         if not prompts:
             return []
         check_sampling(sampling)
         if self.asleep:
             raise SerlError("the vLLM engine is asleep: its weights were freed for the update; push new ones first")
-        params = [sampling_params(self.vllm, sampling, self.stop_ids, s) for s in request_seeds(seed, len(prompts))]
+        # coupled sampling: each request's own seed is its episode turn's (vLLM draws per request)
+        seeds = [s % (1 << 32) for s in row_seeds] if row_seeds is not None else request_seeds(seed, len(prompts))
+        params = [sampling_params(self.vllm, sampling, self.stop_ids, s) for s in seeds]
         try:
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         except request_errors() as e:  # a prompt longer than max_model_len, a token id outside the vocabulary

@@ -18,9 +18,9 @@ the others are listed as unfinished) and writes:
 **Curves as numbers.** Per cell, from the evaluations during training: the panel AUC (the
 trapezoid rule over cumulative environment steps from the first evaluation to the last,
 divided by that span: the mean panel success over training), compared with the baseline
-like the final success; and the panel success at three environment-step budgets (1/4, 1/2
-and all of the smallest step count any finished cell reached; the last evaluation within
-the budget), so arms whose episodes differ in length are compared at equal experience.
+like the final success; and the panel success at fixed environment-step budgets (one per evaluation round: the most steps any
+cell had taken by that round; the last evaluation within the budget), so arms whose episodes differ
+in length are compared at equal experience.
 
 **Multiple comparisons.** Each metric's p-values against the baseline (one per arm) are one
 family, adjusted with Holm's step-down method (``p_<metric>_holm``), which holds the
@@ -59,7 +59,6 @@ from serl_cli.stats.paired import holm, paired_t_test, wilcoxon_signed_rank
 from serl_cli.stats.summary import describe, fmt
 
 COMPARED = ("success", "score", "auc")  # final success, final score, area under the panel curve
-BUDGET_FRACTIONS = (0.25, 0.5, 1.0)  # of the smallest final step count of any finished cell
 
 
 def _curve(train: Path) -> list[dict]:
@@ -135,8 +134,11 @@ def collect(out: str | Path) -> dict:
         c["auc"] = curve_auc(c["panel"])
         moved = [p["advantage_mass_moved"] for p in c["curve"] if p.get("advantage_mass_moved") is not None]
         c["advantage_mass_moved"] = sum(moved) / len(moved) if moved else None
-    finals = [c["panel"][-1][0] for a in arms.values() for c in a["cells"].values() if c["panel"]]
-    budgets = [round(f * min(finals)) for f in BUDGET_FRACTIONS] if finals else []
+    # a budget per evaluation round every cell reached: the most steps any cell had taken by it, so every
+    # cell has evaluated that many times within it (and a cell that steps faster may have once more)
+    panels = [c["panel"] for a in arms.values() for c in a["cells"].values() if c["panel"]]
+    rounds = min((len(p) for p in panels), default=0)
+    budgets = [int(max(p[k][0] for p in panels)) for k in range(rounds)]
     for a in arms.values():
         for c in a["cells"].values():
             c["at_budget"] = [success_at_budget(c["panel"], b) for b in budgets]
@@ -265,8 +267,9 @@ def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str
     if data["budgets"]:
         cols = [f"success_at_{b}_steps" for b in data["budgets"]]
         lines += ["", "## Panel success at fixed environment-step budgets (mean over seeds)", "",
-                  "The last evaluation within each budget; the budgets are 1/4, 1/2 and all of the smallest "
-                  "step count any finished cell reached.", "",
+                  "The last evaluation within each budget. One budget per evaluation round: the most "
+                  "environment steps any cell had taken by that round, so every cell had evaluated at "
+                  "least that often within it.", "",
                   "| arm | " + " | ".join(f"{b} steps" for b in data["budgets"]) + " |",
                   "| --- | " + " | ".join("---" for _ in cols) + " |"]
         lines += [f"| {r['arm']} | " + " | ".join(fmt(r[k]) for k in cols) + " |" for r in rows]

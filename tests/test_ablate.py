@@ -138,6 +138,15 @@ def test_grid_json_is_fixed_and_a_different_grid_is_refused(tmp_path):
     assert (tmp_path / "grid.json").read_bytes() == first
     with pytest.raises(SerlError, match="different ablation grid"):
         ab.write_grid(tmp_path, ab.grid_record(ab.load_grid(flags={"sources": "error", "seeds": 2}), []))
+    # a grid.json written before a setting existed (here: without rollout.sampling.coupled) is the same grid
+    older = json.loads(first)
+    del older["base"]["rollout"]["sampling"]["coupled"]
+    (tmp_path / "grid.json").write_text(json.dumps(older))
+    ab.write_grid(tmp_path, rec)
+    older["base"]["rollout"]["sampling"]["temperature"] = 0.5
+    (tmp_path / "grid.json").write_text(json.dumps(older))
+    with pytest.raises(SerlError, match="different ablation grid"):
+        ab.write_grid(tmp_path, rec)
 
 
 def test_ready_made_grids_load():

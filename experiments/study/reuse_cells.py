@@ -3,8 +3,8 @@
     python experiments/study/reuse_cells.py SRC_OUT GRID_FILE DST_OUT
 
 DST's grid is GRID_FILE's (``DST/grid.json`` is written as ``serl ablate GRID_FILE --out DST`` would
-write it, or checked against the one there). A cell of it is the same as a cell of SRC when its name, its overrides, the grid's base and its final
-evaluation are all equal: then its online run and evaluation would be identical, and SRC's finished
+write it, or checked against the one there). A cell of it is the same as a cell of SRC when its name, its overrides, the grid's base (as serl resolves
+it now) and its final evaluation are all equal: then its online run and evaluation would be identical, and SRC's finished
 copy is copied into DST (nothing already in DST is touched). Study v3's grids share arms (serl-obs in
 (a), (b) and (d); grpo in (a) and (e); ...), so each shared cell is trained once.
 """
@@ -21,7 +21,10 @@ from serl_cli.ablate import grid as ab
 
 
 def same_cell(a: dict, b: dict, rec_a: dict, rec_b: dict) -> bool:
-    key = lambda rec, c: json.dumps([c["name"], c["overrides"], rec["base"], rec["final_eval"]], sort_keys=True)  # noqa: E731
+    """Same name, overrides and final evaluation, and the same base as serl resolves it now (a
+    grid.json written before a setting existed has it at its default)."""
+    def key(rec, c):
+        return json.dumps([c["name"], c["overrides"], ab.resolved_base(rec["base"]), rec["final_eval"]], sort_keys=True)
     return key(rec_a, a) == key(rec_b, b)
 
 

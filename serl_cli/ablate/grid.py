@@ -374,10 +374,30 @@ def write_grid(out: Path, record: dict) -> None:
         old = io.read_json(path)
         if old.get("kind") != "serl-ablation":
             raise SerlError(f"{path} is not an ablation grid")
-        if any(old.get(k) != json.loads(json.dumps(record[k])) for k in _IDENTITY):
+        if any(_identity(old, k) != _identity(json.loads(json.dumps(record)), k) for k in _IDENTITY):
             raise SerlError(f"{out} holds a different ablation grid: use another --out (or delete {path})")
         return
     io.write_json(path, record)
+
+
+def _identity(record: dict, key: str):
+    if key != "base":
+        return record.get(key)
+    try:
+        return resolved_base(record.get("base") or {})
+    except SerlError:  # a setting serl no longer knows: not the grid loaded now
+        return record.get("base")
+
+
+def resolved_base(base: dict) -> dict:
+    """A grid's base as today's ``OnlineConfig`` resolves it, so a grid.json written before a
+    setting existed is the same grid as the file loaded now (the new setting at its default)."""
+    from serl_cli.stages.online import OnlineConfig
+
+    plain = io.to_plain(cfgmod.from_dict(OnlineConfig, base, "base"))
+    plain.pop("out", None)
+    plain.pop("seed", None)
+    return plain
 
 
 def load_grid_record(out: str | Path) -> dict:

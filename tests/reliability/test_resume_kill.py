@@ -298,8 +298,7 @@ def test_online_resume_after_a_kill_between_metrics_and_done(tiny_model_dir, ref
 
 @pytest.fixture(scope="module")
 def grid_record(tiny_model_dir):
-    from serl_cli.ablate import cells as ab_cells
-from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import grid as ab
 
     overrides = [f"model={tiny_model_dir}", "env.settings.catalog=synthetic", "env.max_turns=3", "rollout.tasks=2",
                  "rollout.group_size=2", "rollout.sampling.max_new_tokens=8", "rollout.threads=1", "train.threads=1",
@@ -311,7 +310,7 @@ from serl_cli.ablate import grid as ab
 @pytest.fixture(scope="module")
 def reference_cell(grid_record, tmp_path_factory):
     from serl_cli.ablate import cells as ab_cells
-from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import grid as ab
 
     out = tmp_path_factory.mktemp("ref") / "abl"
     ab.write_grid(out, grid_record)
@@ -321,7 +320,7 @@ from serl_cli.ablate import grid as ab
 
 def test_ablate_cell_resumes_identical_after_sigkill(grid_record, reference_cell, tmp_path):
     from serl_cli.ablate import cells as ab_cells
-from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import grid as ab
 
     ref = reference_cell
     rng = random.Random(12)

@@ -108,7 +108,7 @@ def test_refused_command_leaves_no_directories_behind(tmp_path, capsys):
 
 def test_same_ablate_cell_twice_refuses(tmp_path):
     from serl_cli.ablate import cells as ab_cells
-from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import grid as ab
 
     grid = ab.load_grid(None, overrides=["env.settings.catalog=synthetic"], flags={"algo": "grpo", "seeds": 2})
     record = ab.grid_record(grid, [])

@@ -41,6 +41,11 @@ grid sources methods placement
 grid granularity methods
 
 # 4. the committed summaries, and the reports rebuilt from them alone
+mkdir -p docs/results/sokoban_v3/sft_alone
+for ws in warm_start warm_start_plain; do
+    python -c "import json, sys; d = json.load(open(sys.argv[1])); d.pop('by_task', None); json.dump(d, open(sys.argv[2], 'w'), indent=2)" \
+        $S/sft-alone/$ws/eval.json docs/results/sokoban_v3/sft_alone/$ws.json
+done
 for g in methods sources placement granularity mechanism; do
     python experiments/study/keep_summaries.py $S/$g docs/results/sokoban_v3/$g
     serl ablate --report docs/results/sokoban_v3/$g -q

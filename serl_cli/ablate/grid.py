@@ -315,26 +315,29 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
 
 
+def _feedback_axes(algo: str, sources, gran, place) -> dict:
+    """An arm's feedback settings: only the algorithms that annotate have them, and rlsd always
+    weights every turn (placement all)."""
+    if algo not in ANNOTATING:
+        return {"sources": None, "granularity": None, "placement": None}
+    return {"sources": sources, "granularity": gran, "placement": "all" if algo == "rlsd" else place}
+
+
 def arms(grid: Grid) -> list[dict]:
     """The product arms (unless only ``arms:`` was given), then the grid file's own arms."""
     out, seen = [], set()
     product = itertools.product(grid.axes["env"], grid.axes["algo"], grid.axes["sources"], grid.axes["granularity"],
                                 grid.axes["placement"]) if grid.product else []
     for env, algo, sources, gran, place in product:
-        if algo in ANNOTATING:
-            arm = {"env": env, "algo": algo, "sources": sources, "granularity": gran,
-                   "placement": "all" if algo == "rlsd" else place}
-            name = "-".join(_safe(x) for x in (env, algo, sources, gran, arm["placement"]))
-        else:
-            arm = {"env": env, "algo": algo, "sources": None, "granularity": None, "placement": None}
-            name = f"{_safe(env)}-{_safe(algo)}"
+        arm = {"env": env, "algo": algo, **_feedback_axes(algo, sources, gran, place)}
+        parts = (env, algo) if algo not in ANNOTATING else (env, algo, sources, gran, arm["placement"])
+        name = "-".join(_safe(x) for x in parts)
         if name in seen:
             continue
         seen.add(name)
         out.append({"name": name, **arm})
     for arm in grid.extra_arms:
-        out.append({**arm, "placement": "all" if arm["algo"] == "rlsd" else arm["placement"]}
-                   if arm["algo"] in ANNOTATING else {**arm, "sources": None, "granularity": None, "placement": None})
+        out.append({**arm, **_feedback_axes(arm["algo"], arm["sources"], arm["granularity"], arm["placement"])})
     return out
 
 

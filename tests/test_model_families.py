@@ -36,7 +36,14 @@ from serl_cli.method.teacher import (
 )
 from serl_cli.models.tiny import _qwen2_pipeline
 from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, _TokenizerOnly
-from serl_cli.rollout.prompts import PromptConfig, build_messages, prompt_file_text, render_prompt_ids, trained_prompt
+from serl_cli.rollout.prompts import (
+    PromptConfig,
+    build_messages,
+    end_of_turn_id,
+    prompt_file_text,
+    render_prompt_ids,
+    trained_prompt,
+)
 from serl_cli.stages.rollout import RolloutConfig, validate
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -193,18 +200,34 @@ def test_a_tokenizer_merging_across_the_boundary_falls_back(family):
     assert tail and student[len(student) - len(tail):] == tail
     assert inserted_ids(tok, BLOCK, tail) is None  # the probe's last letter merged with the block's newline
     teacher = teacher_prompt(tok, student, BLOCK)
-    if tok.eos_token_id in student:  # ChatML: before the last end-of-turn token, serl's original layout
-        assert family == "qwen2.5"
-        assert teacher == teacher_prompt_ids(student, block_ids(tok, BLOCK), tok.eos_token_id)
-    else:  # Gemma (<eos> never closes a turn), Mistral (no end-of-user token): the block's ids before the tail
+    end = end_of_turn_id(tok)
+    if end in student:  # ChatML <|im_end|>, Gemma <end_of_turn>: before the last one, serl's original layout
+        assert family in ("qwen2.5", "gemma2")
+        assert teacher == teacher_prompt_ids(student, block_ids(tok, BLOCK), end)
+    else:  # Mistral (no end-of-user token): the block's ids before the tail
+        assert family == "mistral-v0.3"
         cut = len(student) - len(tail)
         assert teacher == student[:cut] + block_ids(tok, BLOCK) + student[cut:]
     assert BLOCK in _text(tok, teacher)
 
 
-def test_a_prompt_the_template_did_not_end_is_refused():
+def test_the_fallback_closes_the_block_with_the_templates_end_of_turn():
+    """A Gemma prompt that does not end as the template ends a user message (cut short here): the
+    block goes before its last <end_of_turn>, the token that closes Gemma's messages, not <eos>."""
     tok = family_tokenizer("gemma2")
-    student = render_prompt_ids(tok, _messages("gemma2"))
+    student = render_prompt_ids(tok, _messages("gemma2"))[:-1]
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert tok.eos_token_id not in student and end in student
+    teacher = teacher_prompt(tok, student, BLOCK)
+    cut = len(student) - 1 - student[::-1].index(end)
+    assert teacher == student[:cut] + block_ids(tok, BLOCK) + student[cut:]
+    assert teacher[cut + len(block_ids(tok, BLOCK))] == end and BLOCK in _text(tok, teacher)
+
+
+def test_a_prompt_the_template_did_not_end_is_refused():
+    tok = family_tokenizer("mistral-v0.3")  # no token closes a Mistral user message
+    student = render_prompt_ids(tok, _messages("mistral-v0.3"))
+    assert end_of_turn_id(tok) not in student
     with pytest.raises(SerlError, match="cannot place the hindsight block"):
         teacher_prompt(tok, student[:-1], BLOCK)
 

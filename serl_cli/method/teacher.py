@@ -22,9 +22,10 @@ and the prompt's ``chat_template_kwargs``:
 Fallback, where that check fails (the tokenizer merges tokens across the boundary, the
 template rewrites the message) or the stored prompt does not end with the tail (it was
 rendered with other ``chat_template_kwargs``): the block's own tokens
-(:func:`block_ids`) go before the last end-of-turn (eos) token of the prompt, serl's
-original layout (:func:`teacher_prompt_ids`); with no eos token in the prompt, before the
-tail; with neither, :func:`teacher_prompt` refuses. For serl's own models and Qwen-style
+(:func:`block_ids`) go before the last end-of-turn token of the prompt (the template's, e.g.
+Gemma's ``<end_of_turn>``; else eos: ``rollout.prompts.end_of_turn_id``), serl's original
+layout (:func:`teacher_prompt_ids`); with no such token in the prompt, before the tail; with
+neither, :func:`teacher_prompt` refuses. For serl's own models and Qwen-style
 ChatML templates both paths give the same ids. The system message stays, as the authors'
 chat template keeps its own (their student prompt is one user message:
 agent_system/multi_turn_rollout/rollout_loop.py:201-211). A turn with no block keeps the
@@ -50,7 +51,7 @@ import torch
 
 from serl_cli.algos.batch import make_micro_batches
 from serl_cli.errors import SerlError
-from serl_cli.rollout.prompts import action_span, render_prompt_ids
+from serl_cli.rollout.prompts import action_span, end_of_turn_id, render_prompt_ids, tokenizer_fact
 from serl_cli.training.step import action_logprobs
 
 # The authors' default template (serl_trainer.yaml:65; the code default at PC:1569-1572).
@@ -81,19 +82,12 @@ def teacher_prompt_ids(prompt_ids: list[int], block_ids: list[int], end_of_turn_
 PROBE_TEXTS = ("Probe message A", "Probe message B")
 
 
-# Probe renders depend only on the tokenizer, the kwargs and the text, and the two fixed probes are
-# rendered for every scored turn: keep them, keyed by the tokenizer object (held, so the key stays its).
-_PROBE_CACHE: dict[tuple, tuple] = {}
-
-
 def _render_probe(tokenizer, text: str, chat_template_kwargs: dict | None) -> list[int] | None:
     if text not in PROBE_TEXTS:
         return _render_probe_now(tokenizer, text, chat_template_kwargs)
-    key = (id(tokenizer), text, repr(sorted((chat_template_kwargs or {}).items())))
-    hit = _PROBE_CACHE.get(key)
-    if hit is None or hit[0] is not tokenizer:
-        hit = _PROBE_CACHE[key] = (tokenizer, _render_probe_now(tokenizer, text, chat_template_kwargs))
-    return hit[1]
+    # the two fixed probes depend only on the tokenizer and the kwargs, and every scored turn needs them
+    key = ("probe", text, repr(sorted((chat_template_kwargs or {}).items())))
+    return tokenizer_fact(tokenizer, key, lambda: _render_probe_now(tokenizer, text, chat_template_kwargs))
 
 
 def _render_probe_now(tokenizer, text: str, chat_template_kwargs: dict | None) -> list[int] | None:
@@ -159,13 +153,13 @@ def teacher_prompt(tokenizer, prompt_ids: list[int], block: str, chat_template_k
         if inserted is not None:
             return prompt_ids[:cut] + inserted + prompt_ids[cut:]
     ids = block_ids(tokenizer, block)
-    eos = tokenizer.eos_token_id
-    if eos is not None and eos in prompt_ids:
-        return teacher_prompt_ids(prompt_ids, ids, eos)
+    end = end_of_turn_id(tokenizer)  # Gemma closes a message with <end_of_turn>, not its eos token
+    if end is not None and end in prompt_ids:
+        return teacher_prompt_ids(prompt_ids, ids, end)
     if tail is not None and _ends_with(prompt_ids, tail):
         cut = len(prompt_ids) - len(tail)
         return prompt_ids[:cut] + ids + prompt_ids[cut:]
-    raise SerlError("cannot place the hindsight block: the stored prompt has no end-of-turn (eos) token and does "
+    raise SerlError("cannot place the hindsight block: the stored prompt has no end-of-turn token and does "
                     "not end as the tokenizer's chat template ends a user message (rendered with other "
                     "prompt.chat_template_kwargs, or by another tokenizer?)")
 

@@ -134,8 +134,17 @@ def reply_ids(tokenizer, action: str, bare: bool = False) -> list[int]:
 
 
 _REPLY_PROBE = "Probe reply"
-# keyed by the tokenizer object (held, so the key stays its): one template render per tokenizer
-_END_OF_TURN: dict[int, tuple] = {}
+# Facts probed from a tokenizer's chat template, rendered once per tokenizer: keyed by the tokenizer
+# object's id and the question, holding the tokenizer so that the id stays its own.
+_TOKENIZER_FACTS: dict[tuple, tuple] = {}
+
+
+def tokenizer_fact(tokenizer, key, compute):
+    """``compute()``, cached per tokenizer object and ``key`` (a hashable naming the question)."""
+    hit = _TOKENIZER_FACTS.get((id(tokenizer), key))
+    if hit is None or hit[0] is not tokenizer:
+        hit = _TOKENIZER_FACTS[(id(tokenizer), key)] = (tokenizer, compute())
+    return hit[1]
 
 
 def end_of_turn_id(tokenizer) -> int:
@@ -144,10 +153,7 @@ def end_of_turn_id(tokenizer) -> int:
     ``<end_of_turn>``, Mistral ``</s>``), else the eos token. It is what a reply ends with (the
     engines stop there, an SFT target ends with it); Gemma's tokenizer does not name its end of
     turn as the eos token, so eos alone would let replies run on to the token budget."""
-    hit = _END_OF_TURN.get(id(tokenizer))
-    if hit is None or hit[0] is not tokenizer:
-        hit = _END_OF_TURN[id(tokenizer)] = (tokenizer, _probe_end_of_turn(tokenizer))
-    return hit[1]
+    return tokenizer_fact(tokenizer, "end_of_turn", lambda: _probe_end_of_turn(tokenizer))
 
 
 def _probe_end_of_turn(tokenizer) -> int:

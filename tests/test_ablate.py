@@ -24,6 +24,7 @@ from test_cli_env import assert_one_line_error
 from serl_cli.ablate import cells as ab_cells
 from serl_cli.ablate import grid as ab
 from serl_cli.ablate.report import write_report
+from serl_cli.ablate.reuse import same_cell
 from serl_cli.ablate.runners import SELF_CMD
 from serl_cli.errors import SerlError
 
@@ -183,12 +184,7 @@ def test_study_grids_load_and_share_the_serl_arm(env):
 
 def test_study_v3_grids_share_arms_cell_for_cell(tmp_path):
     """Study v3's five grids: 10 seeds per arm, one base and panel, and an arm in two grids is the
-    same cell in both (experiments/study/reuse_cells.py copies it instead of training it again)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent.parent / "experiments" / "study"))
-    import reuse_cells
-
+    same cell in both (``serl ablate --reuse`` copies it instead of training it again)."""
     folder = Path(__file__).parent.parent / "experiments" / "study"
     names = ("methods", "sources", "placement", "granularity", "mechanism")
     records = {n: ab.grid_record(ab.load_grid(str(folder / f"sokoban_v3_{n}.yaml")), []) for n in names}
@@ -199,13 +195,59 @@ def test_study_v3_grids_share_arms_cell_for_cell(tmp_path):
     for rec in records.values():
         for c in rec["cells"]:
             if c["name"] in cells:
-                assert reuse_cells.same_cell(cells[c["name"]][0], c, cells[c["name"]][1], rec), c["name"]
+                assert same_cell(cells[c["name"]][1], cells[c["name"]][0], rec, c), c["name"]
             cells.setdefault(c["name"], (c, rec))
-    assert len(cells) == 150  # 15 distinct arms x 10 seeds
+    assert len(cells) == 160  # 16 distinct arms x 10 seeds
     assert {c["overrides"]["train"]["algo"] for c, _ in cells.values()} == {"grpo", "gigpo", "rlsd", "sdpo", "serl"}
     plain = cells["serl-error+diff-feedback-plain-warm-start-s0"][0]["overrides"]
     assert plain["model"].endswith("warm_start_plain") and plain["annotate"]["placement"] == "feedback"
     assert cells["serl-error+diff-feedback-loose-s3"][0]["overrides"]["annotate"]["weight_clip"] == 1.0
+    assert cells["grpo-plain-warm-start-s2"][0]["overrides"]["model"].endswith("warm_start_plain")
+
+
+def _finish(out: Path, cell: dict, success: float) -> None:
+    """A cell as a finished run leaves it: its books, its evaluation, its curve and a selection report."""
+    d = ab_cells.cell_dir(out, cell)
+    (d / "train" / "iter_0001").mkdir(parents=True)
+    (d / "train" / "iter_0001" / "selection_report.json").write_text(json.dumps({"teacher": {}}))
+    (d / "train" / "iter_0001" / "rollouts.jsonl").write_text("{}\n")  # a large artifact, not a summary
+    (d / "train" / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "env_steps": 10, "success_rate": success}) + "\n")
+    (d / "eval.json").write_text(json.dumps({"success_rate": success, "score": 100 * success, "episodes": 20}))
+    (d / "cell.json").write_text(json.dumps({"index": cell["index"], "name": cell["name"], "status": "done",
+                                             "wall_time_s": 1.0}))
+
+
+def test_reuse_copies_only_the_same_finished_cells_and_keep_rebuilds_the_report(tmp_path):
+    src, dst, kept = tmp_path / "src", tmp_path / "dst", tmp_path / "kept"
+    rec_src = ab.grid_record(ab.load_grid(flags={"algo": "grpo,gigpo", "seeds": 2}), [])
+    ab.write_grid(src, rec_src)
+    for cell in rec_src["cells"][:-1]:  # gigpo seed 1 unfinished
+        _finish(src, cell, 0.25)
+    grid = tmp_path / "grid.yaml"  # shares grpo; its gigpo arm has other settings, so it is another cell
+    grid.write_text(yaml.safe_dump({"grid": {"seeds": 2}, "arms": [
+        {"name": "webshop-gigpo", "algo": "gigpo", "set": {"iterations": 7}}, {"name": "webshop-grpo", "algo": "grpo"}]}))
+    p = run(str(grid), "--out", str(dst), "--reuse", str(src), "--emit", "slurm")  # books only, nothing trains
+    assert p.returncode == 0, p.stderr
+    assert "2 finished cells reused" in p.stdout
+    rec_dst = json.loads((dst / "grid.json").read_text())
+    done = {c["name"]: c["index"] for c in rec_dst["cells"] if ab_cells.is_done(dst, c)}
+    assert done == {"webshop-grpo-s0": 2, "webshop-grpo-s1": 3}  # renumbered to this grid's cells
+    assert json.loads((dst / "cells" / "webshop-grpo-s1" / "cell.json").read_text())["index"] == 3
+    assert not (dst / "cells" / "webshop-gigpo-s0").exists()
+    assert not list(dst.glob("cells/*.copying"))
+    assert run(str(grid), "--out", str(dst), "--reuse", str(src), "--emit", "slurm").stdout.count("0 finished") == 1
+
+    p = run("--report", str(src), "--keep", str(kept))
+    assert p.returncode == 0, p.stderr
+    assert sorted(x.name for x in (kept / "cells").iterdir()) == ["webshop-gigpo-s0", "webshop-grpo-s0", "webshop-grpo-s1"]
+    assert (kept / "cells" / "webshop-grpo-s0" / "train" / "iter_0001" / "selection_report.json").is_file()
+    assert not (kept / "cells" / "webshop-grpo-s0" / "train" / "iter_0001" / "rollouts.jsonl").exists()
+    assert float(_csv(kept / "report.csv")["webshop-grpo"]["success_mean"]) == 0.25  # built from the kept files
+    assert not (src / "report.csv").exists()
+    for args, line in ((("--report", str(src), "--keep", str(src)), "is the ablation directory itself"),
+                       ((str(grid), "--out", str(dst), "--keep", str(kept)), "--keep goes with --report"),
+                       ((str(grid), "--out", str(dst), "--reuse", str(tmp_path / "nope")), "not an ablation directory")):
+        assert_one_line_error(run(*args), line)
 
 
 # -- the report's numbers, on cells with known results -----------------------------------------

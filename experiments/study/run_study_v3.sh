@@ -2,9 +2,9 @@
 # Study v3 (docs/RESULTS.md, issue 17) end to end on 6x6 one-box Sokoban, on CPU: the warm starts, SFT alone on
 # the panel, then the five grids of experiments/study/sokoban_v3_*.yaml, PARALLEL cells at a time (one torch
 # thread each). Cells are resumable: rerunning the script skips what is done and resumes what was stopped.
-# Arms shared between grids are trained once (experiments/study/reuse_cells.py copies the finished cells).
-# Afterwards each grid's report is rebuilt from its cells; the summaries committed under
-# docs/results/sokoban_v3/ are copied out with experiments/study/keep_summaries.py.
+# Arms shared between grids are trained once (`serl ablate --reuse` copies the finished cells).
+# Afterwards each grid's summaries are kept under docs/results/sokoban_v3/ (`serl ablate --report --keep`),
+# and its report is rebuilt from them alone.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PARALLEL="${PARALLEL:-2}"
@@ -29,16 +29,16 @@ done
 
 # 3. the grids; a grid's shared arms are copied from the grid that trained them first
 grid() {  # grid NAME [SOURCE_GRID ...]: reuse finished cells from the sources, run the rest, report
-    local name=$1 out=$S/${1//_/-}; shift
-    for src in "$@"; do python experiments/study/reuse_cells.py "$S/${src//_/-}" "experiments/study/sokoban_v3_$name.yaml" "$out"; done
-    serl ablate "experiments/study/sokoban_v3_$name.yaml" --out "$out" --parallel "$PARALLEL" -q
+    local name=$1; shift
+    local reuse=(); for src in "$@"; do reuse+=(--reuse "$S/$src"); done
+    serl ablate "experiments/study/sokoban_v3_$name.yaml" --out "$S/$name" "${reuse[@]}" --parallel "$PARALLEL" -q
 }
-# in order of what each answers first: (a), then (c) and (e) (the falsification test and the mechanism), then (b), (d)
+# in order of what each answers first: (a), then (e) and (c) (the mechanism and the falsification test), then (d), (b)
 grid methods
-grid placement
-grid mechanism methods placement
-grid sources methods placement
+grid mechanism methods
+grid placement mechanism
 grid granularity methods
+grid sources methods placement
 
 # 4. the committed summaries, and the reports rebuilt from them alone
 mkdir -p docs/results/sokoban_v3/sft_alone
@@ -46,7 +46,6 @@ for ws in warm_start warm_start_plain; do
     python -c "import json, sys; d = json.load(open(sys.argv[1])); d.pop('by_task', None); json.dump(d, open(sys.argv[2], 'w'), indent=2)" \
         $S/sft-alone/$ws/eval.json docs/results/sokoban_v3/sft_alone/$ws.json
 done
-for g in methods sources placement granularity mechanism; do
-    python experiments/study/keep_summaries.py $S/$g docs/results/sokoban_v3/$g
-    serl ablate --report docs/results/sokoban_v3/$g -q
+for g in methods mechanism placement granularity sources; do
+    serl ablate --report $S/$g --keep docs/results/sokoban_v3/$g -q
 done

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import typer
 
-from serl_cli.ablate import cells, runners
+from serl_cli.ablate import cells, reuse, runners
 from serl_cli.ablate import grid as ab
 from serl_cli.cli.common import summary_table
 from serl_cli.cli.root import QuietOpt, SetOpt, VerboseOpt, app, console, err_console
@@ -25,10 +25,14 @@ from serl_cli.stages.online import PREEMPTED_EXIT, Preempted
 from serl_cli.training.backends import is_main_process
 
 
-def _report(out: Path, quiet: bool) -> None:
+def _report(out: Path, quiet: bool, keep: Optional[str] = None) -> None:
     from serl_cli.ablate.report import write_report
     from serl_cli.stats.summary import fmt
 
+    if keep is not None:  # the summaries go to KEEP, and the report is built from them alone
+        kept = reuse.keep_summaries(out, keep)
+        console.print(f"{kept} cells' summaries kept in {keep}", highlight=False)
+        out = Path(keep)
     res = write_report(out)
     rows = [(r["arm"], f"{fmt(r['success_mean'])} ± {fmt(r['success_std'])}  (n={r['seeds_done']})"
              + ("" if r["p_success"] is None else f"  p={r['p_success']:.3g}")) for r in res["rows"]]
@@ -62,6 +66,12 @@ def ablate_command(
     slurm_template: Optional[str] = typer.Option(None, "--slurm-template", help="A sbatch template with {array} and "
                                                                                 "{command} placeholders."),
     report: bool = typer.Option(False, "--report", help="Aggregate finished cells into report.md/.csv and curves.png."),
+    keep: Optional[str] = typer.Option(None, "--keep", help="With --report: copy the cells' small summaries to this "
+                                                            "folder and build the report there (commit it; "
+                                                            "`serl ablate --report DIR` rebuilds it)."),
+    reuse_from: Optional[List[str]] = typer.Option(None, "--reuse", help="Copy the cells another ablation "
+                                                   "directory finished, where they are the same cell, instead "
+                                                   "of training them again (repeatable)."),
     config: Optional[str] = typer.Option(None, "--config", help="A YAML file of grid settings (one file)."),
     set_: Optional[List[str]] = SetOpt,
     quiet: bool = QuietOpt,
@@ -71,13 +81,17 @@ def ablate_command(
     flags = {"env": env, "algo": algo, "sources": sources, "granularity": granularity, "placement": placement,
              "seeds": seeds, "iterations": iterations, "episodes": episodes}
     defines_grid = bool(config or set_ or any(v is not None for v in flags.values()))
+    if keep is not None and not report:
+        raise SerlError("--keep goes with --report: serl ablate --report OUT --keep DIR")
+    if reuse_from and report:
+        raise SerlError("--reuse goes with a run of the grid, not with --report")
     if report and out is None and grid_file and not Path(grid_file).is_file() and not defines_grid:
-        _report(Path(grid_file), quiet)  # serl ablate --report OUT
+        _report(Path(grid_file), quiet, keep)  # serl ablate --report OUT
         return
     if report and grid_file is None and not defines_grid:
         if out is None:
             raise SerlError("--report needs the ablation directory: serl ablate --report OUT")
-        _report(Path(out), quiet)
+        _report(Path(out), quiet, keep)
         return
     if cell is not None and grid_file is None and not defines_grid:
         # the grid as the ablation directory recorded it: what every runner's cell command reads,
@@ -110,6 +124,9 @@ def ablate_command(
     if main:
         ab.write_grid(out_dir, record)
     log = (lambda msg: None) if quiet or not main else (lambda msg: console.print(msg, highlight=False))
+    for src in (reuse_from or []) if main else []:
+        copied = reuse.reuse_finished_cells(src, out_dir)
+        log(f"{copied} finished cells reused from {src}")
     if emit == "slurm":
         cap = max_parallel or (parallel if parallel > 1 else 0)
         path = runners.emit_slurm(record, out_dir, template=slurm_template, parallel=cap)

@@ -15,10 +15,10 @@ export SERL_THREADS=1
 #    (the teacher-capable start every arm uses) and without (the mechanism arm of (e))
 [ -f $S/expert/rollouts.jsonl ] || serl rollout --config experiments/sokoban/expert.yaml --out $S/expert --threads 1 -q
 [ -d $S/expert_plain ] || cp -r $S/expert $S/expert_plain  # one training per run directory (its metrics, its lock)
-[ -f $S/warm_start/config.json ] || serl train $S/expert --config experiments/sokoban/warm_start.yaml \
+[ -f $S/warm_start/config.json ] || serl train $S/expert --config experiments/sokoban/warm_start_hindsight.yaml \
     --out $S/warm_start --threads 1 -q --overwrite & hindsight=$!
 [ -f $S/warm_start_plain/config.json ] || serl train $S/expert_plain --config experiments/sokoban/warm_start.yaml \
-    --set train.hindsight_sft=null --out $S/warm_start_plain --threads 1 -q --overwrite & plain=$!
+    --out $S/warm_start_plain --threads 1 -q --overwrite & plain=$!
 wait $hindsight; wait $plain  # either one failing stops the script (set -e)
 
 # 2. SFT alone: the warm start on the panel, decoded as every cell's final evaluation (T 0.4, seed 0)

@@ -7,13 +7,13 @@ On Sokoban, the default (no data download), it shows a model learning:
 2. noisy-expert data on train rooms (``serl rollout --policy expert`` with ``expert_noise``
    and ``expert_blunders``): the expert's moves, and random detours and blunders marked
    ``off_expert`` that only serve to reach the states a learner's mistakes lead to;
-3. one warm start: SFT on the expert's moves, plus ``train.hindsight_sft``, the same
-   network trained to read the hindsight block SERL's teacher is shown (a small-scale
-   necessity: a model trained from scratch cannot read one otherwise, ``method.hindsight_sft``);
+3. one warm start: SFT on the expert's moves. ``sft.hindsight_sft`` (off by default) would
+   add examples that teach the network to read SERL's hindsight block: at this scale that
+   start left RL half the gain (+9.5 points in 40 iterations against +18.5 without it,
+   docs/RESULTS.md), and study v3 (e) measures what it buys SERL;
 4. from that same warm start, each online algorithm of ``algos`` (GRPO and SERL):
-   ``serl train --iterations K``. Both arms start from the hindsight-capable warm start, so
-   the comparison is of the update alone; GRPO never looks at a block, so the extra
-   examples only give it a slightly different start;
+   ``serl train --iterations K``. Both arms start from the same checkpoint, so the
+   comparison is of the update alone;
 5. the expert (a reference), the warm start and every arm on the first tasks of the test
    panel, with 95 % Wilson intervals: sampled at ``eval_temperature`` (0.4, the paper's
    validation setting; greedy decoding of a small model repeats a bump into a wall until
@@ -64,9 +64,10 @@ class DemoConfig:
     # pays for every token of it; with tagged replies it sits at chance for hundreds of steps (PromptConfig)
     prompt: PromptConfig = field(default_factory=lambda: PromptConfig(history_turns=0, max_admissible=0, system=False,
                                                                       bare_replies=True))
-    # lands in the steep part of the curve, 15-50 % (docs/RESULTS.md, the warm-start curve)
+    # lands in the steep part of the curve, 15-50 % (docs/RESULTS.md, the warm-start curve); no hindsight
+    # SFT: from the start that has it, RL gained half as much (docs/RESULTS.md, the demo)
     sft: TrainConfig = field(default_factory=lambda: TrainConfig(
-        algo="sft", epochs=2, mini_batches=150, optim=OptimConfig(lr=1e-3), hindsight_sft="error,diff"))
+        algo="sft", epochs=2, mini_batches=150, optim=OptimConfig(lr=1e-3)))
     # many rooms, small groups: updates from 8 rooms at a time fit those rooms and lose the panel;
     # cross_steps pools a group's turns, so the long failed episodes do not outweigh the short wins;
     # four optimizer steps an iteration cost no more compute than one and moved the panel +9 points

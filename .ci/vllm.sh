@@ -33,4 +33,4 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q -e '.[dev]' "transformers<5.20"
 "$PY" -c 'import vllm' # installed but not importable is a failure, not a skip
 
-"$PY" -m pytest tests/test_vllm_engine.py -rs -p no:cacheprovider
+"$PY" -m pytest tests/test_vllm_engine.py -rs -p no:cacheprovider -n 0  # one vLLM engine at a time

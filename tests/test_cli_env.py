@@ -13,7 +13,9 @@ from conftest import requires_webshop_data
 
 
 def serl(*args: str, env: dict | None = None, input: str | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    # as from a user's shell: without the progress-bar switch an in-process CLI test leaves in os.environ
+    base = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    full_env = {**base, "COLUMNS": "200", **(env or {})}
     return subprocess.run([sys.executable, "-m", "serl_cli", *args], capture_output=True, text=True, env=full_env,
                           input=input, timeout=300)
 
@@ -139,3 +141,19 @@ def test_eval_spread_panel_takes_evenly_spaced_tasks(tmp_path):
     assert [r["task_id"] for r in rows] == sorted({r["task_id"] for r in rows}) and rows[-1]["task_id"] > 3
     assert_one_line_error(serl("eval", "--episodes", "4", "--panel", "middle", "--out", str(tmp_path / "x"),
                                "--set", "env.settings.catalog=synthetic"), "unknown panel 'middle'", "first, spread")
+
+
+def test_a_command_loads_only_its_own_module():
+    """`serl eval` with bad input fails before torch or transformers is imported (the CLI imports
+    the named command's module only); `serl --help` still lists every command."""
+    code = ("import sys; sys.argv = ['serl', 'eval', '--set', 'episodes=many']\n"
+            "from serl_cli.cli import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n"
+            "    print(e.code, 'torch' in sys.modules, 'transformers' in sys.modules, 'serl_cli.cli.train' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.split() == ["2", "False", "False", "False"], proc.stderr
+    assert "must be an integer" in proc.stderr
+    listed = serl("--help").stdout
+    for command in ("ablate", "annotate", "config", "data", "demo", "env", "eval", "model", "plot", "rollout", "show",
+                    "train"):
+        assert f" {command} " in listed, command

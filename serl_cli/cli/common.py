@@ -47,7 +47,7 @@ def resolve(cls, *, config_file, overrides, flags: dict, base: dict | None = Non
     (one of :data:`READS_RUN_FILES`) a run file is read too, and the keys of it the command does
     not use are named in one note on stderr (not under ``-q``)."""
     reader = None
-    if command in READS_RUN_FILES:
+    if command in READS_RUN_FILES and config_file:  # a run file only ever comes from --config
         from serl_cli.stages.online import OnlineConfig
         from serl_cli.stages.run_file import RunFileReader
 

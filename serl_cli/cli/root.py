@@ -45,8 +45,9 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     pass
 
 
-def _quiet_libraries() -> None:
-    """Library progress bars and warnings would bury serl's own output."""
+def quiet_libraries() -> None:
+    """Library progress bars and warnings would bury serl's own output. Set before the libraries are
+    imported: huggingface_hub reads HF_HUB_DISABLE_PROGRESS_BARS once, at import."""
     if not sys.stderr.isatty():  # on a terminal a real download shows its progress; in logs it would be noise
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -56,7 +57,7 @@ def _quiet_libraries() -> None:
 
 def run() -> None:
     """Run the app; a :class:`SerlError` or :class:`EnvError` becomes one line and exit code 2."""
-    _quiet_libraries()
+    quiet_libraries()
     try:
         app()
     except (SerlError, EnvError) as e:

@@ -127,9 +127,10 @@ def ablate_command(
     for src in (reuse_from or []) if main else []:
         copied, other_start = reuse.reuse_finished_cells(src, out_dir)
         log(f"{copied} finished cells reused from {src}")
-        if other_start and main:
-            err_console.print(f"{len(other_start)} cells of {src} not reused: they started from another model than this grid's "
-                f"(or did not record theirs), e.g. {other_start[0]}", highlight=False, soft_wrap=True)
+        if other_start:
+            err_console.print(f"{len(other_start)} cells of {src} not reused: they started from another model than "
+                              f"this grid's (or did not record theirs), e.g. {other_start[0]}",
+                              highlight=False, soft_wrap=True)
     if emit == "slurm":
         cap = max_parallel or (parallel if parallel > 1 else 0)
         path = runners.emit_slurm(record, out_dir, template=slurm_template, parallel=cap)

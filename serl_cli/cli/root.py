@@ -57,7 +57,6 @@ def quiet_libraries() -> None:
 
 def run() -> None:
     """Run the app; a :class:`SerlError` or :class:`EnvError` becomes one line and exit code 2."""
-    quiet_libraries()
     try:
         app()
     except (SerlError, EnvError) as e:

@@ -82,7 +82,6 @@ array and the report as a job that depends on it (``afterany``). The program is
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,7 +98,6 @@ FINAL_EVAL_KEYS = ("episodes", "split", "panel")
 SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "gpus", "cpus_per_task", "mem", "setup",
               "launcher", "max_parallel", "requeue", "signal_grace_s", "template", "extra")
 LAUNCHERS = ("auto", "torchrun", "deepspeed", "none")
-GRID_VERSION = 1
 
 
 
@@ -163,7 +161,7 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
     base = cfgmod.apply_overrides(base, list(overrides or []))
     if "iterations" in flags:
         base = cfgmod.merge(base, {"iterations": flags.pop("iterations")})
-    from serl_cli.stages.online import OnlineConfig
+    from serl_cli.stages.online_config import OnlineConfig
 
     resolved = cfgmod.from_dict(OnlineConfig, base, "base")  # unknown keys and bad types fail here
     base_plain = io.to_plain(resolved)
@@ -359,56 +357,3 @@ def cells(grid: Grid) -> list[dict]:
                         "params": {k: arm[k] for k in ("env", "algo", "sources", "granularity", "placement")},
                         "overrides": cell_overrides(grid, arm, seed)})
     return out
-
-
-def grid_record(grid: Grid, source_args: list[str]) -> dict:
-    return {"kind": "serl-ablation", "version": GRID_VERSION, "source_args": list(source_args),
-            "description": grid.description, "axes": grid.axes, "final_eval": grid.final_eval, "slurm": grid.slurm,
-            "base": grid.base, "arms": arms(grid), "baseline": grid.baseline, "cells": cells(grid)}
-
-
-_IDENTITY = ("version", "axes", "final_eval", "base", "cells")
-
-
-def write_grid(out: Path, record: dict) -> None:
-    """Write OUT/grid.json, or check that the one there is this same grid."""
-    path = out / "grid.json"
-    if path.exists():
-        old = io.read_json(path)
-        if old.get("kind") != "serl-ablation":
-            raise SerlError(f"{path} is not an ablation grid")
-        if any(_identity(old, k) != _identity(json.loads(json.dumps(record)), k) for k in _IDENTITY):
-            raise SerlError(f"{out} holds a different ablation grid: use another --out (or delete {path})")
-        return
-    io.write_json(path, record)
-
-
-def _identity(record: dict, key: str):
-    if key != "base":
-        return record.get(key)
-    try:
-        return resolved_base(record.get("base") or {})
-    except SerlError:  # a setting serl no longer knows: not the grid loaded now
-        return record.get("base")
-
-
-def resolved_base(base: dict) -> dict:
-    """A grid's base as today's ``OnlineConfig`` resolves it, so a grid.json written before a
-    setting existed is the same grid as the file loaded now (the new setting at its default)."""
-    from serl_cli.stages.online import OnlineConfig
-
-    plain = io.to_plain(cfgmod.from_dict(OnlineConfig, base, "base"))
-    plain.pop("out", None)
-    plain.pop("seed", None)
-    return plain
-
-
-def load_grid_record(out: str | Path) -> dict:
-    out = Path(out)
-    path = out / "grid.json"
-    if not path.is_file():
-        raise SerlError(f"{out} is not an ablation directory (no grid.json)")
-    record = io.read_json(path)
-    if not isinstance(record, dict) or record.get("kind") != "serl-ablation":
-        raise SerlError(f"{path} is not an ablation grid")
-    return record

@@ -53,7 +53,7 @@ import io as _stdio
 from pathlib import Path
 
 from serl_cli.ablate.cells import cell_dir, is_done
-from serl_cli.ablate.grid import load_grid_record
+from serl_cli.ablate.grid_record import load_grid_record
 from serl_cli.artifacts import io
 from serl_cli.stats.paired import holm, paired_t_test, wilcoxon_signed_rank
 from serl_cli.stats.summary import describe, fmt

@@ -21,10 +21,12 @@ GRID_VERSION = 1
 def grid_record(grid: Grid, source_args: list[str]) -> dict:
     return {"kind": "serl-ablation", "version": GRID_VERSION, "source_args": list(source_args),
             "description": grid.description, "axes": grid.axes, "final_eval": grid.final_eval, "slurm": grid.slurm,
-            "base": grid.base, "arms": arms(grid), "baseline": grid.baseline, "cells": cells(grid)}
+            "base": grid.base, "arms": arms(grid), "baseline": grid.baseline, "contrasts": grid.contrasts,
+            "cells": cells(grid)}
 
 
 _IDENTITY = ("version", "axes", "final_eval", "base", "cells")
+_REPORT_KEYS = ("description", "baseline", "contrasts")  # what only the report reads: the grid file's latest word
 
 
 def write_grid(out: Path, record: dict) -> None:
@@ -36,6 +38,10 @@ def write_grid(out: Path, record: dict) -> None:
             raise SerlError(f"{path} is not an ablation grid")
         if any(_identity(old, k) != _identity(json.loads(json.dumps(record)), k) for k in _IDENTITY):
             raise SerlError(f"{out} holds a different ablation grid: use another --out (or delete {path})")
+        # the same cells: a baseline or contrasts added to the grid file later reach the report
+        fresh = {k: record.get(k) for k in _REPORT_KEYS if k in record}
+        if any(old.get(k) != v for k, v in fresh.items()):
+            io.write_json(path, {**old, **fresh})
         return
     io.write_json(path, record)
 

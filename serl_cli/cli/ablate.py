@@ -41,6 +41,7 @@ def _report(out: Path, quiet: bool, keep: Optional[str] = None) -> None:
         rows.append(("unfinished cells", str(len(res["unfinished"]))))
     console.print(summary_table(f"ablation {out}: success over seeds (baseline {res['baseline']})", rows))
     console.print(f"report: {out / 'report.md'}, {out / 'report.csv'}"
+                  + (f", {out / 'contrasts.csv'} ({len(res['contrasts'])} contrasts)" if res["contrasts"] else "")
                   + (f", {out / 'curves.png'}" if res["plot"] else " (no plot: matplotlib missing)"), highlight=False)
 
 

@@ -40,7 +40,8 @@ from benchmarks.common import Stopwatch, report
 from benchmarks.train_step import Batch, UpdateBench, make_batch
 from serl_cli.artifacts.schema import TurnSample, turn_samples
 from serl_cli.errors import SerlError
-from serl_cli.training.learner import Learner, TrainConfig
+from serl_cli.training.learner import Learner
+from serl_cli.training.train_config import TrainConfig
 
 
 @dataclass

@@ -192,9 +192,9 @@ def rollout(engine, model_dir: Path, out: Path, args) -> tuple[dict, list[dict]]
 
 
 def train_config(args, backend: str):
-    from serl_cli.training.deepspeed import DeepSpeedConfig
-    from serl_cli.training.learner import TrainConfig
+    from serl_cli.training.deepspeed_config import DeepSpeedConfig
     from serl_cli.training.step import OptimConfig
+    from serl_cli.training.train_config import TrainConfig
 
     return TrainConfig(algo="grpo", backend=backend, deepspeed=DeepSpeedConfig(zero_stage=2), device=args.device,
                        dtype=args.dtype, recompute_logp_old=True, gradient_checkpointing=args.gradient_checkpointing,
@@ -258,7 +258,8 @@ def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend
     from serl_cli.rollout.engines import SamplingConfig
     from serl_cli.rollout.engines.vllm import VLLMConfig
     from serl_cli.rollout.worlds import EnvConfig
-    from serl_cli.stages.online import OnlineConfig, run_online
+    from serl_cli.stages.online import run_online
+    from serl_cli.stages.online_config import OnlineConfig
     from serl_cli.stages.rollout import RolloutConfig
 
     vllm = VLLMConfig(dtype="bfloat16" if args.dtype == "bf16" else "float32", gpu_memory_utilization=args.vllm_memory,

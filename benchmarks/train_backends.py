@@ -66,9 +66,10 @@ def make_episodes(model_dir: str, args) -> list[dict]:
 
 def measure(backend: str, model_dir: str, args) -> dict:
     """One backend, in this process."""
-    from serl_cli.training.deepspeed import DeepSpeedConfig
-    from serl_cli.training.learner import Learner, TrainConfig
+    from serl_cli.training.deepspeed_config import DeepSpeedConfig
+    from serl_cli.training.learner import Learner
     from serl_cli.training.step import OptimConfig
+    from serl_cli.training.train_config import TrainConfig
 
     episodes = make_episodes(model_dir, args)
     stage = None if backend == "torch" else int(backend[-1])

@@ -119,7 +119,8 @@ from serl_cli.rollout.policies import Decision, ExpertPolicy, RandomPolicy
 from serl_cli.rollout.prompts import PromptConfig, format_action
 from serl_cli.rollout.worlds import EnvConfig, build_world
 from serl_cli.stages.rollout import RolloutConfig, episode_specs, run_rollout, sample_tasks
-from serl_cli.training.learner import Learner, TrainConfig
+from serl_cli.training.learner import Learner
+from serl_cli.training.train_config import TrainConfig
 
 VARIANTS = ("grpo", "serl", "rlsd", "sdpo")
 

@@ -61,8 +61,9 @@ from serl_cli.algos.batch import make_micro_batches
 from serl_cli.algos.objectives import episode_advantages
 from serl_cli.artifacts.schema import TurnSample, turn_samples
 from serl_cli.errors import SerlError
-from serl_cli.training.learner import Learner, TrainConfig
+from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig
+from serl_cli.training.train_config import TrainConfig
 
 
 @dataclass

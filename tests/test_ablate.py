@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from test_cli_env import assert_one_line_error
 
 from serl_cli.ablate import cells as ab_cells
 from serl_cli.ablate import grid as ab
+from serl_cli.ablate import grid_record as ab_record
 from serl_cli.ablate.report import write_report
 from serl_cli.ablate.reuse import same_cell
 from serl_cli.ablate.runners import SELF_CMD
@@ -111,7 +113,7 @@ def test_explicit_arms_carry_their_settings_and_name_the_baseline(tmp_path):
     grid = ab.load_grid(str(path))
     arms = ab.arms(grid)
     assert [a["name"] for a in arms] == ["grpo", "serlplain", "sdpo"]  # only the listed arms: no axis was given
-    assert grid.baseline == "grpo" and ab.grid_record(grid, [])["baseline"] == "grpo"
+    assert grid.baseline == "grpo" and ab_record.grid_record(grid, [])["baseline"] == "grpo"
     cells = {c["name"]: c["overrides"] for c in ab.cells(grid)}
     assert cells["grpo-s1"]["train"] == {"algo": "grpo", "seed": 1, "optim": {"lr": 3.0e-4}}
     serl = cells["serlplain-s0"]
@@ -132,22 +134,23 @@ def test_explicit_arms_carry_their_settings_and_name_the_baseline(tmp_path):
 
 
 def test_grid_json_is_fixed_and_a_different_grid_is_refused(tmp_path):
-    rec = ab.grid_record(ab.load_grid(flags={"sources": "error,ref", "seeds": 2}), ["--sources", "error,ref"])
-    ab.write_grid(tmp_path, rec)
+    rec = ab_record.grid_record(ab.load_grid(flags={"sources": "error,ref", "seeds": 2}), ["--sources", "error,ref"])
+    ab_record.write_grid(tmp_path, rec)
     first = (tmp_path / "grid.json").read_bytes()
-    ab.write_grid(tmp_path, ab.grid_record(ab.load_grid(flags={"sources": "error,ref", "seeds": 2}), ["x"]))
+    again = ab_record.grid_record(ab.load_grid(flags={"sources": "error,ref", "seeds": 2}), ["x"])
+    ab_record.write_grid(tmp_path, again)
     assert (tmp_path / "grid.json").read_bytes() == first
     with pytest.raises(SerlError, match="different ablation grid"):
-        ab.write_grid(tmp_path, ab.grid_record(ab.load_grid(flags={"sources": "error", "seeds": 2}), []))
+        ab_record.write_grid(tmp_path, ab_record.grid_record(ab.load_grid(flags={"sources": "error", "seeds": 2}), []))
     # a grid.json written before a setting existed (here: without rollout.sampling.coupled) is the same grid
     older = json.loads(first)
     del older["base"]["rollout"]["sampling"]["coupled"]
     (tmp_path / "grid.json").write_text(json.dumps(older))
-    ab.write_grid(tmp_path, rec)
+    ab_record.write_grid(tmp_path, rec)
     older["base"]["rollout"]["sampling"]["temperature"] = 0.5
     (tmp_path / "grid.json").write_text(json.dumps(older))
     with pytest.raises(SerlError, match="different ablation grid"):
-        ab.write_grid(tmp_path, rec)
+        ab_record.write_grid(tmp_path, rec)
 
 
 def test_ready_made_grids_load():
@@ -187,7 +190,7 @@ def test_study_v3_grids_share_arms_cell_for_cell(tmp_path):
     same cell in both (``serl ablate --reuse`` copies it instead of training it again)."""
     folder = Path(__file__).parent.parent / "experiments" / "study"
     names = ("methods", "sources", "placement", "granularity", "mechanism")
-    records = {n: ab.grid_record(ab.load_grid(str(folder / f"sokoban_v3_{n}.yaml")), []) for n in names}
+    records = {n: ab_record.grid_record(ab.load_grid(str(folder / f"sokoban_v3_{n}.yaml")), []) for n in names}
     for rec in records.values():
         assert rec["axes"]["seeds"] == list(range(10)) and rec["base"] == records["methods"]["base"]
         assert rec["baseline"] in [a["name"] for a in rec["arms"]] and rec["final_eval"] == records["methods"]["final_eval"]
@@ -220,8 +223,8 @@ def _finish(out: Path, cell: dict, success: float, start_model: str | None = "em
 
 def test_reuse_copies_only_the_same_finished_cells_and_keep_rebuilds_the_report(tmp_path):
     src, dst, kept = tmp_path / "src", tmp_path / "dst", tmp_path / "kept"
-    rec_src = ab.grid_record(ab.load_grid(flags={"algo": "grpo,gigpo", "seeds": 2}), [])
-    ab.write_grid(src, rec_src)
+    rec_src = ab_record.grid_record(ab.load_grid(flags={"algo": "grpo,gigpo", "seeds": 2}), [])
+    ab_record.write_grid(src, rec_src)
     for cell in rec_src["cells"][:-1]:  # gigpo seed 1 unfinished
         _finish(src, cell, 0.25)
     grid = tmp_path / "grid.yaml"  # shares grpo; its gigpo arm has other settings, so it is another cell
@@ -240,7 +243,7 @@ def test_reuse_copies_only_the_same_finished_cells_and_keep_rebuilds_the_report(
 
     # the same cell by name and settings, but trained from another checkpoint (or one not recorded): not copied
     other = tmp_path / "other"
-    ab.write_grid(other, rec_src)
+    ab_record.write_grid(other, rec_src)
     _finish(other, rec_src["cells"][0], 0.5, start_model="sha256:0123456789abcdef")  # grpo s0
     _finish(other, rec_src["cells"][1], 0.5, start_model=None)  # grpo s1
     dst2 = tmp_path / "dst2"
@@ -266,8 +269,8 @@ def test_reuse_copies_only_the_same_finished_cells_and_keep_rebuilds_the_report(
 
 def test_report_numbers_match_scipy_on_known_cells(tmp_path):
     grid = ab.load_grid(flags={"sources": "error", "seeds": 3})  # grpo, serl-error
-    rec = ab.grid_record(grid, [])
-    ab.write_grid(tmp_path, rec)
+    rec = ab_record.grid_record(grid, [])
+    ab_record.write_grid(tmp_path, rec)
     results = {"webshop-grpo": [0.2, 0.4, 0.3], "webshop-serl-error-step-all": [0.5, 0.45, 0.6]}
     for cell in rec["cells"][:-1]:  # leave the last one unfinished
         d = ab_cells.cell_dir(tmp_path, cell)
@@ -300,8 +303,8 @@ def test_panel_curve_auc_budgets_and_holm_on_known_cells(tmp_path):
     assert success_at_budget(points, 150) == 0.2
 
     grid = ab.load_grid(flags={"algo": "grpo,serl,gigpo", "sources": "error", "seeds": 2})
-    rec = ab.grid_record(grid, [])
-    ab.write_grid(tmp_path, rec)
+    rec = ab_record.grid_record(grid, [])
+    ab_record.write_grid(tmp_path, rec)
     panel = {"webshop-grpo": [[0.1, 0.3], [0.2, 0.2]], "webshop-serl-error-step-all": [[0.2, 0.5], [0.3, 0.3]],
              "webshop-gigpo": [[0.1, 0.2], [0.1, 0.4]]}
     for cell in rec["cells"]:
@@ -330,6 +333,81 @@ def test_panel_curve_auc_budgets_and_holm_on_known_cells(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "Holm p" in md and "100 steps" in md and "200 steps" in md and "panel AUC" in md
 
+
+
+def test_contrasts_of_arms_are_paired_by_seed_on_known_cells(tmp_path):
+    grid_file = tmp_path / "grid.yaml"
+    grid_file.write_text(yaml.safe_dump({
+        "grid": {"seeds": 3},
+        "arms": [{"name": "grpo", "algo": "grpo"}, {"name": "gigpo", "algo": "gigpo"}, {"name": "rlsd", "algo": "rlsd"}],
+        "contrasts": [{"name": "gigpo - grpo", "plus": ["gigpo"], "minus": ["grpo"]},
+                      {"name": "both - twice grpo", "plus": ["gigpo", "rlsd"], "minus": ["grpo", "grpo"]}]}))
+    rec = ab_record.grid_record(ab.load_grid(str(grid_file)), [])
+    assert rec["contrasts"][1] == {"name": "both - twice grpo", "plus": ["gigpo", "rlsd"], "minus": ["grpo", "grpo"]}
+    ab_record.write_grid(tmp_path / "abl", rec)
+    success = {"grpo": [0.2, 0.4, 0.3], "gigpo": [0.3, 0.5, 0.5], "rlsd": [0.1, 0.2, None]}  # rlsd seed 2 unfinished
+    for cell in rec["cells"]:
+        s = success[cell["arm"]][cell["seed"]]
+        if s is None:
+            continue
+        d = ab_cells.cell_dir(tmp_path / "abl", cell)
+        d.mkdir(parents=True)
+        (d / "eval.json").write_text(json.dumps({"success_rate": s, "score": 100 * s, "episodes": 20}))
+        (d / "cell.json").write_text(json.dumps({"status": "done", "wall_time_s": 1.0}))
+    res = write_report(tmp_path / "abl")
+    first, second = res["contrasts"]
+    # gigpo - grpo per seed: 0.1, 0.1, 0.2 (all three seeds)
+    assert first["pairs_success"] == 3 and first["diff_success"] == pytest.approx(0.4 / 3)
+    lo, hi = stats.t.interval(0.95, 2, loc=0.4 / 3, scale=stats.sem([0.1, 0.1, 0.2]))
+    assert (first["diff_success_ci_lo"], first["diff_success_ci_hi"]) == (pytest.approx(lo), pytest.approx(hi))
+    p1 = stats.ttest_rel([0.3, 0.5, 0.5], [0.2, 0.4, 0.3]).pvalue
+    assert first["p_success"] == pytest.approx(p1)
+    # gigpo + rlsd - 2 grpo over the seeds every named arm finished (0, 1): 0.3 + 0.1 - 0.4 = 0.0, 0.5 + 0.2 - 0.8 = -0.1
+    assert second["pairs_success"] == 2 and second["diff_success"] == pytest.approx(-0.05)
+    p2 = stats.ttest_rel([0.4, 0.7], [0.4, 0.8]).pvalue
+    assert second["p_success"] == pytest.approx(p2)
+    # Holm over the two contrasts: the smaller p doubled, the larger kept (never below the smaller's adjusted)
+    small, large = sorted([p1, p2])
+    adjusted = sorted([first["p_success_holm"], second["p_success_holm"]])
+    assert adjusted == [pytest.approx(min(1.0, 2 * small)), pytest.approx(max(min(1.0, 2 * small), large))]
+    assert first["diff_auc"] is None and first["pairs_auc"] == 0  # no evaluations during training
+    rows = list(csv.DictReader(open(tmp_path / "abl" / "contrasts.csv", newline="", encoding="utf-8")))
+    assert [r["contrast"] for r in rows] == ["gigpo - grpo", "both - twice grpo"]
+    md = (tmp_path / "abl" / "report.md").read_text()
+    assert "## Contrasts (paired by seed)" in md and "| gigpo - grpo | gigpo | grpo | 3 | +0.133 |" in md
+
+
+def test_contrasts_name_known_arms(tmp_path):
+    def grid_with(contrasts) -> Path:
+        path = tmp_path / "grid.yaml"
+        path.write_text(yaml.safe_dump({"grid": {"seeds": 1}, "contrasts": contrasts,
+                                        "arms": [{"name": "a", "algo": "grpo"}, {"name": "b", "algo": "gigpo"}]}))
+        return path
+
+    for contrasts, message in [([{"name": "x", "plus": ["a"], "minus": ["c"]}], "contrast 'x' names arm 'c'"),
+                               ([{"name": "x", "plus": [], "minus": ["a"]}], "contrast 'x' needs at least one plus arm"),
+                               ([{"name": "x", "plus": ["a"], "minus": ["b"], "sign": 1}], "unknown key contrasts[0].sign"),
+                               ([{"plus": ["a"]}], "contrasts[0] needs a name"),
+                               ([{"name": "x", "plus": ["a"]}, {"name": "x", "plus": ["b"]}], "two contrasts are named 'x'"),
+                               ({"name": "x"}, "contrasts: must be a list")]:
+        with pytest.raises(SerlError, match=re.escape(message)):
+            ab.load_grid(str(grid_with(contrasts)))
+    assert_one_line_error(run(str(grid_with([{"name": "x", "plus": ["z"]}])), "--out", str(tmp_path / "o")),
+                          "names arm 'z'")
+    assert not (tmp_path / "o").exists()
+
+
+def test_grid_json_takes_the_grid_files_new_contrasts_and_baseline(tmp_path):
+    arms = [{"name": "a", "algo": "grpo"}, {"name": "b", "algo": "gigpo"}]
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump({"grid": {"seeds": 2}, "arms": arms}))
+    ab_record.write_grid(tmp_path / "abl", ab_record.grid_record(ab.load_grid(str(path)), []))
+    # the same cells with a baseline and a contrast added: the same grid, its report settings refreshed
+    path.write_text(yaml.safe_dump({"grid": {"seeds": 2}, "arms": arms, "baseline": "b",
+                                    "contrasts": [{"name": "a - b", "plus": ["a"], "minus": ["b"]}]}))
+    ab_record.write_grid(tmp_path / "abl", ab_record.grid_record(ab.load_grid(str(path)), []))
+    rec = ab_record.load_grid_record(tmp_path / "abl")
+    assert rec["baseline"] == "b" and rec["contrasts"] == [{"name": "a - b", "plus": ["a"], "minus": ["b"]}]
 
 # -- end to end on the tiny model ----------------------------------------------------------
 

@@ -21,8 +21,9 @@ from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
 from serl_cli.method.teacher import action_span_mask, teacher_prompt_ids
 from serl_cli.stages.annotate import run_annotate
 from serl_cli.stages.rollout import run_rollout
-from serl_cli.training.learner import Learner, TrainConfig
+from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig
+from serl_cli.training.train_config import TrainConfig
 
 
 def make_half_successful(run) -> None:

@@ -13,7 +13,7 @@ from test_cli_env import assert_one_line_error, serl
 from serl_cli import config as cfgmod
 from serl_cli.errors import SerlError
 from serl_cli.rollout.worlds import EnvConfig
-from serl_cli.stages.online import OnlineConfig
+from serl_cli.stages.online_config import OnlineConfig
 
 SERL_YAML = str(Path(__file__).resolve().parent.parent / "experiments" / "webshop" / "serl.yaml")
 

@@ -23,7 +23,7 @@ from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from test_cli_env import assert_one_line_error, serl
 
 from serl_cli.errors import SerlError
-from serl_cli.training.deepspeed import DeepSpeedConfig, default_config, resolve_config
+from serl_cli.training.deepspeed_config import DeepSpeedConfig, default_config, resolve_config
 from serl_cli.training.step import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,9 +21,10 @@ from serl_cli.errors import SerlError
 from serl_cli.models import device as dev
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.stages.rollout import run_rollout
-from serl_cli.training.deepspeed import DeepSpeedConfig, resolve_config
-from serl_cli.training.learner import Learner, TrainConfig, check_train_config
+from serl_cli.training.deepspeed_config import DeepSpeedConfig, resolve_config
+from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig
+from serl_cli.training.train_config import TrainConfig, check_train_config
 
 torch.set_num_threads(1)
 NO_CUDA = not torch.cuda.is_available()

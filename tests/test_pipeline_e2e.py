@@ -13,10 +13,11 @@ from safetensors.torch import load_file
 from test_cli_env import serl
 
 from serl_cli.rollout.engines import SamplingConfig
-from serl_cli.stages.online import OnlineConfig, run_online
+from serl_cli.stages.online import run_online
+from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.rollout import RolloutConfig
-from serl_cli.training.learner import TrainConfig
 from serl_cli.training.step import OptimConfig
+from serl_cli.training.train_config import TrainConfig
 
 SYNTH = ["--set", "env.settings.catalog=synthetic"]
 

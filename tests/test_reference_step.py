@@ -23,8 +23,8 @@ from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
 from serl_cli.method.reference_step import reference_step
 from serl_cli.models.loading import load_model
 from serl_cli.stages.rollout import run_rollout
-from serl_cli.training.learner import TrainConfig
 from serl_cli.training.step import OptimConfig, accumulate_step
+from serl_cli.training.train_config import TrainConfig
 
 
 @pytest.fixture(scope="module")

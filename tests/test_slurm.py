@@ -25,6 +25,7 @@ from test_ablate import run, tiny_grid
 
 from serl_cli.ablate import cells as ab_cells
 from serl_cli.ablate import grid as ab
+from serl_cli.ablate import grid_record as ab_record
 from serl_cli.errors import SerlError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,9 +165,9 @@ def test_final_evaluation_runs_on_the_cells_engine_device_and_dtype(tmp_path, ti
     grid = _grid(tmp_path, tiny_model_dir, {}, {"rollout": {"engine": "vllm", "vllm": {"tensor_parallel_size": 2},
                                                             "gpus": [6, 7]},
                                                 "train": {"dtype": "bf16", "device": "cpu"}}, algos=("grpo",), seeds=1)
-    rec = ab.grid_record(ab.load_grid(str(grid)), [str(grid)])
+    rec = ab_record.grid_record(ab.load_grid(str(grid)), [str(grid)])
     out = tmp_path / "abl"
-    ab.write_grid(out, rec)
+    ab_record.write_grid(out, rec)
 
     def fake_online(cfg, **kw):
         ckpt = Path(cfg.out) / "checkpoint"

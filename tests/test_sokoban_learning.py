@@ -24,7 +24,7 @@ from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.demo import DemoConfig, demo_defaults, quick, run_demo
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 from serl_cli.stages.train import check_hindsight_sft, train_on_run
-from serl_cli.training.learner import TrainConfig
+from serl_cli.training.train_config import TrainConfig
 
 COMPACT = PromptConfig(history_turns=0, max_admissible=0, system=False, bare_replies=True)
 

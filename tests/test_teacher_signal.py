@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from serl_cli.ablate import cells as ab_cells
 from serl_cli.ablate import grid as ab
+from serl_cli.ablate import grid_record as ab_record
 from serl_cli.ablate.report import write_report
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_annotations, read_rollouts
@@ -163,8 +164,8 @@ SERL_ARM = "webshop-serl-error-step-all"  # serl's default placement
 
 def test_ablation_report_averages_the_last_measured_iteration_over_seeds(tmp_path):
     grid = ab.load_grid(flags={"sources": "error", "seeds": 2})  # grpo, serl-error
-    rec = ab.grid_record(grid, [])
-    ab.write_grid(tmp_path, rec)
+    rec = ab_record.grid_record(grid, [])
+    ab_record.write_grid(tmp_path, rec)
     signals = {0: (0.5, 0.02), 1: (0.7, -0.01)}  # seed -> (right_direction, expert_prob_gain), last measured
     for cell in rec["cells"]:
         d = ab_cells.cell_dir(tmp_path, cell)

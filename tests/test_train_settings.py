@@ -20,10 +20,12 @@ from serl_cli.algos.objectives import UpdateInputs, episode_advantages, get_obje
 from serl_cli.artifacts.schema import TurnSample, read_rollouts, turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.loading import load_model
-from serl_cli.stages.online import OnlineConfig, eval_sampling, run_online
+from serl_cli.stages.online import run_online
+from serl_cli.stages.online_config import OnlineConfig, eval_sampling
 from serl_cli.stages.rollout import run_rollout
-from serl_cli.training.learner import Learner, TrainConfig, check_train_config, recompute_enabled
+from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig, action_logprobs
+from serl_cli.training.train_config import TrainConfig, check_train_config, recompute_enabled
 
 ROOT = Path(__file__).parent.parent
 

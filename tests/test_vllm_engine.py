@@ -31,15 +31,8 @@ from serl_cli.errors import SerlError
 from serl_cli.models.loading import load_model
 from serl_cli.rollout.engines import SamplingConfig, make_engine
 from serl_cli.rollout.engines.hf import HFEngine
-from serl_cli.rollout.engines.vllm import (
-    VLLMConfig,
-    check_gpus,
-    check_sampling,
-    request_seeds,
-    unpack_chunk,
-    visible_devices,
-    weight_chunks,
-)
+from serl_cli.rollout.engines.vllm import VLLMConfig, check_gpus, check_sampling, request_seeds, visible_devices
+from serl_cli.rollout.engines.vllm_sync import unpack_chunk, weight_chunks
 from serl_cli.rollout.prompts import PromptConfig, build_messages, render_prompt_ids
 
 torch.set_num_threads(1)
@@ -87,10 +80,11 @@ def test_online_engine_vllm_without_the_extra(tiny_model_dir, tmp_path):
 def test_online_vllm_disk_sync_refuses_adapter_only_checkpoints(tiny_model_dir, tmp_path):
     """With weight_sync: disk vLLM reloads the policy from each saved checkpoint: LoRA must save
     merged weights. (The default, memory, pushes the merged weights and needs no file.)"""
-    from serl_cli.stages.online import OnlineConfig, run_online
+    from serl_cli.stages.online import run_online
+    from serl_cli.stages.online_config import OnlineConfig
     from serl_cli.stages.rollout import RolloutConfig
-    from serl_cli.training.learner import TrainConfig
     from serl_cli.training.lora import LoraConfig
+    from serl_cli.training.train_config import TrainConfig
 
     cfg = OnlineConfig(env=synthetic_env(), model=str(tiny_model_dir), out=str(tmp_path / "run"),
                        rollout=RolloutConfig(engine="vllm", vllm=VLLMConfig(weight_sync="disk")),
@@ -106,7 +100,8 @@ def test_unknown_engine_is_named():
 
 
 def test_top_p_below_one_is_refused_for_sampling_only(tiny_model_dir, tmp_path):
-    from serl_cli.stages.online import OnlineConfig, run_online
+    from serl_cli.stages.online import run_online
+    from serl_cli.stages.online_config import OnlineConfig
     from serl_cli.stages.rollout import RolloutConfig, run_rollout
 
     with pytest.raises(SerlError, match="top_p = 1 only"):
@@ -150,7 +145,7 @@ def test_shared_memory_chunks_round_trip(tiny_model_dir):
     block, a chunk at a time, read back by the worker's side as the same tensors."""
     from multiprocessing import shared_memory
 
-    from serl_cli.rollout.engines.vllm import read_shared, sendable, shared_chunks
+    from serl_cli.rollout.engines.vllm_sync import read_shared, sendable, shared_chunks
 
     model, _ = load_model(str(tiny_model_dir))
     pairs = sendable(model.state_dict().items(), torch.bfloat16)
@@ -310,10 +305,11 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(engine, hf,
     asks (vLLM, from the starting model's directory) and hands that engine back."""
     from serl_cli.artifacts.schema import read_rollouts
     from serl_cli.stages import online
-    from serl_cli.stages.online import OnlineConfig, run_online
+    from serl_cli.stages.online import run_online
+    from serl_cli.stages.online_config import OnlineConfig
     from serl_cli.stages.rollout import RolloutConfig
-    from serl_cli.training.learner import TrainConfig
     from serl_cli.training.step import OptimConfig
+    from serl_cli.training.train_config import TrainConfig
 
     start, tok = weights("plain")
 
@@ -352,10 +348,11 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(eng
     """One online iteration pushes the update into the live engine (no checkpoint read); a new
     engine started from the checkpoint the loop saved generates exactly the same."""
     from serl_cli.stages import online
-    from serl_cli.stages.online import OnlineConfig, run_online
+    from serl_cli.stages.online import run_online
+    from serl_cli.stages.online_config import OnlineConfig
     from serl_cli.stages.rollout import RolloutConfig
-    from serl_cli.training.learner import TrainConfig
     from serl_cli.training.step import OptimConfig
+    from serl_cli.training.train_config import TrainConfig
 
     engine.load_weights(tiny_model_dir)  # the start, whatever an earlier test left in it
     monkeypatch.setattr(online, "make_engine", lambda *a, **kw: engine)

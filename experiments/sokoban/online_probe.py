@@ -22,10 +22,11 @@ from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.evaluate import EvalConfig, run_eval
-from serl_cli.stages.online import OnlineConfig, OnlineEvalConfig, run_online
+from serl_cli.stages.online import run_online
+from serl_cli.stages.online_config import OnlineConfig, OnlineEvalConfig
 from serl_cli.stages.rollout import RolloutConfig
-from serl_cli.training.learner import TrainConfig
 from serl_cli.training.step import OptimConfig
+from serl_cli.training.train_config import TrainConfig
 
 SHOWN = ("iteration", "success_rate", "eval_success_rate", "loss", "weight_mean", "selected_fraction")
 

@@ -31,8 +31,9 @@ from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.evaluate import EvalConfig, run_eval
 from serl_cli.stages.train import hindsight_sft_examples
-from serl_cli.training.learner import Learner, TrainConfig, training_episodes
+from serl_cli.training.learner import Learner, training_episodes
 from serl_cli.training.step import OptimConfig
+from serl_cli.training.train_config import TrainConfig
 
 TEMPERATURES = (0.4, 0.0)
 

@@ -1,6 +1,7 @@
 """Running one cell of an ablation (``serl ablate --cell i``): its directory, whether it is
 done, its online run and its final evaluation, resumable and locked against a second runner.
-The grid itself (the file, the arms, ``OUT/grid.json``) is :mod:`serl_cli.ablate.grid`."""
+The grid itself (the file, the arms) is :mod:`serl_cli.ablate.grid`, ``OUT/grid.json``
+:mod:`serl_cli.ablate.grid_record`."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
 
 def cell_config(record: dict, out: str | Path, cell: dict):
     """The cell's online-run configuration, writing into ``cells/<name>/train``."""
-    from serl_cli.stages.online import OnlineConfig
+    from serl_cli.stages.online_config import OnlineConfig
 
     cfg = cfgmod.from_dict(OnlineConfig, cfgmod.merge(record["base"], cell["overrides"]), "cell")
     cfg.out = str(cell_dir(out, cell) / "train")

@@ -20,6 +20,10 @@ Grid file (YAML; unknown keys anywhere are errors)::
         set: {model: runs/warm_start_plain}
     baseline: sokoban-grpo                  # optional: the arm the report pairs the others with
                                             # (default: the first grpo arm, else the first arm)
+    contrasts:                              # optional: paired contrasts the report adds, per seed
+      - name: "interaction"                 # sum(plus arms) - sum(minus arms); Holm over the contrasts
+        plus: [serl-plain, grpo]            # (serl_cli.ablate.report)
+        minus: [grpo-plain, serl]
     final_eval: {episodes: 50, split: test} # the fixed panel every cell is scored on (default: whole split;
                                             # panel: spread takes N tasks evenly spaced, not the first N)
     slurm:                                  # the job array (serl_cli.ablate.runners.emit_slurm), all optional
@@ -55,8 +59,9 @@ is seeds 0..N-1. With a grid file, the same flags replace that axis of the file
 
 **Layout of OUT.** ``grid.json`` (the resolved grid and the cell list in a fixed order, so
 ``--cell i`` means the same cell from every entry point; written atomically, and a second
-entry point with a different grid is refused), ``cells/<name>/`` per cell: ``cell.json``
-(parameters, status running|done, wall time, teacher tokens scored, final eval summary,
+entry point with a different grid is refused; what only the report reads -- ``description``,
+``baseline``, ``contrasts`` -- is taken from the grid file each time it is given),
+``cells/<name>/`` per cell: ``cell.json`` (parameters, status running|done, wall time, teacher tokens scored, final eval summary,
 selection-bias summary), ``train/`` (the online run), ``eval.json`` + ``episodes.jsonl``
 (final evaluation of ``train/checkpoint`` on the fixed test panel). A cell writes nowhere
 else, so any number can run at once. A cell whose cell.json says done and whose eval.json
@@ -82,7 +87,6 @@ array and the report as a job that depends on it (``afterany``). The program is
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,13 +97,13 @@ from serl_cli.errors import SerlError
 
 ANNOTATING = ("serl", "rlsd", "sdpo")
 AXES = ("env", "algo", "sources", "granularity", "placement", "seeds")
-TOP_KEYS = ("description", "base_config", "base", "grid", "arms", "baseline", "final_eval", "slurm")
+TOP_KEYS = ("description", "base_config", "base", "grid", "arms", "baseline", "contrasts", "final_eval", "slurm")
+CONTRAST_KEYS = ("name", "plus", "minus")
 ARM_KEYS = ("name", "env", "algo", "sources", "granularity", "placement", "set")
 FINAL_EVAL_KEYS = ("episodes", "split", "panel")
 SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "gpus", "cpus_per_task", "mem", "setup",
               "launcher", "max_parallel", "requeue", "signal_grace_s", "template", "extra")
 LAUNCHERS = ("auto", "torchrun", "deepspeed", "none")
-GRID_VERSION = 1
 
 
 
@@ -113,6 +117,7 @@ class Grid:
     extra_arms: list = field(default_factory=list)  # the grid file's arms: list, resolved (see _explicit_arms)
     product: bool = True  # whether the axes' product makes arms (not when only arms: and seeds are given)
     baseline: str | None = None  # the arm the report pairs the others with (None: the first grpo arm)
+    contrasts: list = field(default_factory=list)  # [{name, plus: [arms], minus: [arms]}] (the report's contrasts)
 
 
 def _fail_unknown(keys, known, where: str) -> None:
@@ -163,7 +168,7 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
     base = cfgmod.apply_overrides(base, list(overrides or []))
     if "iterations" in flags:
         base = cfgmod.merge(base, {"iterations": flags.pop("iterations")})
-    from serl_cli.stages.online import OnlineConfig
+    from serl_cli.stages.online_config import OnlineConfig
 
     resolved = cfgmod.from_dict(OnlineConfig, base, "base")  # unknown keys and bad types fail here
     base_plain = io.to_plain(resolved)
@@ -234,7 +239,41 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
         grid.baseline = _safe(str(data["baseline"]))
         if grid.baseline not in names:
             raise SerlError(f"baseline {data['baseline']!r} is not an arm of this grid: choose one of {', '.join(names)}")
+    grid.contrasts = _contrasts(data.get("contrasts"), names)
     return grid
+
+
+def _contrasts(value, names: list[str]) -> list[dict]:
+    """The grid file's ``contrasts:``, checked: each a name, plus arms (at least one) and minus arms, all
+    arms of this grid (an arm may repeat: ``minus: [grpo, grpo]`` counts it twice)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise SerlError("contrasts: must be a list of {name, plus: [arms], minus: [arms]}")
+    out = []
+    for i, con in enumerate(value):
+        if not isinstance(con, dict):
+            raise SerlError(f"contrasts[{i}] must be a mapping {{name, plus, minus}}")
+        _fail_unknown(con, CONTRAST_KEYS, f"contrasts[{i}].")
+        if not con.get("name"):
+            raise SerlError(f"contrasts[{i}] needs a name")
+        name = str(con["name"])
+        sides = {}
+        for side in ("plus", "minus"):
+            arms_ = con.get(side) or []
+            if not isinstance(arms_, list):
+                raise SerlError(f"contrast {name!r}: {side} must be a list of arm names")
+            for arm in map(str, arms_):
+                if arm not in names:
+                    raise SerlError(f"contrast {name!r} names arm {arm!r}, which is not an arm of this grid: "
+                                    f"choose among {', '.join(names)}")
+            sides[side] = [str(a) for a in arms_]
+        if not sides["plus"]:
+            raise SerlError(f"contrast {name!r} needs at least one plus arm")
+        if any(c["name"] == name for c in out):
+            raise SerlError(f"two contrasts are named {name!r}: give each its own name")
+        out.append({"name": name, **sides})
+    return out
 
 
 def _explicit_arms(value, base: dict, config_cls) -> list[dict]:
@@ -359,56 +398,3 @@ def cells(grid: Grid) -> list[dict]:
                         "params": {k: arm[k] for k in ("env", "algo", "sources", "granularity", "placement")},
                         "overrides": cell_overrides(grid, arm, seed)})
     return out
-
-
-def grid_record(grid: Grid, source_args: list[str]) -> dict:
-    return {"kind": "serl-ablation", "version": GRID_VERSION, "source_args": list(source_args),
-            "description": grid.description, "axes": grid.axes, "final_eval": grid.final_eval, "slurm": grid.slurm,
-            "base": grid.base, "arms": arms(grid), "baseline": grid.baseline, "cells": cells(grid)}
-
-
-_IDENTITY = ("version", "axes", "final_eval", "base", "cells")
-
-
-def write_grid(out: Path, record: dict) -> None:
-    """Write OUT/grid.json, or check that the one there is this same grid."""
-    path = out / "grid.json"
-    if path.exists():
-        old = io.read_json(path)
-        if old.get("kind") != "serl-ablation":
-            raise SerlError(f"{path} is not an ablation grid")
-        if any(_identity(old, k) != _identity(json.loads(json.dumps(record)), k) for k in _IDENTITY):
-            raise SerlError(f"{out} holds a different ablation grid: use another --out (or delete {path})")
-        return
-    io.write_json(path, record)
-
-
-def _identity(record: dict, key: str):
-    if key != "base":
-        return record.get(key)
-    try:
-        return resolved_base(record.get("base") or {})
-    except SerlError:  # a setting serl no longer knows: not the grid loaded now
-        return record.get("base")
-
-
-def resolved_base(base: dict) -> dict:
-    """A grid's base as today's ``OnlineConfig`` resolves it, so a grid.json written before a
-    setting existed is the same grid as the file loaded now (the new setting at its default)."""
-    from serl_cli.stages.online import OnlineConfig
-
-    plain = io.to_plain(cfgmod.from_dict(OnlineConfig, base, "base"))
-    plain.pop("out", None)
-    plain.pop("seed", None)
-    return plain
-
-
-def load_grid_record(out: str | Path) -> dict:
-    out = Path(out)
-    path = out / "grid.json"
-    if not path.is_file():
-        raise SerlError(f"{out} is not an ablation directory (no grid.json)")
-    record = io.read_json(path)
-    if not isinstance(record, dict) or record.get("kind") != "serl-ablation":
-        raise SerlError(f"{path} is not an ablation grid")
-    return record

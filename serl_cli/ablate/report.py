@@ -40,6 +40,14 @@ arms differs only in the arm. Undefined statistics (one seed, zero variance) pri
 **Selection bias.** Per arm, from the last iteration's ``selection_report.json`` of each
 seed: the mean selected fraction of turns and the verdicts (how many seeds gave each).
 
+**Contrasts.** The grid file's ``contrasts:`` (kept in grid.json) name sums of arms to compare
+seed by seed: ``{name, plus: [arms], minus: [arms]}`` is, per seed, the sum of the plus arms'
+metric minus the sum of the minus arms', over the seeds every named arm finished (a 2x2
+interaction is two arms plus, two minus). For the final success and the panel AUC: the mean
+contrast, its 95 % t-interval, the t-test p (against 0) and Wilcoxon's signed-rank p; the
+contrasts are one family per metric for Holm's adjustment. They go to ``report.md`` and
+``contrasts.csv``.
+
 **Teacher signal.** Per arm, where the environment has an expert action, from the last
 iteration's report that has one (``teacher.teacher_signal``, ``method.teacher_signal``; after
 lambda has decayed to 0 the teacher is not run): the mean over seeds of ``right_direction``
@@ -53,12 +61,13 @@ import io as _stdio
 from pathlib import Path
 
 from serl_cli.ablate.cells import cell_dir, is_done
-from serl_cli.ablate.grid import load_grid_record
+from serl_cli.ablate.grid_record import load_grid_record
 from serl_cli.artifacts import io
 from serl_cli.stats.paired import holm, paired_t_test, wilcoxon_signed_rank
 from serl_cli.stats.summary import describe, fmt
 
 COMPARED = ("success", "score", "auc")  # final success, final score, area under the panel curve
+CONTRASTED = ("success", "auc")  # what a contrast of arms compares: the final success and the panel AUC
 
 
 def _curve(train: Path) -> list[dict]:
@@ -205,6 +214,30 @@ def summarize(data: dict) -> list[dict]:
     return rows
 
 
+def contrast_rows(data: dict) -> list[dict]:
+    """One row per contrast of the grid record: sum(plus arms) - sum(minus arms), paired by seed."""
+    arms, rows = data["arms"], []
+    for con in data["record"].get("contrasts") or []:
+        named = list(con["plus"]) + list(con["minus"])
+        seeds = sorted(set.intersection(*(set(arms[a]["cells"]) for a in named)))
+        row = {"contrast": con["name"], "plus": " ".join(con["plus"]), "minus": " ".join(con["minus"])}
+        for label in CONTRASTED:
+            both = [s for s in seeds if all(arms[a]["cells"][s][label] is not None for a in named)]
+            plus = [sum(arms[a]["cells"][s][label] for a in con["plus"]) for s in both]
+            minus = [sum(arms[a]["cells"][s][label] for a in con["minus"]) for s in both]
+            t = paired_t_test(plus, minus) if both else None
+            w = wilcoxon_signed_rank(plus, minus) if both else None
+            ci = (t or {}).get("ci95") or [None, None]
+            row.update({f"pairs_{label}": len(both), f"diff_{label}": t["mean_diff"] if t else None,
+                        f"diff_{label}_ci_lo": ci[0], f"diff_{label}_ci_hi": ci[1],
+                        f"p_{label}": t["p"] if t else None, f"wilcoxon_p_{label}": w["p"] if w else None})
+        rows.append(row)
+    for label in CONTRASTED:  # the contrasts are one family per metric
+        for r, adjusted in zip(rows, holm([r[f"p_{label}"] for r in rows])):
+            r[f"p_{label}_holm"] = adjusted
+    return rows
+
+
 def _pm(m, s, digits) -> str:
     if m is None:
         return "n/a"
@@ -225,7 +258,27 @@ def _decoding(rec: dict) -> str:
     return "greedy" if not t else f"sampled at T {t:g}"
 
 
-def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str | None) -> str:
+def _contrast_lines(contrasts: list[dict]) -> list[str]:
+    def diff(r, label):
+        return "n/a" if r[f"diff_{label}"] is None else f"{r[f'diff_{label}']:+.3f}"
+
+    lines = ["", "## Contrasts (paired by seed)", "",
+             "Per seed, the sum of the plus arms minus the sum of the minus arms, over the seeds every named arm "
+             "finished; 95 % t-interval, t-test p against 0, Holm p over this table's contrasts (one family per "
+             "metric), Wilcoxon signed-rank p where at least 6 seeds pair.", "",
+             "| contrast | plus | minus | pairs | Δ success | 95 % CI | p | Holm p | Wilcoxon p | Δ panel AUC | 95 % CI "
+             "| p | Holm p |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in contrasts:
+        lines.append(f"| {r['contrast']} | {r['plus']} | {r['minus'] or '(none)'} | {r['pairs_success']} | "
+                     f"{diff(r, 'success')} | {_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
+                     f"{_p(r['p_success'])} | {_p(r['p_success_holm'])} | {_p(r['wilcoxon_p_success'])} | "
+                     f"{diff(r, 'auc')} | {_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {_p(r['p_auc'])} | "
+                     f"{_p(r['p_auc_holm'])} |")
+    return lines
+
+
+def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str | None,
+                    contrasts: list[dict] | None = None) -> str:
     rec = data["record"]
     n, unfinished = len(rec["cells"]), data["unfinished"]
     fe = rec["final_eval"]
@@ -264,6 +317,8 @@ def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str
         lines.append(f"| {r['arm']} | {r['pairs']} | {d_s} | {_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
                      f"{_p(r['p_success'])} | {_p(r['p_success_holm'])} | {_p(r['wilcoxon_p_success'])} | {d_a} | "
                      f"{_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {_p(r['p_auc'])} | {_p(r['p_auc_holm'])} |")
+    if contrasts:
+        lines += _contrast_lines(contrasts)
     if data["budgets"]:
         cols = [f"success_at_{b}_steps" for b in data["budgets"]]
         lines += ["", "## Panel success at fixed environment-step budgets (mean over seeds)", "",
@@ -353,18 +408,27 @@ def plot_curves(data: dict, path: Path) -> str | None:
     return None
 
 
+def _csv_text(rows: list[dict], first: str) -> str:
+    buf = _stdio.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [first], lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: ("" if v is None else v) for k, v in r.items()})
+    return buf.getvalue()
+
+
 def write_report(out: str | Path) -> dict:
     out = Path(out)
     data = collect(out)
     rows = summarize(data)
+    contrasts = contrast_rows(data)
     note = plot_curves(data, out / "curves.png")
-    md = render_markdown(data, rows, None if note else "curves.png", note)
+    md = render_markdown(data, rows, None if note else "curves.png", note, contrasts)
     io.atomic_write_text(out / "report.md", md)
-    buf = _stdio.StringIO()
-    fields = list(rows[0]) if rows else ["arm"]
-    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
-    writer.writeheader()
-    for r in rows:
-        writer.writerow({k: ("" if v is None else v) for k, v in r.items()})
-    io.atomic_write_text(out / "report.csv", buf.getvalue())
-    return {"rows": rows, "unfinished": data["unfinished"], "baseline": data["baseline"], "plot": note is None}
+    io.atomic_write_text(out / "report.csv", _csv_text(rows, "arm"))
+    if contrasts:
+        io.atomic_write_text(out / "contrasts.csv", _csv_text(contrasts, "contrast"))
+    elif (out / "contrasts.csv").is_file():  # the grid no longer names any: no stale table beside the report
+        (out / "contrasts.csv").unlink()
+    return {"rows": rows, "contrasts": contrasts, "unfinished": data["unfinished"], "baseline": data["baseline"],
+            "plot": note is None}

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from serl_cli.ablate.cells import cell_config, cell_dir, is_done, start_model_identity
-from serl_cli.ablate.grid import load_grid_record, resolved_base
+from serl_cli.ablate.grid_record import load_grid_record, resolved_base
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
 

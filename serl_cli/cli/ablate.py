@@ -5,8 +5,8 @@
     serl ablate experiments/ablations/sources.yaml --out runs/abl --cell 4 # one cell (what array task 4 runs)
     serl ablate --report runs/abl                                          # aggregate what has finished
 
-The grid rule (axes, the flags shorthand, cell names) is in :mod:`serl_cli.ablate.grid`; the
-report in :mod:`serl_cli.ablate.report`.
+The grid rule (axes, the flags shorthand, cell names) is in :mod:`serl_cli.ablate.grid`, its record
+``OUT/grid.json`` in :mod:`serl_cli.ablate.grid_record`; the report in :mod:`serl_cli.ablate.report`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import typer
 
 from serl_cli.ablate import cells, reuse, runners
 from serl_cli.ablate import grid as ab
+from serl_cli.ablate.grid_record import grid_record, load_grid_record, write_grid
 from serl_cli.cli.common import summary_table
 from serl_cli.cli.root import QuietOpt, SetOpt, VerboseOpt, app, console, err_console
 from serl_cli.errors import SerlError
@@ -40,6 +41,7 @@ def _report(out: Path, quiet: bool, keep: Optional[str] = None) -> None:
         rows.append(("unfinished cells", str(len(res["unfinished"]))))
     console.print(summary_table(f"ablation {out}: success over seeds (baseline {res['baseline']})", rows))
     console.print(f"report: {out / 'report.md'}, {out / 'report.csv'}"
+                  + (f", {out / 'contrasts.csv'} ({len(res['contrasts'])} contrasts)" if res["contrasts"] else "")
                   + (f", {out / 'curves.png'}" if res["plot"] else " (no plot: matplotlib missing)"), highlight=False)
 
 
@@ -97,7 +99,7 @@ def ablate_command(
         # the grid as the ablation directory recorded it: what every runner's cell command reads,
         # so editing the grid file while the cells run changes none of them
         out_dir = Path(out or "runs/ablate")
-        _run_one_cell(ab.load_grid_record(out_dir), out_dir, cell, quiet)
+        _run_one_cell(load_grid_record(out_dir), out_dir, cell, quiet)
         return
     if grid_file is not None and not Path(grid_file).is_file():
         raise SerlError(f"grid file not found: {grid_file}")
@@ -116,13 +118,13 @@ def ablate_command(
         source_args += ["--config", str(Path(config).resolve())]
     for s in set_ or []:
         source_args += ["--set", s]
-    record = ab.grid_record(grid, source_args)
+    record = grid_record(grid, source_args)
     out_dir = Path(out or "runs/ablate")
     if cell is not None:
         cells.select_cell(record, cell)  # range check before anything is written
     main = is_main_process()  # under torchrun (a cell on several GPUs) rank 0 keeps the books
     if main:
-        ab.write_grid(out_dir, record)
+        write_grid(out_dir, record)
     log = (lambda msg: None) if quiet or not main else (lambda msg: console.print(msg, highlight=False))
     for src in (reuse_from or []) if main else []:
         copied, other_start = reuse.reuse_finished_cells(src, out_dir)

@@ -48,7 +48,7 @@ def resolve(cls, *, config_file, overrides, flags: dict, base: dict | None = Non
     not use are named in one note on stderr (not under ``-q``)."""
     reader = None
     if command in READS_RUN_FILES and config_file:  # a run file only ever comes from --config
-        from serl_cli.stages.online import OnlineConfig
+        from serl_cli.stages.online_config import OnlineConfig
         from serl_cli.stages.run_file import RunFileReader
 
         reader = RunFileReader(command, cls, OnlineConfig)

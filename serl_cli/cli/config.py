@@ -31,7 +31,7 @@ def config_class(command: str):
     elif command == "annotate":
         from serl_cli.method.annotation import AnnotateConfig as cls
     elif command == "train":  # the online loop's config; a single update reads its `train` section
-        from serl_cli.stages.online import OnlineConfig as cls
+        from serl_cli.stages.online_config import OnlineConfig as cls
     elif command == "eval":
         from serl_cli.stages.evaluate import EvalConfig as cls
     elif command == "demo":

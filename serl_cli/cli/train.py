@@ -17,7 +17,8 @@ from serl_cli.artifacts import runlock
 from serl_cli.artifacts.tracking import Tracker, check_backends
 from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console
-from serl_cli.stages.online import PREEMPTED_EXIT, OnlineConfig, Preempted, run_online
+from serl_cli.stages.online import PREEMPTED_EXIT, Preempted, run_online
+from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.run_file import run_settings
 from serl_cli.stages.train import follow_train_on_run, train_on_run
 from serl_cli.training.backends import is_main_process

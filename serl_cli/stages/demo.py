@@ -45,11 +45,12 @@ from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig, build_world
 from serl_cli.stages.evaluate import EvalConfig, run_eval
-from serl_cli.stages.online import OnlineConfig, run_online
+from serl_cli.stages.online import run_online
+from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 from serl_cli.stages.train import train_on_run
-from serl_cli.training.learner import TrainConfig
 from serl_cli.training.step import OptimConfig
+from serl_cli.training.train_config import TrainConfig
 
 
 @dataclass

@@ -39,7 +39,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,28 +47,34 @@ from serl_cli.algos.objectives import default_advantages, get_objective, turn_ad
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts, turn_samples
 from serl_cli.errors import SerlError
-from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
+from serl_cli.method.annotation import annotate_episodes
 from serl_cli.method.teacher import TeacherSnapshot
-from serl_cli.models.loading import ADAPTER_CONFIG
 from serl_cli.rollout.engines import (
     ModelPolicy,
-    SamplingConfig,
-    check_engine,
     close_engine,
     holds_own_weights,
     make_engine,
     refresh_weights,
     sleep_engine,
 )
-from serl_cli.rollout.engines.vllm import check_config as check_vllm_config
-from serl_cli.rollout.engines.vllm import check_gpus, check_sampling
 from serl_cli.rollout.worlds import EnvConfig, build_world
 from serl_cli.stages.annotate import write_annotations
 from serl_cli.stages.evaluate import EvalConfig, run_eval
+from serl_cli.stages.online_checkpoints import (
+    _iter_dir,
+    _keep_iterations_before,
+    _resumable,
+    checkpoint_due,
+    finished_iterations,
+    prune_checkpoints,
+    resume_point,
+)
+from serl_cli.stages.online_config import OnlineConfig, check_online_config, eval_sampling
 from serl_cli.stages.rollout import RolloutConfig, resolve_model, run_rollout
 from serl_cli.stages.run_file import run_settings
 from serl_cli.training.backends import is_main_process
-from serl_cli.training.learner import Learner, TrainConfig, check_train_config, recompute_enabled
+from serl_cli.training.learner import Learner
+from serl_cli.training.train_config import recompute_enabled
 
 PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: stopped on a signal, checkpointed; --resume continues
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -138,110 +143,6 @@ class StoppableEngine:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
-
-
-@dataclass
-class OnlineEvalConfig:
-    episodes: int = 0  # test-panel episodes evaluated after every `every` iterations; 0 = none
-    every: int = 1
-    split: str | None = None  # None: the environment's evaluation split (WebShop test, ALFWorld valid_unseen)
-    # 0 = greedy; > 0 samples at this temperature with the run's seed (paper: 0.4, do_sample, top_p 1:
-    # recipe/serl/run_webshop.sh:106-107). ablate's final evaluation uses it too.
-    temperature: float = 0.0
-
-
-@dataclass
-class OnlineConfig:
-    env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))
-    model: str | None = None  # the starting policy; None = the embedded default tiny model
-    iterations: int = 1
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    annotate: AnnotateConfig = field(default_factory=AnnotateConfig)  # serl, rlsd, sdpo: between rollout and update
-    eval: OnlineEvalConfig = field(default_factory=OnlineEvalConfig)
-    save_every: int = 1  # iteration k writes iter_k/checkpoint when (k + 1) % save_every == 0 (and at the end, and on a stop)
-    keep_last: int = 1  # iteration checkpoints kept, newest first; 0 = all of them
-    seed: int = 0
-    out: str = "runs/online"
-
-
-def eval_sampling(cfg: OnlineConfig) -> SamplingConfig:
-    """How the periodic evaluation samples: greedy (``eval.temperature`` 0) or at that
-    temperature, top_p 1, with the rollouts' token budget, coupled as the rollouts are."""
-    return SamplingConfig(cfg.eval.temperature, 1.0, cfg.rollout.sampling.max_new_tokens, cfg.rollout.sampling.coupled)
-
-
-def _iter_dir(run: Path, k: int) -> Path:
-    return run / f"iter_{k:04d}"
-
-
-def _keep_iterations_before(path: Path, start: int) -> None:
-    if path.exists():
-        io.write_jsonl(path, [r for r in io.iter_jsonl(path) if r.get("iteration", -1) < start])
-
-
-def finished_iterations(manifest: dict) -> int:
-    done = [int(name.split("_")[1]) for name, s in manifest.get("stages", {}).items()
-            if name.startswith("iter_") and s.get("status") == "done"]
-    return max(done) + 1 if done else 0
-
-
-def checkpoint_due(cfg: OnlineConfig, k: int) -> bool:
-    """Whether iteration k writes its checkpoint on schedule (every ``save_every``, and the last)."""
-    return (k + 1) % max(cfg.save_every, 1) == 0 or k == cfg.iterations - 1
-
-
-def _resumable(run: Path, k: int) -> bool:
-    last = _iter_dir(run, k) / "checkpoint"
-    return ((last / "config.json").is_file() or (last / ADAPTER_CONFIG).is_file()) and \
-        (last / "trainer_state.pt").is_file()
-
-
-def resume_point(run: Path, cfg: OnlineConfig, finished: int) -> int:
-    """The first iteration a resumed run runs: after the newest finished iteration with a
-    checkpoint (the finished ones after it are redone). A checkpoint that was due and is
-    missing is an error, not a silent restart from further back."""
-    for k in range(finished - 1, -1, -1):
-        if _resumable(run, k):
-            return k + 1
-        if checkpoint_due(cfg, k):
-            raise SerlError(f"cannot resume {run}: iteration {k} is marked done but "
-                            f"{_iter_dir(run, k) / 'checkpoint'} is missing")
-    return 0
-
-
-def prune_checkpoints(run: Path, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` iteration checkpoints (0: all); the staging copies a
-    crash may leave (``.checkpoint.*``) go with the versions they belong to."""
-    if keep_last <= 0:
-        return
-    found = sorted(run.glob("iter_*/checkpoint"))
-    for old in found[:-keep_last]:
-        shutil.rmtree(old)
-
-
-def check_online_config(cfg: OnlineConfig) -> None:
-    """Everything about the loop's own settings that can be wrong, before any model loads."""
-    if cfg.iterations < 1:
-        raise SerlError(f"--iterations must be at least 1, got {cfg.iterations}")
-    if cfg.save_every < 1:
-        raise SerlError(f"save_every must be at least 1, got {cfg.save_every}")
-    if cfg.keep_last < 0:
-        raise SerlError(f"keep_last must be 0 (keep all) or positive, got {cfg.keep_last}")
-    if cfg.eval.every < 1:
-        raise SerlError(f"eval.every must be at least 1, got {cfg.eval.every}")
-    if cfg.eval.temperature < 0:
-        raise SerlError(f"eval.temperature must be 0 (greedy) or positive, got {cfg.eval.temperature}")
-    if cfg.rollout.engine == "vllm":  # before vLLM starts (a minute)
-        check_sampling(cfg.rollout.sampling)
-        check_vllm_config(cfg.rollout.vllm)
-        check_gpus(cfg.rollout.vllm, cfg.rollout.gpus)
-        if cfg.train.lora.rank > 0 and cfg.train.lora.save != "merged" and cfg.rollout.vllm.weight_sync == "disk":
-            # vLLM reloads the policy from each saved checkpoint: it needs the full (merged) weights
-            raise SerlError("--engine vllm with vllm.weight_sync=disk needs train.lora.save=merged: it reloads the "
-                            "policy's full weights from each saved checkpoint")
-    check_engine(cfg.rollout.engine)  # an unknown engine or a missing extra, before any model loads
-    check_train_config(cfg.train)  # the same for the backend, its DeepSpeed config, LoRA, device, dtype
 
 
 def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = False, on_iteration=None) -> list[dict]:

@@ -16,7 +16,8 @@ from serl_cli.errors import SerlError
 from serl_cli.method.feedback import parse_sources
 from serl_cli.method.hindsight_sft import examples_for_run
 from serl_cli.rollout.prompts import PromptConfig
-from serl_cli.training.learner import Learner, TrainConfig, training_episodes
+from serl_cli.training.learner import Learner, training_episodes
+from serl_cli.training.train_config import TrainConfig
 
 
 def follow_train_on_run(run_dir: str, cfg: TrainConfig, *, resume: bool = False) -> None:

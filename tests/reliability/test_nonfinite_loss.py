@@ -13,8 +13,9 @@ from fixtures_model import rollout_config, synthetic_env, tiny_model_dir  # noqa
 from serl_cli.algos import objectives
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.stages.rollout import run_rollout
-from serl_cli.training.learner import Learner, TrainConfig
+from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig
+from serl_cli.training.train_config import TrainConfig
 
 POISON = {1: float("nan"), 3: float("inf")}  # optimizer step -> what its loss becomes
 

@@ -185,8 +185,8 @@ def test_training_refuses_an_interrupted_annotation(reference_annotations, tmp_p
 # -- a single `serl train`: the unit is the update ---------------------------------------------
 
 def train_cfg():
-    from serl_cli.training.learner import TrainConfig
     from serl_cli.training.step import OptimConfig
+    from serl_cli.training.train_config import TrainConfig
 
     return TrainConfig(algo="sft", optim=OptimConfig(lr=1e-3), epochs=1, mini_batches=2, threads=1)
 
@@ -237,7 +237,7 @@ def test_single_update_resumes_identical_after_sigkill(expert_run, reference_upd
 
 def online_cfg(model, out):
     from serl_cli.rollout.engines import SamplingConfig
-    from serl_cli.stages.online import OnlineConfig
+    from serl_cli.stages.online_config import OnlineConfig
     from serl_cli.stages.rollout import RolloutConfig
 
     # sft on the policy's own samples always has a gradient, so iteration 1 samples from changed weights
@@ -299,28 +299,29 @@ def test_online_resume_after_a_kill_between_metrics_and_done(tiny_model_dir, ref
 @pytest.fixture(scope="module")
 def grid_record(tiny_model_dir):
     from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import grid_record as ab_record
 
     overrides = [f"model={tiny_model_dir}", "env.settings.catalog=synthetic", "env.max_turns=3", "rollout.tasks=2",
                  "rollout.group_size=2", "rollout.sampling.max_new_tokens=8", "rollout.threads=1", "train.threads=1",
                  "train.optim.lr=0.001"]
     grid = ab.load_grid(None, overrides=overrides, flags={"algo": "grpo", "iterations": 2, "episodes": 3})
-    return ab.grid_record(grid, [])
+    return ab_record.grid_record(grid, [])
 
 
 @pytest.fixture(scope="module")
 def reference_cell(grid_record, tmp_path_factory):
     from serl_cli.ablate import cells as ab_cells
-    from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import grid_record as ab_record
 
     out = tmp_path_factory.mktemp("ref") / "abl"
-    ab.write_grid(out, grid_record)
+    ab_record.write_grid(out, grid_record)
     assert ab_cells.run_cell(grid_record, out, 0, log=lambda m: None) == "done"
     return ab_cells.cell_dir(out, grid_record["cells"][0])
 
 
 def test_ablate_cell_resumes_identical_after_sigkill(grid_record, reference_cell, tmp_path):
     from serl_cli.ablate import cells as ab_cells
-    from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import grid_record as ab_record
 
     ref = reference_cell
     rng = random.Random(12)
@@ -333,7 +334,7 @@ def test_ablate_cell_resumes_identical_after_sigkill(grid_record, reference_cell
     }
     for name, (point, delay) in points.items():
         out = tmp_path / name
-        ab.write_grid(out, grid_record)
+        ab_record.write_grid(out, grid_record)
         d = ab_cells.cell_dir(out, grid_record["cells"][0])
         assert kill_during(lambda: ab_cells.run_cell(grid_record, out, 0, log=lambda m: None), lambda: point(d), delay=delay)
         assert name == "eval" or not ab_cells.is_done(out, grid_record["cells"][0])

@@ -109,10 +109,11 @@ def test_refused_command_leaves_no_directories_behind(tmp_path, capsys):
 def test_same_ablate_cell_twice_refuses(tmp_path):
     from serl_cli.ablate import cells as ab_cells
     from serl_cli.ablate import grid as ab
+    from serl_cli.ablate import grid_record as ab_record
 
     grid = ab.load_grid(None, overrides=["env.settings.catalog=synthetic"], flags={"algo": "grpo", "seeds": 2})
-    record = ab.grid_record(grid, [])
-    ab.write_grid(tmp_path, record)
+    record = ab_record.grid_record(grid, [])
+    ab_record.write_grid(tmp_path, record)
     cell = ab_cells.cell_dir(tmp_path, record["cells"][0])
     with runlock.run_lock(cell):  # a first runner busy with cell 0
         with pytest.raises(SerlError, match=f"in use by pid {os.getpid()}"):

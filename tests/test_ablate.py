@@ -168,8 +168,7 @@ def test_study_grids_load_and_share_the_serl_arm(env):
     """docs/RESULTS.md's grids: 5 seeds per arm, and the placement grid's feedback arm is the
     baselines grid's serl arm (same base), so its finished cells can be reused."""
     folder = Path(__file__).parent.parent / "experiments" / "study"
-    grids = {f.stem: ab.load_grid(str(f)) for f in sorted(folder.glob(f"{env}_*.yaml"))}
-    assert set(grids) == {f"{env}_baselines", f"{env}_sources", f"{env}_placement"}
+    grids = {f"{env}_{q}": ab.load_grid(str(folder / f"{env}_{q}.yaml")) for q in ("baselines", "sources", "placement")}
     for g in grids.values():
         assert g.axes["seeds"] == [0, 1, 2, 3, 4] and g.base["env"]["name"] == env
     assert grids[f"{env}_sources"].axes["sources"] == ["error", "ref", "diff", "obs", "future"]
@@ -183,6 +182,14 @@ def test_study_grids_load_and_share_the_serl_arm(env):
                for n in shared)
     assert grids[f"{env}_baselines"].base == grids[f"{env}_placement"].base
     assert len({json.dumps(g.final_eval, sort_keys=True) for g in grids.values()}) == 1  # one panel for all
+
+
+def test_study_v3_webshop_grid_is_grpo_against_the_authors_serl():
+    grid = ab.load_grid(str(Path(__file__).parent.parent / "experiments" / "study" / "webshop_v3_methods.yaml"))
+    assert grid.base["env"]["name"] == "webshop" and grid.baseline == "grpo" and grid.axes["seeds"] == [0, 1, 2]
+    serl = {a["name"]: a for a in ab.arms(grid)}["serl-obs"]
+    assert list({a["name"]: a for a in ab.arms(grid)}) == ["grpo", "serl-obs"]
+    assert (serl["sources"], serl["placement"], grid.base["annotate"]["tokens"]) == ("obs", "all", "action")
 
 
 def test_study_v3_grids_share_arms_cell_for_cell(tmp_path):

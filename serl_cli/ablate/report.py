@@ -45,7 +45,7 @@ seed by seed: ``{name, plus: [arms], minus: [arms]}`` is, per seed, the sum of t
 metric minus the sum of the minus arms', over the seeds every named arm finished (a 2x2
 interaction is two arms plus, two minus). For the final success and the panel AUC: the mean
 contrast, its 95 % t-interval, the t-test p (against 0) and Wilcoxon's signed-rank p; the
-contrasts are one family per metric for Holm's adjustment. They go to ``report.md`` and
+contrasts are one family per metric for Holm's adjustment (:mod:`serl_cli.ablate.contrasts`). They go to ``report.md`` and
 ``contrasts.csv``.
 
 **Teacher signal.** Per arm, where the environment has an expert action, from the last
@@ -61,13 +61,13 @@ import io as _stdio
 from pathlib import Path
 
 from serl_cli.ablate.cells import cell_dir, is_done
+from serl_cli.ablate.contrasts import contrast_lines, contrast_rows
 from serl_cli.ablate.grid_record import load_grid_record
 from serl_cli.artifacts import io
 from serl_cli.stats.paired import holm, paired_t_test, wilcoxon_signed_rank
-from serl_cli.stats.summary import describe, fmt
+from serl_cli.stats.summary import describe, fmt, fmt_ci, fmt_p
 
 COMPARED = ("success", "score", "auc")  # final success, final score, area under the panel curve
-CONTRASTED = ("success", "auc")  # what a contrast of arms compares: the final success and the panel AUC
 
 
 def _curve(train: Path) -> list[dict]:
@@ -214,67 +214,16 @@ def summarize(data: dict) -> list[dict]:
     return rows
 
 
-def contrast_rows(data: dict) -> list[dict]:
-    """One row per contrast of the grid record: sum(plus arms) - sum(minus arms), paired by seed."""
-    arms, rows = data["arms"], []
-    for con in data["record"].get("contrasts") or []:
-        named = list(con["plus"]) + list(con["minus"])
-        seeds = sorted(set.intersection(*(set(arms[a]["cells"]) for a in named)))
-        row = {"contrast": con["name"], "plus": " ".join(con["plus"]), "minus": " ".join(con["minus"])}
-        for label in CONTRASTED:
-            both = [s for s in seeds if all(arms[a]["cells"][s][label] is not None for a in named)]
-            plus = [sum(arms[a]["cells"][s][label] for a in con["plus"]) for s in both]
-            minus = [sum(arms[a]["cells"][s][label] for a in con["minus"]) for s in both]
-            t = paired_t_test(plus, minus) if both else None
-            w = wilcoxon_signed_rank(plus, minus) if both else None
-            ci = (t or {}).get("ci95") or [None, None]
-            row.update({f"pairs_{label}": len(both), f"diff_{label}": t["mean_diff"] if t else None,
-                        f"diff_{label}_ci_lo": ci[0], f"diff_{label}_ci_hi": ci[1],
-                        f"p_{label}": t["p"] if t else None, f"wilcoxon_p_{label}": w["p"] if w else None})
-        rows.append(row)
-    for label in CONTRASTED:  # the contrasts are one family per metric
-        for r, adjusted in zip(rows, holm([r[f"p_{label}"] for r in rows])):
-            r[f"p_{label}_holm"] = adjusted
-    return rows
-
-
 def _pm(m, s, digits) -> str:
     if m is None:
         return "n/a"
     return f"{m:.{digits}f} ± {fmt(s, digits)}"
 
 
-def _ci(lo, hi, digits) -> str:
-    return "n/a" if lo is None else f"[{lo:.{digits}f}, {hi:.{digits}f}]"
-
-
-def _p(p) -> str:
-    return "n/a" if p is None else (f"{p:.3g}")
-
-
 def _decoding(rec: dict) -> str:
     """How the final evaluation decoded: the base's eval temperature (0: greedy), as the cells ran it."""
     t = ((rec.get("base") or {}).get("eval") or {}).get("temperature") or 0.0
     return "greedy" if not t else f"sampled at T {t:g}"
-
-
-def _contrast_lines(contrasts: list[dict]) -> list[str]:
-    def diff(r, label):
-        return "n/a" if r[f"diff_{label}"] is None else f"{r[f'diff_{label}']:+.3f}"
-
-    lines = ["", "## Contrasts (paired by seed)", "",
-             "Per seed, the sum of the plus arms minus the sum of the minus arms, over the seeds every named arm "
-             "finished; 95 % t-interval, t-test p against 0, Holm p over this table's contrasts (one family per "
-             "metric), Wilcoxon signed-rank p where at least 6 seeds pair.", "",
-             "| contrast | plus | minus | pairs | Δ success | 95 % CI | p | Holm p | Wilcoxon p | Δ panel AUC | 95 % CI "
-             "| p | Holm p |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in contrasts:
-        lines.append(f"| {r['contrast']} | {r['plus']} | {r['minus'] or '(none)'} | {r['pairs_success']} | "
-                     f"{diff(r, 'success')} | {_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
-                     f"{_p(r['p_success'])} | {_p(r['p_success_holm'])} | {_p(r['wilcoxon_p_success'])} | "
-                     f"{diff(r, 'auc')} | {_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {_p(r['p_auc'])} | "
-                     f"{_p(r['p_auc_holm'])} |")
-    return lines
 
 
 def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str | None,
@@ -298,9 +247,9 @@ def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str
         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['seeds_done']} | {_pm(r['success_mean'], r['success_std'], 3)} | "
-                     f"{_ci(r['success_ci_lo'], r['success_ci_hi'], 3)} | {_pm(r['score_mean'], r['score_std'], 1)} | "
-                     f"{_ci(r['score_ci_lo'], r['score_ci_hi'], 1)} | {_pm(r['auc_mean'], r['auc_std'], 3)} | "
-                     f"{_ci(r['auc_ci_lo'], r['auc_ci_hi'], 3)} |")
+                     f"{fmt_ci(r['success_ci_lo'], r['success_ci_hi'], 3)} | {_pm(r['score_mean'], r['score_std'], 1)} | "
+                     f"{fmt_ci(r['score_ci_lo'], r['score_ci_hi'], 1)} | {_pm(r['auc_mean'], r['auc_std'], 3)} | "
+                     f"{fmt_ci(r['auc_ci_lo'], r['auc_ci_hi'], 3)} |")
     lines += ["", "Panel AUC: the test-panel success of the evaluations during training, averaged over "
               "environment steps (trapezoid rule from the first evaluation to the last)."]
     lines += ["", f"## Difference from the baseline `{data['baseline']}` (paired by seed, paired t-test)", "",
@@ -314,11 +263,11 @@ def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str
             continue
         d_s = "n/a" if r["diff_success"] is None else f"{r['diff_success']:+.3f}"
         d_a = "n/a" if r["diff_auc"] is None else f"{r['diff_auc']:+.3f}"
-        lines.append(f"| {r['arm']} | {r['pairs']} | {d_s} | {_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
-                     f"{_p(r['p_success'])} | {_p(r['p_success_holm'])} | {_p(r['wilcoxon_p_success'])} | {d_a} | "
-                     f"{_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {_p(r['p_auc'])} | {_p(r['p_auc_holm'])} |")
+        lines.append(f"| {r['arm']} | {r['pairs']} | {d_s} | {fmt_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
+                     f"{fmt_p(r['p_success'])} | {fmt_p(r['p_success_holm'])} | {fmt_p(r['wilcoxon_p_success'])} | {d_a} | "
+                     f"{fmt_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {fmt_p(r['p_auc'])} | {fmt_p(r['p_auc_holm'])} |")
     if contrasts:
-        lines += _contrast_lines(contrasts)
+        lines += contrast_lines(contrasts)
     if data["budgets"]:
         cols = [f"success_at_{b}_steps" for b in data["budgets"]]
         lines += ["", "## Panel success at fixed environment-step budgets (mean over seeds)", "",

@@ -64,3 +64,11 @@ def describe(xs: Sequence[float], confidence: float = 0.95) -> dict:
 
 def fmt(x: float | None, digits: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def fmt_ci(lo: float | None, hi: float | None, digits: int = 3) -> str:
+    return "n/a" if lo is None else f"[{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def fmt_p(p: float | None) -> str:
+    return "n/a" if p is None else f"{p:.3g}"

@@ -24,15 +24,25 @@ RESULTS_DIR = Path(__file__).parent / "results"
 
 def percentiles_ms(seconds: list[float]) -> dict:
     a = np.asarray(seconds) * 1000.0
-    return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50)), "p95_ms": float(np.percentile(a, 95)),
-            "mean_ms": float(a.mean())}
+    return {
+        "n": int(a.size),
+        "p50_ms": float(np.percentile(a, 50)),
+        "p95_ms": float(np.percentile(a, 95)),
+        "mean_ms": float(a.mean()),
+    }
 
 
 def machine_info() -> dict:
     import torch
 
-    return {"machine": platform.machine(), "processor": _cpu_model(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    return {
+        "machine": platform.machine(),
+        "processor": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _cpu_model() -> str:
@@ -128,7 +138,7 @@ class Stopwatch:
     child processes it waited for) does not. The suite runs torch on a fixed thread count
     and compares CPU seconds; wall-clock seconds go to the JSON beside them."""
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         self._wall, self._cpu = time.perf_counter(), cpu_seconds()
         return self
 

@@ -61,8 +61,9 @@ def measure(cfg: AlfBench) -> dict:
 
     probe = make_world("alfworld")
     tasks = probe.corpus_tasks(cfg.split, per_type=cfg.per_type)
-    times: dict[str, list[float]] = {k: [] for k in
-                                     ("uncached load", "first reset", "group reset", "pooled reset", "step", "invalid step")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("uncached load", "first reset", "group reset", "pooled reset", "step", "invalid step")
+    }
     group_costs, rss_per_engine, episodes, wall = [], [], 0, 0.0
     with mp.get_context("spawn").Pool(1) as pool:  # a process where serl's caches are never installed
         times["uncached load"] = pool.map(_plain_load, [str(probe.game(cfg.split, t).path) for t in tasks])
@@ -77,7 +78,7 @@ def measure(cfg: AlfBench) -> dict:
             step, dt = _timed(ep.reset, task)
             times["first reset" if i == 0 else "group reset"].append(dt)
             steps.append(step)
-        group_costs.append(sum(times["first reset"][-1:] + times["group reset"][-(cfg.group - 1):]))
+        group_costs.append(sum(times["first reset"][-1:] + times["group reset"][-(cfg.group - 1) :]))
         rss1 = rss_mb()
         if rss0 is not None and rss1 is not None:
             rss_per_engine.append((rss1 - rss0) / cfg.group)
@@ -95,12 +96,16 @@ def measure(cfg: AlfBench) -> dict:
         times["pooled reset"].append(dt)
         ep.close()
     first = percentiles_ms(times["first reset"])["mean_ms"]
-    return {"split": cfg.split, "games": len(tasks), "group_size": cfg.group, "latency": {
-        k: percentiles_ms(v) for k, v in times.items() if v},
+    return {
+        "split": cfg.split,
+        "games": len(tasks),
+        "group_size": cfg.group,
+        "latency": {k: percentiles_ms(v) for k, v in times.items() if v},
         "group_reset_cost_in_first_loads": sum(group_costs) / len(group_costs) / (first / 1000.0),
         "group_reset_cost_in_uncached_loads": sum(group_costs) / sum(times["uncached load"]),
         "rss_mb_per_live_engine": sum(rss_per_engine) / len(rss_per_engine) if rss_per_engine else None,
-        "expert_episodes_per_s": episodes / wall}
+        "expert_episodes_per_s": episodes / wall,
+    }
 
 
 def measure_reference(split: str, per_type: int, strays: int, seed: int = 0) -> dict:
@@ -118,8 +123,11 @@ def measure_reference(split: str, per_type: int, strays: int, seed: int = 0) -> 
         for _ in range(strays):
             if step.done:
                 break
-            moves = [a for a in step.admissible_actions
-                     if a != step.expert_action and not a.startswith(("look", "inventory", "examine"))]
+            moves = [
+                a
+                for a in step.admissible_actions
+                if a != step.expert_action and not a.startswith(("look", "inventory", "examine"))
+            ]
             step = ep.step(rng.choice(moves))
         while not step.done:
             if not step.info["on_plan"]:
@@ -128,15 +136,28 @@ def measure_reference(split: str, per_type: int, strays: int, seed: int = 0) -> 
             step = ep.step(step.expert_action or "look")
         won += step.info["won"]
         turns += ep.turns
-    return {"strays": strays, "games": len(tasks), "won": won, "win_rate": won / len(tasks),
-            "off_plan_turns_with_reference": with_ref / max(off_plan, 1), "mean_turns": turns / len(tasks)}
+    return {
+        "strays": strays,
+        "games": len(tasks),
+        "won": won,
+        "win_rate": won / len(tasks),
+        "off_plan_turns_with_reference": with_ref / max(off_plan, 1),
+        "mean_turns": turns / len(tasks),
+    }
 
 
 def rows(data: dict) -> list[list]:
     out = [[k, s["n"], s["p50_ms"], s["p95_ms"], s["mean_ms"]] for k, s in data["latency"].items()]
     for unit in ("first", "uncached"):
-        out.append([f"group of {data['group_size']}: resets / {unit} load", "", "", "",
-                    f"{data[f'group_reset_cost_in_{unit}_loads']:.2f}"])
+        out.append(
+            [
+                f"group of {data['group_size']}: resets / {unit} load",
+                "",
+                "",
+                "",
+                f"{data[f'group_reset_cost_in_{unit}_loads']:.2f}",
+            ]
+        )
     return out
 
 
@@ -145,21 +166,38 @@ def main() -> None:
     ap.add_argument("--split", default=AlfBench.split)
     ap.add_argument("--per-type", type=int, default=AlfBench.per_type)
     ap.add_argument("--group", type=int, default=AlfBench.group)
-    ap.add_argument("--strays", type=int, nargs="*", default=[1, 3],
-                    help="also measure the off-plan reference after this many random commands")
+    ap.add_argument(
+        "--strays",
+        type=int,
+        nargs="*",
+        default=[1, 3],
+        help="also measure the off-plan reference after this many random commands",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     data = measure(AlfBench(split=args.split, per_type=args.per_type, group=args.group))
     data["reference"] = [measure_reference(args.split, 2 * args.per_type, k) for k in args.strays]
-    print_table(f"off-plan reference ({args.split}, {2 * args.per_type} games per task type)",
-                ["strays", "games", "won", "win rate", "off-plan turns with a reference", "mean turns"],
-                [[r["strays"], r["games"], r["won"], r["win_rate"], r["off_plan_turns_with_reference"], r["mean_turns"]]
-                 for r in data["reference"]])
-    report("env_alfworld", f"ALFWorld env latency ({data['split']}, {data['games']} games, expert, group {data['group_size']})",
-           ["what", "n", "p50 ms", "p95 ms", "mean ms"], rows(data), data, args.out)
+    print_table(
+        f"off-plan reference ({args.split}, {2 * args.per_type} games per task type)",
+        ["strays", "games", "won", "win rate", "off-plan turns with a reference", "mean turns"],
+        [
+            [r["strays"], r["games"], r["won"], r["win_rate"], r["off_plan_turns_with_reference"], r["mean_turns"]]
+            for r in data["reference"]
+        ],
+    )
+    report(
+        "env_alfworld",
+        f"ALFWorld env latency ({data['split']}, {data['games']} games, expert, group {data['group_size']})",
+        ["what", "n", "p50 ms", "p95 ms", "mean ms"],
+        rows(data),
+        data,
+        args.out,
+    )
     rss = data["rss_mb_per_live_engine"]
-    print(f"expert episodes/s {data['expert_episodes_per_s']:.2f}; "
-          f"memory per live engine {'-' if rss is None else f'{rss:.0f} MB'}")
+    print(
+        f"expert episodes/s {data['expert_episodes_per_s']:.2f}; "
+        f"memory per live engine {'-' if rss is None else f'{rss:.0f} MB'}"
+    )
 
 
 if __name__ == "__main__":

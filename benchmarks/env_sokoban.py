@@ -31,9 +31,17 @@ class EnvBench:
 def measure(cfg: EnvBench) -> dict:
     world = SokobanWorld()
     n = min(cfg.episodes, world.num_tasks("test"))
-    times: dict[str, list[float]] = {k: [] for k in ("reset, new room", "reset, cached room", "solver table",
-                                                     "step, random, expert off", "step, random, expert on",
-                                                     "step, expert")}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "reset, new room",
+            "reset, cached room",
+            "solver table",
+            "step, random, expert off",
+            "step, random, expert on",
+            "step, expert",
+        )
+    }
     ep = world.new_episode("test")
     for task in range(n):
         t = time.perf_counter()
@@ -67,7 +75,9 @@ def measure(cfg: EnvBench) -> dict:
 
 
 def rows(data: dict) -> list[list]:
-    return [[k, s["n"], s["p50_ms"] * 1000, s["p95_ms"] * 1000, s["mean_ms"] * 1000] for k, s in data["latency"].items()]
+    return [
+        [k, s["n"], s["p50_ms"] * 1000, s["p95_ms"] * 1000, s["mean_ms"] * 1000] for k, s in data["latency"].items()
+    ]
 
 
 def main() -> None:
@@ -77,8 +87,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     data = measure(EnvBench(episodes=args.episodes, seed=args.seed))
-    report("env_sokoban", f"Sokoban env latency (6x6, 1 box, test panel, {data['episodes']} episodes)",
-           ["what", "n", "p50 us", "p95 us", "mean us"], rows(data), data, args.out)
+    report(
+        "env_sokoban",
+        f"Sokoban env latency (6x6, 1 box, test panel, {data['episodes']} episodes)",
+        ["what", "n", "p50 us", "p95 us", "mean us"],
+        rows(data),
+        data,
+        args.out,
+    )
 
 
 if __name__ == "__main__":

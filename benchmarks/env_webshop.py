@@ -30,6 +30,7 @@ def measure(cfg: EnvBench) -> dict:
     build_s = time.perf_counter() - t0
     world.engine.search("warm up")  # first call pays numpy/bm25s lazy setup
     from envs.webshop.reward import title_nouns
+
     title_nouns("warm up the tagger")  # the spaCy model loads on the first purchase
 
     times: dict[str, list[float]] = {"search": [], "click": [], "buy": [], "reset": []}
@@ -54,8 +55,13 @@ def measure(cfg: EnvBench) -> dict:
     all_steps = [x for k, v in times.items() if k != "reset" for x in v]
     stats = {k: percentiles_ms(v) for k, v in times.items() if v}
     stats["all steps"] = percentiles_ms(all_steps)
-    return {"catalog": world.catalog.source, "episodes": n, "world_build_s": build_s, "latency": stats,
-            "expert_episodes_per_s": n / wall}
+    return {
+        "catalog": world.catalog.source,
+        "episodes": n,
+        "world_build_s": build_s,
+        "latency": stats,
+        "expert_episodes_per_s": n / wall,
+    }
 
 
 def rows(data: dict) -> list[list]:
@@ -69,8 +75,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     data = measure(EnvBench(episodes=args.episodes, catalog=args.catalog))
-    report("env_webshop", f"WebShop env latency ({data['catalog'].split(':')[0]}, expert, {data['episodes']} episodes)",
-           ["step kind", "n", "p50 ms", "p95 ms", "mean ms"], rows(data), data, args.out)
+    report(
+        "env_webshop",
+        f"WebShop env latency ({data['catalog'].split(':')[0]}, expert, {data['episodes']} episodes)",
+        ["step kind", "n", "p50 ms", "p95 ms", "mean ms"],
+        rows(data),
+        data,
+        args.out,
+    )
     print(f"world build {data['world_build_s']:.2f} s; expert episodes/s {data['expert_episodes_per_s']:.1f}")
 
 

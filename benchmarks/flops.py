@@ -65,7 +65,8 @@ def matmul_flops(n: int, seconds: float) -> float:
 
 
 def matmul_peak(sizes: tuple[int, ...], repeats: int = 3) -> dict:
-    """Best fp32 ``torch.mm`` rate (per CPU second) over ``sizes``, each run ``repeats`` times after one untimed call."""
+    """Best fp32 ``torch.mm`` rate (per CPU second) over ``sizes``, each run ``repeats`` times
+    after one untimed call."""
     best = {}
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
@@ -97,10 +98,13 @@ def step_flops(samples: list[TurnSample], n_params: int, layers: int, d_model: i
     """
     tokens = [len(s.prompt_ids) + len(s.action_ids) for s in samples]
     action = sum(len(s.action_ids) for s in samples)
-    return {"tokens": sum(tokens), "action_tokens": action,
-            "six_n": 6.0 * n_params * sum(tokens),
-            "attention": float(sum(12 * layers * d_model * t * t for t in tokens)),
-            "lm_head": 6.0 * vocab * d_model * action}
+    return {
+        "tokens": sum(tokens),
+        "action_tokens": action,
+        "six_n": 6.0 * n_params * sum(tokens),
+        "attention": float(sum(12 * layers * d_model * t * t for t in tokens)),
+        "lm_head": 6.0 * vocab * d_model * action,
+    }
 
 
 def preset_model(preset: str, world) -> str:
@@ -114,14 +118,24 @@ def measure(cfg: FlopsBench, log=print) -> dict:
     from serl_cli.rollout.worlds import EnvConfig, build_world
 
     set_torch_threads(cfg.threads)
-    world = build_world(EnvConfig(name="webshop", split="train", max_turns=cfg.max_turns,
-                                  settings={"catalog": cfg.catalog}))
+    world = build_world(
+        EnvConfig(name="webshop", split="train", max_turns=cfg.max_turns, settings={"catalog": cfg.catalog})
+    )
     t0 = time.perf_counter()
     model_name = preset_model(cfg.preset, world)
     log(f"{cfg.preset} model ready in {time.perf_counter() - t0:.1f} s: {model_name}")
-    batch: Batch = make_batch(UpdateBench(catalog=cfg.catalog, model=model_name, tasks=cfg.tasks,
-                                          group_size=cfg.group_size, max_turns=cfg.max_turns,
-                                          max_new_tokens=cfg.max_new_tokens, threads=cfg.threads, seed=cfg.seed))
+    batch: Batch = make_batch(
+        UpdateBench(
+            catalog=cfg.catalog,
+            model=model_name,
+            tasks=cfg.tasks,
+            group_size=cfg.group_size,
+            max_turns=cfg.max_turns,
+            max_new_tokens=cfg.max_new_tokens,
+            threads=cfg.threads,
+            seed=cfg.seed,
+        )
+    )
     log(f"rollouts: {len(batch.episodes)} episodes, {batch.turns} turns in {batch.rollout_s:.1f} s")
     peak_before = matmul_peak(cfg.matmul_sizes)
     learner = Learner(model_name, TrainConfig(algo="grpo", seed=cfg.seed, threads=cfg.threads))
@@ -143,14 +157,28 @@ def measure(cfg: FlopsBench, log=print) -> dict:
     peak = max(peak_before["flops"], peak_after["flops"])
     train = flops["six_n"] / cpu
     with_attention = (flops["six_n"] + flops["attention"] + flops["lm_head"]) / cpu
-    return {"preset": cfg.preset, "model": model_name, "threads": cfg.threads, "non_embedding_parameters": n_params,
-            "parameters": sum(p.numel() for p in learner.model.parameters()), "turns": len(samples),
-            "tokens": flops["tokens"], "action_tokens": flops["action_tokens"], "update_cpu_s": cpu,
-            "all_update_cpu_s": [w.cpu_s for w in watches], "all_update_wall_s": [w.wall_s for w in watches],
-            "tokens_per_s": flops["tokens"] / cpu, "step_flops": flops,
-            "train_flops_per_s": train, "train_flops_per_s_with_attention_and_head": with_attention,
-            "matmul_peak_flops_per_s": peak, "matmul_peak_before": peak_before, "matmul_peak_after": peak_after,
-            "fraction_of_peak": train / peak, "fraction_of_peak_with_attention_and_head": with_attention / peak}
+    return {
+        "preset": cfg.preset,
+        "model": model_name,
+        "threads": cfg.threads,
+        "non_embedding_parameters": n_params,
+        "parameters": sum(p.numel() for p in learner.model.parameters()),
+        "turns": len(samples),
+        "tokens": flops["tokens"],
+        "action_tokens": flops["action_tokens"],
+        "update_cpu_s": cpu,
+        "all_update_cpu_s": [w.cpu_s for w in watches],
+        "all_update_wall_s": [w.wall_s for w in watches],
+        "tokens_per_s": flops["tokens"] / cpu,
+        "step_flops": flops,
+        "train_flops_per_s": train,
+        "train_flops_per_s_with_attention_and_head": with_attention,
+        "matmul_peak_flops_per_s": peak,
+        "matmul_peak_before": peak_before,
+        "matmul_peak_after": peak_after,
+        "fraction_of_peak": train / peak,
+        "fraction_of_peak_with_attention_and_head": with_attention / peak,
+    }
 
 
 def main() -> None:
@@ -173,13 +201,25 @@ def main() -> None:
     except SerlError as e:
         ap.exit(2, f"error: {e}\n")
     g = 1e9
-    rows = [["training (6N)", data["train_flops_per_s"] / g, data["fraction_of_peak"]],
-            ["training (6N + attention + LM head)", data["train_flops_per_s_with_attention_and_head"] / g,
-             data["fraction_of_peak_with_attention_and_head"]],
-            ["fp32 matmul peak", data["matmul_peak_flops_per_s"] / g, 1.0]]
-    report("flops", f"Training FLOP/s, {data['preset']} preset ({data['non_embedding_parameters'] / 1e6:.1f}M "
-           f"non-embedding params, {data['tokens']} tokens in {data['update_cpu_s']:.1f} CPU s, {data['threads']} thread(s))",
-           ["what", "GFLOP/s", "of peak"], rows, data, out)
+    rows = [
+        ["training (6N)", data["train_flops_per_s"] / g, data["fraction_of_peak"]],
+        [
+            "training (6N + attention + LM head)",
+            data["train_flops_per_s_with_attention_and_head"] / g,
+            data["fraction_of_peak_with_attention_and_head"],
+        ],
+        ["fp32 matmul peak", data["matmul_peak_flops_per_s"] / g, 1.0],
+    ]
+    report(
+        "flops",
+        f"Training FLOP/s, {data['preset']} preset ({data['non_embedding_parameters'] / 1e6:.1f}M "
+        f"non-embedding params, {data['tokens']} tokens in {data['update_cpu_s']:.1f} CPU s, "
+        f"{data['threads']} thread(s))",
+        ["what", "GFLOP/s", "of peak"],
+        rows,
+        data,
+        out,
+    )
 
 
 if __name__ == "__main__":

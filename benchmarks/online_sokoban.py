@@ -65,8 +65,11 @@ class OnlineBench:
 def iteration_configs(cfg: OnlineBench):
     """The demo's rollout, annotate and train settings, sized and seeded for the benchmark."""
     demo = DemoConfig()
-    rollout, train, annotate = copy.deepcopy(demo.online.rollout), copy.deepcopy(demo.online.train), \
-        copy.deepcopy(demo.online.annotate)
+    rollout, train, annotate = (
+        copy.deepcopy(demo.online.rollout),
+        copy.deepcopy(demo.online.train),
+        copy.deepcopy(demo.online.annotate),
+    )
     rollout.env, rollout.prompt = EnvConfig(name="sokoban", split="train"), demo.prompt
     rollout.tasks, rollout.group_size, rollout.threads = cfg.tasks, cfg.group_size, cfg.threads
     train.algo, train.seed, train.threads = "serl", cfg.seed, cfg.threads
@@ -98,34 +101,54 @@ def measure(cfg: OnlineBench) -> dict:
             rcfg.seed, rcfg.out = cfg.seed * 1000 + k, str(Path(tmp) / f"iter_{k}")
             watches, run = {}, {}
             with Stopwatch() as watches["rollout"]:
-                summary = run_rollout(rcfg, overwrite=True, model=learner.model, tokenizer=learner.tokenizer,
-                                      engine=engine)
+                summary = run_rollout(
+                    rcfg, overwrite=True, model=learner.model, tokenizer=learner.tokenizer, engine=engine
+                )
                 episodes = read_rollouts(rcfg.out)
             if cfg.model is None:
                 synthetic_outcomes(episodes, cfg.group_size)
             with Stopwatch() as watches["annotate"]:
-                records, stats = annotate_episodes(episodes, annotate, teacher, learner.tokenizer,
-                                                   env_cfg=io.to_plain(rcfg.env), temperature=temperature,
-                                                   bare_replies=rcfg.prompt.bare_replies)
+                records, stats = annotate_episodes(
+                    episodes,
+                    annotate,
+                    teacher,
+                    learner.tokenizer,
+                    env_cfg=io.to_plain(rcfg.env),
+                    temperature=temperature,
+                    bare_replies=rcfg.prompt.bare_replies,
+                )
             with Stopwatch() as watches["update"]:
-                metrics = learner.update(episodes, temperature, records, {"config": io.to_plain(annotate), "stats": stats})
+                metrics = learner.update(
+                    episodes, temperature, records, {"config": io.to_plain(annotate), "stats": stats}
+                )
             for part, w in watches.items():
                 run[f"{part}_cpu_s"], run[f"{part}_wall_s"] = w.cpu_s, w.wall_s
-            run.update(episodes=summary["episodes"], turns=summary["turns"], success_rate=summary["success_rate"],
-                       teacher_turns_scored=stats["teacher_turns_scored"],
-                       turns_with_gradient=metrics["turns_with_gradient"],
-                       prompt_tokens=sum(len(t["prompt_ids"]) for e in episodes for t in e["turns"]) / summary["turns"])
+            run.update(
+                episodes=summary["episodes"],
+                turns=summary["turns"],
+                success_rate=summary["success_rate"],
+                teacher_turns_scored=stats["teacher_turns_scored"],
+                turns_with_gradient=metrics["turns_with_gradient"],
+                prompt_tokens=sum(len(t["prompt_ids"]) for e in episodes for t in e["turns"]) / summary["turns"],
+            )
             runs.append(run)
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
     parts = {p: {"cpu_s": median(f"{p}_cpu_s"), "wall_s": median(f"{p}_wall_s")} for p in PARTS}
-    return {"config": vars(cfg), "model": model, "synthetic_rewards": cfg.model is None, "runs": runs, "parts": parts,
-            "iteration_cpu_s": statistics.median(sum(r[f"{p}_cpu_s"] for p in PARTS) for r in runs),
-            "iteration_wall_s": statistics.median(sum(r[f"{p}_wall_s"] for p in PARTS) for r in runs),
-            "turns": median("turns"), "mean_prompt_tokens": median("prompt_tokens"),
-            "teacher_turns_scored": median("teacher_turns_scored")}
+    return {
+        "config": vars(cfg),
+        "model": model,
+        "synthetic_rewards": cfg.model is None,
+        "runs": runs,
+        "parts": parts,
+        "iteration_cpu_s": statistics.median(sum(r[f"{p}_cpu_s"] for p in PARTS) for r in runs),
+        "iteration_wall_s": statistics.median(sum(r[f"{p}_wall_s"] for p in PARTS) for r in runs),
+        "turns": median("turns"),
+        "mean_prompt_tokens": median("prompt_tokens"),
+        "teacher_turns_scored": median("teacher_turns_scored"),
+    }
 
 
 def rows(data: dict) -> list[list]:
@@ -138,16 +161,24 @@ def main() -> None:
     defaults = OnlineBench()
     for name in ("preset", "model", "tasks", "group_size", "repeats", "threads", "seed"):
         default = getattr(defaults, name)
-        ap.add_argument(f"--{name.replace('_', '-')}", type=type(default) if default is not None else str, default=default)
+        ap.add_argument(
+            f"--{name.replace('_', '-')}", type=type(default) if default is not None else str, default=default
+        )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = OnlineBench(**{k: v for k, v in vars(args).items() if k != "out"})
     data = measure(cfg)
     what = "random weights, synthetic rewards" if data["synthetic_rewards"] else cfg.model
-    report("online_sokoban", f"One SERL online iteration on Sokoban ({cfg.tasks} rooms x {cfg.group_size}, {cfg.preset} "
-           f"preset, {what}; {data['turns']:.0f} turns, {data['mean_prompt_tokens']:.0f} prompt tokens a turn, "
-           f"{data['teacher_turns_scored']:.0f} scored by the teacher; {cfg.threads} thread(s))",
-           ["part", "CPU s", "wall s"], rows(data), data, args.out)
+    report(
+        "online_sokoban",
+        f"One SERL online iteration on Sokoban ({cfg.tasks} rooms x {cfg.group_size}, {cfg.preset} "
+        f"preset, {what}; {data['turns']:.0f} turns, {data['mean_prompt_tokens']:.0f} prompt tokens a turn, "
+        f"{data['teacher_turns_scored']:.0f} scored by the teacher; {cfg.threads} thread(s))",
+        ["part", "CPU s", "wall s"],
+        rows(data),
+        data,
+        args.out,
+    )
 
 
 if __name__ == "__main__":

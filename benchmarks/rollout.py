@@ -74,8 +74,16 @@ class PerEpisodeEngine(CountingEngine):
         return out
 
 
-def run_variant(name: str, engine: CountingEngine, world, specs, sampling: SamplingConfig, prompt: PromptConfig,
-                seed: int, max_turns: int) -> dict:
+def run_variant(
+    name: str,
+    engine: CountingEngine,
+    world,
+    specs,
+    sampling: SamplingConfig,
+    prompt: PromptConfig,
+    seed: int,
+    max_turns: int,
+) -> dict:
     policy = ModelPolicy(engine, sampling, prompt, seed=seed)
     with Stopwatch() as sw:
         records = run_episodes(world, "train", specs, policy, max_turns=max_turns, batch_size=len(specs))
@@ -127,8 +135,9 @@ def measure(cfg: RolloutBench, world=None, model_name: str | None = None) -> dic
     from serl_cli.models.loading import load_model, set_torch_threads
 
     set_torch_threads(cfg.threads)
-    world = world or build_world(EnvConfig(name="webshop", split="train", max_turns=cfg.max_turns,
-                                           settings={"catalog": cfg.catalog}))
+    world = world or build_world(
+        EnvConfig(name="webshop", split="train", max_turns=cfg.max_turns, settings={"catalog": cfg.catalog})
+    )
     if model_name is None:
         from serl_cli.rollout.default_model import default_model_dir
 
@@ -154,8 +163,13 @@ def measure(cfg: RolloutBench, world=None, model_name: str | None = None) -> dic
     if not vllm_skip:
         from serl_cli.rollout.engines import model_policy
 
-        vllm_engine = model_policy(model_name, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                   threads=cfg.threads, engine="vllm").engine
+        vllm_engine = model_policy(
+            model_name,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            threads=cfg.threads,
+            engine="vllm",
+        ).engine
         engines["vllm"] = lambda: CountingEngine(vllm_engine)
 
     # Interleave the variants and keep each one's fastest repeat (in CPU seconds): the machine is
@@ -179,11 +193,25 @@ def measure(cfg: RolloutBench, world=None, model_name: str | None = None) -> dic
     ratios = {"batched/per-episode": ratio("batched", "per-episode")}
     if "vllm" in by_name:
         ratios["vllm/batched"] = ratio("vllm", "batched")
-    return {"catalog": world.catalog.source, "model": model_name, "split": "train", "task_ids": task_ids,
-            "group_size": cfg.group_size, "episodes": len(specs), "temperature": cfg.temperature, "top_p": 1.0,
-            "max_new_tokens": cfg.max_new_tokens, "max_turns": cfg.max_turns, "threads": cfg.threads,
-            "seed": cfg.seed, "repeats": cfg.repeats, "variants": results, "ratios": ratios,
-            "ratio_batched_over_per_episode": ratios["batched/per-episode"], "vllm_skipped": vllm_skip or None}
+    return {
+        "catalog": world.catalog.source,
+        "model": model_name,
+        "split": "train",
+        "task_ids": task_ids,
+        "group_size": cfg.group_size,
+        "episodes": len(specs),
+        "temperature": cfg.temperature,
+        "top_p": 1.0,
+        "max_new_tokens": cfg.max_new_tokens,
+        "max_turns": cfg.max_turns,
+        "threads": cfg.threads,
+        "seed": cfg.seed,
+        "repeats": cfg.repeats,
+        "variants": results,
+        "ratios": ratios,
+        "ratio_batched_over_per_episode": ratios["batched/per-episode"],
+        "vllm_skipped": vllm_skip or None,
+    }
 
 
 def main() -> None:
@@ -198,23 +226,40 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=d.temperature)
     ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--repeats", type=int, default=d.repeats, help="interleaved runs of each variant; the fastest is kept")
+    ap.add_argument(
+        "--repeats", type=int, default=d.repeats, help="interleaved runs of each variant; the fastest is kept"
+    )
     ap.add_argument("--out", default=None)
     args = vars(ap.parse_args())
     out = args.pop("out")
     cfg = RolloutBench(**args)
     data = measure(cfg)
-    rows = [[r["variant"], r["episodes"], r["turns"], r["generated_tokens"], r["cpu_s"], r["wall_s"], r["tokens_per_s"],
-             r["turns_per_s"]] for r in data["variants"]]
+    rows = [
+        [
+            r["variant"],
+            r["episodes"],
+            r["turns"],
+            r["generated_tokens"],
+            r["cpu_s"],
+            r["wall_s"],
+            r["tokens_per_s"],
+            r["turns_per_s"],
+        ]
+        for r in data["variants"]
+    ]
     for name, r in data["ratios"].items():
         rows.append([name, "", "", "", "", "", r["tokens_per_s"], r["turns_per_s"]])
     source = data["catalog"].split(":")[0]
-    report("rollout",
-           f"Rollout throughput (WebShop {source}, train, {data['episodes']} episodes = {cfg.tasks} x G={cfg.group_size}, "
-           f"T={cfg.temperature}, max_new_tokens {cfg.max_new_tokens}, max_turns {cfg.max_turns}, "
-           f"{cfg.threads} thread(s), best of {cfg.repeats})",
-           ["variant", "episodes", "turns", "generated tokens", "CPU s", "wall s", "tokens/CPU s", "turns/CPU s"],
-           rows, data, out)
+    report(
+        "rollout",
+        f"Rollout throughput (WebShop {source}, train, {data['episodes']} episodes = {cfg.tasks} x G={cfg.group_size}, "
+        f"T={cfg.temperature}, max_new_tokens {cfg.max_new_tokens}, max_turns {cfg.max_turns}, "
+        f"{cfg.threads} thread(s), best of {cfg.repeats})",
+        ["variant", "episodes", "turns", "generated tokens", "CPU s", "wall s", "tokens/CPU s", "turns/CPU s"],
+        rows,
+        data,
+        out,
+    )
     if data["vllm_skipped"]:
         print(f"hf vs vllm skipped: {data['vllm_skipped']}")
 

@@ -36,8 +36,8 @@ import argparse
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable
 
 from benchmarks import env_sokoban, env_webshop, flops, online_sokoban, rollout, train_step, trl_grpo
 from benchmarks.common import (
@@ -87,11 +87,20 @@ def suite_config(quick: bool = False, threads: int = 1, seed: int = 0, only: tup
     cfg.sokoban = env_sokoban.EnvBench(episodes=20, seed=seed)
     cfg.online = online_sokoban.OnlineBench(tasks=2, group_size=2, repeats=1, **common)
     cfg.rollout = rollout.RolloutBench(tasks=1, group_size=2, max_turns=2, max_new_tokens=8, repeats=1, **common)
-    cfg.update = train_step.UpdateBench(tasks=1, group_size=2, max_turns=2, max_new_tokens=8, repeats=1,
-                                        fresh_process_memory=False, **common)
+    cfg.update = train_step.UpdateBench(
+        tasks=1, group_size=2, max_turns=2, max_new_tokens=8, repeats=1, fresh_process_memory=False, **common
+    )
     cfg.trl = trl_grpo.PeerBench(repeats=1, **common)
-    cfg.flops = flops.FlopsBench(preset="tiny", tasks=1, group_size=2, max_turns=2, max_new_tokens=8, repeats=1,
-                                 matmul_sizes=(256, 512), **common)
+    cfg.flops = flops.FlopsBench(
+        preset="tiny",
+        tasks=1,
+        group_size=2,
+        max_turns=2,
+        max_new_tokens=8,
+        repeats=1,
+        matmul_sizes=(256, 512),
+        **common,
+    )
     return cfg
 
 
@@ -128,10 +137,12 @@ def _env_webshop(cfg: SuiteConfig, ctx: Context):
     data = env_webshop.measure(cfg.env)
     lat = data["latency"]["all steps"]
     catalog = data["catalog"].split(":")[0]
-    return [Figure("env_webshop", f"step latency p50 ({catalog}, expert)", lat["p50_ms"], "ms"),
-            Figure("env_webshop", "step latency p95", lat["p95_ms"], "ms"),
-            Figure("env_webshop", "buy step p95 (reward)", data["latency"]["buy"]["p95_ms"], "ms"),
-            Figure("env_webshop", "expert episodes/s", data["expert_episodes_per_s"], "1/s")], data
+    return [
+        Figure("env_webshop", f"step latency p50 ({catalog}, expert)", lat["p50_ms"], "ms"),
+        Figure("env_webshop", "step latency p95", lat["p95_ms"], "ms"),
+        Figure("env_webshop", "buy step p95 (reward)", data["latency"]["buy"]["p95_ms"], "ms"),
+        Figure("env_webshop", "expert episodes/s", data["expert_episodes_per_s"], "1/s"),
+    ], data
 
 
 @section("env_sokoban")
@@ -139,11 +150,18 @@ def _env_sokoban(cfg: SuiteConfig, ctx: Context):
     data = env_sokoban.measure(cfg.sokoban)
     lat = data["latency"]
     us = 1000.0
-    return [Figure("env_sokoban", "step p50 (random policy, solver excluded)", lat["step, random, expert off"]["p50_ms"] * us,
-                   "µs", "< 50"),
-            Figure("env_sokoban", "step p95", lat["step, random, expert off"]["p95_ms"] * us, "µs"),
-            Figure("env_sokoban", "step p50, expert action filled in", lat["step, random, expert on"]["p50_ms"] * us, "µs"),
-            Figure("env_sokoban", "new room (generate + solver table) p50", lat["reset, new room"]["p50_ms"], "ms")], data
+    return [
+        Figure(
+            "env_sokoban",
+            "step p50 (random policy, solver excluded)",
+            lat["step, random, expert off"]["p50_ms"] * us,
+            "µs",
+            "< 50",
+        ),
+        Figure("env_sokoban", "step p95", lat["step, random, expert off"]["p95_ms"] * us, "µs"),
+        Figure("env_sokoban", "step p50, expert action filled in", lat["step, random, expert on"]["p50_ms"] * us, "µs"),
+        Figure("env_sokoban", "new room (generate + solver table) p50", lat["reset, new room"]["p50_ms"], "ms"),
+    ], data
 
 
 @section("env_alfworld")
@@ -157,13 +175,20 @@ def _env_alfworld(cfg: SuiteConfig, ctx: Context):
         raise Skipped(f"benchmarks.env_alfworld gave no result: {why}")
     try:
         lat, g = data["latency"], data["group_size"]
-        figs = [Figure("env_alfworld", f"step latency p50 ({data['split']}, expert)", lat["step"]["p50_ms"], "ms"),
-                Figure("env_alfworld", "step latency p95", lat["step"]["p95_ms"], "ms"),
-                Figure("env_alfworld", "first reset p50", lat["first reset"]["p50_ms"], "ms"),
-                Figure("env_alfworld", "repeat reset in a group p50", lat["group reset"]["p50_ms"], "ms"),
-                Figure("env_alfworld", f"group of {g}: resets / first load", data["group_reset_cost_in_first_loads"],
-                       "x", "< 2" if g == 8 else ""),
-                Figure("env_alfworld", "expert episodes/s", data["expert_episodes_per_s"], "1/s")]
+        figs = [
+            Figure("env_alfworld", f"step latency p50 ({data['split']}, expert)", lat["step"]["p50_ms"], "ms"),
+            Figure("env_alfworld", "step latency p95", lat["step"]["p95_ms"], "ms"),
+            Figure("env_alfworld", "first reset p50", lat["first reset"]["p50_ms"], "ms"),
+            Figure("env_alfworld", "repeat reset in a group p50", lat["group reset"]["p50_ms"], "ms"),
+            Figure(
+                "env_alfworld",
+                f"group of {g}: resets / first load",
+                data["group_reset_cost_in_first_loads"],
+                "x",
+                "< 2" if g == 8 else "",
+            ),
+            Figure("env_alfworld", "expert episodes/s", data["expert_episodes_per_s"], "1/s"),
+        ]
     except KeyError:  # the script changed its record: keep what looks like a figure
         figs = external_figures("env_alfworld", data)
     return figs, data
@@ -173,10 +198,18 @@ def _env_alfworld(cfg: SuiteConfig, ctx: Context):
 def _rollout(cfg: SuiteConfig, ctx: Context):
     data = rollout.measure(cfg.rollout)
     by = {v["variant"]: v for v in data["variants"]}
-    figs = [Figure("rollout", "batched generate", by["batched"]["tokens_per_s"], "tok/CPU s"),
-            Figure("rollout", "per-episode generate", by["per-episode"]["tokens_per_s"], "tok/CPU s"),
-            Figure("rollout", "batched / per-episode", data["ratios"]["batched/per-episode"]["tokens_per_s"], "x",
-                   ">= 1", f"{data['episodes']} episodes")]
+    figs = [
+        Figure("rollout", "batched generate", by["batched"]["tokens_per_s"], "tok/CPU s"),
+        Figure("rollout", "per-episode generate", by["per-episode"]["tokens_per_s"], "tok/CPU s"),
+        Figure(
+            "rollout",
+            "batched / per-episode",
+            data["ratios"]["batched/per-episode"]["tokens_per_s"],
+            "x",
+            ">= 1",
+            f"{data['episodes']} episodes",
+        ),
+    ]
     if "vllm/batched" in data["ratios"]:
         figs.append(Figure("rollout", "vllm / hf batched", data["ratios"]["vllm/batched"]["tokens_per_s"], "x"))
     else:
@@ -191,13 +224,29 @@ def _update(cfg: SuiteConfig, ctx: Context):
     figs = []
     for v in data["variants"]:
         name = {"serl": "serl (feedback)", "rlsd": "rlsd (all)"}.get(v["variant"], v["variant"])
-        figs.append(Figure("update", f"{name} step", v["total_cpu_s"], "CPU s", "",
-                           f"x{v['total_over_grpo']:.2f} grpo; teacher scored {v['teacher_turns_scored']} turns"))
+        figs.append(
+            Figure(
+                "update",
+                f"{name} step",
+                v["total_cpu_s"],
+                "CPU s",
+                "",
+                f"x{v['total_over_grpo']:.2f} grpo; teacher scored {v['teacher_turns_scored']} turns",
+            )
+        )
     for v in data["variants"]:
         fresh = v.get("fresh_process") or {}
         if "peak_rss_mb" in fresh:
-            figs.append(Figure("update", f"{v['variant']} peak RSS, fresh process", fresh["peak_rss_mb"], "MB", "",
-                               f"+{fresh['step_extra_mb']:.0f} MB in the step"))
+            figs.append(
+                Figure(
+                    "update",
+                    f"{v['variant']} peak RSS, fresh process",
+                    fresh["peak_rss_mb"],
+                    "MB",
+                    "",
+                    f"+{fresh['step_extra_mb']:.0f} MB in the step",
+                )
+            )
         else:
             figs.append(Figure("update", f"{v['variant']} step +RSS (in run)", v["step_extra_mb"], "MB"))
     return figs, data
@@ -209,10 +258,13 @@ def _online_sokoban(cfg: SuiteConfig, ctx: Context):
     c, parts = cfg.online, data["parts"]
     size = f"{c.tasks} rooms x {c.group_size}"
     target = "<= 15" if (c.tasks, c.group_size) == (8, 8) else ""
-    note = (f"{data['turns']:.0f} turns; rollout {parts['rollout']['cpu_s']:.1f} + annotate "
-            f"{parts['annotate']['cpu_s']:.1f} + update {parts['update']['cpu_s']:.1f}")
-    return [Figure("online_sokoban", f"serl iteration ({size}, {c.preset})", data["iteration_cpu_s"], "CPU s", target,
-                   note)], data
+    note = (
+        f"{data['turns']:.0f} turns; rollout {parts['rollout']['cpu_s']:.1f} + annotate "
+        f"{parts['annotate']['cpu_s']:.1f} + update {parts['update']['cpu_s']:.1f}"
+    )
+    return [
+        Figure("online_sokoban", f"serl iteration ({size}, {c.preset})", data["iteration_cpu_s"], "CPU s", target, note)
+    ], data
 
 
 @section("trl")
@@ -223,11 +275,19 @@ def _trl(cfg: SuiteConfig, ctx: Context):
     batch = ctx.update_batch or train_step.make_batch(cfg.update)
     data = trl_grpo.measure(cfg.trl, batch, cfg.update.temperature, log=log)
     note = f"{data['rows']} turns, {data['real_tokens']} tokens, {cfg.trl.repeats} pairs"
-    return [Figure("trl", "serl GRPO update", data["serl"]["update_cpu_s"], "CPU s", "", note),
-            Figure("trl", f"TRL {data['trl']['version']} GRPOTrainer step", data["trl"]["step_cpu_s"], "CPU s"),
-            Figure("trl", "serl / TRL time per update", data["ratio_serl_over_trl"], "x", "<= 0.8"),
-            Figure("trl", "first-step grad norm, |serl - TRL| / TRL", data["first_grad_norm_rel_diff"], "",
-                   "<= 0.001", "same objective check")], data
+    return [
+        Figure("trl", "serl GRPO update", data["serl"]["update_cpu_s"], "CPU s", "", note),
+        Figure("trl", f"TRL {data['trl']['version']} GRPOTrainer step", data["trl"]["step_cpu_s"], "CPU s"),
+        Figure("trl", "serl / TRL time per update", data["ratio_serl_over_trl"], "x", "<= 0.8"),
+        Figure(
+            "trl",
+            "first-step grad norm, |serl - TRL| / TRL",
+            data["first_grad_norm_rel_diff"],
+            "",
+            "<= 0.001",
+            "same objective check",
+        ),
+    ], data
 
 
 @section("flops")
@@ -235,13 +295,28 @@ def _flops(cfg: SuiteConfig, ctx: Context):
     data = flops.measure(cfg.flops, log=log)
     g = 1e9
     target = ">= 0.3" if cfg.flops.preset == "small" else ""
-    return [Figure("flops", f"training 6N ({cfg.flops.preset}, {data['non_embedding_parameters'] / 1e6:.1f}M)",
-                   data["train_flops_per_s"] / g, "GFLOP/CPU s", "", f"{data['tokens_per_s']:.0f} tok/CPU s"),
-            Figure("flops", "fp32 matmul peak", data["matmul_peak_flops_per_s"] / g, "GFLOP/CPU s", "",
-                   f"{cfg.threads} thread(s)"),
-            Figure("flops", "training / peak", data["fraction_of_peak"], "", target),
-            Figure("flops", "training incl. attention + LM head / peak",
-                   data["fraction_of_peak_with_attention_and_head"], "")], data
+    return [
+        Figure(
+            "flops",
+            f"training 6N ({cfg.flops.preset}, {data['non_embedding_parameters'] / 1e6:.1f}M)",
+            data["train_flops_per_s"] / g,
+            "GFLOP/CPU s",
+            "",
+            f"{data['tokens_per_s']:.0f} tok/CPU s",
+        ),
+        Figure(
+            "flops",
+            "fp32 matmul peak",
+            data["matmul_peak_flops_per_s"] / g,
+            "GFLOP/CPU s",
+            "",
+            f"{cfg.threads} thread(s)",
+        ),
+        Figure("flops", "training / peak", data["fraction_of_peak"], "", target),
+        Figure(
+            "flops", "training incl. attention + LM head / peak", data["fraction_of_peak_with_attention_and_head"], ""
+        ),
+    ], data
 
 
 @section("backends")
@@ -251,7 +326,18 @@ def _backends(cfg: SuiteConfig, ctx: Context):
         raise Skipped(why)
     flags = ["--threads", str(cfg.threads), "--seed", str(cfg.seed), "--repeats", "1"]
     if cfg.quick:
-        flags += ["--preset", "tiny", "--episodes", "4", "--turns", "1", "--prompt-tokens", "64", "--action-tokens", "8"]
+        flags += [
+            "--preset",
+            "tiny",
+            "--episodes",
+            "4",
+            "--turns",
+            "1",
+            "--prompt-tokens",
+            "64",
+            "--action-tokens",
+            "8",
+        ]
     data, why = run_module("benchmarks.train_backends", flags, cfg.external_timeout_s)
     if data is None:
         raise Skipped(f"benchmarks.train_backends gave no result: {why}")
@@ -259,7 +345,9 @@ def _backends(cfg: SuiteConfig, ctx: Context):
         by = {r["backend"]: r for r in data["results"]}
         figs = []
         for name, r in by.items():
-            note = f"x{r['update_s'] / by['torch']['update_s']:.2f} torch (wall s, own process)" if "torch" in by else ""
+            note = (
+                f"x{r['update_s'] / by['torch']['update_s']:.2f} torch (wall s, own process)" if "torch" in by else ""
+            )
             figs.append(Figure("backends", f"{name} update ({data['preset']})", r["update_s"], "s", "", note))
         figs += [Figure("backends", f"{name} peak RSS", r["peak_rss_mb"], "MB") for name, r in by.items()]
     except KeyError:  # the script changed its record: keep what looks like a figure
@@ -317,10 +405,17 @@ def run(cfg: SuiteConfig) -> tuple[dict, list[Figure]]:
             log(f"   {name}: {status} in {watch.wall_s:.0f} s wall, {watch.cpu_s:.0f} CPU s")
             figures += figs
             sections[name] = data
-    result = {"benchmark": "suite", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **machine_info(),
-              "command": " ".join(["python -m benchmarks", *sys.argv[1:]]), "config": asdict(cfg),
-              "wall_s": whole.wall_s, "cpu_s": whole.cpu_s, "figures": [f.to_dict() for f in figures],
-              "sections": sections}
+    result = {
+        "benchmark": "suite",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **machine_info(),
+        "command": " ".join(["python -m benchmarks", *sys.argv[1:]]),
+        "config": asdict(cfg),
+        "wall_s": whole.wall_s,
+        "cpu_s": whole.cpu_s,
+        "figures": [f.to_dict() for f in figures],
+        "sections": sections,
+    }
     return result, figures
 
 
@@ -344,8 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     except SerlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    title = (f"serl benchmark suite{' (quick)' if cfg.quick else ''}: {result['wall_s'] / 60:.1f} min wall, "
-             f"{result['cpu_s'] / 60:.1f} CPU min, {cfg.threads} torch thread(s), {result['processor']}")
+    title = (
+        f"serl benchmark suite{' (quick)' if cfg.quick else ''}: {result['wall_s'] / 60:.1f} min wall, "
+        f"{result['cpu_s'] / 60:.1f} CPU min, {cfg.threads} torch thread(s), {result['processor']}"
+    )
     print_table(title, COLUMNS, figure_rows(figures))
     out = args.out or RESULTS_DIR / ("suite_quick.json" if cfg.quick else "suite.json")
     print(f"wrote {write_json(out, result)}")

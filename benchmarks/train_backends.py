@@ -50,14 +50,30 @@ def make_episodes(model_dir: str, args) -> list[dict]:
     vocab = len(tokenizer)
     episodes = []
     for e in range(args.episodes):
-        turns = [{"turn": t, "prompt_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)],
-                  "action_ids": [rng.randrange(3, vocab) for _ in range(args.action_tokens)],
-                  "state_key": str(t), "reward": 0.0} for t in range(args.turns)]
+        turns = [
+            {
+                "turn": t,
+                "prompt_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)],
+                "action_ids": [rng.randrange(3, vocab) for _ in range(args.action_tokens)],
+                "state_key": str(t),
+                "reward": 0.0,
+            }
+            for t in range(args.turns)
+        ]
         win = e % 4 < 2
-        episodes.append({"task_id": e // 4, "group_id": e // 4, "rollout_index": e % 4, "reward": float(win),
-                         "success": win, "turns": turns})
-    scores = iter(score(model, tokenizer, [ScoreItem(t["prompt_ids"], t["action_ids"])
-                                          for ep in episodes for t in ep["turns"]]))
+        episodes.append(
+            {
+                "task_id": e // 4,
+                "group_id": e // 4,
+                "rollout_index": e % 4,
+                "reward": float(win),
+                "success": win,
+                "turns": turns,
+            }
+        )
+    scores = iter(
+        score(model, tokenizer, [ScoreItem(t["prompt_ids"], t["action_ids"]) for ep in episodes for t in ep["turns"]])
+    )
     for ep in episodes:
         for t in ep["turns"]:
             t["behaviour_logprobs"] = next(scores)
@@ -73,9 +89,14 @@ def measure(backend: str, model_dir: str, args) -> dict:
 
     episodes = make_episodes(model_dir, args)
     stage = None if backend == "torch" else int(backend[-1])
-    cfg = TrainConfig(algo="grpo", backend="torch" if stage is None else "deepspeed", seed=args.seed,
-                      threads=args.threads, deepspeed=DeepSpeedConfig(zero_stage=stage),
-                      optim=OptimConfig(lr=1e-6, micro_batch_tokens=args.micro_batch_tokens))
+    cfg = TrainConfig(
+        algo="grpo",
+        backend="torch" if stage is None else "deepspeed",
+        seed=args.seed,
+        threads=args.threads,
+        deepspeed=DeepSpeedConfig(zero_stage=stage),
+        optim=OptimConfig(lr=1e-6, micro_batch_tokens=args.micro_batch_tokens),
+    )
     t0 = time.perf_counter()
     learner = Learner(model_dir, cfg)
     setup_s = time.perf_counter() - t0
@@ -87,8 +108,15 @@ def measure(backend: str, model_dir: str, args) -> dict:
         times.append(m["timing"]["update_s"])
         tokens = m["action_tokens"]
     hwm_kb = status_kb("VmHWM")
-    return {"backend": backend, "update_s": statistics.median(times), "update_s_all": times, "setup_s": setup_s,
-            "peak_rss_mb": hwm_kb / 1024.0 if hwm_kb else None, "peak_reset": reset, "action_tokens": tokens}
+    return {
+        "backend": backend,
+        "update_s": statistics.median(times),
+        "update_s_all": times,
+        "setup_s": setup_s,
+        "peak_rss_mb": hwm_kb / 1024.0 if hwm_kb else None,
+        "peak_reset": reset,
+        "action_tokens": tokens,
+    }
 
 
 def main() -> None:
@@ -129,25 +157,59 @@ def main() -> None:
             elif not a.startswith("--out="):
                 passthrough.append(a)
         for backend in BACKENDS:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.train_backends", *passthrough, "--one", backend,
-                                   "--model", model_dir], capture_output=True, text=True)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.train_backends",
+                    *passthrough,
+                    "--one",
+                    backend,
+                    "--model",
+                    model_dir,
+                ],
+                capture_output=True,
+                text=True,
+            )
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:
                 print(f"{backend}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
                 sys.exit(1)
-            results.append(json.loads(line[len("RESULT "):]))
+            results.append(json.loads(line[len("RESULT ") :]))
             print(f"  {backend}: update {results[-1]['update_s']:.3f} s", flush=True)
     base = results[0]["update_s"]
-    rows = [[r["backend"], f"{r['update_s']:.3f}", f"{r['update_s'] / base:.2f}", f"{r['setup_s']:.1f}",
-             f"{r['peak_rss_mb']:.0f}" if r["peak_rss_mb"] else "n/a"] for r in results]
-    report("train_backends", f"One GRPO update, {args.preset} preset, {args.episodes} episodes x {args.turns} turns "
-           f"({results[0]['action_tokens']} action tokens, prompts {args.prompt_tokens} tokens), 1 process, "
-           f"{args.threads} thread(s), median of {args.repeats}",
-           ["backend", "update s", "x torch", "setup s", "peak RSS MB"], rows,
-           {"preset": args.preset, "episodes": args.episodes, "turns": args.turns, "prompt_tokens": args.prompt_tokens,
-            "action_tokens": args.action_tokens, "micro_batch_tokens": args.micro_batch_tokens,
-            "repeats": args.repeats, "threads": args.threads, "seed": args.seed, "processes": 1,
-            "results": results}, args.out)
+    rows = [
+        [
+            r["backend"],
+            f"{r['update_s']:.3f}",
+            f"{r['update_s'] / base:.2f}",
+            f"{r['setup_s']:.1f}",
+            f"{r['peak_rss_mb']:.0f}" if r["peak_rss_mb"] else "n/a",
+        ]
+        for r in results
+    ]
+    report(
+        "train_backends",
+        f"One GRPO update, {args.preset} preset, {args.episodes} episodes x {args.turns} turns "
+        f"({results[0]['action_tokens']} action tokens, prompts {args.prompt_tokens} tokens), 1 process, "
+        f"{args.threads} thread(s), median of {args.repeats}",
+        ["backend", "update s", "x torch", "setup s", "peak RSS MB"],
+        rows,
+        {
+            "preset": args.preset,
+            "episodes": args.episodes,
+            "turns": args.turns,
+            "prompt_tokens": args.prompt_tokens,
+            "action_tokens": args.action_tokens,
+            "micro_batch_tokens": args.micro_batch_tokens,
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "seed": args.seed,
+            "processes": 1,
+            "results": results,
+        },
+        args.out,
+    )
 
 
 def _corpus() -> list[str]:

@@ -125,14 +125,22 @@ from serl_cli.training.train_config import TrainConfig
 VARIANTS = ("grpo", "serl", "rlsd", "sdpo")
 
 
-def variant_configs(name: str, cfg: "UpdateBench") -> tuple[TrainConfig, AnnotateConfig | None]:
+def variant_configs(name: str, cfg: UpdateBench) -> tuple[TrainConfig, AnnotateConfig | None]:
     """The train and annotate settings of a variant, as ``serl online`` derives them."""
     tcfg = TrainConfig(algo=name, seed=cfg.seed, threads=cfg.threads, distill_coef=1.0 if name == "sdpo" else 0.0)
     if name == "grpo":
         return tcfg, None
-    acfg = AnnotateConfig(sources="ref|error", granularity="step", placement="all" if name == "rlsd" else "feedback",
-                          tokens="reply" if name == "rlsd" else "action", unparsed="whole",
-                          skip_zero_advantage=name != "sdpo", seed=cfg.seed, update_step=0, threads=cfg.threads)
+    acfg = AnnotateConfig(
+        sources="ref|error",
+        granularity="step",
+        placement="all" if name == "rlsd" else "feedback",
+        tokens="reply" if name == "rlsd" else "action",
+        unparsed="whole",
+        skip_zero_advantage=name != "sdpo",
+        seed=cfg.seed,
+        update_step=0,
+        threads=cfg.threads,
+    )
     return tcfg, acfg
 
 
@@ -172,8 +180,9 @@ class ScriptedPolicy:
 
     name = "scripted"
 
-    def __init__(self, model, tokenizer, prompt: PromptConfig, group_size: int, deviate: float, seed: int,
-                 temperature: float):
+    def __init__(
+        self, model, tokenizer, prompt: PromptConfig, group_size: int, deviate: float, seed: int, temperature: float
+    ):
         from serl_cli.rollout.engines import ModelPolicy
 
         self.model, self.tokenizer, self.group_size = model, tokenizer, group_size
@@ -197,7 +206,9 @@ class ScriptedPolicy:
             reply = format_action(action)
             action_ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
             out.append(Decision(action=action, text=reply, prompt_ids=ids, action_ids=action_ids))
-        logps = score(self.model, self.tokenizer, [ScoreItem(d.prompt_ids, d.action_ids) for d in out], self.temperature)
+        logps = score(
+            self.model, self.tokenizer, [ScoreItem(d.prompt_ids, d.action_ids) for d in out], self.temperature
+        )
         for d, lp in zip(out, logps):
             d.logprobs = lp
         return out
@@ -208,13 +219,22 @@ class _TokenizerOnly:
         self.tokenizer = tokenizer
 
 
-def collect_rollouts(bench: "UpdateBench", env: EnvConfig, world, model_name: str) -> list[dict]:
+def collect_rollouts(bench: UpdateBench, env: EnvConfig, world, model_name: str) -> list[dict]:
     sampling = SamplingConfig(temperature=bench.temperature, top_p=1.0, max_new_tokens=bench.max_new_tokens)
     n = bench.tasks * bench.group_size
     if bench.rollouts == "model":
         with tempfile.TemporaryDirectory(prefix="serl-train-step-") as tmp:
-            cfg = RolloutConfig(env=env, model=model_name, tasks=bench.tasks, group_size=bench.group_size,
-                                sampling=sampling, batch_size=n, seed=bench.seed, threads=bench.threads, out=tmp)
+            cfg = RolloutConfig(
+                env=env,
+                model=model_name,
+                tasks=bench.tasks,
+                group_size=bench.group_size,
+                sampling=sampling,
+                batch_size=n,
+                seed=bench.seed,
+                threads=bench.threads,
+                out=tmp,
+            )
             run_rollout(cfg, overwrite=True)
             return read_rollouts(tmp)
     from serl_cli.models.loading import load_model
@@ -223,7 +243,9 @@ def collect_rollouts(bench: "UpdateBench", env: EnvConfig, world, model_name: st
     model, tokenizer = load_model(model_name)
     model.eval()
     specs = episode_specs(sample_tasks(world.num_tasks("train"), bench.tasks, bench.seed), bench.group_size)
-    policy = ScriptedPolicy(model, tokenizer, PromptConfig(), bench.group_size, bench.deviate, bench.seed, bench.temperature)
+    policy = ScriptedPolicy(
+        model, tokenizer, PromptConfig(), bench.group_size, bench.deviate, bench.seed, bench.temperature
+    )
     records = run_episodes(world, "train", specs, policy, max_turns=bench.max_turns, batch_size=n)
     return records
 
@@ -236,8 +258,15 @@ def assign_synthetic_rewards(episodes: list[dict], group_size: int) -> None:
 
 
 # -- one step ----------------------------------------------------------------------------------
-def run_step(name: str, bench: "UpdateBench", model_name: str, episodes: list[dict], env: EnvConfig, parts: PartTimer,
-             reset_peak: bool = True) -> dict:
+def run_step(
+    name: str,
+    bench: UpdateBench,
+    model_name: str,
+    episodes: list[dict],
+    env: EnvConfig,
+    parts: PartTimer,
+    reset_peak: bool = True,
+) -> dict:
     tcfg, acfg = variant_configs(name, bench)
     learner = Learner(model_name, tcfg)
     teacher = copy.deepcopy(learner.model).eval().requires_grad_(False) if acfg else None
@@ -251,8 +280,9 @@ def run_step(name: str, bench: "UpdateBench", model_name: str, episodes: list[di
     stats: dict = {}
     with Stopwatch() as annotate_sw:
         if acfg is not None:
-            annotations, stats = annotate_episodes(episodes, acfg, teacher, learner.tokenizer,
-                                                   env_cfg=io.to_plain(env), temperature=bench.temperature)
+            annotations, stats = annotate_episodes(
+                episodes, acfg, teacher, learner.tokenizer, env_cfg=io.to_plain(env), temperature=bench.temperature
+            )
             meta = {"config": io.to_plain(acfg), "stats": stats}
     with Stopwatch() as update_sw:
         metrics = learner.update(episodes, bench.temperature, annotations, meta)
@@ -296,8 +326,19 @@ def run_step(name: str, bench: "UpdateBench", model_name: str, episodes: list[di
 def summarize(runs: list[dict]) -> dict:
     med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
     out = dict(runs[0])
-    for k in ("annotate_s", "annotate_cpu_s", "teacher_s", "annotate_other_s", "expert_trajectories_s",
-              "action_mask_s", "update_s", "update_cpu_s", "gradient_loop_s", "total_s", "total_cpu_s"):
+    for k in (
+        "annotate_s",
+        "annotate_cpu_s",
+        "teacher_s",
+        "annotate_other_s",
+        "expert_trajectories_s",
+        "action_mask_s",
+        "update_s",
+        "update_cpu_s",
+        "gradient_loop_s",
+        "total_s",
+        "total_cpu_s",
+    ):
         out[k] = med(k)
     for k in ("peak_rss_mb", "ru_maxrss_mb", "step_extra_mb"):
         out[k] = max(r[k] for r in runs)
@@ -390,12 +431,14 @@ def measure(cfg: UpdateBench, batch: Batch | None = None, log=print) -> dict:
 
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for r in range(cfg.repeats):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+        order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
         for v in order:
             res = run_step(v, cfg, batch.model_name, batch.episodes, batch.env, parts)
             runs[v].append(res)
-            log(f"  repeat {r + 1}/{cfg.repeats} {v}: annotate {res['annotate_cpu_s']:.2f} CPU s, "
-                f"update {res['update_cpu_s']:.2f} CPU s ({res['total_s']:.2f} s wall in all)")
+            log(
+                f"  repeat {r + 1}/{cfg.repeats} {v}: annotate {res['annotate_cpu_s']:.2f} CPU s, "
+                f"update {res['update_cpu_s']:.2f} CPU s ({res['total_s']:.2f} s wall in all)"
+            )
     results = [summarize(runs[v]) for v in VARIANTS]
     base = results[0]
     ratios = {f"{r['variant']}/grpo": r["total_cpu_s"] / base["total_cpu_s"] for r in results[1:]}
@@ -409,22 +452,43 @@ def measure(cfg: UpdateBench, batch: Batch | None = None, log=print) -> dict:
             r["fresh_process"] = fresh_process_memory(r["variant"], cfg, batch)
             log(f"  {r['variant']} in a fresh process: peak RSS {r['fresh_process'].get('peak_rss_mb', 0):.0f} MB")
     sel = {r["variant"]: r["selected_turns"] for r in results[1:]}
-    selection = {"turns": batch.turns, "selected": sel,
-                 "feedback_scores_fewer_than_all": results[1]["teacher_turns_scored"] < results[2]["teacher_turns_scored"]}
-    return {"catalog": batch.world.catalog.source, "model": batch.model_name, "rollouts": cfg.rollouts,
-            "split": "train", "tasks": cfg.tasks, "group_size": cfg.group_size, "episodes": len(batch.episodes),
-            "turns": batch.turns, "action_tokens": base["action_tokens"], "max_turns": cfg.max_turns,
-            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-            "deviate": cfg.deviate if cfg.rollouts == "scripted" else None, "threads": cfg.threads,
-            "seed": cfg.seed, "repeats": cfg.repeats, "rollout_s": batch.rollout_s,
-            "synthetic_rewards": "rollout_index < G // 2: reward 1.0, success True; else reward 0.0, success False",
-            "memory": MEMORY_NOTE, "selection": selection, "variants": results, "ratios_total": ratios}
+    selection = {
+        "turns": batch.turns,
+        "selected": sel,
+        "feedback_scores_fewer_than_all": results[1]["teacher_turns_scored"] < results[2]["teacher_turns_scored"],
+    }
+    return {
+        "catalog": batch.world.catalog.source,
+        "model": batch.model_name,
+        "rollouts": cfg.rollouts,
+        "split": "train",
+        "tasks": cfg.tasks,
+        "group_size": cfg.group_size,
+        "episodes": len(batch.episodes),
+        "turns": batch.turns,
+        "action_tokens": base["action_tokens"],
+        "max_turns": cfg.max_turns,
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "deviate": cfg.deviate if cfg.rollouts == "scripted" else None,
+        "threads": cfg.threads,
+        "seed": cfg.seed,
+        "repeats": cfg.repeats,
+        "rollout_s": batch.rollout_s,
+        "synthetic_rewards": "rollout_index < G // 2: reward 1.0, success True; else reward 0.0, success False",
+        "memory": MEMORY_NOTE,
+        "selection": selection,
+        "variants": results,
+        "ratios_total": ratios,
+    }
 
 
-MEMORY_NOTE = ("peak_rss_mb / step_extra_mb: in the timing process, VmHWM after a /proc/self/clear_refs reset "
-               "(the step's own high-water mark) and that minus the RSS at the step's start; fresh_process: "
-               "a new Python process that loads the model, the teacher copy and the rollouts and "
-               "runs this one step (its VmHWM: peak_rss_mb), and that minus its RSS just before the step (step_extra_mb)")
+MEMORY_NOTE = (
+    "peak_rss_mb / step_extra_mb: in the timing process, VmHWM after a /proc/self/clear_refs reset "
+    "(the step's own high-water mark) and that minus the RSS at the step's start; fresh_process: "
+    "a new Python process that loads the model, the teacher copy and the rollouts and "
+    "runs this one step (its VmHWM: peak_rss_mb), and that minus its RSS just before the step (step_extra_mb)"
+)
 
 
 # -- one variant in a fresh process, for its peak memory ------------------------------------------
@@ -432,9 +496,24 @@ def fresh_process_memory(variant: str, cfg: UpdateBench, batch: Batch) -> dict:
     with tempfile.TemporaryDirectory(prefix="serl-train-step-") as tmp:
         episodes_file = Path(tmp) / "episodes.json"
         episodes_file.write_text(json.dumps(batch.episodes))
-        flags = ["--one-step", variant, "--episodes-file", str(episodes_file), "--model", batch.model_name,
-                 "--catalog", cfg.catalog, "--max-turns", str(cfg.max_turns), "--temperature", str(cfg.temperature),
-                 "--threads", str(cfg.threads), "--seed", str(cfg.seed)]
+        flags = [
+            "--one-step",
+            variant,
+            "--episodes-file",
+            str(episodes_file),
+            "--model",
+            batch.model_name,
+            "--catalog",
+            cfg.catalog,
+            "--max-turns",
+            str(cfg.max_turns),
+            "--temperature",
+            str(cfg.temperature),
+            "--threads",
+            str(cfg.threads),
+            "--seed",
+            str(cfg.seed),
+        ]
         data, why = run_module("benchmarks.train_step", flags, timeout_s=900)
     return data if data is not None else {"error": why}
 
@@ -450,9 +529,14 @@ def one_step(variant: str, cfg: UpdateBench, episodes_file: str, out: str | None
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent through fork and
     # exec, so a child of a large process would report the parent's size
     peak = res["peak_rss_mb"]
-    data = {"variant": variant, "peak_rss_mb": peak, "rss_before_step_mb": res["rss_start_mb"],
-            "step_extra_mb": peak - res["rss_start_mb"], "ru_maxrss_mb": res["ru_maxrss_mb"],
-            "step_cpu_s": res["total_cpu_s"]}
+    data = {
+        "variant": variant,
+        "peak_rss_mb": peak,
+        "rss_before_step_mb": res["rss_start_mb"],
+        "step_extra_mb": peak - res["rss_start_mb"],
+        "ru_maxrss_mb": res["ru_maxrss_mb"],
+        "step_cpu_s": res["total_cpu_s"],
+    }
     write_json(out or RESULTS_DIR / f"train_step_{variant}_memory.json", data)
 
 
@@ -460,36 +544,60 @@ def table_rows(data: dict) -> list[list]:
     rows = []
     for r in data["variants"]:
         fresh = r.get("fresh_process") or {}
-        rows.append([r["variant"], *(f"{r[k]:.2f}" for k in ("annotate_cpu_s", "update_cpu_s", "total_cpu_s",
-                                                              "total_over_grpo")),
-                     f"{fresh['peak_rss_mb']:.0f}" if "peak_rss_mb" in fresh else "-",
-                     f"{fresh['step_extra_mb']:.0f}" if "step_extra_mb" in fresh else "-",
-                     f"{r['step_extra_mb']:.0f}"])
+        rows.append(
+            [
+                r["variant"],
+                *(f"{r[k]:.2f}" for k in ("annotate_cpu_s", "update_cpu_s", "total_cpu_s", "total_over_grpo")),
+                f"{fresh['peak_rss_mb']:.0f}" if "peak_rss_mb" in fresh else "-",
+                f"{fresh['step_extra_mb']:.0f}" if "step_extra_mb" in fresh else "-",
+                f"{r['step_extra_mb']:.0f}",
+            ]
+        )
     return rows
 
 
-COLUMNS = ["algo", "annotate CPU s", "update CPU s", "total CPU s", "x grpo", "peak RSS MB (fresh)",
-           "+RSS MB (fresh)", "+RSS MB (in run)"]
+COLUMNS = [
+    "algo",
+    "annotate CPU s",
+    "update CPU s",
+    "total CPU s",
+    "x grpo",
+    "peak RSS MB (fresh)",
+    "+RSS MB (fresh)",
+    "+RSS MB (in run)",
+]
 
 
 def main() -> None:
     d = UpdateBench()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--catalog", default=d.catalog, choices=["auto", "real", "synthetic"])
-    ap.add_argument("--rollouts", default=d.rollouts, choices=["model", "scripted"],
-                    help="model: the tiny model's own; scripted: the expert with random deviations (module docstring)")
+    ap.add_argument(
+        "--rollouts",
+        default=d.rollouts,
+        choices=["model", "scripted"],
+        help="model: the tiny model's own; scripted: the expert with random deviations (module docstring)",
+    )
     ap.add_argument("--model", default=None, help="model directory or hub name (default: the embedded tiny model)")
     ap.add_argument("--tasks", type=int, default=d.tasks, help="train tasks to sample")
     ap.add_argument("--group-size", type=int, default=d.group_size, help="episodes per task (G, at least 2)")
     ap.add_argument("--max-turns", type=int, default=d.max_turns)
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     ap.add_argument("--temperature", type=float, default=d.temperature)
-    ap.add_argument("--deviate", type=float, default=d.deviate, help="scripted: chance a failing episode's turn is random")
+    ap.add_argument(
+        "--deviate", type=float, default=d.deviate, help="scripted: chance a failing episode's turn is random"
+    )
     ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--repeats", type=int, default=d.repeats, help="interleaved runs of each variant; the median is kept")
-    ap.add_argument("--no-fresh-process-memory", dest="fresh_process_memory", action="store_false",
-                    help="skip the per-variant fresh-process peak-RSS runs")
+    ap.add_argument(
+        "--repeats", type=int, default=d.repeats, help="interleaved runs of each variant; the median is kept"
+    )
+    ap.add_argument(
+        "--no-fresh-process-memory",
+        dest="fresh_process_memory",
+        action="store_false",
+        help="skip the per-variant fresh-process peak-RSS runs",
+    )
     ap.add_argument("--one-step", choices=VARIANTS, default=None, help=argparse.SUPPRESS)  # the fresh process
     ap.add_argument("--episodes-file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
@@ -504,23 +612,51 @@ def main() -> None:
         ap.exit(2, f"error: {e}\n")
     base = data["variants"][0]
     source = data["catalog"].split(":")[0]
-    report("train_step" if cfg.rollouts == "model" else f"train_step_{cfg.rollouts}",
-           f"One update step (WebShop {source}, train, {cfg.rollouts} rollouts, {data['episodes']} episodes = "
-           f"{cfg.tasks} x G={cfg.group_size}, {data['turns']} turns, {base['action_tokens']} action tokens, synthetic "
-           f"rewards, {cfg.threads} thread(s), median of {cfg.repeats})", COLUMNS, table_rows(data), data, out)
+    report(
+        "train_step" if cfg.rollouts == "model" else f"train_step_{cfg.rollouts}",
+        f"One update step (WebShop {source}, train, {cfg.rollouts} rollouts, {data['episodes']} episodes = "
+        f"{cfg.tasks} x G={cfg.group_size}, {data['turns']} turns, {base['action_tokens']} action tokens, synthetic "
+        f"rewards, {cfg.threads} thread(s), median of {cfg.repeats})",
+        COLUMNS,
+        table_rows(data),
+        data,
+        out,
+    )
     work = Table(title="Work per step: turns the placement chose, what the teacher scored, turns with a gradient")
-    for c in ("algo", "chosen turns", "teacher turns", "teacher tokens", "of them action", "empty mask",
-              "distill turns", "grad turns"):
+    for c in (
+        "algo",
+        "chosen turns",
+        "teacher turns",
+        "teacher tokens",
+        "of them action",
+        "empty mask",
+        "distill turns",
+        "grad turns",
+    ):
         work.add_column(c, justify="left" if c == "algo" else "right")
     for r in data["variants"]:
-        work.add_row(r["variant"], *(str(r[k]) for k in ("selected_turns", "teacher_turns_scored", "teacher_tokens_scored",
-                                                         "teacher_action_tokens", "teacher_turns_empty_mask",
-                                                         "distill_turns", "turns_with_gradient")))
+        work.add_row(
+            r["variant"],
+            *(
+                str(r[k])
+                for k in (
+                    "selected_turns",
+                    "teacher_turns_scored",
+                    "teacher_tokens_scored",
+                    "teacher_action_tokens",
+                    "teacher_turns_empty_mask",
+                    "distill_turns",
+                    "turns_with_gradient",
+                )
+            ),
+        )
     Console().print(work)
     print("  ".join(f"{k} x{v:.2f}" for k, v in data["ratios_total"].items()))
     if not data["selection"]["feedback_scores_fewer_than_all"]:
-        print(f"note: placement feedback scored as many turns as all ({data['variants'][1]['teacher_turns_scored']}): "
-              "every turn carries evidence that fires (try --rollouts scripted)")
+        print(
+            f"note: placement feedback scored as many turns as all ({data['variants'][1]['teacher_turns_scored']}): "
+            "every turn carries evidence that fires (try --rollouts scripted)"
+        )
 
 
 if __name__ == "__main__":

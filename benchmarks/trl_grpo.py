@@ -91,14 +91,20 @@ def trl_inputs(samples: list[TurnSample], advantages: torch.Tensor, pad_id: int)
     old_logps = torch.zeros((n, width_c), dtype=torch.float32)
     for row, s in enumerate(samples):
         p, a = len(s.prompt_ids), len(s.action_ids)
-        prompt_ids[row, width_p - p:] = torch.tensor(s.prompt_ids)
-        prompt_mask[row, width_p - p:] = 1
+        prompt_ids[row, width_p - p :] = torch.tensor(s.prompt_ids)
+        prompt_mask[row, width_p - p :] = 1
         completion_ids[row, :a] = torch.tensor(s.action_ids)
         completion_mask[row, :a] = 1
         old_logps[row, :a] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask, "advantages": advantages.to(torch.float32),
-            "old_per_token_logps": old_logps, "num_items_in_batch": completion_mask.sum().to(torch.float32)}
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages.to(torch.float32),
+        "old_per_token_logps": old_logps,
+        "num_items_in_batch": completion_mask.sum().to(torch.float32),
+    }
 
 
 def rows_per_micro_batch(n_rows: int, width: int, max_tokens: int) -> int:
@@ -116,8 +122,9 @@ def serl_padded_tokens(samples: list[TurnSample], max_tokens: int, pad_id: int) 
 
 
 # -- TRL, with generation replaced by the fixed batch ------------------------------------------------
-def make_trl_trainer(model_name: str, inputs: dict, rows: int, accumulation: int, cfg: PeerBench, steps: int,
-                     out_dir: str, callback):
+def make_trl_trainer(
+    model_name: str, inputs: dict, rows: int, accumulation: int, cfg: PeerBench, steps: int, out_dir: str, callback
+):
     require("trl", "bench")
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -144,18 +151,43 @@ def make_trl_trainer(model_name: str, inputs: dict, rows: int, accumulation: int
     model, tokenizer = load_model(model_name)
     model.config.use_cache = False
     args = GRPOConfig(
-        output_dir=out_dir, max_steps=steps, seed=cfg.seed, use_cpu=True, bf16=False, fp16=False,
-        per_device_train_batch_size=rows, gradient_accumulation_steps=accumulation,
+        output_dir=out_dir,
+        max_steps=steps,
+        seed=cfg.seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=accumulation,
         num_generations=min(d for d in range(2, n + 1) if n % d == 0) if n > 1 else 1,
-        max_completion_length=inputs["completion_ids"].shape[1], temperature=1.0,
-        learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=cfg.grad_clip,
-        loss_type="dapo", beta=0.0, epsilon=cfg.clip_eps, activation_checkpointing=False,
-        report_to="none", logging_steps=10**9, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        max_completion_length=inputs["completion_ids"].shape[1],
+        temperature=1.0,
+        learning_rate=cfg.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=cfg.grad_clip,
+        loss_type="dapo",
+        beta=0.0,
+        epsilon=cfg.clip_eps,
+        activation_checkpointing=False,
+        report_to="none",
+        logging_steps=10**9,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
-    trainer = FixedBatchGRPOTrainer(model=model, reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts),
-                                    args=args, train_dataset=Dataset.from_dict({"prompt": ["-"] * n}),
-                                    processing_class=tokenizer, callbacks=[callback])
+    trainer = FixedBatchGRPOTrainer(
+        model=model,
+        reward_funcs=lambda prompts, completions, **kw: [0.0] * len(prompts),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["-"] * n}),
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
     trainer.losses, trainer.grad_norms = [], []
     return trainer
 
@@ -189,9 +221,16 @@ def measure(cfg: PeerBench, batch: Batch, temperature: float = 1.0, log=print) -
     advantages = episode_advantages(samples, TrainConfig.adv_eps)
     if bool((advantages == 0).any()):
         raise SerlError("the batch has turns with advantage 0: serl would skip them and TRL would not")
-    learner = Learner(batch.model_name, TrainConfig(
-        algo="grpo", seed=cfg.seed, threads=cfg.threads, clip_eps=cfg.clip_eps,
-        optim=OptimConfig(lr=cfg.lr, grad_clip=cfg.grad_clip, micro_batch_tokens=cfg.micro_batch_tokens)))
+    learner = Learner(
+        batch.model_name,
+        TrainConfig(
+            algo="grpo",
+            seed=cfg.seed,
+            threads=cfg.threads,
+            clip_eps=cfg.clip_eps,
+            optim=OptimConfig(lr=cfg.lr, grad_clip=cfg.grad_clip, micro_batch_tokens=cfg.micro_batch_tokens),
+        ),
+    )
     pad = learner.tokenizer.pad_token_id
     inputs = trl_inputs(samples, advantages, pad)
     n = len(samples)
@@ -207,8 +246,10 @@ def measure(cfg: PeerBench, batch: Batch, temperature: float = 1.0, log=print) -
     with tempfile.TemporaryDirectory(prefix="serl-trl-") as tmp:
         trainer = make_trl_trainer(batch.model_name, inputs, rows, n // rows, cfg, cfg.repeats + 1, tmp, callback)
         torch.set_num_threads(cfg.threads)  # as the learner set it; TRL's setup must not change it
-        log(f"TRL GRPOTrainer vs serl: {n} rows, {rows} rows x {n // rows} micro-batches in TRL, "
-            f"{cfg.repeats} timed pairs after one warm-up pair")
+        log(
+            f"TRL GRPOTrainer vs serl: {n} rows, {rows} rows x {n // rows} micro-batches in TRL, "
+            f"{cfg.repeats} timed pairs after one warm-up pair"
+        )
         trainer.train()
         checkpointing = bool(getattr(trainer.model, "is_activation_checkpointing", False))
     if len(callback.trl) != cfg.repeats + 1:
@@ -221,19 +262,38 @@ def measure(cfg: PeerBench, batch: Batch, temperature: float = 1.0, log=print) -
     trl_first_loss = sum(trainer.losses[: n // rows])
     med_trl, med_serl = statistics.median(trl_s), statistics.median(serl_s)
     return {
-        "model": batch.model_name, "rows": n, "episodes": len(batch.episodes), "real_tokens": real_tokens,
-        "action_tokens": action_tokens, "threads": cfg.threads, "threads_seen_by_trl_steps": sorted(set(callback.threads)),
-        "repeats": cfg.repeats, "micro_batch_tokens": cfg.micro_batch_tokens,
-        "serl": {"update_cpu_s": med_serl, "all_update_cpu_s": serl_s,
-                 "all_update_wall_s": [w.wall_s for w in callback.serl[1:]],
-                 "gradient_loop_wall_s": [m["timing"]["update_s"] for m in callback.serl_metrics[1:]],
-                 "padded_tokens": serl_padded, "forwards": serl_forwards, "first_loss": first["loss"],
-                 "first_grad_norm": first["grad_norm"], "turns_with_gradient": first["turns_with_gradient"]},
-        "trl": {"step_cpu_s": med_trl, "all_step_cpu_s": trl_s, "all_step_wall_s": [w.wall_s for w in callback.trl[1:]],
-                "padded_tokens": rows * (n // rows) * width,
-                "forwards": n // rows, "rows_per_micro_batch": rows, "first_loss": trl_first_loss,
-                "first_grad_norm": trainer.grad_norms[0], "activation_checkpointing": checkpointing,
-                "version": _version("trl")},
+        "model": batch.model_name,
+        "rows": n,
+        "episodes": len(batch.episodes),
+        "real_tokens": real_tokens,
+        "action_tokens": action_tokens,
+        "threads": cfg.threads,
+        "threads_seen_by_trl_steps": sorted(set(callback.threads)),
+        "repeats": cfg.repeats,
+        "micro_batch_tokens": cfg.micro_batch_tokens,
+        "serl": {
+            "update_cpu_s": med_serl,
+            "all_update_cpu_s": serl_s,
+            "all_update_wall_s": [w.wall_s for w in callback.serl[1:]],
+            "gradient_loop_wall_s": [m["timing"]["update_s"] for m in callback.serl_metrics[1:]],
+            "padded_tokens": serl_padded,
+            "forwards": serl_forwards,
+            "first_loss": first["loss"],
+            "first_grad_norm": first["grad_norm"],
+            "turns_with_gradient": first["turns_with_gradient"],
+        },
+        "trl": {
+            "step_cpu_s": med_trl,
+            "all_step_cpu_s": trl_s,
+            "all_step_wall_s": [w.wall_s for w in callback.trl[1:]],
+            "padded_tokens": rows * (n // rows) * width,
+            "forwards": n // rows,
+            "rows_per_micro_batch": rows,
+            "first_loss": trl_first_loss,
+            "first_grad_norm": trainer.grad_norms[0],
+            "activation_checkpointing": checkpointing,
+            "version": _version("trl"),
+        },
         "ratio_serl_over_trl": med_serl / med_trl,
         "pair_ratios": [s / t for s, t in zip(serl_s, trl_s)],
         "first_loss_abs_diff": abs(first["loss"] - trl_first_loss),
@@ -263,21 +323,50 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     try:
-        batch = make_batch(UpdateBench(catalog=a.catalog, model=a.model, tasks=a.tasks, group_size=a.group_size,
-                                       max_turns=a.max_turns, max_new_tokens=a.max_new_tokens, threads=a.threads,
-                                       seed=a.seed))
+        batch = make_batch(
+            UpdateBench(
+                catalog=a.catalog,
+                model=a.model,
+                tasks=a.tasks,
+                group_size=a.group_size,
+                max_turns=a.max_turns,
+                max_new_tokens=a.max_new_tokens,
+                threads=a.threads,
+                seed=a.seed,
+            )
+        )
         data = measure(PeerBench(repeats=a.repeats, threads=a.threads, seed=a.seed), batch)
     except SerlError as e:
         ap.exit(2, f"error: {e}\n")
     s, t = data["serl"], data["trl"]
-    rows = [["serl Learner.update", s["update_cpu_s"], s["forwards"], s["padded_tokens"], s["first_loss"],
-             s["first_grad_norm"]],
-            [f"TRL {t['version']} GRPOTrainer step", t["step_cpu_s"], t["forwards"], t["padded_tokens"], t["first_loss"],
-             t["first_grad_norm"]],
-            ["serl / TRL", data["ratio_serl_over_trl"], "", "", "", ""]]
-    report("trl_grpo", f"GRPO update, serl vs TRL ({data['rows']} turns, {data['real_tokens']} tokens of which "
-           f"{data['action_tokens']} action, {a.threads} thread(s), median of {a.repeats} pairs)",
-           ["update", "CPU s", "forwards", "padded tokens", "first-step loss", "first-step grad norm"], rows, data, a.out)
+    rows = [
+        [
+            "serl Learner.update",
+            s["update_cpu_s"],
+            s["forwards"],
+            s["padded_tokens"],
+            s["first_loss"],
+            s["first_grad_norm"],
+        ],
+        [
+            f"TRL {t['version']} GRPOTrainer step",
+            t["step_cpu_s"],
+            t["forwards"],
+            t["padded_tokens"],
+            t["first_loss"],
+            t["first_grad_norm"],
+        ],
+        ["serl / TRL", data["ratio_serl_over_trl"], "", "", "", ""],
+    ]
+    report(
+        "trl_grpo",
+        f"GRPO update, serl vs TRL ({data['rows']} turns, {data['real_tokens']} tokens of which "
+        f"{data['action_tokens']} action, {a.threads} thread(s), median of {a.repeats} pairs)",
+        ["update", "CPU s", "forwards", "padded tokens", "first-step loss", "first-step grad norm"],
+        rows,
+        data,
+        a.out,
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from envs.base import EnvError, Episode, Feedback, Step, World
 
@@ -93,11 +93,15 @@ def _factory(name: str) -> tuple[Callable[..., World], bool]:
     if matches:
         ep = matches[0]
         if not ep.attr:
-            raise EnvError(f"environment {name!r}: entry point {ep.name} = {ep.value!r} names a module, "
-                           f"not a factory: write it as module:factory")
+            raise EnvError(
+                f"environment {name!r}: entry point {ep.name} = {ep.value!r} names a module, "
+                f"not a factory: write it as module:factory"
+            )
         return _load(f"{ep.module}:{ep.attr}", name), True
-    raise EnvError(f"unknown environment {name!r}: choose one of {', '.join(env_names())}, "
-                   f"or name a factory as package.module:function")
+    raise EnvError(
+        f"unknown environment {name!r}: choose one of {', '.join(env_names())}, "
+        f"or name a factory as package.module:function"
+    )
 
 
 def _load(spec: str, name: str) -> Callable[..., World]:
@@ -110,26 +114,34 @@ def _load(spec: str, name: str) -> Callable[..., World]:
     module_name, attr = module_name.strip(), attr.strip()
     if not module_name or not attr:
         raise EnvError(f"bad environment {name!r}: write a factory as package.module:function")
-    if os.getcwd() not in sys.path and "" not in sys.path:  # like `python -m`: a module in the working directory imports
+    if (
+        os.getcwd() not in sys.path and "" not in sys.path
+    ):  # like `python -m`: a module in the working directory imports
         sys.path.append(os.getcwd())
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:
         missing = getattr(e, "name", None)  # the module itself or a parent package is absent: say where it may be
-        hint = (" (install it, or put its folder on PYTHONPATH or in the working directory)"
-                if isinstance(e, ModuleNotFoundError) and missing and f"{module_name}.".startswith(f"{missing}.") else "")
+        hint = (
+            " (install it, or put its folder on PYTHONPATH or in the working directory)"
+            if isinstance(e, ModuleNotFoundError) and missing and f"{module_name}.".startswith(f"{missing}.")
+            else ""
+        )
         raise EnvError(f"environment {name!r}: cannot import module {module_name!r}: {_first_line(e)}{hint}") from e
     except Exception as e:  # noqa: BLE001 -- the module itself fails on import: name the error, not a traceback
-        raise EnvError(f"environment {name!r}: importing module {module_name!r} raised "
-                       f"{type(e).__name__}: {_first_line(e)}") from e
+        raise EnvError(
+            f"environment {name!r}: importing module {module_name!r} raised {type(e).__name__}: {_first_line(e)}"
+        ) from e
     path = module_name
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise EnvError(f"environment {name!r}: {path!r} has no attribute {part!r}")
         obj, path = getattr(obj, part), f"{path}.{part}"
     if not callable(obj):
-        raise EnvError(f"environment {name!r}: {path} is not callable (a {type(obj).__name__}): "
-                       f"name a function or class that returns a world")
+        raise EnvError(
+            f"environment {name!r}: {path} is not callable (a {type(obj).__name__}): "
+            f"name a function or class that returns a world"
+        )
     return obj
 
 
@@ -138,8 +150,10 @@ def _check_world(name: str, world) -> None:
     missing = [a for a in WORLD_ATTRIBUTES if not hasattr(world, a)]
     missing += [a for a in WORLD_METHODS if a not in missing and not callable(getattr(world, a))]
     if missing:
-        raise EnvError(f"environment {name!r}: the factory returned a {type(world).__name__} that is not a world "
-                       f"(missing or not callable: {', '.join(missing)}; see docs/ENVIRONMENTS.md)")
+        raise EnvError(
+            f"environment {name!r}: the factory returned a {type(world).__name__} that is not a world "
+            f"(missing or not callable: {', '.join(missing)}; see docs/ENVIRONMENTS.md)"
+        )
 
 
 __all__ = ["EnvError", "Episode", "Feedback", "Step", "World", "env_names", "make_world", "register"]

@@ -158,8 +158,15 @@ def _coerce(tp, value, where: str):
     return value
 
 
-def resolve(cls, *, config_file: str | list[str] | None, flags: dict, overrides: list[str], base: dict | None = None,
-            reader=None):
+def resolve(
+    cls,
+    *,
+    config_file: str | list[str] | None,
+    flags: dict,
+    overrides: list[str],
+    base: dict | None = None,
+    reader=None,
+):
     """defaults < base (a stage's own defaults) < YAML files, left to right < flags given < --set.
 
     ``reader`` (optional) reads settings laid out as another schema -- a run file given to

@@ -1,4 +1,4 @@
-"""Shared test setup: one torch thread, offline Hugging Face, the data folder."""
+"""Shared test setup: one torch thread, offline Hugging Face, the data folder, and the model fixtures."""
 
 from __future__ import annotations
 
@@ -27,16 +27,31 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 hf_logging.disable_progress_bar()
 
 
-def webshop_data_dir() -> Path | None:
-    root = os.environ.get("SERL_DATA_DIR")
-    if root and (Path(root) / "webshop" / "documents_1k.jsonl").is_file():
-        return Path(root) / "webshop"
-    return None
+# -- fixtures: a tokenizer and tiny models built offline in seconds (tests/support.py) ------------------
+# (imported here, after the environment above is set)
+from support import boost_eos, webshop_like_corpus  # noqa: E402
+
+from serl_cli.models.loading import load_model  # noqa: E402
+from serl_cli.models.tiny import init_model, train_tokenizer  # noqa: E402
 
 
-def requires_webshop_data() -> Path:
-    """Skip (with the reason) where the real 1k catalog is absent; CI sets SERL_DATA_DIR."""
-    path = webshop_data_dir()
-    if path is None:
-        pytest.skip("SERL_DATA_DIR does not point at the WebShop data (webshop/documents_1k.jsonl)")
-    return path
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return train_tokenizer(webshop_like_corpus(), 4096)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    torch.set_num_threads(1)
+    return init_model("tiny", tmp_path_factory.mktemp("models") / "tiny", webshop_like_corpus(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def stopping_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    model, tokenizer = load_model(str(tiny_model_dir))
+    model.eval()
+    boost_eos(model, tokenizer, webshop_like_corpus())
+    out = tmp_path_factory.mktemp("models") / "tiny-stopping"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

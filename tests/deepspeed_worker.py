@@ -42,11 +42,13 @@ def make_episodes(model_dir: str, seed: int = 0, groups: int = 2, group_size: in
             for t in range(1 + (r + g) % 2):
                 prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(12, 30))]
                 action = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 8))]
-                turns.append({"turn": t, "prompt_ids": prompt, "action_ids": action, "state_key": f"{g}-{t}",
-                              "reward": 0.0})
+                turns.append(
+                    {"turn": t, "prompt_ids": prompt, "action_ids": action, "state_key": f"{g}-{t}", "reward": 0.0}
+                )
             win = r < group_size // 2
-            episodes.append({"task_id": g, "group_id": g, "rollout_index": r, "reward": float(win), "success": win,
-                             "turns": turns})
+            episodes.append(
+                {"task_id": g, "group_id": g, "rollout_index": r, "reward": float(win), "success": win, "turns": turns}
+            )
     items = [ScoreItem(t["prompt_ids"], t["action_ids"]) for e in episodes for t in e["turns"]]
     logps = iter(score(model, tokenizer, items))
     for e in episodes:
@@ -55,12 +57,23 @@ def make_episodes(model_dir: str, seed: int = 0, groups: int = 2, group_size: in
     return episodes
 
 
-def train_config(backend: str = "torch", zero_stage: int | None = None, lora_rank: int = 0, kl_coef: float = 0.0,
-                 micro_batch_tokens: int = 80) -> TrainConfig:
-    return TrainConfig(algo="grpo", backend=backend, seed=0, threads=1, kl_coef=kl_coef,
-                       deepspeed=DeepSpeedConfig(zero_stage=zero_stage),
-                       lora=LoraConfig(rank=lora_rank, alpha=16.0),
-                       optim=OptimConfig(lr=1e-5, micro_batch_tokens=micro_batch_tokens))
+def train_config(
+    backend: str = "torch",
+    zero_stage: int | None = None,
+    lora_rank: int = 0,
+    kl_coef: float = 0.0,
+    micro_batch_tokens: int = 80,
+) -> TrainConfig:
+    return TrainConfig(
+        algo="grpo",
+        backend=backend,
+        seed=0,
+        threads=1,
+        kl_coef=kl_coef,
+        deepspeed=DeepSpeedConfig(zero_stage=zero_stage),
+        lora=LoraConfig(rank=lora_rank, alpha=16.0),
+        optim=OptimConfig(lr=1e-5, micro_batch_tokens=micro_batch_tokens),
+    )
 
 
 def full_parameters(learner: Learner) -> dict[str, torch.Tensor]:

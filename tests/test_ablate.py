@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from scipy import stats
-from test_cli_env import assert_one_line_error
+from support import assert_one_line_error, run, tiny_grid
 
 from serl_cli.ablate import cells as ab_cells
 from serl_cli.ablate import grid as ab
@@ -33,30 +32,6 @@ from serl_cli.errors import SerlError
 WRAPPER = "from serl_cli.cli import main\nmain()\n"
 
 
-def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    full = {**os.environ, "COLUMNS": "200", "SERL_THREADS": "1", **(env or {})}
-    return subprocess.run([*SELF_CMD, "ablate", *args], capture_output=True, text=True, env=full, timeout=300)
-
-
-def tiny_grid(tmp_path: Path, model: Path, *, algos=("grpo", "serl"), seeds=2, iterations=1, name="grid.yaml",
-              tasks=1, max_turns=2) -> Path:
-    grid = {
-        "base": {
-            "env": {"name": "webshop", "split": "train", "max_turns": max_turns, "settings": {"catalog": "synthetic"}},
-            "model": str(model), "iterations": iterations,
-            "rollout": {"tasks": tasks, "group_size": 2, "threads": 1, "sampling": {"temperature": 1.0, "max_new_tokens": 8}},
-            "train": {"optim": {"lr": 1.0e-3}, "threads": 1},
-            "annotate": {"threads": 1},
-        },
-        "grid": {"algo": list(algos), "sources": ["ref|error"], "seeds": seeds},
-        "final_eval": {"episodes": 2, "split": "test"},
-        "slurm": {"partition": "gpu", "time": "01:00:00", "cpus_per_task": 2, "gpus": 1, "mem": "8G"},
-    }
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(grid), encoding="utf-8")
-    return path
-
-
 def _csv(path: Path) -> dict[str, dict]:
     with open(path, newline="", encoding="utf-8") as f:
         return {r["arm"]: r for r in csv.DictReader(f)}
@@ -64,11 +39,17 @@ def _csv(path: Path) -> dict[str, dict]:
 
 # -- the grid rule (no training) ------------------------------------------------------------
 
+
 def test_flags_shorthand_builds_each_all_and_grpo():
     grid = ab.load_grid(flags={"env": "webshop", "sources": "error,obs,ref", "seeds": 3})
     names = [a["name"] for a in ab.arms(grid)]
-    assert names == ["webshop-grpo", "webshop-serl-error-step-all", "webshop-serl-obs-step-all",
-                     "webshop-serl-ref-step-all", "webshop-serl-error+obs+ref-step-all"]  # serl's default placement: all
+    assert names == [
+        "webshop-grpo",
+        "webshop-serl-error-step-all",
+        "webshop-serl-obs-step-all",
+        "webshop-serl-ref-step-all",
+        "webshop-serl-error+obs+ref-step-all",
+    ]  # serl's default placement: all
     cells = ab.cells(grid)
     assert len(cells) == 15 and [c["seed"] for c in cells[:3]] == [0, 1, 2]
     assert cells[0]["name"] == "webshop-grpo-s0" and cells[3]["overrides"]["annotate"]["sources"] == "error"
@@ -89,8 +70,14 @@ def test_final_eval_panel_is_optional_and_checked(tmp_path, tiny_model_dir):
 
 
 def test_non_annotating_algos_get_one_arm_and_names_are_safe():
-    grid = ab.load_grid(flags={"algo": "grpo,gigpo,serl,rlsd", "sources": "ref|error", "placement": "feedback,random",
-                               "granularity": "step,anchor"})
+    grid = ab.load_grid(
+        flags={
+            "algo": "grpo,gigpo,serl,rlsd",
+            "sources": "ref|error",
+            "placement": "feedback,random",
+            "granularity": "step,anchor",
+        }
+    )
     names = [a["name"] for a in ab.arms(grid)]
     assert names.count("webshop-grpo") == 1 and names.count("webshop-gigpo") == 1
     assert len([n for n in names if "-serl-" in n]) == 4  # 2 granularities x 2 placements
@@ -102,13 +89,22 @@ def test_non_annotating_algos_get_one_arm_and_names_are_safe():
 
 def test_explicit_arms_carry_their_settings_and_name_the_baseline(tmp_path):
     path = tmp_path / "arms.yaml"
-    spec = {"base": {"env": {"name": "sokoban"}, "annotate": {"sources": "obs", "placement": "all"}},
-            "grid": {"seeds": 2},
-            "arms": [{"name": "grpo", "algo": "grpo", "set": {"train": {"optim": {"lr": 3.0e-4}}}},
-                     {"name": "serl plain", "algo": "serl", "placement": "feedback", "sources": "error",
-                      "set": {"model": "other/warm_start", "annotate": {"weight_clip": 0.5}}},
-                     {"name": "sdpo", "algo": "sdpo"}],
-            "baseline": "grpo"}
+    spec = {
+        "base": {"env": {"name": "sokoban"}, "annotate": {"sources": "obs", "placement": "all"}},
+        "grid": {"seeds": 2},
+        "arms": [
+            {"name": "grpo", "algo": "grpo", "set": {"train": {"optim": {"lr": 3.0e-4}}}},
+            {
+                "name": "serl plain",
+                "algo": "serl",
+                "placement": "feedback",
+                "sources": "error",
+                "set": {"model": "other/warm_start", "annotate": {"weight_clip": 0.5}},
+            },
+            {"name": "sdpo", "algo": "sdpo"},
+        ],
+        "baseline": "grpo",
+    }
     path.write_text(yaml.safe_dump(spec))
     grid = ab.load_grid(str(path))
     arms = ab.arms(grid)
@@ -118,16 +114,22 @@ def test_explicit_arms_carry_their_settings_and_name_the_baseline(tmp_path):
     assert cells["grpo-s1"]["train"] == {"algo": "grpo", "seed": 1, "optim": {"lr": 3.0e-4}}
     serl = cells["serlplain-s0"]
     assert serl["model"] == "other/warm_start" and serl["annotate"] == {
-        "weight_clip": 0.5, "sources": "error", "granularity": "step", "placement": "feedback"}  # the arm's own win
+        "weight_clip": 0.5,
+        "sources": "error",
+        "granularity": "step",
+        "placement": "feedback",
+    }  # the arm's own win
     assert cells["sdpo-s0"]["annotate"]["sources"] == "obs" and cells["sdpo-s0"]["train"]["distill_coef"] == 1.0
     # with an axis given, the product's arms come first
     path.write_text(yaml.safe_dump({**spec, "grid": {"algo": ["gigpo"], "seeds": 1}}))
     assert [a["name"] for a in ab.arms(ab.load_grid(str(path)))] == ["sokoban-gigpo", "grpo", "serlplain", "sdpo"]
-    for bad, message in ((dict(spec, baseline="nope"), "baseline 'nope' is not an arm"),
-                         (dict(spec, arms=[{"name": "x", "algo": "serl", "set": {"trian": {}}}]), "trian"),
-                         (dict(spec, arms=[{"name": "x", "algo": "serl", "placement": "sometimes"}]), "sometimes"),
-                         (dict(spec, arms=[{"name": "x", "algo": "grpo"}, {"name": "x", "algo": "serl"}]), "share the name x"),
-                         (dict(spec, arms=[{"algo": "grpo"}]), "needs a name")):
+    for bad, message in (
+        (dict(spec, baseline="nope"), "baseline 'nope' is not an arm"),
+        (dict(spec, arms=[{"name": "x", "algo": "serl", "set": {"trian": {}}}]), "trian"),
+        (dict(spec, arms=[{"name": "x", "algo": "serl", "placement": "sometimes"}]), "sometimes"),
+        (dict(spec, arms=[{"name": "x", "algo": "grpo"}, {"name": "x", "algo": "serl"}]), "share the name x"),
+        (dict(spec, arms=[{"algo": "grpo"}]), "needs a name"),
+    ):
         path.write_text(yaml.safe_dump(bad))
         with pytest.raises(SerlError, match=message):
             ab.load_grid(str(path))
@@ -156,8 +158,16 @@ def test_grid_json_is_fixed_and_a_different_grid_is_refused(tmp_path):
 def test_ready_made_grids_load():
     folder = Path(__file__).parent.parent / "experiments" / "ablations"
     files = sorted(folder.glob("*.yaml"))
-    assert {f.stem for f in files} >= {"sources", "granularity", "placement", "baselines", "sources_paper",
-                                        "granularity_paper", "placement_paper", "baselines_paper"}
+    assert {f.stem for f in files} >= {
+        "sources",
+        "granularity",
+        "placement",
+        "baselines",
+        "sources_paper",
+        "granularity_paper",
+        "placement_paper",
+        "baselines_paper",
+    }
     for f in files:
         grid = ab.load_grid(str(f))
         assert ab.cells(grid), f
@@ -177,9 +187,11 @@ def test_study_grids_load_and_share_the_serl_arm(env):
     placement_cells = {c["name"]: c for c in ab.cells(grids[f"{env}_placement"])}
     shared = sorted(set(baseline_cells) & set(placement_cells))
     assert shared == [f"{env}-serl-ref_or_error-step-feedback-s{s}" for s in range(5)]
-    assert all(ab.cell_overrides(grids[f"{env}_baselines"], baseline_cells[n]["params"], baseline_cells[n]["seed"])
-               == ab.cell_overrides(grids[f"{env}_placement"], placement_cells[n]["params"], placement_cells[n]["seed"])
-               for n in shared)
+    assert all(
+        ab.cell_overrides(grids[f"{env}_baselines"], baseline_cells[n]["params"], baseline_cells[n]["seed"])
+        == ab.cell_overrides(grids[f"{env}_placement"], placement_cells[n]["params"], placement_cells[n]["seed"])
+        for n in shared
+    )
     assert grids[f"{env}_baselines"].base == grids[f"{env}_placement"].base
     assert len({json.dumps(g.final_eval, sort_keys=True) for g in grids.values()}) == 1  # one panel for all
 
@@ -200,7 +212,10 @@ def test_study_v3_grids_share_arms_cell_for_cell(tmp_path):
     records = {n: ab_record.grid_record(ab.load_grid(str(folder / f"sokoban_v3_{n}.yaml")), []) for n in names}
     for rec in records.values():
         assert rec["axes"]["seeds"] == list(range(10)) and rec["base"] == records["methods"]["base"]
-        assert rec["baseline"] in [a["name"] for a in rec["arms"]] and rec["final_eval"] == records["methods"]["final_eval"]
+        assert (
+            rec["baseline"] in [a["name"] for a in rec["arms"]]
+            and rec["final_eval"] == records["methods"]["final_eval"]
+        )
     cells = {}
     for rec in records.values():
         for c in rec["cells"]:
@@ -222,10 +237,21 @@ def _finish(out: Path, cell: dict, success: float, start_model: str | None = "em
     (d / "train" / "iter_0001").mkdir(parents=True)
     (d / "train" / "iter_0001" / "selection_report.json").write_text(json.dumps({"teacher": {}}))
     (d / "train" / "iter_0001" / "rollouts.jsonl").write_text("{}\n")  # a large artifact, not a summary
-    (d / "train" / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "env_steps": 10, "success_rate": success}) + "\n")
+    (d / "train" / "metrics.jsonl").write_text(
+        json.dumps({"iteration": 0, "env_steps": 10, "success_rate": success}) + "\n"
+    )
     (d / "eval.json").write_text(json.dumps({"success_rate": success, "score": 100 * success, "episodes": 20}))
-    (d / "cell.json").write_text(json.dumps({"index": cell["index"], "name": cell["name"], "status": "done",
-                                             "wall_time_s": 1.0, "start_model": start_model}))
+    (d / "cell.json").write_text(
+        json.dumps(
+            {
+                "index": cell["index"],
+                "name": cell["name"],
+                "status": "done",
+                "wall_time_s": 1.0,
+                "start_model": start_model,
+            }
+        )
+    )
 
 
 def test_reuse_copies_only_the_same_finished_cells_and_keep_rebuilds_the_report(tmp_path):
@@ -235,8 +261,17 @@ def test_reuse_copies_only_the_same_finished_cells_and_keep_rebuilds_the_report(
     for cell in rec_src["cells"][:-1]:  # gigpo seed 1 unfinished
         _finish(src, cell, 0.25)
     grid = tmp_path / "grid.yaml"  # shares grpo; its gigpo arm has other settings, so it is another cell
-    grid.write_text(yaml.safe_dump({"grid": {"seeds": 2}, "arms": [
-        {"name": "webshop-gigpo", "algo": "gigpo", "set": {"iterations": 7}}, {"name": "webshop-grpo", "algo": "grpo"}]}))
+    grid.write_text(
+        yaml.safe_dump(
+            {
+                "grid": {"seeds": 2},
+                "arms": [
+                    {"name": "webshop-gigpo", "algo": "gigpo", "set": {"iterations": 7}},
+                    {"name": "webshop-grpo", "algo": "grpo"},
+                ],
+            }
+        )
+    )
     p = run(str(grid), "--out", str(dst), "--reuse", str(src), "--emit", "slurm")  # books only, nothing trains
     assert p.returncode == 0, p.stderr
     assert "2 finished cells reused" in p.stdout
@@ -261,18 +296,25 @@ def test_reuse_copies_only_the_same_finished_cells_and_keep_rebuilds_the_report(
 
     p = run("--report", str(src), "--keep", str(kept))
     assert p.returncode == 0, p.stderr
-    assert sorted(x.name for x in (kept / "cells").iterdir()) == ["webshop-gigpo-s0", "webshop-grpo-s0", "webshop-grpo-s1"]
+    assert sorted(x.name for x in (kept / "cells").iterdir()) == [
+        "webshop-gigpo-s0",
+        "webshop-grpo-s0",
+        "webshop-grpo-s1",
+    ]
     assert (kept / "cells" / "webshop-grpo-s0" / "train" / "iter_0001" / "selection_report.json").is_file()
     assert not (kept / "cells" / "webshop-grpo-s0" / "train" / "iter_0001" / "rollouts.jsonl").exists()
     assert float(_csv(kept / "report.csv")["webshop-grpo"]["success_mean"]) == 0.25  # built from the kept files
     assert not (src / "report.csv").exists()
-    for args, line in ((("--report", str(src), "--keep", str(src)), "is the ablation directory itself"),
-                       ((str(grid), "--out", str(dst), "--keep", str(kept)), "--keep goes with --report"),
-                       ((str(grid), "--out", str(dst), "--reuse", str(tmp_path / "nope")), "not an ablation directory")):
+    for args, line in (
+        (("--report", str(src), "--keep", str(src)), "is the ablation directory itself"),
+        ((str(grid), "--out", str(dst), "--keep", str(kept)), "--keep goes with --report"),
+        ((str(grid), "--out", str(dst), "--reuse", str(tmp_path / "nope")), "not an ablation directory"),
+    ):
         assert_one_line_error(run(*args), line)
 
 
 # -- the report's numbers, on cells with known results -----------------------------------------
+
 
 def test_report_numbers_match_scipy_on_known_cells(tmp_path):
     grid = ab.load_grid(flags={"sources": "error", "seeds": 3})  # grpo, serl-error
@@ -312,14 +354,25 @@ def test_panel_curve_auc_budgets_and_holm_on_known_cells(tmp_path):
     grid = ab.load_grid(flags={"algo": "grpo,serl,gigpo", "sources": "error", "seeds": 2})
     rec = ab_record.grid_record(grid, [])
     ab_record.write_grid(tmp_path, rec)
-    panel = {"webshop-grpo": [[0.1, 0.3], [0.2, 0.2]], "webshop-serl-error-step-all": [[0.2, 0.5], [0.3, 0.3]],
-             "webshop-gigpo": [[0.1, 0.2], [0.1, 0.4]]}
+    panel = {
+        "webshop-grpo": [[0.1, 0.3], [0.2, 0.2]],
+        "webshop-serl-error-step-all": [[0.2, 0.5], [0.3, 0.3]],
+        "webshop-gigpo": [[0.1, 0.2], [0.1, 0.4]],
+    }
     for cell in rec["cells"]:
         d = ab_cells.cell_dir(tmp_path, cell)
         (d / "train").mkdir(parents=True)
         ys = panel[cell["arm"]][cell["seed"]]
-        lines = [{"iteration": k, "env_steps": 50, "success_rate": 0.0, "advantage_mass_moved": 0.1 * k,
-                  **({"eval_success_rate": ys[k // 2]} if k % 2 else {})} for k in range(4)]
+        lines = [
+            {
+                "iteration": k,
+                "env_steps": 50,
+                "success_rate": 0.0,
+                "advantage_mass_moved": 0.1 * k,
+                **({"eval_success_rate": ys[k // 2]} if k % 2 else {}),
+            }
+            for k in range(4)
+        ]
         (d / "train" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         (d / "eval.json").write_text(json.dumps({"success_rate": ys[-1], "score": 100 * ys[-1], "episodes": 20}))
         (d / "cell.json").write_text(json.dumps({"status": "done", "wall_time_s": 1.0}))
@@ -332,7 +385,9 @@ def test_panel_curve_auc_budgets_and_holm_on_known_cells(tmp_path):
     assert float(s["diff_auc"]) == pytest.approx((0.35 - 0.2 + 0.3 - 0.2) / 2)
     assert float(s["advantage_mass_moved"]) == pytest.approx(0.15)  # mean of 0, .1, .2, .3
     # every cell takes 50 steps an iteration: the two evaluation rounds fall at 100 and 200 steps
-    assert float(s["success_at_100_steps"]) == pytest.approx(0.25) and float(s["success_at_200_steps"]) == pytest.approx(0.4)
+    assert float(s["success_at_100_steps"]) == pytest.approx(0.25) and float(
+        s["success_at_200_steps"]
+    ) == pytest.approx(0.4)
     assert "success_at_50_steps" not in s
     (p_lo, lo), (p_hi, hi) = sorted([(float(r["p_success"]), r) for r in (s, g)], key=lambda x: x[0])
     assert float(lo["p_success_holm"]) == pytest.approx(min(1.0, 2 * p_lo))  # two comparisons: x2, then x1
@@ -341,14 +396,24 @@ def test_panel_curve_auc_budgets_and_holm_on_known_cells(tmp_path):
     assert "Holm p" in md and "100 steps" in md and "200 steps" in md and "panel AUC" in md
 
 
-
 def test_contrasts_of_arms_are_paired_by_seed_on_known_cells(tmp_path):
     grid_file = tmp_path / "grid.yaml"
-    grid_file.write_text(yaml.safe_dump({
-        "grid": {"seeds": 3},
-        "arms": [{"name": "grpo", "algo": "grpo"}, {"name": "gigpo", "algo": "gigpo"}, {"name": "rlsd", "algo": "rlsd"}],
-        "contrasts": [{"name": "gigpo - grpo", "plus": ["gigpo"], "minus": ["grpo"]},
-                      {"name": "both - twice grpo", "plus": ["gigpo", "rlsd"], "minus": ["grpo", "grpo"]}]}))
+    grid_file.write_text(
+        yaml.safe_dump(
+            {
+                "grid": {"seeds": 3},
+                "arms": [
+                    {"name": "grpo", "algo": "grpo"},
+                    {"name": "gigpo", "algo": "gigpo"},
+                    {"name": "rlsd", "algo": "rlsd"},
+                ],
+                "contrasts": [
+                    {"name": "gigpo - grpo", "plus": ["gigpo"], "minus": ["grpo"]},
+                    {"name": "both - twice grpo", "plus": ["gigpo", "rlsd"], "minus": ["grpo", "grpo"]},
+                ],
+            }
+        )
+    )
     rec = ab_record.grid_record(ab.load_grid(str(grid_file)), [])
     assert rec["contrasts"][1] == {"name": "both - twice grpo", "plus": ["gigpo", "rlsd"], "minus": ["grpo", "grpo"]}
     ab_record.write_grid(tmp_path / "abl", rec)
@@ -369,7 +434,8 @@ def test_contrasts_of_arms_are_paired_by_seed_on_known_cells(tmp_path):
     assert (first["diff_success_ci_lo"], first["diff_success_ci_hi"]) == (pytest.approx(lo), pytest.approx(hi))
     p1 = stats.ttest_rel([0.3, 0.5, 0.5], [0.2, 0.4, 0.3]).pvalue
     assert first["p_success"] == pytest.approx(p1)
-    # gigpo + rlsd - 2 grpo over the seeds every named arm finished (0, 1): 0.3 + 0.1 - 0.4 = 0.0, 0.5 + 0.2 - 0.8 = -0.1
+    # gigpo + rlsd - 2 grpo over the seeds every named arm finished (0, 1):
+    # 0.3 + 0.1 - 0.4 = 0.0, 0.5 + 0.2 - 0.8 = -0.1
     assert second["pairs_success"] == 2 and second["diff_success"] == pytest.approx(-0.05)
     p2 = stats.ttest_rel([0.4, 0.7], [0.4, 0.8]).pvalue
     assert second["p_success"] == pytest.approx(p2)
@@ -387,20 +453,30 @@ def test_contrasts_of_arms_are_paired_by_seed_on_known_cells(tmp_path):
 def test_contrasts_name_known_arms(tmp_path):
     def grid_with(contrasts) -> Path:
         path = tmp_path / "grid.yaml"
-        path.write_text(yaml.safe_dump({"grid": {"seeds": 1}, "contrasts": contrasts,
-                                        "arms": [{"name": "a", "algo": "grpo"}, {"name": "b", "algo": "gigpo"}]}))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "grid": {"seeds": 1},
+                    "contrasts": contrasts,
+                    "arms": [{"name": "a", "algo": "grpo"}, {"name": "b", "algo": "gigpo"}],
+                }
+            )
+        )
         return path
 
-    for contrasts, message in [([{"name": "x", "plus": ["a"], "minus": ["c"]}], "contrast 'x' names arm 'c'"),
-                               ([{"name": "x", "plus": [], "minus": ["a"]}], "contrast 'x' needs at least one plus arm"),
-                               ([{"name": "x", "plus": ["a"], "minus": ["b"], "sign": 1}], "unknown key contrasts[0].sign"),
-                               ([{"plus": ["a"]}], "contrasts[0] needs a name"),
-                               ([{"name": "x", "plus": ["a"]}, {"name": "x", "plus": ["b"]}], "two contrasts are named 'x'"),
-                               ({"name": "x"}, "contrasts: must be a list")]:
+    for contrasts, message in [
+        ([{"name": "x", "plus": ["a"], "minus": ["c"]}], "contrast 'x' names arm 'c'"),
+        ([{"name": "x", "plus": [], "minus": ["a"]}], "contrast 'x' needs at least one plus arm"),
+        ([{"name": "x", "plus": ["a"], "minus": ["b"], "sign": 1}], "unknown key contrasts[0].sign"),
+        ([{"plus": ["a"]}], "contrasts[0] needs a name"),
+        ([{"name": "x", "plus": ["a"]}, {"name": "x", "plus": ["b"]}], "two contrasts are named 'x'"),
+        ({"name": "x"}, "contrasts: must be a list"),
+    ]:
         with pytest.raises(SerlError, match=re.escape(message)):
             ab.load_grid(str(grid_with(contrasts)))
-    assert_one_line_error(run(str(grid_with([{"name": "x", "plus": ["z"]}])), "--out", str(tmp_path / "o")),
-                          "names arm 'z'")
+    assert_one_line_error(
+        run(str(grid_with([{"name": "x", "plus": ["z"]}])), "--out", str(tmp_path / "o")), "names arm 'z'"
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -410,13 +486,23 @@ def test_grid_json_takes_the_grid_files_new_contrasts_and_baseline(tmp_path):
     path.write_text(yaml.safe_dump({"grid": {"seeds": 2}, "arms": arms}))
     ab_record.write_grid(tmp_path / "abl", ab_record.grid_record(ab.load_grid(str(path)), []))
     # the same cells with a baseline and a contrast added: the same grid, its report settings refreshed
-    path.write_text(yaml.safe_dump({"grid": {"seeds": 2}, "arms": arms, "baseline": "b",
-                                    "contrasts": [{"name": "a - b", "plus": ["a"], "minus": ["b"]}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "grid": {"seeds": 2},
+                "arms": arms,
+                "baseline": "b",
+                "contrasts": [{"name": "a - b", "plus": ["a"], "minus": ["b"]}],
+            }
+        )
+    )
     ab_record.write_grid(tmp_path / "abl", ab_record.grid_record(ab.load_grid(str(path)), []))
     rec = ab_record.load_grid_record(tmp_path / "abl")
     assert rec["baseline"] == "b" and rec["contrasts"] == [{"name": "a - b", "plus": ["a"], "minus": ["b"]}]
 
+
 # -- end to end on the tiny model ----------------------------------------------------------
+
 
 def test_tiny_grid_end_to_end(tmp_path, tiny_model_dir):
     grid = tiny_grid(tmp_path, tiny_model_dir)
@@ -431,8 +517,11 @@ def test_tiny_grid_end_to_end(tmp_path, tiny_model_dir):
     rows = _csv(out / "report.csv")
     md = (out / "report.md").read_text()
     for arm in rec["arms"]:
-        evals = [json.loads((out / "cells" / c["name"] / "eval.json").read_text())
-                 for c in rec["cells"] if c["arm"] == arm["name"]]
+        evals = [
+            json.loads((out / "cells" / c["name"] / "eval.json").read_text())
+            for c in rec["cells"]
+            if c["arm"] == arm["name"]
+        ]
         mean_success = sum(e["success_rate"] for e in evals) / len(evals)
         mean_score = sum(e["score"] for e in evals) / len(evals)
         assert float(rows[arm["name"]]["success_mean"]) == pytest.approx(mean_success)
@@ -450,12 +539,19 @@ def test_tiny_grid_end_to_end(tmp_path, tiny_model_dir):
     import summarize
 
     for row in summarize.arm_rows(out):
-        metrics = [json.loads(line) for c in rec["cells"] if c["arm"] == row["arm"]
-                   for line in (out / "cells" / c["name"] / "train" / "metrics.jsonl").read_text().splitlines()]
+        metrics = [
+            json.loads(line)
+            for c in rec["cells"]
+            if c["arm"] == row["arm"]
+            for line in (out / "cells" / c["name"] / "train" / "metrics.jsonl").read_text().splitlines()
+        ]
         assert row["cells"] == 2 and row["turns"] == sum(m["turns"] for m in metrics) > 0
         assert row["optimizer_steps"] == sum(m.get("optimizer_steps", 0) for m in metrics)
-        assert row["final_score_exact"] == [json.loads((out / "cells" / c["name"] / "eval.json").read_text())["score"]
-                                            for c in rec["cells"] if c["arm"] == row["arm"]]
+        assert row["final_score_exact"] == [
+            json.loads((out / "cells" / c["name"] / "eval.json").read_text())["score"]
+            for c in rec["cells"]
+            if c["arm"] == row["arm"]
+        ]
     assert "(baseline)" in summarize.outcome_table(out)
 
 
@@ -504,9 +600,12 @@ def test_killed_cell_resumes_and_finished_cells_are_not_redone(tmp_path, tiny_mo
     mtime0 = done0.stat().st_mtime_ns
 
     cell1 = out / "cells" / rec["cells"][1]["name"]
-    proc = subprocess.Popen([*SELF_CMD, "ablate", str(grid), "--out", str(out), "--cell", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "SERL_THREADS": "1"})
+    proc = subprocess.Popen(
+        [*SELF_CMD, "ablate", str(grid), "--out", str(out), "--cell", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "SERL_THREADS": "1"},
+    )
     manifest = cell1 / "train" / "manifest.json"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -534,6 +633,7 @@ def test_killed_cell_resumes_and_finished_cells_are_not_redone(tmp_path, tiny_mo
 
 # -- bad input -------------------------------------------------------------------------------
 
+
 def test_bad_input_is_one_line_exit_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("grid: {algo: [grpo]}\nbase: {iterations: 1}\nsedes: 3\n")
@@ -546,7 +646,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert_one_line_error(run(str(bad), "--out", str(tmp_path / "a")), "empty grid")
     bad.write_text("grid: {}\n")
     assert_one_line_error(run(str(bad), "--out", str(tmp_path / "a")), "empty grid")
-    assert_one_line_error(run("--sources", "error", "--out", str(tmp_path / "b"), "--cell", "7"), "--cell 7 out of range")
+    assert_one_line_error(
+        run("--sources", "error", "--out", str(tmp_path / "b"), "--cell", "7"), "--cell 7 out of range"
+    )
     assert not (tmp_path / "b").exists()
     (tmp_path / "c").mkdir()
     assert_one_line_error(run("--report", str(tmp_path / "c")), "not an ablation")

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_cli_env import assert_one_line_error, serl
+from support import assert_one_line_error, serl
 
 from envs.alfworld import feedback as fb
 from envs.alfworld.expert import to_211, to_212
@@ -24,8 +24,15 @@ from serl_cli.artifacts import io
 
 UNSEEN_FIRST = "json_2.1.1/valid_unseen/look_at_obj_in_light-AlarmClock-None-DeskLamp-308/trial_T20190908_222917_366542"
 UNSEEN_HEAT = 95  # pick_heat_then_place_in_recep-Apple-None-Fridge-10/trial_T20190906_182353_418140
-UNSEEN_HEAT_PLAN = ["go to garbagecan 1", "take apple 3 from garbagecan 1", "go to microwave 1",
-                    "heat apple 3 with microwave 1", "go to fridge 1", "open fridge 1", "put apple 3 in/on fridge 1"]
+UNSEEN_HEAT_PLAN = [
+    "go to garbagecan 1",
+    "take apple 3 from garbagecan 1",
+    "go to microwave 1",
+    "heat apple 3 with microwave 1",
+    "go to fridge 1",
+    "open fridge 1",
+    "put apple 3 in/on fridge 1",
+]
 
 
 def alfworld_root() -> Path | None:
@@ -54,27 +61,34 @@ def world():
 
 # -- pure functions -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("command, verb, args", [
-    ("go to desk 1", "go to", {"r": "desk 1"}),
-    ("  Go  To   Desk 1 ", "go to", {"r": "desk 1"}),
-    ("take alarmclock 1 from desk 2", "take", {"o": "alarmclock 1", "r": "desk 2"}),
-    ("put apple 3 in/on fridge 1", "put", {"o": "apple 3", "r": "fridge 1"}),
-    ("heat apple 3 with microwave 1", "heat", {"o": "apple 3", "r": "microwave 1"}),
-    ("look", "look", {}),
-])
+
+@pytest.mark.parametrize(
+    "command, verb, args",
+    [
+        ("go to desk 1", "go to", {"r": "desk 1"}),
+        ("  Go  To   Desk 1 ", "go to", {"r": "desk 1"}),
+        ("take alarmclock 1 from desk 2", "take", {"o": "alarmclock 1", "r": "desk 2"}),
+        ("put apple 3 in/on fridge 1", "put", {"o": "apple 3", "r": "fridge 1"}),
+        ("heat apple 3 with microwave 1", "heat", {"o": "apple 3", "r": "microwave 1"}),
+        ("look", "look", {}),
+    ],
+)
 def test_parse_well_formed_commands(command, verb, args):
     assert fb.parse_command(command) == (verb, args, None)
 
 
-@pytest.mark.parametrize("command, needle", [
-    ("", "empty command"),
-    ("   ", "empty command"),
-    ("fly to the moon", "unparseable command 'fly to the moon': expected one of go to X"),
-    ("put apple 3 in fridge 1", "ALFWorld writes it 'put X in/on Y'"),
-    ("take apple 3", "unparseable command 'take apple 3'"),
-    ("look around", "unparseable command 'look around'"),
-    ("fly" + " x" * 60, "...'"),  # a long command is cut in the message
-])
+@pytest.mark.parametrize(
+    "command, needle",
+    [
+        ("", "empty command"),
+        ("   ", "empty command"),
+        ("fly to the moon", "unparseable command 'fly to the moon': expected one of go to X"),
+        ("put apple 3 in fridge 1", "ALFWorld writes it 'put X in/on Y'"),
+        ("take apple 3", "unparseable command 'take apple 3'"),
+        ("look around", "unparseable command 'look around'"),
+        ("fly" + " x" * 60, "...'"),  # a long command is cut in the message
+    ],
+)
 def test_parse_malformed_commands(command, needle):
     verb, args, error = fb.parse_command(command)
     assert verb is None and args == {}
@@ -82,14 +96,19 @@ def test_parse_malformed_commands(command, needle):
 
 
 # Hand-written states: the agent at the start (loc 0), desk 1 at loc 1, fridge 1 (closed) at loc 2.
-BASE = frozenset({
-    ("atlocation", "agent1", "loc 0"),
-    ("receptacleatlocation", "desk 1", "loc 1"), ("receptacleatlocation", "fridge 1", "loc 2"),
-    ("receptacletype", "desk 1", "desktype"), ("receptacletype", "fridge 1", "fridgetype"),
-    ("openable", "fridge 1"),
-    ("objecttype", "apple 1", "appletype"), ("inreceptacle", "apple 1", "desk 1"),
-    ("objectatlocation", "apple 1", "loc 1"),
-})
+BASE = frozenset(
+    {
+        ("atlocation", "agent1", "loc 0"),
+        ("receptacleatlocation", "desk 1", "loc 1"),
+        ("receptacleatlocation", "fridge 1", "loc 2"),
+        ("receptacletype", "desk 1", "desktype"),
+        ("receptacletype", "fridge 1", "fridgetype"),
+        ("openable", "fridge 1"),
+        ("objecttype", "apple 1", "appletype"),
+        ("inreceptacle", "apple 1", "desk 1"),
+        ("objectatlocation", "apple 1", "loc 1"),
+    }
+)
 
 
 def moved(facts, **changes):
@@ -141,6 +160,7 @@ def test_put_is_rewritten_between_versions():
 
 
 # -- the real engine ------------------------------------------------------------------------
+
 
 def test_panel_order_is_the_sorted_playable_games(world):
     root = requires_alfworld()
@@ -255,8 +275,20 @@ def test_returning_to_a_plan_state_resumes_the_plan(world):
 
 def test_cli_eval_expert_reports_success_by_task_type(tmp_path, world):
     out = tmp_path / "eval"
-    p = serl("eval", "--env", "alfworld", "--policy", "expert", "--split", "valid_unseen", "--episodes", "2",
-             "--out", str(out), "-q")
+    p = serl(
+        "eval",
+        "--env",
+        "alfworld",
+        "--policy",
+        "expert",
+        "--split",
+        "valid_unseen",
+        "--episodes",
+        "2",
+        "--out",
+        str(out),
+        "-q",
+    )
     assert p.returncode == 0, p.stderr
     summary = json.loads((out / "eval.json").read_text())
     assert summary["episodes"] == 2 and summary["success_rate"] == 1.0
@@ -268,20 +300,43 @@ def test_cli_eval_expert_reports_success_by_task_type(tmp_path, world):
 
 def test_cli_env_play_script():
     requires_alfworld()
-    p = serl("env", "play", "--env", "alfworld", "--split", "valid_unseen", "--task", "0", "--json",
-             "--actions", "go to desk 2;take alarmclock 1 from desk 2;go to desk 1;use desklamp 1")
+    p = serl(
+        "env",
+        "play",
+        "--env",
+        "alfworld",
+        "--split",
+        "valid_unseen",
+        "--task",
+        "0",
+        "--json",
+        "--actions",
+        "go to desk 2;take alarmclock 1 from desk 2;go to desk 1;use desklamp 1",
+    )
     assert p.returncode == 0, p.stderr
     assert '"done": true' in p.stdout and '"reward": 1.0' in p.stdout
 
 
 # -- serl data prepare ------------------------------------------------------------------------
 
+
 def test_data_prepare_plans_resumes_and_is_read(tmp_path, world):
     from envs.alfworld.plans import load_plans, prepare_plans, read_records
 
     out = tmp_path / "plans.jsonl"
-    p = serl("data", "prepare", "--env", "alfworld", "--split", "train", "--games", "2", "--out", str(out),
-             env={"SERL_CACHE_DIR": str(tmp_path / "cache")})
+    p = serl(
+        "data",
+        "prepare",
+        "--env",
+        "alfworld",
+        "--split",
+        "train",
+        "--games",
+        "2",
+        "--out",
+        str(out),
+        env={"SERL_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert p.returncode == 0, p.stderr
     assert "2 / 2" in p.stdout  # games with a plan
     records = read_records(out)
@@ -328,10 +383,20 @@ def test_data_prepare_bad_input(tmp_path, world):
 
 # -- missing data, missing extra ----------------------------------------------------------------
 
+
 def test_missing_data_is_one_line(tmp_path):
     requires_alfworld()
-    p = serl("env", "play", "--env", "alfworld", "--split", "valid_unseen", "--actions", "look",
-             env={"SERL_DATA_DIR": str(tmp_path), "ALFWORLD_DATA": ""})
+    p = serl(
+        "env",
+        "play",
+        "--env",
+        "alfworld",
+        "--split",
+        "valid_unseen",
+        "--actions",
+        "look",
+        env={"SERL_DATA_DIR": str(tmp_path), "ALFWORLD_DATA": ""},
+    )
     assert_one_line_error(p, f"no ALFWorld data at {tmp_path}/alfworld", "alfworld-download")
 
 
@@ -346,6 +411,7 @@ def test_missing_extra_is_one_line(monkeypatch):
 
 # -- training through the same pipeline -------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_tiny_model_trains_on_alfworld(tmp_path, world):
     from serl_cli.models.tiny import init_model
@@ -353,9 +419,27 @@ def test_tiny_model_trains_on_alfworld(tmp_path, world):
     model = init_model("tiny", tmp_path / "model", world.corpus_texts(), seed=0)
     config = Path(__file__).parents[1] / "experiments" / "alfworld" / "grpo.yaml"
     run = tmp_path / "run"
-    p = serl("train", "--config", str(config), "--iterations", "2", "--model", str(model), "--tasks", "2",
-             "--group-size", "2", "--max-turns", "3", "--out", str(run), "--set", "rollout.sampling.max_new_tokens=12",
-             "--set", "rollout.threads=1")
+    p = serl(
+        "train",
+        "--config",
+        str(config),
+        "--iterations",
+        "2",
+        "--model",
+        str(model),
+        "--tasks",
+        "2",
+        "--group-size",
+        "2",
+        "--max-turns",
+        "3",
+        "--out",
+        str(run),
+        "--set",
+        "rollout.sampling.max_new_tokens=12",
+        "--set",
+        "rollout.threads=1",
+    )
     assert p.returncode == 0, p.stderr
     metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [0, 1]

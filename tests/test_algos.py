@@ -1,4 +1,5 @@
 """Algorithm math against values worked by hand (the arithmetic sits next to each value)."""
+
 import math
 
 import pytest
@@ -22,7 +23,7 @@ def test_group_advantages_bessel_equal_and_singleton():
     adv = group_advantages(rewards, groups, eps=0.0)
     # group 7: mean 1/3; deviations 2/3, -1/3, -1/3; sum sq = 4/9+1/9+1/9 = 2/3;
     # unbiased var = (2/3)/(3-1) = 1/3, std = 1/sqrt3 (population std would be sqrt(2/9)).
-    assert adv[0].item() == approx(2 / 3 * SQRT3)   # 1.1547
+    assert adv[0].item() == approx(2 / 3 * SQRT3)  # 1.1547
     assert adv[2].item() == approx(-1 / 3 * SQRT3)  # -0.57735
     assert adv[5].item() == approx(-1 / 3 * SQRT3)
     # group 3: all equal -> exactly 0 (not a float residue); group 9: singleton -> exactly 0.
@@ -36,7 +37,7 @@ def test_group_advantages_bessel_equal_and_singleton():
 def test_masked_reductions_ignore_masked_nan():
     x = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 6.0]])
     m = torch.tensor([[1, 1, 0], [1, 0, 1]])
-    assert masked_sum(x, m).item() == 13.0   # 1 + 2 + 4 + 6
+    assert masked_sum(x, m).item() == 13.0  # 1 + 2 + 4 + 6
     assert masked_mean(x, m).item() == 3.25  # 13 / 4
     assert masked_mean(x, torch.zeros_like(m)).item() == 0.0  # empty mask: no loss
 
@@ -66,8 +67,7 @@ def test_ppo_clip_branches_and_clip_frac():
 def test_ppo_weights_scale_the_advantage():
     # One token, r = 1.1 (inside), A = -1, w = 0.8: loss = -min(1.1*-0.8, 1.1*-0.8) = 0.88
     logp = torch.tensor([[math.log(1.1)]])
-    loss, _ = ppo_clip_loss(logp, torch.zeros(1, 1), torch.tensor([-1.0]),
-                            torch.tensor([[0.8]]), torch.ones(1, 1))
+    loss, _ = ppo_clip_loss(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.tensor([[0.8]]), torch.ones(1, 1))
     assert loss.item() == approx(0.88)
 
 
@@ -108,11 +108,19 @@ def test_kl_k3_hand_values():
 def test_policy_loss_adds_kl_and_distill_terms():
     # r = 1, A = 0 -> PPO term 0. Two tokens, both masked.
     logp = torch.log(torch.tensor([[0.5, 0.25]]))
-    ref = torch.log(torch.tensor([[0.5, 0.5]]))      # k3 = [0, 0.306853]
+    ref = torch.log(torch.tensor([[0.5, 0.5]]))  # k3 = [0, 0.306853]
     teacher = torch.log(torch.tensor([[1.0, 0.25]]))  # k3 = [0.306853, 0]
-    loss, stats = policy_loss(logp, logp.clone(), torch.zeros(1), torch.ones(1, 2),
-                              logp_ref=ref, kl_coef=0.1, logp_teacher=teacher,
-                              distill_coef=2.0, distill_mask=torch.tensor([[1, 0]]))
+    loss, stats = policy_loss(
+        logp,
+        logp.clone(),
+        torch.zeros(1),
+        torch.ones(1, 2),
+        logp_ref=ref,
+        kl_coef=0.1,
+        logp_teacher=teacher,
+        distill_coef=2.0,
+        distill_mask=torch.tensor([[1, 0]]),
+    )
     # KL mean over 2 tokens = 0.306853 / 2 = 0.153426; distill over 1 token = 0.306853
     # loss = 0 + 0.1 * 0.153426 + 2 * 0.306853 = 0.015343 + 0.613706 = 0.629049
     assert stats["kl_ref"] == approx(0.153426) and stats["distill_kl"] == approx(0.306853)
@@ -135,10 +143,10 @@ def test_hindsight_weights_signs_and_clip_edges():
 
 def test_mixing_lambda_schedule():
     assert mixing_lambda(0) == 0.5
-    assert mixing_lambda(10) == approx(0.4)   # 0.5 * (1 - 10/50)
+    assert mixing_lambda(10) == approx(0.4)  # 0.5 * (1 - 10/50)
     assert mixing_lambda(25) == approx(0.25)  # 0.5 * (1 - 25/50)
     assert mixing_lambda(50) == 0.0
-    assert mixing_lambda(80) == 0.0           # clamped, not negative
+    assert mixing_lambda(80) == 0.0  # clamped, not negative
     assert mixing_lambda(1000, decay_steps=0) == 0.5
 
 
@@ -172,8 +180,7 @@ def test_gigpo_returns_and_step_advantages():
     assert step.tolist() == approx([0.707107, 0.0, 1.0, -0.707107, -1.0, 0.0])
     episode = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
     # 1 + 0.5 * [0.707107, 0, 1] ; -1 + 0.5 * [-0.707107, -1, 0]
-    assert gigpo_advantages(episode, step, omega=0.5).tolist() == approx(
-        [1.353553, 1.0, 1.5, -1.353553, -1.5, -1.0])
+    assert gigpo_advantages(episode, step, omega=0.5).tolist() == approx([1.353553, 1.0, 1.5, -1.353553, -1.5, -1.0])
 
 
 # ---------------------------------------------------------------- the key property
@@ -206,11 +213,23 @@ def test_advantage_mass_moved_hand_values():
     """sum |A (w - 1)| / sum |A| over every action token; a turn with no weights counts at w = 1."""
     from serl_cli.algos.objectives import _annotation_stats
 
-    ann = [{"selected": True, "weights": [1.2, 1.0], "action_mask": [1, 1], "log_ratio_mean": -0.5,
-            "teacher_logprobs": [-1.0, -0.1]},
-           {"selected": False, "weights": None, "action_mask": [1], "log_ratio_mean": None, "teacher_logprobs": None},
-           {"selected": True, "weights": [0.9, 5.0], "action_mask": [1, 0], "log_ratio_mean": 0.2,
-            "teacher_logprobs": [-0.2, -0.3]}]
+    ann = [
+        {
+            "selected": True,
+            "weights": [1.2, 1.0],
+            "action_mask": [1, 1],
+            "log_ratio_mean": -0.5,
+            "teacher_logprobs": [-1.0, -0.1],
+        },
+        {"selected": False, "weights": None, "action_mask": [1], "log_ratio_mean": None, "teacher_logprobs": None},
+        {
+            "selected": True,
+            "weights": [0.9, 5.0],
+            "action_mask": [1, 0],
+            "log_ratio_mean": 0.2,
+            "teacher_logprobs": [-0.2, -0.3],
+        },
+    ]
     adv = torch.tensor([0.5, -2.0, -1.0])
     stats = _annotation_stats(ann, adv, {"weight_clip": 0.2}, {"lambda": 1.0})
     # moved: 0.5 * 0.2 + 0.5 * 0 + 2 * 0 + 1 * 0.1 = 0.2 (the masked 5.0 is not an action token);

@@ -10,9 +10,8 @@ import json
 
 import pytest
 import torch
-from fixtures_model import rollout_config, stopping_model_dir, tiny_model_dir  # noqa: F401  (fixtures)
-from test_cli_env import assert_one_line_error, serl
-from test_pipeline_bad_input import tree_hash
+from reliability.faults import tree_hash
+from support import assert_one_line_error, rollout_config, serl
 
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_annotations, read_rollouts
@@ -67,7 +66,9 @@ def test_teacher_prompt_splices_block_before_end_of_turn():
 
 def test_action_mask_excludes_reasoning_tags_and_end(model_and_tokenizer):
     _, tok = model_and_tokenizer
-    ids = tok.encode("<think>look first</think><action>click[buy now]</action>", add_special_tokens=False) + [tok.eos_token_id]
+    ids = tok.encode("<think>look first</think><action>click[buy now]</action>", add_special_tokens=False) + [
+        tok.eos_token_id
+    ]
     mask = action_span_mask(tok, ids)
     inside = tok.decode([i for i, m in zip(ids, mask) if m])
     assert "click[buy now]" in inside and "think" not in inside and "look" not in inside
@@ -132,19 +133,26 @@ def test_lambda_zero_skips_the_teacher(run_dir, model_and_tokenizer):
 
     episodes = read_rollouts(run_dir)
     for kw in ({"mixing_lambda": 0.0}, {"update_step": 50}, {"update_step": 80}):  # decayed to 0 after 50 updates
-        records, stats = annotate_episodes(episodes, AnnotateConfig(sources="obs", teacher_signal=False, **kw), model, tok,
-                                           env_cfg=None, scorer=spy)
+        records, stats = annotate_episodes(
+            episodes, AnnotateConfig(sources="obs", teacher_signal=False, **kw), model, tok, env_cfg=None, scorer=spy
+        )
         assert not calls and stats["teacher_skipped"] and stats["teacher_turns_scored"] == 0 and stats["lambda"] == 0
         assert all(r["weights"] is None and r["teacher_logprobs"] is None for r in records)
     # distillation wants the teacher's log-probs for themselves: lambda = 0 does not skip it then
-    _, stats = annotate_episodes(episodes, AnnotateConfig(sources="obs", mixing_lambda=0.0, skip_zero_advantage=False,
-                                                          teacher_signal=False), model, tok, env_cfg=None)
+    _, stats = annotate_episodes(
+        episodes,
+        AnnotateConfig(sources="obs", mixing_lambda=0.0, skip_zero_advantage=False, teacher_signal=False),
+        model,
+        tok,
+        env_cfg=None,
+    )
     assert not stats["teacher_skipped"] and stats["teacher_turns_scored"] > 0
 
 
 def test_rlsd_weights_every_reply_token(run_dir, model_and_tokenizer):
-    _, records, _ = annotate(run_dir, model_and_tokenizer, sources="obs", tokens="reply", mixing_lambda=1.0,
-                                    unparsed="whole")
+    _, records, _ = annotate(
+        run_dir, model_and_tokenizer, sources="obs", tokens="reply", mixing_lambda=1.0, unparsed="whole"
+    )
     off_action = [w for r in records if r["weights"] for w, m in zip(r["weights"], r["action_mask"]) if not m]
     assert off_action and any(w != 1.0 for w in off_action)  # reasoning, tags and the end token are reweighted too
     _, serl_records, _ = annotate(run_dir, model_and_tokenizer, sources="obs", mixing_lambda=1.0, unparsed="whole")
@@ -156,8 +164,9 @@ def test_rlsd_weights_every_reply_token(run_dir, model_and_tokenizer):
 def test_weights_follow_the_formula(run_dir, model_and_tokenizer):
     from serl_cli.algos.serl import blend_weights, hindsight_weights
 
-    episodes, records, _ = annotate(run_dir, model_and_tokenizer, placement="all", weight_clip=0.2, mixing_lambda=0.5,
-                                    unparsed="whole")
+    episodes, records, _ = annotate(
+        run_dir, model_and_tokenizer, placement="all", weight_clip=0.2, mixing_lambda=0.5, unparsed="whole"
+    )
     turns = [t for e in episodes for t in e["turns"]]
     checked = 0
     for r, t in zip(records, turns):
@@ -191,8 +200,9 @@ def test_serl_at_lambda_zero_is_grpo(run_dir, model_and_tokenizer, stopping_mode
 
 
 def test_serl_with_weights_differs_from_grpo(run_dir, model_and_tokenizer, stopping_model_dir):
-    episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="all", mixing_lambda=1.0,
-                                        unparsed="whole")
+    episodes, records, stats = annotate(
+        run_dir, model_and_tokenizer, placement="all", mixing_lambda=1.0, unparsed="whole"
+    )
     meta = {"config": {"placement": "all", "weight_clip": 0.2}, "stats": stats}
     m_serl, _ = _grads(stopping_model_dir, episodes, "serl", records, meta)
     m_grpo, _ = _grads(stopping_model_dir, episodes, "grpo")
@@ -220,12 +230,15 @@ def test_run_annotate_writes_and_train_checks_provenance(run_dir, tmp_path, stop
     assert tree_hash(run) == before
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--sources", "ref|"], "empty"),
-    (["--sources", "smell"], "unknown"),
-    (["--placement", "everywhere"], "unknown placement"),
-    (["--granularity", "paragraph"], "unknown granularity"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--sources", "ref|"], "empty"),
+        (["--sources", "smell"], "unknown"),
+        (["--placement", "everywhere"], "unknown placement"),
+        (["--granularity", "paragraph"], "unknown granularity"),
+    ],
+)
 def test_annotate_bad_input(run_dir, tmp_path, args, needle):
     run = tmp_path / "r"
     run.mkdir()
@@ -251,7 +264,10 @@ def test_run_annotate_reports_teacher_progress(run_dir, tmp_path):
     for f in ("manifest.json", "rollouts.jsonl"):
         (run / f).write_bytes((run_dir / f).read_bytes())
     calls = []
-    summary = run_annotate(str(run), AnnotateConfig(sources="obs", unparsed="whole", threads=1, teacher_signal=False),
-                           progress=lambda done, total: calls.append((done, total)))
+    summary = run_annotate(
+        str(run),
+        AnnotateConfig(sources="obs", unparsed="whole", threads=1, teacher_signal=False),
+        progress=lambda done, total: calls.append((done, total)),
+    )
     assert calls and calls[-1] == (summary["teacher_turns_scored"],) * 2  # the bar ends full
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from fixtures_model import synthetic_env, tiny_model_dir  # noqa: F401 (fixture)
+from support import synthetic_env
 
 from benchmarks.common import Figure, figure_rows, target_met, write_json
 from benchmarks.flops import matmul_flops, non_embedding_parameters, step_flops
@@ -18,9 +18,18 @@ from serl_cli.artifacts.schema import TurnSample
 
 
 def sample(prompt, action, logps=None, episode=0):
-    return TurnSample(episode=episode, turn=0, group_key=(0, 0), prompt_ids=prompt, action_ids=action,
-                      behaviour_logprobs=logps or [0.0] * len(action), episode_reward=0.0, success=False,
-                      state_key="s", turn_reward=0.0)
+    return TurnSample(
+        episode=episode,
+        turn=0,
+        group_key=(0, 0),
+        prompt_ids=prompt,
+        action_ids=action,
+        behaviour_logprobs=logps or [0.0] * len(action),
+        episode_reward=0.0,
+        success=False,
+        state_key="s",
+        turn_reward=0.0,
+    )
 
 
 def test_targets_are_read_from_their_text():
@@ -78,8 +87,13 @@ def test_micro_batch_sizes():
 
 
 def test_external_sections_keep_their_headline_numbers():
-    data = {"benchmark": "x", "episodes": 3, "flag": True,
-            "latency": {"reset": {"p50_ms": 1.5, "n": 4}}, "expert_episodes_per_s": 2.0}
+    data = {
+        "benchmark": "x",
+        "episodes": 3,
+        "flag": True,
+        "latency": {"reset": {"p50_ms": 1.5, "n": 4}},
+        "expert_episodes_per_s": 2.0,
+    }
     figs = {f.name: f.value for f in external_figures("env_x", data)}
     assert figs == {"latency.reset.p50_ms": 1.5, "expert_episodes_per_s": 2.0}
     assert external_figures("env_x", {"a": "b"})[0].value is None
@@ -116,8 +130,17 @@ def test_trl_and_serl_take_the_same_first_gradient(tiny_model_dir, tmp_path):  #
     from benchmarks.trl_grpo import PeerBench, measure
 
     env = synthetic_env(max_turns=2)
-    batch = make_batch(UpdateBench(catalog=env.settings["catalog"], model=str(tiny_model_dir), tasks=1, group_size=2,
-                                   max_turns=2, max_new_tokens=4, threads=1))
+    batch = make_batch(
+        UpdateBench(
+            catalog=env.settings["catalog"],
+            model=str(tiny_model_dir),
+            tasks=1,
+            group_size=2,
+            max_turns=2,
+            max_new_tokens=4,
+            threads=1,
+        )
+    )
     data = measure(PeerBench(repeats=1, threads=1), batch, log=lambda _: None)
     assert data["rows"] == batch.turns
     assert data["serl"]["turns_with_gradient"] == data["rows"]

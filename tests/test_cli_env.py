@@ -4,35 +4,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import requires_webshop_data
-
-
-def serl(*args: str, env: dict | None = None, input: str | None = None) -> subprocess.CompletedProcess:
-    # as from a user's shell: without the progress-bar switch an in-process CLI test leaves in os.environ
-    base = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
-    full_env = {**base, "COLUMNS": "200", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "serl_cli", *args], capture_output=True, text=True, env=full_env,
-                          input=input, timeout=300)
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0]
+from support import assert_one_line_error, requires_webshop_data, serl
 
 
 def test_eval_expert_writes_summary(tmp_path):
     requires_webshop_data()
     out = tmp_path / "ev"
-    proc = serl("eval", "--env", "webshop", "--policy", "expert", "--split", "test", "--episodes", "40", "--out", str(out))
+    proc = serl(
+        "eval", "--env", "webshop", "--policy", "expert", "--split", "test", "--episodes", "40", "--out", str(out)
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "eval.json").read_text())
     for key in ("success_rate", "success_ci95", "score", "episodes", "invalid_action_rate", "mean_turns"):
@@ -70,8 +54,19 @@ def test_eval_refuses_to_overwrite(tmp_path):
 
 def test_env_play_script(tmp_path):
     requires_webshop_data()
-    proc = serl("env", "play", "--env", "webshop", "--split", "test", "--task", "0", "--json",
-                "--actions", "search[decorative pillows];click[nope]")
+    proc = serl(
+        "env",
+        "play",
+        "--env",
+        "webshop",
+        "--split",
+        "test",
+        "--task",
+        "0",
+        "--json",
+        "--actions",
+        "search[decorative pillows];click[nope]",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "is not clickable on this page" in proc.stdout
     assert '"Page 1 (Total results: 50)' in proc.stdout or "Page 1 (Total results: 50)" in proc.stdout
@@ -103,15 +98,21 @@ def test_env_play_interactive_reads_stdin():
 )
 def test_bad_input_one_line_exit_2(tmp_path, args, env, needles):
     requires_webshop_data()
-    assert_one_line_error(serl(*args, "--out", str(tmp_path / "o")) if args[0] == "eval" else serl(*args, env=env), *needles)
+    assert_one_line_error(
+        serl(*args, "--out", str(tmp_path / "o")) if args[0] == "eval" else serl(*args, env=env), *needles
+    )
     assert not (tmp_path / "o").exists()
 
 
 def test_missing_data_dir_is_one_line(tmp_path):
-    assert_one_line_error(serl("eval", "--out", str(tmp_path / "o"), env={"SERL_DATA_DIR": str(tmp_path)}),
-                          "WebShop data not found", "documents_1k.jsonl")
-    assert_one_line_error(serl("env", "play", "--set", "settings.catalog=real", env={"SERL_DATA_DIR": ""}),
-                          "SERL_DATA_DIR is not set")
+    assert_one_line_error(
+        serl("eval", "--out", str(tmp_path / "o"), env={"SERL_DATA_DIR": str(tmp_path)}),
+        "WebShop data not found",
+        "documents_1k.jsonl",
+    )
+    assert_one_line_error(
+        serl("env", "play", "--set", "settings.catalog=real", env={"SERL_DATA_DIR": ""}), "SERL_DATA_DIR is not set"
+    )
 
 
 def test_malformed_yaml_config(tmp_path):
@@ -122,7 +123,9 @@ def test_malformed_yaml_config(tmp_path):
 
 
 def test_synthetic_catalog_without_data(tmp_path):
-    proc = serl("eval", "--policy", "expert", "--episodes", "20", "--out", str(tmp_path / "ev"), env={"SERL_DATA_DIR": ""})
+    proc = serl(
+        "eval", "--policy", "expert", "--episodes", "20", "--out", str(tmp_path / "ev"), env={"SERL_DATA_DIR": ""}
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert summary["success_rate"] >= 0.9
@@ -130,7 +133,9 @@ def test_synthetic_catalog_without_data(tmp_path):
 
 def test_eval_spread_panel_takes_evenly_spaced_tasks(tmp_path):
     out = tmp_path / "ev"
-    p = serl("eval", "--episodes", "4", "--panel", "spread", "--out", str(out), "--set", "env.settings.catalog=synthetic")
+    p = serl(
+        "eval", "--episodes", "4", "--panel", "spread", "--out", str(out), "--set", "env.settings.catalog=synthetic"
+    )
     assert p.returncode == 0, p.stderr
     rows = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
     total = json.loads((out / "eval.json").read_text())
@@ -139,21 +144,48 @@ def test_eval_spread_panel_takes_evenly_spaced_tasks(tmp_path):
     assert PANELS["spread"](4, 10) == [0, 2, 5, 7] and PANELS["first"](3, 10) == [0, 1, 2]
     assert total["panel"] == "spread" and len(rows) == 4
     assert [r["task_id"] for r in rows] == sorted({r["task_id"] for r in rows}) and rows[-1]["task_id"] > 3
-    assert_one_line_error(serl("eval", "--episodes", "4", "--panel", "middle", "--out", str(tmp_path / "x"),
-                               "--set", "env.settings.catalog=synthetic"), "unknown panel 'middle'", "first, spread")
+    assert_one_line_error(
+        serl(
+            "eval",
+            "--episodes",
+            "4",
+            "--panel",
+            "middle",
+            "--out",
+            str(tmp_path / "x"),
+            "--set",
+            "env.settings.catalog=synthetic",
+        ),
+        "unknown panel 'middle'",
+        "first, spread",
+    )
 
 
 def test_a_command_loads_only_its_own_module():
     """`serl eval` with bad input fails before torch or transformers is imported (the CLI imports
     the named command's module only); `serl --help` still lists every command."""
-    code = ("import sys; sys.argv = ['serl', 'eval', '--set', 'episodes=many']\n"
-            "from serl_cli.cli import main\n"
-            "try:\n    main()\nexcept SystemExit as e:\n"
-            "    print(e.code, 'torch' in sys.modules, 'transformers' in sys.modules, 'serl_cli.cli.train' in sys.modules)")
+    code = (
+        "import sys; sys.argv = ['serl', 'eval', '--set', 'episodes=many']\n"
+        "from serl_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n"
+        "    print(e.code, 'torch' in sys.modules, 'transformers' in sys.modules, 'serl_cli.cli.train' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.stdout.split() == ["2", "False", "False", "False"], proc.stderr
     assert "must be an integer" in proc.stderr
     listed = serl("--help").stdout
-    for command in ("ablate", "annotate", "config", "data", "demo", "env", "eval", "model", "plot", "rollout", "show",
-                    "train"):
+    for command in (
+        "ablate",
+        "annotate",
+        "config",
+        "data",
+        "demo",
+        "env",
+        "eval",
+        "model",
+        "plot",
+        "rollout",
+        "show",
+        "train",
+    ):
         assert f" {command} " in listed, command

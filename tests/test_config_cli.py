@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
-from test_cli_env import assert_one_line_error, serl
+from support import assert_one_line_error, serl
 
 from serl_cli import config as cfgmod
 from serl_cli.errors import SerlError
@@ -64,7 +63,7 @@ def test_help_shows_the_effective_defaults():
 
 def test_single_update_honours_out_and_warns_without_gradient(tiny_model_dir, tmp_path):
     """A random-init model never succeeds: every group's rewards are equal, so the update has no gradient."""
-    from fixtures_model import rollout_config
+    from support import rollout_config
 
     from serl_cli.stages.rollout import run_rollout
 
@@ -109,8 +108,19 @@ def test_eval_takes_a_training_config_and_reads_its_eval_section(tmp_path):
     extra = tmp_path / "eval_section.yaml"
     extra.write_text("eval: {temperature: 0.4, episodes: 2}\n")
     out = tmp_path / "ev"
-    p = serl("eval", "--config", GRPO_YAML, "--config", str(extra), "--set", "env.settings.catalog=synthetic",
-             "--max-turns", "2", "--out", str(out))
+    p = serl(
+        "eval",
+        "--config",
+        GRPO_YAML,
+        "--config",
+        str(extra),
+        "--set",
+        "env.settings.catalog=synthetic",
+        "--max-turns",
+        "2",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr
     notes = [ln for ln in p.stderr.splitlines() if ln.startswith("note:")]
     assert notes == ["note: ignoring iterations, train of the run config (not used by serl eval)"], p.stderr
@@ -130,18 +140,30 @@ def test_a_run_file_maps_onto_eval_and_rollout_settings(tmp_path, capsys):
     assert cfg.temperature == 0.0 and cfg.episodes is None  # no eval.temperature: greedy; eval.episodes 0: all
     assert (cfg.env.name, cfg.env.split, cfg.env.max_turns) == ("webshop", None, 15)
     assert "ignoring iterations, train" in capsys.readouterr().err
-    cfg = resolve(EvalConfig, config_file=[GRPO_YAML], overrides=["eval.temperature=0.3", "temperature=0.2"],
-                  flags={}, command="eval", quiet=True)
+    cfg = resolve(
+        EvalConfig,
+        config_file=[GRPO_YAML],
+        overrides=["eval.temperature=0.3", "temperature=0.2"],
+        flags={},
+        command="eval",
+        quiet=True,
+    )
     assert cfg.temperature == 0.2 and capsys.readouterr().err == ""  # eval's own --set key last; -q: no note
     cfg = resolve(EvalConfig, config_file=[GRPO_YAML], overrides=["eval.temperature=0.3"], flags={}, command="eval")
     assert cfg.temperature == 0.3  # a --set key in the run file's layout
     # serl rollout: the rollout section as an iteration runs it, with the run's env, model, seed
     old = tmp_path / "old_online.yaml"  # an online.yaml as written before: per-stage copies of env, seed, out
-    old.write_text(yaml.safe_dump(dataclasses.asdict(OnlineConfig(
-        env=EnvConfig(name="webshop", split="train", max_turns=15), seed=5, out="runs/x"))))
+    old.write_text(
+        yaml.safe_dump(
+            dataclasses.asdict(
+                OnlineConfig(env=EnvConfig(name="webshop", split="train", max_turns=15), seed=5, out="runs/x")
+            )
+        )
+    )
     for files in ([GRPO_YAML], [str(old)]):
-        r = resolve(RolloutConfig, config_file=files, overrides=[], flags={"out": str(tmp_path / "r")},
-                    command="rollout")
+        r = resolve(
+            RolloutConfig, config_file=files, overrides=[], flags={"out": str(tmp_path / "r")}, command="rollout"
+        )
         assert (r.env.split, r.env.max_turns, r.out) == ("train", 15, str(tmp_path / "r"))
     assert r.seed == 5 and r.model is None
     r = resolve(RolloutConfig, config_file=[GRPO_YAML], overrides=["rollout.tasks=2"], flags={}, command="rollout")
@@ -161,8 +183,11 @@ def test_unknown_keys_in_a_run_file_still_fail_with_the_closest(tmp_path):
         resolve(EvalConfig, config_file=[str(bad)], overrides=[], flags={}, command="eval")
     mixed = tmp_path / "mixed.yaml"
     mixed.write_text("eval: {temperature: 0.4}\nmax_new_tokens: 8\n")
-    assert_one_line_error(serl("eval", "--config", str(mixed)), "mixes the online loop's layout (eval)",
-                          "serl eval's own (max_new_tokens)")
+    assert_one_line_error(
+        serl("eval", "--config", str(mixed)),
+        "mixes the online loop's layout (eval)",
+        "serl eval's own (max_new_tokens)",
+    )
     assert_one_line_error(serl("eval", "--set", "temprature=0.4"), "did you mean temperature?")  # as before
 
 
@@ -170,8 +195,9 @@ def test_resolved_online_config_carries_each_setting_once():
     from serl_cli.cli.common import resolve
     from serl_cli.stages.run_file import LOOP_SETS, run_settings
 
-    cfg = resolve(OnlineConfig, config_file=[SERL_YAML], overrides=["seed=3", "out=runs/s", "train.optim.lr=1e-5"],
-                  flags={})
+    cfg = resolve(
+        OnlineConfig, config_file=[SERL_YAML], overrides=["seed=3", "out=runs/s", "train.optim.lr=1e-5"], flags={}
+    )
     text = yaml.safe_dump(run_settings(cfg), sort_keys=False)
     saved = yaml.safe_load(text)
     assert "out" not in saved["rollout"] and "env" not in saved["rollout"] and "model" not in saved["rollout"]
@@ -185,9 +211,32 @@ def test_online_yaml_of_a_run_is_its_config_for_resume_and_eval(tiny_model_dir, 
     """The online.yaml a run writes: each setting once; with it as --config, --resume goes on and
     serl eval evaluates the run's checkpoint as its periodic evaluation would."""
     run = tmp_path / "run"
-    p = serl("train", "--config", GRPO_YAML, "--iterations", "1", "--model", str(tiny_model_dir), "--tasks", "1",
-             "--group-size", "2", "--max-turns", "2", "--seed", "3", "--threads", "1", "--out", str(run), "-q",
-             "--set", "env.settings.catalog=synthetic", "--set", "rollout.sampling.max_new_tokens=4")
+    p = serl(
+        "train",
+        "--config",
+        GRPO_YAML,
+        "--iterations",
+        "1",
+        "--model",
+        str(tiny_model_dir),
+        "--tasks",
+        "1",
+        "--group-size",
+        "2",
+        "--max-turns",
+        "2",
+        "--seed",
+        "3",
+        "--threads",
+        "1",
+        "--out",
+        str(run),
+        "-q",
+        "--set",
+        "env.settings.catalog=synthetic",
+        "--set",
+        "rollout.sampling.max_new_tokens=4",
+    )
     assert p.returncode == 0, p.stderr
     saved = yaml.safe_load((run / "online.yaml").read_text())
     assert _count_keys(saved, "seed") == 1 and saved["seed"] == 3 and "out" not in saved["rollout"]
@@ -197,11 +246,28 @@ def test_online_yaml_of_a_run_is_its_config_for_resume_and_eval(tiny_model_dir, 
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
     assert yaml.safe_load((run / "online.yaml").read_text())["iterations"] == 2
     ev = tmp_path / "ev"
-    p = serl("eval", "--config", str(run / "online.yaml"), "--model", str(run / "checkpoint"), "--episodes", "1",
-             "--out", str(ev), "--threads", "1")
+    p = serl(
+        "eval",
+        "--config",
+        str(run / "online.yaml"),
+        "--model",
+        str(run / "checkpoint"),
+        "--episodes",
+        "1",
+        "--out",
+        str(ev),
+        "--threads",
+        "1",
+    )
     assert p.returncode == 0, p.stderr
     note = next(ln for ln in p.stderr.splitlines() if ln.startswith("note: ignoring"))
-    assert set(note.split("ignoring ")[1].split(" of ")[0].split(", ")) == {"iterations", "train", "annotate",
-                                                                             "save_every", "keep_last", "out"}
+    assert set(note.split("ignoring ")[1].split(" of ")[0].split(", ")) == {
+        "iterations",
+        "train",
+        "annotate",
+        "save_every",
+        "keep_last",
+        "out",
+    }
     saved = yaml.safe_load((ev / "eval_config.yaml").read_text())
     assert (saved["max_new_tokens"], saved["env"]["max_turns"], saved["seed"]) == (4, 2, 3)

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepspeed_worker import full_parameters, make_episodes, run, train_config
-from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
-from test_cli_env import assert_one_line_error, serl
+from support import assert_one_line_error, serl
 
 from serl_cli.errors import SerlError
 from serl_cli.training.deepspeed_config import DeepSpeedConfig, default_config, resolve_config
@@ -29,7 +28,8 @@ from serl_cli.training.step import OptimConfig
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 needs_deepspeed = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed (serl[deepspeed])")
+    __import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed (serl[deepspeed])"
+)
 
 
 # -- configuration (no DeepSpeed needed) ----------------------------------------------------------
@@ -41,8 +41,15 @@ def test_experiment_files_are_the_stage_defaults(stage):
 
 def test_resolve_fills_serls_keys_and_overrides_the_stage(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_clipping": "auto",
-                                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 1},
+                "gradient_clipping": "auto",
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+            }
+        )
+    )
     optim = OptimConfig(lr=3e-6, grad_clip=0.5, weight_decay=0.01)
     cfg = resolve_config(DeepSpeedConfig(config=str(path), zero_stage=3, offload=True), optim, bf16_available=False)
     assert cfg["zero_optimization"]["stage"] == 3
@@ -58,13 +65,16 @@ def test_resolve_fills_serls_keys_and_overrides_the_stage(tmp_path):
     assert default["bf16"] == {"enabled": True, "check_grad_overflow": True}  # "auto" on a bf16 accelerator
 
 
-@pytest.mark.parametrize("content, needle", [
-    ('{"zero_optimization": {"stage": 2},}', "malformed DeepSpeed JSON"),
-    ('[1, 2]', "must hold a JSON object"),
-    ('{"zero_optimization": {"stage": 4}}', "ZeRO stage must be 1, 2 or 3, got 4"),
-    ('{"gradient_clipping": 5.0}', "gradient_clipping is 5.0 but serl sets it to 1.0"),
-    ('{"train_batch_size": 64}', "train_batch_size"),
-])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ('{"zero_optimization": {"stage": 2},}', "malformed DeepSpeed JSON"),
+        ("[1, 2]", "must hold a JSON object"),
+        ('{"zero_optimization": {"stage": 4}}', "ZeRO stage must be 1, 2 or 3, got 4"),
+        ('{"gradient_clipping": 5.0}', "gradient_clipping is 5.0 but serl sets it to 1.0"),
+        ('{"train_batch_size": 64}', "train_batch_size"),
+    ],
+)
 def test_resolve_refuses_bad_files(tmp_path, content, needle):
     path = tmp_path / "ds.json"
     path.write_text(content)
@@ -76,17 +86,34 @@ def test_resolve_refuses_bad_files(tmp_path, content, needle):
 
 # -- bad input at the command line: one line, exit 2, nothing written ------------------------------
 def _online(model_dir, out, *extra, env=None):
-    return serl("train", "--iterations", "1", "--model", str(model_dir), "--out", str(out), "--tasks", "1",
-                "--group-size", "2", "--backend", "deepspeed", "--set", "env.settings.catalog=synthetic", *extra,
-                env=env)
+    return serl(
+        "train",
+        "--iterations",
+        "1",
+        "--model",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--tasks",
+        "1",
+        "--group-size",
+        "2",
+        "--backend",
+        "deepspeed",
+        "--set",
+        "env.settings.catalog=synthetic",
+        *extra,
+        env=env,
+    )
 
 
 def test_cli_bad_deepspeed_input(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"zero_optimization": {"stage": 2')
     out = tmp_path / "run"
-    assert_one_line_error(_online(tiny_model_dir, out, "--deepspeed-config", str(bad)), "malformed DeepSpeed JSON",
-                          "bad.json")
+    assert_one_line_error(
+        _online(tiny_model_dir, out, "--deepspeed-config", str(bad)), "malformed DeepSpeed JSON", "bad.json"
+    )
     assert_one_line_error(_online(tiny_model_dir, out, "--zero-stage", "5"), "ZeRO stage must be 1, 2 or 3, got 5")
     hide = tmp_path / "hide"
     hide.mkdir()
@@ -135,9 +162,25 @@ def test_zero_stages_match_torch(torch_result, zero_results, tiny_model_dir, sta
 def test_stage2_two_processes_match_one(zero_results, tiny_model_dir, tmp_path):
     out = tmp_path / "two.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "deepspeed_worker.py"), str(tiny_model_dir), str(out),
-                           "--zero-stage", "2"], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "tests" / "deepspeed_worker.py"),
+            str(tiny_model_dir),
+            str(out),
+            "--zero-stage",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(torch.load(out), zero_results[2], 1e-4)
 
@@ -193,7 +236,6 @@ def test_non_finite_loss_skips_the_step(tiny_model_dir):
     assert all(torch.equal(before[n], p) for n, p in full_parameters(learner).items())
 
 
-
 SOLO_GROUP = """
 import os, subprocess, sys
 from serl_cli.training.deepspeed import _import_deepspeed, init_distributed
@@ -212,8 +254,14 @@ def test_a_child_of_a_group_of_one_makes_its_own_group(tmp_path):
     # pytest and `serl ablate` start serl processes from a process that already holds a group of one
     script = tmp_path / "solo.py"
     script.write_text(SOLO_GROUP)
-    p = subprocess.run([sys.executable, str(script), "parent"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "SERL_THREADS": "1"}, check=False)
+    p = subprocess.run(
+        [sys.executable, str(script), "parent"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SERL_THREADS": "1"},
+        check=False,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     child_port, parent_port = p.stdout.split()[-2:]
     assert child_port != parent_port

@@ -13,8 +13,7 @@ import json
 
 import pytest
 import torch
-from fixtures_model import rollout_config, synthetic_env, tiny_model_dir  # noqa: F401  (fixtures)
-from test_cli_env import assert_one_line_error, serl
+from support import assert_one_line_error, rollout_config, serl, synthetic_env
 
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.errors import SerlError
@@ -59,12 +58,36 @@ def test_cli_refuses_cuda_without_a_gpu_before_writing(tiny_model_dir, tmp_path)
     if not NO_CUDA:
         pytest.skip("this machine has a GPU")
     out = tmp_path / "run"
-    p = serl("train", "--iterations", "1", "--model", str(tiny_model_dir), "--device", "cuda", "--out", str(out),
-             "--set", "env.settings.catalog=synthetic")
+    p = serl(
+        "train",
+        "--iterations",
+        "1",
+        "--model",
+        str(tiny_model_dir),
+        "--device",
+        "cuda",
+        "--out",
+        str(out),
+        "--set",
+        "env.settings.catalog=synthetic",
+    )
     assert_one_line_error(p, "--device cuda: torch sees no CUDA device")
     assert not out.exists()
-    p = serl("eval", "--env", "webshop", "--model", str(tiny_model_dir), "--dtype", "fp8", "--episodes", "1",
-             "--out", str(tmp_path / "e"), "--set", "env.settings.catalog=synthetic")
+    p = serl(
+        "eval",
+        "--env",
+        "webshop",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "fp8",
+        "--episodes",
+        "1",
+        "--out",
+        str(tmp_path / "e"),
+        "--set",
+        "env.settings.catalog=synthetic",
+    )
     assert_one_line_error(p, "unknown dtype 'fp8'")
 
 
@@ -89,8 +112,9 @@ def test_deepspeed_file_that_contradicts_dtype_is_refused(tmp_path):
 def expert_episodes(tiny_model_dir, tmp_path_factory):
     """Expert turns for SFT: every turn has a gradient whatever the rewards."""
     run = tmp_path_factory.mktemp("device") / "expert"
-    run_rollout(rollout_config(tiny_model_dir, run, policy="expert", tasks=1, group_size=1,
-                               env=synthetic_env(max_turns=2)))
+    run_rollout(
+        rollout_config(tiny_model_dir, run, policy="expert", tasks=1, group_size=1, env=synthetic_env(max_turns=2))
+    )
     return read_rollouts(run)
 
 
@@ -165,16 +189,59 @@ def test_cli_trains_and_evaluates_in_bf16_on_cpu(tiny_model_dir, tmp_path):
     autocast model, the update, a periodic evaluation) and `serl eval --dtype bf16`."""
     run, ev = tmp_path / "run", tmp_path / "eval"
     common = ["--set", "env.settings.catalog=synthetic"]
-    p = serl("train", "--iterations", "1", "--algo", "grpo", "--model", str(tiny_model_dir), "--tasks", "1",
-             "--group-size", "2", "--max-turns", "2", "--device", "cpu", "--dtype", "bf16", "--out", str(run), "-q",
-             "--set", "rollout.sampling.max_new_tokens=6", "--set", "eval.episodes=1", *common)
+    p = serl(
+        "train",
+        "--iterations",
+        "1",
+        "--algo",
+        "grpo",
+        "--model",
+        str(tiny_model_dir),
+        "--tasks",
+        "1",
+        "--group-size",
+        "2",
+        "--max-turns",
+        "2",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bf16",
+        "--out",
+        str(run),
+        "-q",
+        "--set",
+        "rollout.sampling.max_new_tokens=6",
+        "--set",
+        "eval.episodes=1",
+        *common,
+    )
     assert p.returncode == 0, p.stderr
     cfg = (run / "online.yaml").read_text()
     assert "dtype: bf16" in cfg and "device: cpu" in cfg
     metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert "eval_success_rate" in metrics
-    p = serl("eval", "--env", "webshop", "--model", str(run / "checkpoint"), "--episodes", "1", "--max-turns", "2",
-             "--device", "cpu", "--dtype", "bf16", "--out", str(ev), "-q", "--set", "max_new_tokens=6", *common)
+    p = serl(
+        "eval",
+        "--env",
+        "webshop",
+        "--model",
+        str(run / "checkpoint"),
+        "--episodes",
+        "1",
+        "--max-turns",
+        "2",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bf16",
+        "--out",
+        str(ev),
+        "-q",
+        "--set",
+        "max_new_tokens=6",
+        *common,
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads((ev / "eval.json").read_text())["episodes"] == 1
     assert "dtype: bf16" in (ev / "eval_config.yaml").read_text()
@@ -190,7 +257,9 @@ def test_hf_engine_and_eval_policy_run_under_autocast(tiny_model_dir):
         gens = policy.engine.generate([[1, 2, 3, 4]], SamplingConfig(0.0, 1.0, 4), seed=0)
     assert seen.seen == {torch.bfloat16} and len(gens[0].token_ids) == 4
     with LinearDtypes() as seen:
-        model_policy(str(tiny_model_dir), max_new_tokens=4).engine.generate([[1, 2, 3, 4]], SamplingConfig(0.0, 1.0, 4), 0)
+        model_policy(str(tiny_model_dir), max_new_tokens=4).engine.generate(
+            [[1, 2, 3, 4]], SamplingConfig(0.0, 1.0, 4), 0
+        )
     assert seen.seen == {torch.float32}
 
 
@@ -202,12 +271,27 @@ def test_annotate_scores_with_the_teacher_in_bf16(tiny_model_dir, tmp_path):
     if "device" not in AnnotateConfig.__dataclass_fields__:
         pytest.skip("AnnotateConfig has no device/dtype yet (the method/annotation.py change of issue 18)")
     run = tmp_path / "run"
-    run_rollout(rollout_config(tiny_model_dir, run, tasks=1, group_size=2, max_new_tokens=6,
-                               env=synthetic_env(max_turns=2)))
+    run_rollout(
+        rollout_config(tiny_model_dir, run, tasks=1, group_size=2, max_new_tokens=6, env=synthetic_env(max_turns=2))
+    )
     scores = {}
     for dtype in ("fp32", "bf16"):
-        p = serl("annotate", str(run), "--sources", "obs", "--device", "cpu", "--dtype", dtype, "--overwrite", "-q",
-                 "--set", "skip_zero_advantage=false", "--set", "mixing_lambda=1.0")
+        p = serl(
+            "annotate",
+            str(run),
+            "--sources",
+            "obs",
+            "--device",
+            "cpu",
+            "--dtype",
+            dtype,
+            "--overwrite",
+            "-q",
+            "--set",
+            "skip_zero_advantage=false",
+            "--set",
+            "mixing_lambda=1.0",
+        )
         assert p.returncode == 0, p.stderr
         rows = [json.loads(line) for line in (run / "annotations.jsonl").read_text().splitlines()]
         scores[dtype] = [x for r in rows for x in (r.get("teacher_logprobs") or [])]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_model import rollout_config, stopping_model_dir, synthetic_env, tiny_model_dir  # noqa: F401  (fixtures)
+from support import rollout_config, synthetic_env
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serl_cli.artifacts.schema import ROLLOUTS_FILE, read_rollouts
@@ -70,19 +70,26 @@ def _action_logits(model, prompt_ids: list[int], action_ids: list[int]) -> torch
     """Logits that predict each action token: one plain forward pass, batch of 1, no padding."""
     logits = model(input_ids=torch.tensor([prompt_ids + action_ids])).logits[0].float()
     p = len(prompt_ids)
-    return logits[p - 1: p - 1 + len(action_ids)]
+    return logits[p - 1 : p - 1 + len(action_ids)]
 
 
 def _logprobs(logits: torch.Tensor, action_ids: list[int], temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) at the action tokens."""
-    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(action_ids).unsqueeze(-1)).squeeze(-1)
+    return (
+        torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(action_ids).unsqueeze(-1)).squeeze(-1)
+    )
 
 
 @pytest.fixture(scope="module")
 def scored(runs, hf_models) -> dict:
     """Per run: (turn, action logits) for every stored turn, from a fresh forward pass."""
-    return {run: [(t, _action_logits(hf_models[RUN_MODEL[run][0]][0], t["prompt_ids"], t["action_ids"]))
-                  for t in _turns(runs[run])] for run in runs}
+    return {
+        run: [
+            (t, _action_logits(hf_models[RUN_MODEL[run][0]][0], t["prompt_ids"], t["action_ids"]))
+            for t in _turns(runs[run])
+        ]
+        for run in runs
+    }
 
 
 @torch.no_grad()
@@ -99,7 +106,7 @@ def _score_right_padded(model, pad_id: int, turns: list[dict], temperature: floa
     out = []
     for i, t in enumerate(turns):
         p, a = len(t["prompt_ids"]), t["action_ids"]
-        out.append(_logprobs(logits[i, p - 1: p - 1 + len(a)].float(), a, temperature))
+        out.append(_logprobs(logits[i, p - 1 : p - 1 + len(a)].float(), a, temperature))
     return out
 
 
@@ -134,8 +141,10 @@ def test_rescoring_right_padded_batch(runs, hf_models):
 
 def test_logprobs_are_of_tempered_logits(scored):
     """The T = 0.7 run's log-probs are of logits / 0.7: scoring it at T = 1 does not match."""
-    gap = max((_logprobs(logits, t["action_ids"], 1.0) - torch.tensor(t["behaviour_logprobs"])).abs().max().item()
-              for t, logits in scored["T0.7"])
+    gap = max(
+        (_logprobs(logits, t["action_ids"], 1.0) - torch.tensor(t["behaviour_logprobs"])).abs().max().item()
+        for t, logits in scored["T0.7"]
+    )
     assert gap > 1e-2
 
 
@@ -235,8 +244,9 @@ def test_gumbel_rows_draw_from_the_tempered_softmax():
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     temperature, n = 0.7, 4000
-    picks = torch.tensor([int(GumbelRows([s], SamplingConfig(temperature, 1.0, 1))(None, logits).argmax())
-                          for s in range(n)])
+    picks = torch.tensor(
+        [int(GumbelRows([s], SamplingConfig(temperature, 1.0, 1))(None, logits).argmax()) for s in range(n)]
+    )
     p = torch.softmax(logits[0] / temperature, dim=-1)
     freq = torch.bincount(picks, minlength=4).double() / n
     assert torch.all((freq - p).abs() <= 4 * torch.sqrt(p * (1 - p) / n))
@@ -265,8 +275,11 @@ def test_coupled_rows_draw_the_same_alone_or_in_a_batch(runs, hf_models):
 def test_coupled_rollouts_do_not_depend_on_the_batching(stopping_model_dir, tmp_path):
     """Coupled sampling draws each episode's turns from its own stream: the same rollouts whether
     the episodes run 6 at a time or 1 at a time (one stream per batch would not give that)."""
+
     def actions(batch_size: int, coupled: bool) -> list:
-        cfg = rollout_config(stopping_model_dir, tmp_path / f"b{batch_size}{coupled}", temperature=1.0, batch_size=batch_size)
+        cfg = rollout_config(
+            stopping_model_dir, tmp_path / f"b{batch_size}{coupled}", temperature=1.0, batch_size=batch_size
+        )
         cfg.sampling.coupled = coupled
         run_rollout(cfg)
         return [[t["action_ids"] for t in ep["turns"]] for ep in read_rollouts(cfg.out)]
@@ -279,8 +292,18 @@ def test_row_seed_names_the_episode_turn():
     from serl_cli.rollout.engines import row_seed
 
     assert row_seed(3, (0, 1), 2) == row_seed(3, (0, 1), 2)
-    assert len({row_seed(3, (0, 1), 2), row_seed(4, (0, 1), 2), row_seed(3, (1, 1), 2), row_seed(3, (0, 0), 2),
-                row_seed(3, (0, 1), 3)}) == 5
+    assert (
+        len(
+            {
+                row_seed(3, (0, 1), 2),
+                row_seed(4, (0, 1), 2),
+                row_seed(3, (1, 1), 2),
+                row_seed(3, (0, 0), 2),
+                row_seed(3, (0, 1), 3),
+            }
+        )
+        == 5
+    )
 
 
 # ---------------------------------------------------------------- the rollout stage

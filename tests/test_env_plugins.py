@@ -23,7 +23,7 @@ from envs import EnvError, make_world
 DOC = Path(__file__).resolve().parent.parent / "docs" / "ENVIRONMENTS.md"
 
 # helpers beside the example, for the error cases
-BAD_MODULE = '''
+BAD_MODULE = """
 def not_a_world(**settings):
     return {"name": "x", "splits": ["test"]}
 
@@ -44,7 +44,7 @@ def broken(**settings):
 
 
 NOT_CALLABLE = 42
-'''
+"""
 
 
 def doc_example(path: str) -> str:
@@ -113,8 +113,10 @@ def test_yaml_config_names_a_plugin(plugin_dir, tmp_path):
     from serl_cli.stages.evaluate import EvalConfig, run_eval
 
     cfg_file = tmp_path / "eval.yaml"
-    cfg_file.write_text("env:\n  name: mypkg.myenv:make\n  settings: {high: 1000, max_turns: 10}\n"
-                        f"policy: expert\nepisodes: 5\nout: {tmp_path / 'ev'}\n")
+    cfg_file.write_text(
+        "env:\n  name: mypkg.myenv:make\n  settings: {high: 1000, max_turns: 10}\n"
+        f"policy: expert\nepisodes: 5\nout: {tmp_path / 'ev'}\n"
+    )
     cfg = resolve(EvalConfig, config_file=str(cfg_file), flags={}, overrides=[])
     summary = run_eval(cfg)
     assert summary["env"] == "mypkg.myenv:make" and summary["episodes"] == 5
@@ -125,18 +127,33 @@ def test_yaml_config_names_a_plugin(plugin_dir, tmp_path):
 
 
 def serl(*args: str, pythonpath: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pythonpath), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "SERL_THREADS": "1", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "serl_cli", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(pythonpath), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "SERL_THREADS": "1",
+        "COLUMNS": "200",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "serl_cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_cli_eval_with_a_plugin(plugin_dir, tmp_path):
     results = {}
     for policy in ("random", "expert"):
         out = tmp_path / f"ev-{policy}"
-        proc = serl("eval", "--env", "mypkg.myenv:make", "--policy", policy, "--episodes", "5", "--out", str(out),
-                    pythonpath=plugin_dir)
+        proc = serl(
+            "eval",
+            "--env",
+            "mypkg.myenv:make",
+            "--policy",
+            policy,
+            "--episodes",
+            "5",
+            "--out",
+            str(out),
+            pythonpath=plugin_dir,
+        )
         assert proc.returncode == 0, proc.stderr
         results[policy] = json.loads((out / "eval.json").read_text())
         assert results[policy]["env"] == "mypkg.myenv:make" and results[policy]["episodes"] == 5
@@ -147,8 +164,18 @@ def test_cli_eval_with_a_plugin(plugin_dir, tmp_path):
 
 
 def test_cli_bad_plugin_is_one_line(plugin_dir):
-    proc = serl("eval", "--env", "mypkg.nothere:make", "--policy", "random", "--episodes", "1", "--out",
-                str(plugin_dir / "ev-bad"), pythonpath=plugin_dir)
+    proc = serl(
+        "eval",
+        "--env",
+        "mypkg.nothere:make",
+        "--policy",
+        "random",
+        "--episodes",
+        "1",
+        "--out",
+        str(plugin_dir / "ev-bad"),
+        pythonpath=plugin_dir,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -188,22 +215,46 @@ def test_entry_points_are_read_only_for_unknown_names(monkeypatch):
 # -- (d) one-line errors -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, settings, expected", [
-    ("nope", {}, "unknown environment 'nope': choose one of "),
-    ("mypkg.nothere:make", {}, "cannot import module 'mypkg.nothere': No module named 'mypkg.nothere' (install it"),
-    ("nothere_pkg_xyz.env:make", {}, "cannot import module 'nothere_pkg_xyz.env': No module named 'nothere_pkg_xyz'"),
-    ("mypkg.fails_import:make", {}, "cannot import module 'mypkg.fails_import': No module named 'serl_no_such_dependency_xyz'"),
-    ("mypkg.raises:make", {}, "importing module 'mypkg.raises' raised RuntimeError: no licence key"),
-    ("mypkg.myenv:nope", {}, "'mypkg.myenv' has no attribute 'nope'"),
-    ("mypkg.myenv:GuessWorld.nope", {}, "'mypkg.myenv.GuessWorld' has no attribute 'nope'"),
-    ("mypkg.bad:NOT_CALLABLE", {}, "mypkg.bad.NOT_CALLABLE is not callable (a int)"),
-    ("mypkg.myenv:make", {"colour": "red"}, "bad settings for environment 'mypkg.myenv:make': make() got an unexpected keyword argument 'colour'"),
-    ("mypkg.bad:broken", {}, "unexpected keyword argument 'colour'"),
-    ("mypkg.bad:not_a_world", {}, "returned a dict that is not a world (missing or not callable: name, rules, eval_split, splits, num_tasks, new_episode;"),
-    ("mypkg.bad:half_a_world", {}, "returned a Half that is not a world (missing or not callable: new_episode, splits;"),
-    (":make", {}, "bad environment ':make': write a factory as package.module:function"),
-    ("mypkg.myenv:", {}, "bad environment 'mypkg.myenv:': write a factory as package.module:function"),
-])
+@pytest.mark.parametrize(
+    "name, settings, expected",
+    [
+        ("nope", {}, "unknown environment 'nope': choose one of "),
+        ("mypkg.nothere:make", {}, "cannot import module 'mypkg.nothere': No module named 'mypkg.nothere' (install it"),
+        (
+            "nothere_pkg_xyz.env:make",
+            {},
+            "cannot import module 'nothere_pkg_xyz.env': No module named 'nothere_pkg_xyz'",
+        ),
+        (
+            "mypkg.fails_import:make",
+            {},
+            "cannot import module 'mypkg.fails_import': No module named 'serl_no_such_dependency_xyz'",
+        ),
+        ("mypkg.raises:make", {}, "importing module 'mypkg.raises' raised RuntimeError: no licence key"),
+        ("mypkg.myenv:nope", {}, "'mypkg.myenv' has no attribute 'nope'"),
+        ("mypkg.myenv:GuessWorld.nope", {}, "'mypkg.myenv.GuessWorld' has no attribute 'nope'"),
+        ("mypkg.bad:NOT_CALLABLE", {}, "mypkg.bad.NOT_CALLABLE is not callable (a int)"),
+        (
+            "mypkg.myenv:make",
+            {"colour": "red"},
+            "bad settings for environment 'mypkg.myenv:make': make() got an unexpected keyword argument 'colour'",
+        ),
+        ("mypkg.bad:broken", {}, "unexpected keyword argument 'colour'"),
+        (
+            "mypkg.bad:not_a_world",
+            {},
+            "returned a dict that is not a world (missing or not callable: name, rules, eval_split, splits, "
+            "num_tasks, new_episode;",
+        ),
+        (
+            "mypkg.bad:half_a_world",
+            {},
+            "returned a Half that is not a world (missing or not callable: new_episode, splits;",
+        ),
+        (":make", {}, "bad environment ':make': write a factory as package.module:function"),
+        ("mypkg.myenv:", {}, "bad environment 'mypkg.myenv:': write a factory as package.module:function"),
+    ],
+)
 def test_bad_plugins_give_one_line(plugin_dir, name, settings, expected):
     with pytest.raises(EnvError) as e:
         make_world(name, **settings)

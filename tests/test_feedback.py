@@ -14,15 +14,31 @@ from serl_cli.method.feedback import TurnContext, hindsight_step, parse_sources
 
 def turn(action, state, *, error=None, diff="", obs=None, observation=None):
     """One turn as serl_cli.rollout.runner records it (token fields left empty)."""
-    return {"observation": observation or f"page {state}", "state_key": state, "expert_action": None,
-            "prompt_ids": [], "action_ids": [], "action_text": f"<action>{action}</action>", "action": action,
-            "behaviour_logprobs": [], "next_observation": obs if obs is not None else f"after {action}",
-            "feedback": {"error": error, "diff": diff}, "reward": 0.0, "done": False}
+    return {
+        "observation": observation or f"page {state}",
+        "state_key": state,
+        "expert_action": None,
+        "prompt_ids": [],
+        "action_ids": [],
+        "action_text": f"<action>{action}</action>",
+        "action": action,
+        "behaviour_logprobs": [],
+        "next_observation": obs if obs is not None else f"after {action}",
+        "feedback": {"error": error, "diff": diff},
+        "reward": 0.0,
+        "done": False,
+    }
 
 
 def episode(index, turns, *, success=False, reward=None, task_id=7, group_id=0):
-    return {"task_id": task_id, "group_id": group_id, "rollout_index": index, "turns": turns,
-            "success": success, "reward": reward if reward is not None else float(success)}
+    return {
+        "task_id": task_id,
+        "group_id": group_id,
+        "rollout_index": index,
+        "turns": turns,
+        "success": success,
+        "reward": reward if reward is not None else float(success),
+    }
 
 
 def ctx(ep, t, group=None, **kw):
@@ -34,24 +50,31 @@ def render(name, c):
 
 
 # A failed rollout: search, a wrong click that the page ignores, an invalid click.
-FAILED = episode(0, [
-    turn("search[red mug]", "s0", diff="page search -> results; listed: B1, B2"),
-    turn("click[b9]", "s1", diff="no change"),
-    turn("click[bogus]", "s1", error="no button 'bogus' on this page", diff="no change"),
-])
+FAILED = episode(
+    0,
+    [
+        turn("search[red mug]", "s0", diff="page search -> results; listed: B1, B2"),
+        turn("click[b9]", "s1", diff="no change"),
+        turn("click[bogus]", "s1", error="no button 'bogus' on this page", diff="no change"),
+    ],
+)
 
 # ------------------------------------------------------------------ error / diff / obs
 
 
 def test_error_renders_and_fires_only_when_present():
-    assert render("error", ctx(FAILED, 2)) == ("Environment error at the current step:\nno button 'bogus' on this page",
-                                               True)
+    assert render("error", ctx(FAILED, 2)) == (
+        "Environment error at the current step:\nno button 'bogus' on this page",
+        True,
+    )
     assert render("error", ctx(FAILED, 0)) == (None, False)
 
 
 def test_diff_renders_changes_and_fires_only_on_no_change():
-    assert render("diff", ctx(FAILED, 0)) == ("What changed after the current step:\npage search -> results; listed: B1, B2",
-                                              False)
+    assert render("diff", ctx(FAILED, 0)) == (
+        "What changed after the current step:\npage search -> results; listed: B1, B2",
+        False,
+    )
     assert render("diff", ctx(FAILED, 1)) == ("What changed after the current step:\nno change", True)
     assert render("diff", ctx(episode(0, [turn("click[x]", "s", diff="")]), 0)) == (None, False)
 
@@ -67,9 +90,14 @@ def test_obs_is_the_raw_answer_under_the_authors_title_and_never_fires():
 
 
 def test_future_lists_only_the_later_turns_without_outcome():
-    assert render("future", ctx(FAILED, 0)) == (("Observed future trajectory of the current step:\n"
-                                                 "Step 2\nResponse:\n<action>click[b9]</action>\n\n"
-                                                 "Step 3\nResponse:\n<action>click[bogus]</action>"), False)
+    assert render("future", ctx(FAILED, 0)) == (
+        (
+            "Observed future trajectory of the current step:\n"
+            "Step 2\nResponse:\n<action>click[b9]</action>\n\n"
+            "Step 3\nResponse:\n<action>click[bogus]</action>"
+        ),
+        False,
+    )
     text, _ = render("future", ctx(FAILED, 1))
     assert "click[b9]" not in text and "Step 2" not in text and text.endswith("<action>click[bogus]</action>")
     won = episode(1, [turn("search[mug]", "s0"), turn("click[buy now]", "s1")], success=True, reward=1.0)
@@ -79,23 +107,39 @@ def test_future_lists_only_the_later_turns_without_outcome():
 
 
 def test_future_drops_reasoning_from_the_later_replies():
-    ep = episode(0, [turn("up", "s0"), dict(turn("left", "s1"), action_text="<think>go round</think>\n<action>left</action>")])
-    assert render("future", ctx(ep, 0))[0] == "Observed future trajectory of the current step:\nStep 2\nResponse:\n<action>left</action>"
+    ep = episode(
+        0, [turn("up", "s0"), dict(turn("left", "s1"), action_text="<think>go round</think>\n<action>left</action>")]
+    )
+    assert (
+        render("future", ctx(ep, 0))[0]
+        == "Observed future trajectory of the current step:\nStep 2\nResponse:\n<action>left</action>"
+    )
 
 
 # ------------------------------------------------------------------ ref / expert
 
-WIN1 = episode(1, [turn("search[red mug]", "s0", diff="page search -> results"), turn("click[b2]", "s1", diff="opened B2"),
-                   turn("click[buy now]", "s2", diff="bought B2, score 1.000")], success=True)
+WIN1 = episode(
+    1,
+    [
+        turn("search[red mug]", "s0", diff="page search -> results"),
+        turn("click[b2]", "s1", diff="opened B2"),
+        turn("click[buy now]", "s2", diff="bought B2, score 1.000"),
+    ],
+    success=True,
+)
 WIN3 = episode(3, [turn("search[mug]", "s0"), turn("click[b1]", "s1"), turn("click[buy now]", "s3")], success=True)
 LOST2 = episode(2, [turn("search[cup]", "s5")])
-EXPERT = [{"observation": "page s0", "action": "search[red mug]", "state_key": "s0"},
-          {"observation": "page s1", "action": "click[b1]", "state_key": "s1"},
-          {"observation": "page s4", "action": "click[buy now]", "state_key": "s4"}]
-WIN1_TEXT = ("Successful trajectory in the same task, if any:\n"
-             "Step 1\nResponse:\n<action>search[red mug]</action>\n\n"
-             "Step 2\nResponse:\n<action>click[b2]</action>\n\n"
-             "Step 3\nResponse:\n<action>click[buy now]</action>")
+EXPERT = [
+    {"observation": "page s0", "action": "search[red mug]", "state_key": "s0"},
+    {"observation": "page s1", "action": "click[b1]", "state_key": "s1"},
+    {"observation": "page s4", "action": "click[buy now]", "state_key": "s4"},
+]
+WIN1_TEXT = (
+    "Successful trajectory in the same task, if any:\n"
+    "Step 1\nResponse:\n<action>search[red mug]</action>\n\n"
+    "Step 2\nResponse:\n<action>click[b2]</action>\n\n"
+    "Step 3\nResponse:\n<action>click[buy now]</action>"
+)
 
 
 def test_ref_is_the_whole_trajectory_of_the_first_successful_sibling_by_rollout_index():
@@ -108,7 +152,8 @@ def test_ref_of_a_successful_rollout_is_another_success_never_itself():
     # dont_reprompt_on_self_success (PC:633-659): only the rollout itself is left out
     assert render("ref", ctx(WIN3, 1, [WIN3, WIN1]))[0] == WIN1_TEXT
     assert render("ref", ctx(WIN1, 0, [FAILED, WIN3, WIN1]))[0].startswith(
-        "Successful trajectory in the same task, if any:\nStep 1\nResponse:\n<action>search[mug]</action>")
+        "Successful trajectory in the same task, if any:\nStep 1\nResponse:\n<action>search[mug]</action>"
+    )
     assert render("ref", ctx(WIN1, 0, [FAILED, WIN1])) == (None, False)  # the only success: nothing
 
 
@@ -121,8 +166,11 @@ def test_ref_fires_only_on_disagreement():
 
 
 def test_ref_fires_against_the_last_visit_of_a_revisited_state():
-    looped = episode(1, [turn("click[b1]", "s1"), turn("click[back]", "s0"), turn("click[b2]", "s1"),
-                         turn("click[buy now]", "s2")], success=True)
+    looped = episode(
+        1,
+        [turn("click[b1]", "s1"), turn("click[back]", "s0"), turn("click[b2]", "s1"), turn("click[buy now]", "s2")],
+        success=True,
+    )
     assert render("ref", ctx(episode(0, [turn("click[b1]", "s1")]), 0, None))[0] is None
     lost = episode(0, [turn("click[b1]", "s1")])
     assert render("ref", ctx(lost, 0, [lost, looped]))[1] is True  # its last visit clicked b2
@@ -142,10 +190,16 @@ def test_ref_without_the_state_fires_against_the_same_index_or_not_at_all():
 
 def test_expert_is_its_own_source_labelled_privileged():
     text, fires = render("expert", ctx(FAILED, 1, [FAILED, WIN1], expert=EXPERT))
-    assert text == ("Expert demonstration for this task (privileged oracle information):\n"
-                    "Step 1\nResponse:\n<action>search[red mug]</action>\n\n"
-                    "Step 2\nResponse:\n<action>click[b1]</action>\n\n"
-                    "Step 3\nResponse:\n<action>click[buy now]</action>") and fires  # the expert clicked b1, not b9
+    assert (
+        text
+        == (
+            "Expert demonstration for this task (privileged oracle information):\n"
+            "Step 1\nResponse:\n<action>search[red mug]</action>\n\n"
+            "Step 2\nResponse:\n<action>click[b1]</action>\n\n"
+            "Step 3\nResponse:\n<action>click[buy now]</action>"
+        )
+        and fires
+    )  # the expert clicked b1, not b9
     assert render("expert", ctx(FAILED, 0, expert=EXPERT))[1] is False  # both searched "red mug"
     assert render("expert", ctx(FAILED, 0)) == (None, False)  # no demonstration known
 
@@ -165,22 +219,32 @@ def test_turn_context_has_no_ref_mode_any_more():
 # ------------------------------------------------------------------ parse_sources
 
 
-@pytest.mark.parametrize("spec,parsed", [
-    ("error", [["error"]]),
-    ("error,ref", [["error"], ["ref"]]),
-    ("ref|error", [["ref", "error"]]),
-    (" ref | error , diff ", [["ref", "error"], ["diff"]]),
-    ("obs,future", [["obs"], ["future"]]),
-])
+@pytest.mark.parametrize(
+    "spec,parsed",
+    [
+        ("error", [["error"]]),
+        ("error,ref", [["error"], ["ref"]]),
+        ("ref|error", [["ref", "error"]]),
+        (" ref | error , diff ", [["ref", "error"], ["diff"]]),
+        ("obs,future", [["obs"], ["future"]]),
+    ],
+)
 def test_parse_sources(spec, parsed):
     assert parse_sources(spec) == parsed
 
 
-@pytest.mark.parametrize("spec,problem", [
-    ("ref|", "empty source name"), (",error", "empty source name"), ("error,,diff", "empty source name"),
-    ("", "no feedback sources"), ("   ", "no feedback sources"), ("ref|eror", "unknown feedback source 'eror'"),
-    ("error,error", "named twice"),
-])
+@pytest.mark.parametrize(
+    "spec,problem",
+    [
+        ("ref|", "empty source name"),
+        (",error", "empty source name"),
+        ("error,,diff", "empty source name"),
+        ("", "no feedback sources"),
+        ("   ", "no feedback sources"),
+        ("ref|eror", "unknown feedback source 'eror'"),
+        ("error,error", "named twice"),
+    ],
+)
 def test_parse_sources_rejects(spec, problem):
     with pytest.raises(SerlError) as e:
         parse_sources(spec)
@@ -195,15 +259,20 @@ def test_parse_sources_rejects(spec, problem):
 
 def test_step_block_is_the_sections_in_spec_order_a_blank_line_apart():
     text, used, fired = hindsight_step(ctx(FAILED, 2, [FAILED, WIN1]), "error,diff,ref")
-    assert text == ("Environment error at the current step:\nno button 'bogus' on this page\n\n"
-                    "What changed after the current step:\nno change\n\n" + WIN1_TEXT)
+    assert text == (
+        "Environment error at the current step:\nno button 'bogus' on this page\n\n"
+        "What changed after the current step:\nno change\n\n" + WIN1_TEXT
+    )
     assert used == ["error", "diff", "ref"] and fired == ["error", "diff", "ref"]
 
 
 def test_step_fallback_uses_error_where_no_ref_exists():
     spec = parse_sources("ref|error")
     assert hindsight_step(ctx(FAILED, 2, [FAILED, LOST2]), spec) == (
-        "Environment error at the current step:\nno button 'bogus' on this page", ["error"], ["error"])
+        "Environment error at the current step:\nno button 'bogus' on this page",
+        ["error"],
+        ["error"],
+    )
     text, used, fired = hindsight_step(ctx(FAILED, 2, [FAILED, WIN1]), spec)  # a ref exists: it wins
     assert used == ["ref"] and fired == ["ref"] and "Environment error" not in text
     assert hindsight_step(ctx(FAILED, 0, [FAILED, LOST2]), spec) == (None, [], [])  # nothing to say
@@ -215,9 +284,14 @@ def test_step_counts_a_rendered_source_that_does_not_fire():
 
 # ------------------------------------------------------------------ cutters
 
-TEXTS = ["short", "a mug of tea", "café crème brûlée naïve façade déjà vu " * 4, "漢字 かな 混じり の 文 " * 6,
-         "emoji 🙂 rocket 🚀 party 🎉 words " * 5,
-         "Instruction: [SEP] i need a lightweight navy blue hair dryer [SEP] Back to Search [SEP] Page 1 " * 3]
+TEXTS = [
+    "short",
+    "a mug of tea",
+    "café crème brûlée naïve façade déjà vu " * 4,
+    "漢字 かな 混じり の 文 " * 6,
+    "emoji 🙂 rocket 🚀 party 🎉 words " * 5,
+    "Instruction: [SEP] i need a lightweight navy blue hair dryer [SEP] Back to Search [SEP] Page 1 " * 3,
+]
 
 
 def _ends_cleanly(out: str, text: str) -> bool:
@@ -225,11 +299,11 @@ def _ends_cleanly(out: str, text: str) -> bool:
     prefix has no whitespace in its last max(20 %, 16 chars) (a run too long to drop stays cut)."""
     if out == text:
         return True
-    head = out[:-len(" ...")]
+    head = out[: -len(" ...")]
     if not (out.endswith(" ...") and text.startswith(head) and not head.endswith("\ufffd")):
         return False
     on_boundary = len(head) == 0 or text[len(head)].isspace()
-    tail = head[len(head) - int(max(0.2 * len(head), fb.TAIL_CHARS)):]
+    tail = head[len(head) - int(max(0.2 * len(head), fb.TAIL_CHARS)) :]
     return on_boundary or not any(c.isspace() for c in tail)
 
 
@@ -253,7 +327,9 @@ def tokenizer():
     from serl_cli.models.tiny import train_tokenizer
 
     # ASCII only: accented letters, kana and emoji split into byte tokens, so cuts can fall mid-character
-    return train_tokenizer([t for t in TEXTS if t.isascii()] * 3 + ["the quick brown fox jumps over the lazy dog"] * 5, 300)
+    return train_tokenizer(
+        [t for t in TEXTS if t.isascii()] * 3 + ["the quick brown fox jumps over the lazy dog"] * 5, 300
+    )
 
 
 def test_token_cutter_never_ends_mid_character(tokenizer):
@@ -285,7 +361,12 @@ def test_anchor_groups_by_state_key():
 
 
 def test_anchor_groups_by_similarity_are_transitive():
-    obs = ["red mug blue cup green bowl", "red mug blue cup green plate", "red mug blue cup tin plate", "nothing alike here"]
+    obs = [
+        "red mug blue cup green bowl",
+        "red mug blue cup green plate",
+        "red mug blue cup tin plate",
+        "nothing alike here",
+    ]
     eps = [episode(i, [turn("x", f"s{i}", observation=o)]) for i, o in enumerate(obs)]
     # Jaccard: 0-1 = 5/7, 1-2 = 5/7, 0-2 = 4/8: 0 and 2 join only through 1
     assert anchor_groups(eps) == {(0, 0): 0, (1, 0): 1, (2, 0): 2, (3, 0): 3}
@@ -307,11 +388,13 @@ def test_anchor_block_pools_sibling_errors_and_successful_actions():
     group = [me, sib_a, sib_b, sib_c, win4, win5]
     anchors = anchor_groups(group)
     text, used, fired = hindsight_anchor(ctx(me, 0, group), "error,ref", anchors)
-    assert text == ("Errors other attempts got here:\n"
-                    "click[bogus] (2 attempts): no button 'bogus'\n"
-                    "click[lamp] (1 attempt): no button 'lamp'\n\n"
-                    "What successful attempts did from this state:\n"
-                    "click[b1] (rollout 4, rollout 5)")
+    assert text == (
+        "Errors other attempts got here:\n"
+        "click[bogus] (2 attempts): no button 'bogus'\n"
+        "click[lamp] (1 attempt): no button 'lamp'\n\n"
+        "What successful attempts did from this state:\n"
+        "click[b1] (rollout 4, rollout 5)"
+    )
     assert used == ["error", "ref"] and fired == ["error", "ref"]
     # a successful rollout sees the others' errors and the OTHER success's action, which agrees with its own
     text, used, fired = hindsight_anchor(ctx(win4, 0, group), "error,ref", anchors)

@@ -1,6 +1,7 @@
 """The package's house rules: no import cycles, and imports only run down the layers.
 
-    cli -> ablate -> stages -> {method, training, rollout} -> {algos, models, envs} -> {artifacts, config, stats, errors}
+    cli -> ablate -> stages -> {method, training, rollout} -> {algos, models, envs}
+        -> {artifacts, config, stats, errors}
 
 A module may import from its own layer or any layer below it, never above. The graph is
 built with ``ast`` from every ``import`` in the source, lazy ones inside functions included:
@@ -88,7 +89,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -122,9 +123,12 @@ def test_imports_only_run_down_the_layers():
     assert not upward, "imports against the layer order:\n" + "\n".join(sorted(upward))
 
 
-@pytest.mark.parametrize("graph, cycle", [
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
-    ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
-])
+@pytest.mark.parametrize(
+    "graph, cycle",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+    ],
+)
 def test_the_cycle_finder_finds_cycles(graph, cycle):
     assert find_cycle(graph) == cycle

@@ -15,8 +15,8 @@ import time
 
 import pytest
 import yaml
-from fixtures_model import synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
 from safetensors.torch import load_file
+from support import synthetic_env
 
 from serl_cli.ablate.runners import SELF_CMD
 from serl_cli.errors import SerlError
@@ -33,10 +33,18 @@ from serl_cli.training.train_config import TrainConfig
 def online_cfg(model, out) -> OnlineConfig:
     """3 iterations of SFT on the policy's own samples (always a gradient), a checkpoint every
     2 (iterations 1 and 2), the newest kept, an evaluation every 2 at T 0.7."""
-    return OnlineConfig(env=synthetic_env(max_turns=2), model=str(model), iterations=3, seed=2, out=str(out),
-                        rollout=RolloutConfig(tasks=1, group_size=2, sampling=SamplingConfig(1.0, 1.0, 6), threads=1),
-                        train=TrainConfig(algo="sft", optim=OptimConfig(lr=1e-3), threads=1),
-                        eval=OnlineEvalConfig(episodes=1, every=2, temperature=0.7), save_every=2, keep_last=1)
+    return OnlineConfig(
+        env=synthetic_env(max_turns=2),
+        model=str(model),
+        iterations=3,
+        seed=2,
+        out=str(out),
+        rollout=RolloutConfig(tasks=1, group_size=2, sampling=SamplingConfig(1.0, 1.0, 6), threads=1),
+        train=TrainConfig(algo="sft", optim=OptimConfig(lr=1e-3), threads=1),
+        eval=OnlineEvalConfig(episodes=1, every=2, temperature=0.7),
+        save_every=2,
+        keep_last=1,
+    )
 
 
 def same_weights(a, b) -> bool:
@@ -126,9 +134,12 @@ def test_stop_during_the_update_finishes_the_iteration(tiny_model_dir, reference
     assert_same_run(out, reference)
 
 
-@pytest.mark.xfail(strict=False, reason="known bug, open: on a loaded machine the signal can land later in "
-                   "iteration 1 and the resumed iteration's rollouts then differ from an uninterrupted run's "
-                   "(seen once in CI's full suite on a fresh clone, 2 cores shared with 4 other jobs)")
+@pytest.mark.xfail(
+    strict=False,
+    reason="known bug, open: on a loaded machine the signal can land later in "
+    "iteration 1 and the resumed iteration's rollouts then differ from an uninterrupted run's "
+    "(seen once in CI's full suite on a fresh clone, 2 cores shared with 4 other jobs)",
+)
 def test_cli_exits_75_on_sigusr1_and_resume_continues(tiny_model_dir, reference, tmp_path):
     """``serl train`` in its own process, stopped by ``os.kill`` once iteration 0 is done."""
     out = tmp_path / "run"
@@ -141,8 +152,10 @@ def test_cli_exits_75_on_sigusr1_and_resume_continues(tiny_model_dir, reference,
     deadline = time.monotonic() + 240
     manifest = out / "manifest.json"
     while time.monotonic() < deadline and p.poll() is None:
-        if manifest.is_file() and json.loads(manifest.read_text()).get("stages", {}).get("iter_0000", {}).get(
-                "status") == "done":
+        if (
+            manifest.is_file()
+            and json.loads(manifest.read_text()).get("stages", {}).get("iter_0000", {}).get("status") == "done"
+        ):
             break
         time.sleep(0.05)
     assert p.poll() is None, p.communicate()[1][-2000:]

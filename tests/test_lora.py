@@ -10,15 +10,21 @@ import torch
 pytest.importorskip("peft")
 
 from deepspeed_worker import make_episodes, train_config  # noqa: E402
-from fixtures_model import tiny_model_dir  # noqa: F401,E402  (fixture)
 
 from serl_cli.errors import SerlError  # noqa: E402
 from serl_cli.method.teacher import ScoreItem, TeacherSnapshot, score  # noqa: E402
 from serl_cli.models.loading import load_model  # noqa: E402
 from serl_cli.training.learner import Learner  # noqa: E402
 
-BACKENDS = ["torch", pytest.param("deepspeed", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed"))]
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "deepspeed",
+        marks=pytest.mark.skipif(
+            __import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
+        ),
+    ),
+]
 
 
 def lora_config(backend="torch", save="merged", kl_coef=0.0):

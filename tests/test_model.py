@@ -18,9 +18,14 @@ from serl_cli.models.tiny import SPECIAL_TOKENS, build_config, count_parameters,
 torch.set_num_threads(1)
 
 _PRODUCTS = [
-    "long clip-in hair extension", "blue wireless bluetooth headphones", "gluten free vegan protein bars",
-    "men's slim fit cotton t-shirt", "stainless steel water bottle 32 oz", "organic green tea bags",
-    "women's running shoes size 8", "led desk lamp with usb charging port",
+    "long clip-in hair extension",
+    "blue wireless bluetooth headphones",
+    "gluten free vegan protein bars",
+    "men's slim fit cotton t-shirt",
+    "stainless steel water bottle 32 oz",
+    "organic green tea bags",
+    "women's running shoes size 8",
+    "led desk lamp with usb charging port",
 ]
 CORPUS = [
     line
@@ -172,8 +177,9 @@ def test_loaded_tiny_model_generates(tiny_dir):
     assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert model.generation_config.pad_token_id == tok.pad_token_id == 0
     assert abs(count_parameters(model) - 4e6) < 0.3 * 4e6
-    prompt = tok.apply_chat_template([{"role": "user", "content": "search[lamp]"}],
-                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "search[lamp]"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=4, do_sample=False)
     n = prompt["input_ids"].shape[1]

@@ -15,7 +15,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from fixtures_model import webshop_like_corpus
+from support import webshop_like_corpus
 from tokenizers import Tokenizer, decoders, models, trainers
 from tokenizers import pre_tokenizers as pre
 from transformers import PreTrainedTokenizerFast
@@ -51,34 +51,71 @@ TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 # template file, special tokens (the first is the pad token), bos, eos, whether the template takes a system message
 FAMILIES = {
     "qwen2.5": ("qwen2.5-instruct.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", True),
-    "qwen3": ("qwen3.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None,
-              "<|im_end|>", True),
-    "llama3.1": ("llama3.1-instruct.jinja", ["<|finetune_right_pad_id|>", "<|begin_of_text|>", "<|end_of_text|>",
-                                             "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
-                                             "<|python_tag|>"], "<|begin_of_text|>", "<|eot_id|>", True),
+    "qwen3": (
+        "qwen3.jinja",
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+        None,
+        "<|im_end|>",
+        True,
+    ),
+    "llama3.1": (
+        "llama3.1-instruct.jinja",
+        [
+            "<|finetune_right_pad_id|>",
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|python_tag|>",
+        ],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        True,
+    ),
     # Gemma 2's template refuses a system message; its end of turn is not its eos token
-    "gemma2": ("gemma2-it.jinja", ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>",
-               False),
+    "gemma2": (
+        "gemma2-it.jinja",
+        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+        "<bos>",
+        "<eos>",
+        False,
+    ),
     # Mistral: the system text goes into the last user turn; no assistant header; no end-of-user token but [/INST]
-    "mistral-v0.3": ("mistral-7b-instruct-v0.3.jinja", ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>",
-                     True),
+    "mistral-v0.3": (
+        "mistral-7b-instruct-v0.3.jinja",
+        ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+        "<s>",
+        "</s>",
+        True,
+    ),
 }
 BLOCK = "Immediate feedback from the current step:\nInstruction: [SEP] i need a red mug [SEP] Back to Search"
 
 
 def _wrap(tok: Tokenizer, family: str) -> PreTrainedTokenizerFast:
     template, specials, bos, eos, _ = FAMILIES[family]
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=specials[0],
-                                   chat_template=(TEMPLATES / template).read_text(encoding="utf-8"),
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=specials[0],
+        chat_template=(TEMPLATES / template).read_text(encoding="utf-8"),
+        clean_up_tokenization_spaces=False,
+    )
 
 
 @cache
 def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
     """A byte-level BPE (Qwen2's pre-tokenizer) trained on WebShop-like text, with the family's specials."""
     tok = _qwen2_pipeline(Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False)))
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=FAMILIES[family][1],
-                                  initial_alphabet=pre.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=FAMILIES[family][1],
+        initial_alphabet=pre.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(webshop_like_corpus(), trainer=trainer)
     return _wrap(tok, family)
 
@@ -138,7 +175,7 @@ def test_teacher_prompt_is_student_prefix_block_suffix(family, block):
     student = render_prompt_ids(tok, messages)
     teacher = teacher_prompt(tok, student, block)
     tail = chat_tail(tok)
-    assert tail and student[len(student) - len(tail):] == tail
+    assert tail and student[len(student) - len(tail) :] == tail
     inserted = spliced_part(student, teacher, tail)  # student = P + tail, teacher = P + X + tail
     assert inserted and teacher == student[: len(student) - len(tail)] + inserted + tail
     # exactly the family's own rendering of the teacher's conversation: the block at the end of the user message
@@ -150,10 +187,12 @@ def test_teacher_prompt_is_student_prefix_block_suffix(family, block):
 
 
 def test_the_block_goes_where_each_family_closes_the_user_message():
-    ends = {"qwen2.5": "Correctly solve the current task.\n<|im_end|>\n<|im_start|>assistant\n",
-            "llama3.1": "Correctly solve the current task.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
-            "gemma2": "Correctly solve the current task.<end_of_turn>\n<start_of_turn>model\n",  # | trim
-            "mistral-v0.3": "Correctly solve the current task.\n[/INST]"}
+    ends = {
+        "qwen2.5": "Correctly solve the current task.\n<|im_end|>\n<|im_start|>assistant\n",
+        "llama3.1": "Correctly solve the current task.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+        "gemma2": "Correctly solve the current task.<end_of_turn>\n<start_of_turn>model\n",  # | trim
+        "mistral-v0.3": "Correctly solve the current task.\n[/INST]",
+    }
     for family, end in ends.items():
         tok = family_tokenizer(family)
         assert _text(tok, teacher_prompt(tok, render_prompt_ids(tok, _messages(family)), BLOCK)).endswith(end), family
@@ -163,18 +202,38 @@ def spy_scorer(seen: list):
     def scorer(model, tokenizer, items, temperature, micro_batch_tokens):
         seen.extend(items)
         return [[-1.0] * len(it.action_ids) for it in items]
+
     return scorer
 
 
 def _group(tok, prompt_ids: list[int]) -> list[dict]:
     """Two rollouts of one task, one turn each, the first successful: the turn gets a block (obs)."""
     reply = tok.encode("<action>click[b01]</action>", add_special_tokens=False) + [tok.eos_token_id]
-    turn = {"observation": "WebShop [SEP] Search", "state_key": "s0", "expert_action": None, "prompt_ids": prompt_ids,
-            "action_text": "<action>click[b01]</action>", "action": "click[b01]", "action_ids": reply,
-            "behaviour_logprobs": [-2.0] * len(reply), "next_observation": "Instruction: [SEP] i need a red mug",
-            "reward": 0.0, "done": False, "feedback": {"error": None, "diff": ""}}
-    return [{"task_id": 0, "group_id": 0, "rollout_index": i, "turns": [dict(turn)], "success": i == 0,
-             "reward": float(i == 0)} for i in range(2)]
+    turn = {
+        "observation": "WebShop [SEP] Search",
+        "state_key": "s0",
+        "expert_action": None,
+        "prompt_ids": prompt_ids,
+        "action_text": "<action>click[b01]</action>",
+        "action": "click[b01]",
+        "action_ids": reply,
+        "behaviour_logprobs": [-2.0] * len(reply),
+        "next_observation": "Instruction: [SEP] i need a red mug",
+        "reward": 0.0,
+        "done": False,
+        "feedback": {"error": None, "diff": ""},
+    }
+    return [
+        {
+            "task_id": 0,
+            "group_id": 0,
+            "rollout_index": i,
+            "turns": [dict(turn)],
+            "success": i == 0,
+            "reward": float(i == 0),
+        }
+        for i in range(2)
+    ]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -182,8 +241,9 @@ def test_annotation_builds_each_familys_teacher_prompt(family):
     tok = family_tokenizer(family)
     student = render_prompt_ids(tok, _messages(family))
     seen: list = []
-    records, _ = annotate_episodes(_group(tok, student), AnnotateConfig(teacher_signal=False), None, tok, env_cfg=None,
-                                   scorer=spy_scorer(seen))
+    records, _ = annotate_episodes(
+        _group(tok, student), AnnotateConfig(teacher_signal=False), None, tok, env_cfg=None, scorer=spy_scorer(seen)
+    )
     assert len(seen) == 2
     assert seen[0].prompt_ids == teacher_prompt(tok, student, records[0]["hindsight"])
     assert "Immediate feedback from the current step:" in _text(tok, seen[0].prompt_ids)
@@ -197,7 +257,7 @@ def test_a_tokenizer_merging_across_the_boundary_falls_back(family):
     tok = merging_tokenizer(family)
     student = render_prompt_ids(tok, _messages(family))
     tail = chat_tail(tok)
-    assert tail and student[len(student) - len(tail):] == tail
+    assert tail and student[len(student) - len(tail) :] == tail
     assert inserted_ids(tok, BLOCK, tail) is None  # the probe's last letter merged with the block's newline
     teacher = teacher_prompt(tok, student, BLOCK)
     end = end_of_turn_id(tok)
@@ -243,17 +303,26 @@ def test_chat_template_kwargs_reach_the_template():
     messages = _messages("qwen3")
     assert _text(tok, render_prompt_ids(tok, messages)).endswith("<|im_start|>assistant\n")
     assert _text(tok, render_prompt_ids(tok, messages, NO_THINKING)).endswith(
-        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
 
 
 def test_the_policy_renders_with_the_prompt_settings_kwargs():
     tok = family_tokenizer("qwen3")
-    step = Step(observation="WebShop [SEP] Search", reward=0.0, done=False, feedback=Feedback(),
-                admissible_actions=["search[<query>]"], state_key="s0", expert_action=None)
+    step = Step(
+        observation="WebShop [SEP] Search",
+        reward=0.0,
+        done=False,
+        feedback=Feedback(),
+        admissible_actions=["search[<query>]"],
+        state_key="s0",
+        expert_action=None,
+    )
     ctx = {"turns": [], "rules": "You shop.", "instruction": "i need a red mug"}
     policy = ModelPolicy(_TokenizerOnly(tok), SamplingConfig(), PromptConfig(chat_template_kwargs=NO_THINKING))
-    messages = build_messages("You shop.", "i need a red mug", [], step.observation, step.admissible_actions,
-                              PromptConfig())
+    messages = build_messages(
+        "You shop.", "i need a red mug", [], step.observation, step.admissible_actions, PromptConfig()
+    )
     assert policy.prompts([step], [ctx]) == [render_prompt_ids(tok, messages, NO_THINKING)]
 
 
@@ -264,8 +333,9 @@ def test_the_teacher_prompt_renders_with_the_same_kwargs():
     tail = chat_tail(tok, NO_THINKING)
     assert _text(tok, tail).endswith("<think>\n\n</think>\n\n")
     teacher = teacher_prompt(tok, student, BLOCK, NO_THINKING)
-    assert _text(tok, teacher) == tok.apply_chat_template(_teacher_messages(messages, BLOCK), tokenize=False,
-                                                          add_generation_prompt=True, **NO_THINKING)
+    assert _text(tok, teacher) == tok.apply_chat_template(
+        _teacher_messages(messages, BLOCK), tokenize=False, add_generation_prompt=True, **NO_THINKING
+    )
     # without them the stored prompt does not end as the template would: the end-of-turn fallback, same ids here
     assert teacher_prompt(tok, student, BLOCK) == teacher
 
@@ -280,8 +350,15 @@ def test_annotation_passes_the_kwargs_to_the_teacher_prompt(monkeypatch):
 
     monkeypatch.setattr(annotation, "teacher_prompt", spy)
     student = render_prompt_ids(tok, _messages("qwen3"), NO_THINKING)
-    annotate_episodes(_group(tok, student), AnnotateConfig(teacher_signal=False), None, tok, env_cfg=None,
-                      scorer=spy_scorer([]), chat_template_kwargs=NO_THINKING)
+    annotate_episodes(
+        _group(tok, student),
+        AnnotateConfig(teacher_signal=False),
+        None,
+        tok,
+        env_cfg=None,
+        scorer=spy_scorer([]),
+        chat_template_kwargs=NO_THINKING,
+    )
     assert asked and all(kw == NO_THINKING for kw in asked)
 
 
@@ -300,9 +377,16 @@ def test_chat_template_kwargs_is_a_prompt_setting(tmp_path):
 # ---------------------------------------------------------------- where a reply ends
 
 
-@pytest.mark.parametrize("family, token", [("qwen2.5", "<|im_end|>"), ("qwen3", "<|im_end|>"),
-                                           ("llama3.1", "<|eot_id|>"), ("gemma2", "<end_of_turn>"),
-                                           ("mistral-v0.3", "</s>")])
+@pytest.mark.parametrize(
+    "family, token",
+    [
+        ("qwen2.5", "<|im_end|>"),
+        ("qwen3", "<|im_end|>"),
+        ("llama3.1", "<|eot_id|>"),
+        ("gemma2", "<end_of_turn>"),
+        ("mistral-v0.3", "</s>"),
+    ],
+)
 def test_a_reply_ends_with_the_templates_end_of_turn(family, token):
     """The token the template writes after an assistant message closes a reply: SFT targets end
     with it and the engines stop at it (Gemma's is not its eos token)."""
@@ -323,8 +407,16 @@ def test_gemma_generation_stops_at_end_of_turn():
     tok = family_tokenizer("gemma2")
     eot = tok.convert_tokens_to_ids("<end_of_turn>")
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).eval()
     bias = torch.zeros(len(tok))
     bias[eot] = 100.0  # the model's every next token is <end_of_turn>
     model.lm_head.register_forward_hook(lambda _m, _i, out: out + bias)

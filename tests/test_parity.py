@@ -22,8 +22,9 @@ from serl_cli.artifacts.schema import TurnSample
 
 
 # ---------------------------------------------------------------- the SERL weighted advantage
-def authors_reweighted_advantage(adv, student, teacher, response_mask, serl_mask, action_mask, *,
-                                 weight_clip, lambda0, decay_steps, update_step):
+def authors_reweighted_advantage(
+    adv, student, teacher, response_mask, serl_mask, action_mask, *, weight_clip, lambda0, decay_steps, update_step
+):
     """compute_serl_action_mask_reweighted_advantages (CA:447-526), from its description:
 
     lambda   = lambda0 * max(0, 1 - k / decay)  (decay 0: constant)            CA:432-444
@@ -48,8 +49,19 @@ def authors_reweighted_advantage(adv, student, teacher, response_mask, serl_mask
     return torch.tensor(out, dtype=torch.float64)
 
 
-def serl_weighted_advantage(adv_rows, logp_old, logp_teacher, reply_mask, has_block, action_mask, *,
-                            weight_clip, lambda0, decay_steps, update_step):
+def serl_weighted_advantage(
+    adv_rows,
+    logp_old,
+    logp_teacher,
+    reply_mask,
+    has_block,
+    action_mask,
+    *,
+    weight_clip,
+    lambda0,
+    decay_steps,
+    update_step,
+):
     """What serl trains on: algos/serl.py's blended weights on the selected action tokens,
     times the turn's advantage (core.ppo_clip_loss multiplies weights by A before the clip)."""
     lam = mixing_lambda(update_step, lambda0, decay_steps)
@@ -86,13 +98,30 @@ def test_serl_weighted_advantages_equal_the_authors(update_step, decay_steps, we
     CURRENT policy's, DPA:472,491-494) equals pi_old, which serl uses: the two agree."""
     adv, logp_old, logp_teacher, reply_mask, has_block, action_mask = random_batch(update_step * 7 + 1)
     T = logp_old.shape[1]
-    ours = serl_weighted_advantage(adv, logp_old, logp_teacher, reply_mask, has_block, action_mask,
-                                   weight_clip=weight_clip, lambda0=0.5, decay_steps=decay_steps,
-                                   update_step=update_step)
+    ours = serl_weighted_advantage(
+        adv,
+        logp_old,
+        logp_teacher,
+        reply_mask,
+        has_block,
+        action_mask,
+        weight_clip=weight_clip,
+        lambda0=0.5,
+        decay_steps=decay_steps,
+        update_step=update_step,
+    )
     theirs = authors_reweighted_advantage(
-        adv.unsqueeze(-1).expand(-1, T).tolist(), logp_old.tolist(), logp_teacher.tolist(), reply_mask.tolist(),
-        has_block.tolist(), action_mask.tolist(), weight_clip=weight_clip, lambda0=0.5, decay_steps=decay_steps,
-        update_step=update_step)
+        adv.unsqueeze(-1).expand(-1, T).tolist(),
+        logp_old.tolist(),
+        logp_teacher.tolist(),
+        reply_mask.tolist(),
+        has_block.tolist(),
+        action_mask.tolist(),
+        weight_clip=weight_clip,
+        lambda0=0.5,
+        decay_steps=decay_steps,
+        update_step=update_step,
+    )
     torch.testing.assert_close(ours.double(), theirs, rtol=0, atol=1e-6)
     # not vacuous: A = 0 rows, the clip edges and lambda all show up
     assert (adv == 0).any() and (adv != 0).any()
@@ -114,8 +143,9 @@ def test_the_authors_student_is_the_current_policy_not_pi_old():
     kw = {"weight_clip": 0.2, "lambda0": 0.5, "decay_steps": 50, "update_step": 0}
     ours = serl_weighted_advantage(adv, logp_old, logp_teacher, reply_mask, has_block, action_mask, **kw)
     masks = (reply_mask.tolist(), has_block.tolist(), action_mask.tolist())
-    theirs_drifted = authors_reweighted_advantage(adv.unsqueeze(-1).expand(-1, T).tolist(), current.tolist(),
-                                                  logp_teacher.tolist(), *masks, **kw)
+    theirs_drifted = authors_reweighted_advantage(
+        adv.unsqueeze(-1).expand(-1, T).tolist(), current.tolist(), logp_teacher.tolist(), *masks, **kw
+    )
     assert not torch.allclose(ours.double(), theirs_drifted, atol=1e-4)
 
 
@@ -154,10 +184,20 @@ def test_dual_clip_equals_the_authors_policy_loss():
 
 # ---------------------------------------------------------------- GRPO across steps, penalty
 def sample(episode, group, reward, invalid=False, success=None, state="s", turn_reward=0.0, faulted=False):
-    return TurnSample(episode=episode, turn=0, group_key=(group, 0), prompt_ids=[1], action_ids=[2],
-                      behaviour_logprobs=[-1.0], episode_reward=reward,
-                      success=bool(reward >= 1.0) if success is None else success, state_key=state,
-                      turn_reward=turn_reward, invalid=invalid, faulted=faulted)
+    return TurnSample(
+        episode=episode,
+        turn=0,
+        group_key=(group, 0),
+        prompt_ids=[1],
+        action_ids=[2],
+        behaviour_logprobs=[-1.0],
+        episode_reward=reward,
+        success=bool(reward >= 1.0) if success is None else success,
+        state_key=state,
+        turn_reward=turn_reward,
+        invalid=invalid,
+        faulted=faulted,
+    )
 
 
 def authors_grpo_cross_steps(rows, eps=1e-6, std_norm=True):
@@ -184,8 +224,9 @@ def random_turns(seed: int, *, faulted_episode: int | None = None):
         for _ in range(4):
             won = rng.random() < 0.4
             for _ in range(rng.randint(1, 5)):
-                samples.append(sample(ep, group, 1.0 if won else 0.0, invalid=rng.random() < 0.3,
-                                      faulted=ep == faulted_episode))
+                samples.append(
+                    sample(ep, group, 1.0 if won else 0.0, invalid=rng.random() < 0.3, faulted=ep == faulted_episode)
+                )
             ep += 1
     return samples
 

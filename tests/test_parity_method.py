@@ -21,7 +21,7 @@ import json
 import random
 
 import pytest
-from fixtures_model import rollout_config, stopping_model_dir, tiny_model_dir  # noqa: F401  (fixtures)
+from support import rollout_config
 
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_annotations, read_rollouts
@@ -67,9 +67,11 @@ def run_dir(stopping_model_dir, tmp_path_factory):
 
 def spy_scorer(seen: list):
     """A teacher that records what it is asked and answers -1 per token."""
+
     def scorer(model, tokenizer, items, temperature, micro_batch_tokens):
         seen.extend(items)
         return [[-1.0] * len(it.action_ids) for it in items]
+
     return scorer
 
 
@@ -77,58 +79,106 @@ def spy_scorer(seen: list):
 
 
 def test_teacher_prompt_is_the_authors_template_filled_by_hand(tokenizer):
-    user = ("Task: i need a red mug\nTurn 1. Current observation: WebShop [SEP] Search\n"
-            "Admissible actions: search[<query>]")
-    messages = build_messages("You shop.", "i need a red mug", [], "WebShop [SEP] Search", ["search[<query>]"],
-                              PromptConfig())
+    user = (
+        "Task: i need a red mug\nTurn 1. Current observation: WebShop [SEP] Search\nAdmissible actions: search[<query>]"
+    )
+    messages = build_messages(
+        "You shop.", "i need a red mug", [], "WebShop [SEP] Search", ["search[<query>]"], PromptConfig()
+    )
     assert messages[-1]["content"] == user
-    turn = {"observation": "WebShop [SEP] Search", "state_key": "s0", "expert_action": None,
-            "prompt_ids": render_prompt_ids(tokenizer, messages), "action_text": THINK_AND_ACT, "action": "click[b01]",
-            "action_ids": tokenizer.encode(THINK_AND_ACT, add_special_tokens=False) + [tokenizer.eos_token_id],
-            "next_observation": "  Instruction: [SEP] i need a red mug [SEP] Back to Search\n", "reward": 0.0,
-            "done": False, "feedback": {"error": None, "diff": ""}}
+    turn = {
+        "observation": "WebShop [SEP] Search",
+        "state_key": "s0",
+        "expert_action": None,
+        "prompt_ids": render_prompt_ids(tokenizer, messages),
+        "action_text": THINK_AND_ACT,
+        "action": "click[b01]",
+        "action_ids": tokenizer.encode(THINK_AND_ACT, add_special_tokens=False) + [tokenizer.eos_token_id],
+        "next_observation": "  Instruction: [SEP] i need a red mug [SEP] Back to Search\n",
+        "reward": 0.0,
+        "done": False,
+        "feedback": {"error": None, "diff": ""},
+    }
     turn["behaviour_logprobs"] = [-2.0] * len(turn["action_ids"])
-    group = [{"task_id": 0, "group_id": 0, "rollout_index": i, "turns": [dict(turn)], "success": i == 0,
-              "reward": float(i == 0)} for i in range(2)]
+    group = [
+        {
+            "task_id": 0,
+            "group_id": 0,
+            "rollout_index": i,
+            "turns": [dict(turn)],
+            "success": i == 0,
+            "reward": float(i == 0),
+        }
+        for i in range(2)
+    ]
     seen: list = []
-    records, _ = annotate_episodes(group, AnnotateConfig(teacher_signal=False), None, tokenizer, env_cfg=None,
-                                   scorer=spy_scorer(seen))
+    records, _ = annotate_episodes(
+        group, AnnotateConfig(teacher_signal=False), None, tokenizer, env_cfg=None, scorer=spy_scorer(seen)
+    )
     assert len(seen) == 2 and records[0]["sources"] == ["obs"]
     # the authors' template (YAML:65) and section (PC:1634-1637), filled by hand
-    teacher_user = (user + "\n\n" + "Immediate feedback from the current step:\n"
-                    + "Instruction: [SEP] i need a red mug [SEP] Back to Search"
-                    + "\n\nCorrectly solve the current task.\n")
-    expected = tokenizer.apply_chat_template([messages[0], {"role": "user", "content": teacher_user}], tokenize=False,
-                                             add_generation_prompt=True)
+    teacher_user = (
+        user
+        + "\n\n"
+        + "Immediate feedback from the current step:\n"
+        + "Instruction: [SEP] i need a red mug [SEP] Back to Search"
+        + "\n\nCorrectly solve the current task.\n"
+    )
+    expected = tokenizer.apply_chat_template(
+        [messages[0], {"role": "user", "content": teacher_user}], tokenize=False, add_generation_prompt=True
+    )
     assert tokenizer.decode(seen[0].prompt_ids) == expected
     # spliced, not re-rendered: the student's own tokens are all there, in order, around the block
     student = turn["prompt_ids"]
     cut = len(student) - 1 - student[::-1].index(tokenizer.eos_token_id)
-    assert seen[0].prompt_ids[:cut] == student[:cut] and seen[0].prompt_ids[-(len(student) - cut):] == student[cut:]
+    assert seen[0].prompt_ids[:cut] == student[:cut] and seen[0].prompt_ids[-(len(student) - cut) :] == student[cut:]
     assert seen[0].action_ids == turn["action_ids"]  # the student's own reply is scored (SRT:568)
 
 
 def test_the_block_cap_is_on_the_whole_block_and_keeps_the_closing_instruction(tokenizer, run_dir):
     episodes = read_rollouts(run_dir)
     seen: list = []
-    records, _ = annotate_episodes(episodes, AnnotateConfig(sources="obs,future", max_hindsight_tokens=12,
-                                                            teacher_signal=False),
-                                   None, tokenizer, env_cfg=None, scorer=spy_scorer(seen))
+    records, _ = annotate_episodes(
+        episodes,
+        AnnotateConfig(sources="obs,future", max_hindsight_tokens=12, teacher_signal=False),
+        None,
+        tokenizer,
+        env_cfg=None,
+        scorer=spy_scorer(seen),
+    )
     blocks = [r["hindsight"] for r in records if r["hindsight"]]
     assert blocks and all(len(tokenizer.encode(b, add_special_tokens=False)) <= 12 for b in blocks)
     assert any(b.endswith(" ...") for b in blocks)
-    assert all(tokenizer.decode(it.prompt_ids).endswith("Correctly solve the current task.\n<|im_end|>\n"
-                                                        "<|im_start|>assistant\n") for it in seen)
+    assert all(
+        tokenizer.decode(it.prompt_ids).endswith(
+            "Correctly solve the current task.\n<|im_end|>\n<|im_start|>assistant\n"
+        )
+        for it in seen
+    )
 
 
 # ---------------------------------------------------------------- future
 
 
 def _episode(actions: list[str], success: bool) -> dict:
-    return {"task_id": 0, "group_id": 0, "rollout_index": 0, "success": success, "reward": float(success),
-            "turns": [{"action": a, "action_text": f"<think>why {a}</think><action>{a}</action>", "state_key": f"s{k}",
-                       "observation": f"o{k}", "next_observation": f"o{k + 1}",
-                       "feedback": {"error": None, "diff": ""}} for k, a in enumerate(actions)]}
+    return {
+        "task_id": 0,
+        "group_id": 0,
+        "rollout_index": 0,
+        "success": success,
+        "reward": float(success),
+        "turns": [
+            {
+                "action": a,
+                "action_text": f"<think>why {a}</think><action>{a}</action>",
+                "state_key": f"s{k}",
+                "observation": f"o{k}",
+                "next_observation": f"o{k + 1}",
+                "feedback": {"error": None, "diff": ""},
+            }
+            for k, a in enumerate(actions)
+        ],
+    }
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -143,7 +193,7 @@ def test_future_never_contains_turn_ts_action_nor_the_outcome(seed):
             assert text is None  # the last turn has no future: no block (PC:407-426)
             continue
         assert actions[t] not in text and all(a not in text for a in actions[:t])
-        assert all(a in text for a in actions[t + 1:])
+        assert all(a in text for a in actions[t + 1 :])
         assert f"Step {t + 1}\n" not in text and "why" not in text  # nor its step, nor reasoning
         assert not any(w in text.lower() for w in ("succeeded", "failed", "reward", "outcome", "success"))
 
@@ -151,8 +201,9 @@ def test_future_never_contains_turn_ts_action_nor_the_outcome(seed):
 # ---------------------------------------------------------------- what `serl annotate` reweights by default
 
 
-def test_serl_annotate_defaults_reweight_exactly_the_turns_with_a_block_on_their_action_tokens(run_dir, tmp_path,
-                                                                                            tokenizer):
+def test_serl_annotate_defaults_reweight_exactly_the_turns_with_a_block_on_their_action_tokens(
+    run_dir, tmp_path, tokenizer
+):
     from rich.console import Console
 
     from serl_cli.stages import show
@@ -162,7 +213,12 @@ def test_serl_annotate_defaults_reweight_exactly_the_turns_with_a_block_on_their
     for f in ("manifest.json", "rollouts.jsonl"):
         (run / f).write_bytes((run_dir / f).read_bytes())
     defaults = AnnotateConfig(threads=1)
-    assert (defaults.sources, defaults.placement, defaults.tokens, defaults.unparsed) == ("obs", "all", "action", "none")
+    assert (defaults.sources, defaults.placement, defaults.tokens, defaults.unparsed) == (
+        "obs",
+        "all",
+        "action",
+        "none",
+    )
     run_annotate(str(run), defaults)
     records, episodes = read_annotations(run), read_rollouts(run)
     reweighted = 0
@@ -193,8 +249,14 @@ def test_serl_annotate_defaults_reweight_exactly_the_turns_with_a_block_on_their
 
 def test_rlsd_annotations_weight_every_reply_token_of_every_turn_with_a_block(run_dir, tokenizer):
     episodes = read_rollouts(run_dir)
-    records, _ = annotate_episodes(episodes, AnnotateConfig(tokens="reply", teacher_signal=False), None, tokenizer,
-                                   env_cfg=None, scorer=spy_scorer([]))
+    records, _ = annotate_episodes(
+        episodes,
+        AnnotateConfig(tokens="reply", teacher_signal=False),
+        None,
+        tokenizer,
+        env_cfg=None,
+        scorer=spy_scorer([]),
+    )
     for r in records:
         scored = r["hindsight"] is not None and r["advantage"] != 0
         assert (r["weights"] is not None) == scored  # unparsed replies included: rlsd is not selective
@@ -206,8 +268,9 @@ def test_weights_are_the_authors_formula_on_action_tokens(run_dir, tokenizer):
     """w = clip(exp(sign(A) (log pi_T - log pi_old)), 1 - c, 1 + c), blended (1 - lambda) + lambda w
     (CA:465-487), by hand: teacher -1 vs student -2 per token gives exp(+-1), clipped to 1 +- 0.2."""
     episodes = read_rollouts(run_dir)
-    records, _ = annotate_episodes(episodes, AnnotateConfig(teacher_signal=False), None, tokenizer, env_cfg=None,
-                                   scorer=spy_scorer([]))
+    records, _ = annotate_episodes(
+        episodes, AnnotateConfig(teacher_signal=False), None, tokenizer, env_cfg=None, scorer=spy_scorer([])
+    )
     lam, c = 0.5, 0.2
     checked = 0
     for r in records:
@@ -216,5 +279,6 @@ def test_weights_are_the_authors_formula_on_action_tokens(run_dir, tokenizer):
         checked += 1
         expect = (1 - lam) + lam * ((1 + c) if r["advantage"] > 0 else (1 - c))
         assert [w for w, m in zip(r["weights"], r["action_mask"]) if m] == pytest.approx(
-            [expect] * sum(r["action_mask"]), abs=1e-12)
+            [expect] * sum(r["action_mask"]), abs=1e-12
+        )
     assert checked >= 2 and {r["advantage"] > 0 for r in records if r["weights"]} == {True, False}

@@ -10,7 +10,7 @@ import os
 import stat
 
 import pytest
-from fixtures_model import webshop_like_corpus
+from support import webshop_like_corpus
 
 from serl_cli.artifacts import io
 from serl_cli.models.tiny import init_model
@@ -28,7 +28,9 @@ def umask():
     os.umask(old)
 
 
-@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o002, 0o664, 0o775), (0o077, 0o600, 0o700)])
+@pytest.mark.parametrize(
+    "mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o002, 0o664, 0o775), (0o077, 0o600, 0o700)]
+)
 def test_atomic_writes_and_staging_dirs_follow_the_umask(umask, tmp_path, mask, file_mode, dir_mode):
     umask(mask)
     io.write_json(tmp_path / "run" / "eval.json", {"success": 1.0})

@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 from reliability.faults import tree_hash
-from test_cli_env import assert_one_line_error, serl
+from support import assert_one_line_error, serl
 
 SYNTH = ["--set", "env.settings.catalog=synthetic"]
 
@@ -16,8 +15,22 @@ SYNTH = ["--set", "env.settings.catalog=synthetic"]
 @pytest.fixture(scope="module")
 def expert_run(tiny_model_dir, tmp_path_factory):
     run = tmp_path_factory.mktemp("runs") / "expert"
-    p = serl("rollout", "--policy", "expert", "--model", str(tiny_model_dir), "--tasks", "2", "--group-size", "1",
-             "--max-turns", "6", "--out", str(run), *SYNTH)
+    p = serl(
+        "rollout",
+        "--policy",
+        "expert",
+        "--model",
+        str(tiny_model_dir),
+        "--tasks",
+        "2",
+        "--group-size",
+        "1",
+        "--max-turns",
+        "6",
+        "--out",
+        str(run),
+        *SYNTH,
+    )
     assert p.returncode == 0, p.stderr
     return run
 
@@ -30,16 +43,18 @@ def copy_run(src: Path, dst: Path) -> Path:
 
 
 def test_missing_model_directory(tmp_path):
-    assert_one_line_error(serl("rollout", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), *SYNTH),
-                          "does not exist")
+    assert_one_line_error(
+        serl("rollout", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), *SYNTH), "does not exist"
+    )
     assert not (tmp_path / "o").exists()
 
 
 def test_directory_that_is_not_a_model(tmp_path):
     (tmp_path / "notamodel").mkdir()
     (tmp_path / "notamodel" / "readme.txt").write_text("hello")
-    assert_one_line_error(serl("rollout", "--model", str(tmp_path / "notamodel"), "--out", str(tmp_path / "o"), *SYNTH),
-                          "no config.json")
+    assert_one_line_error(
+        serl("rollout", "--model", str(tmp_path / "notamodel"), "--out", str(tmp_path / "o"), *SYNTH), "no config.json"
+    )
 
 
 def test_unknown_algorithm(expert_run, tmp_path):
@@ -96,13 +111,16 @@ def test_grpo_on_expert_data_needs_logprobs(expert_run, tmp_path):
     assert not (run / "checkpoint").exists()
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("=3", "malformed --set"),
-    ("train.optim.lr", "malformed --set"),
-    ("train.optim.lr=fast", "must be a number"),
-    ("train.nosuch=1", "unknown setting train.nosuch"),
-    ("train.optim=3", "must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("=3", "malformed --set"),
+        ("train.optim.lr", "malformed --set"),
+        ("train.optim.lr=fast", "must be a number"),
+        ("train.nosuch=1", "unknown setting train.nosuch"),
+        ("train.optim=3", "must be a mapping"),
+    ],
+)
 def test_malformed_set(expert_run, tmp_path, override, needle):
     run = copy_run(expert_run, tmp_path / "r")
     before = tree_hash(run)

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_model import synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
 from safetensors.torch import load_file
-from test_cli_env import serl
+from support import serl, synthetic_env
 
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.stages.online import run_online
@@ -28,8 +27,22 @@ def test_cli_pipeline_end_to_end(tmp_path):
     assert p.returncode == 0, p.stderr
     assert (model / "model.safetensors").is_file() and (model / "tokenizer.json").is_file()
 
-    p = serl("rollout", "--policy", "expert", "--model", str(model), "--tasks", "4", "--group-size", "1",
-             "--max-turns", "8", "--out", str(expert), *SYNTH)
+    p = serl(
+        "rollout",
+        "--policy",
+        "expert",
+        "--model",
+        str(model),
+        "--tasks",
+        "4",
+        "--group-size",
+        "1",
+        "--max-turns",
+        "8",
+        "--out",
+        str(expert),
+        *SYNTH,
+    )
     assert p.returncode == 0, p.stderr
     records = [json.loads(line) for line in (expert / "rollouts.jsonl").read_text().splitlines()]
     assert len(records) == 4 and all(r["success"] for r in records)
@@ -43,8 +56,26 @@ def test_cli_pipeline_end_to_end(tmp_path):
     assert json.loads((expert / "checkpoint" / "serl_prompt.json").read_text())["history_turns"] == 2
     assert json.loads((expert / "manifest.json").read_text())["stages"]["train:sft"]["status"] == "done"
 
-    p = serl("train", "--algo", "grpo", "--model", str(expert / "checkpoint"), "--iterations", "1", "--tasks", "2",
-             "--group-size", "2", "--max-turns", "3", "--out", str(grpo), *SYNTH, "--set", "rollout.sampling.max_new_tokens=16")
+    p = serl(
+        "train",
+        "--algo",
+        "grpo",
+        "--model",
+        str(expert / "checkpoint"),
+        "--iterations",
+        "1",
+        "--tasks",
+        "2",
+        "--group-size",
+        "2",
+        "--max-turns",
+        "3",
+        "--out",
+        str(grpo),
+        *SYNTH,
+        "--set",
+        "rollout.sampling.max_new_tokens=16",
+    )
     assert p.returncode == 0, p.stderr
     assert (grpo / "checkpoint" / "config.json").is_file()
     assert (grpo / "iter_0000" / "rollouts.jsonl").is_file()
@@ -52,8 +83,20 @@ def test_cli_pipeline_end_to_end(tmp_path):
     for key in ("mean_reward", "success_rate", "loss", "env_steps", "iteration"):
         assert key in m
 
-    p = serl("eval", "--model", str(grpo / "checkpoint"), "--episodes", "3", "--max-turns", "3", "--out", str(ev), *SYNTH,
-             "--set", "max_new_tokens=16")
+    p = serl(
+        "eval",
+        "--model",
+        str(grpo / "checkpoint"),
+        "--episodes",
+        "3",
+        "--max-turns",
+        "3",
+        "--out",
+        str(ev),
+        *SYNTH,
+        "--set",
+        "max_new_tokens=16",
+    )
     assert p.returncode == 0, p.stderr
     summary = json.loads((ev / "eval.json").read_text())
     assert summary["policy"] == "model" and summary["episodes"] == 3
@@ -63,9 +106,14 @@ def test_cli_pipeline_end_to_end(tmp_path):
 
 def _online(model_dir, out, iterations) -> OnlineConfig:
     return OnlineConfig(
-        env=synthetic_env(max_turns=3), model=str(model_dir), iterations=iterations, seed=5, out=str(out),
+        env=synthetic_env(max_turns=3),
+        model=str(model_dir),
+        iterations=iterations,
+        seed=5,
+        out=str(out),
         rollout=RolloutConfig(tasks=2, group_size=3, sampling=SamplingConfig(1.0, 1.0, 12), threads=1),
-        train=TrainConfig(algo="grpo", optim=OptimConfig(lr=1e-3), threads=1))
+        train=TrainConfig(algo="grpo", optim=OptimConfig(lr=1e-3), threads=1),
+    )
 
 
 def _files(run: Path, name: str) -> list[bytes]:

@@ -49,14 +49,17 @@ def test_all_selects_every_turn_with_a_block():
     assert select("all", blocks) == [True, False, True]
 
 
-@pytest.mark.parametrize("rho, expected", [
-    (0.25, [1]),  # 4 scored -> 1 turn; |-2.0| and |2.0| tie, the earlier turn wins
-    (0.5, [1, 3]),
-    (0.75, [0, 1, 3]),
-    (1.0, [0, 1, 3, 4]),  # the unscored turns (None, NaN) are never selected
-    (0.01, [1]),  # at least one when rho > 0 and a turn is scored
-    (0.0, []),
-])
+@pytest.mark.parametrize(
+    "rho, expected",
+    [
+        (0.25, [1]),  # 4 scored -> 1 turn; |-2.0| and |2.0| tie, the earlier turn wins
+        (0.5, [1, 3]),
+        (0.75, [0, 1, 3]),
+        (1.0, [0, 1, 3, 4]),  # the unscored turns (None, NaN) are never selected
+        (0.01, [1]),  # at least one when rho > 0 and a turn is scored
+        (0.0, []),
+    ],
+)
 def test_gap_top_rho(rho, expected):
     assert idx(select("gap", TURNS, rho=rho)) == expected
 
@@ -127,7 +130,11 @@ def test_needs_teacher_before_selection():
 
 
 def test_unknown_rule_lists_known_rules():
-    for call in (lambda: select("dense", TURNS), lambda: check_rule("dense"), lambda: needs_teacher_before_selection("dense")):
+    for call in (
+        lambda: select("dense", TURNS),
+        lambda: check_rule("dense"),
+        lambda: needs_teacher_before_selection("dense"),
+    ):
         with pytest.raises(SerlError) as e:
             call()
         msg = str(e.value)
@@ -142,5 +149,3 @@ def test_bad_rho(rho):
     with pytest.raises(SerlError, match="rho"):
         check_rule("feedback", rho=rho)
     check_rule("feedback")  # no rho given: only the name is checked
-
-

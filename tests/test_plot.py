@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_cli_env import assert_one_line_error, serl
+from support import assert_one_line_error, serl
 
 from serl_cli.artifacts import io
 from serl_cli.stages.plot import plot_run, series
@@ -13,8 +13,16 @@ pytest.importorskip("matplotlib")
 
 def write_metrics(run, n=4, serl_weights=True):
     for i in range(n):
-        rec = {"update": i + 1, "iteration": i, "env_steps": 40 * (i + 1), "mean_reward": 0.1 * i, "success_rate": 0.1 * i,
-               "loss": 1.0 / (i + 1), "clip_frac": 0.0, "mean_abs_advantage": 0.5}
+        rec = {
+            "update": i + 1,
+            "iteration": i,
+            "env_steps": 40 * (i + 1),
+            "mean_reward": 0.1 * i,
+            "success_rate": 0.1 * i,
+            "loss": 1.0 / (i + 1),
+            "clip_frac": 0.0,
+            "mean_abs_advantage": 0.5,
+        }
         if serl_weights:
             rec.update(weight_mean=1.0, weight_min=0.9, weight_max=1.1)
         io.append_jsonl(run / "metrics.jsonl", rec)
@@ -24,8 +32,10 @@ def test_plot_writes_a_png_of_the_logged_metrics(tmp_path):
     write_metrics(tmp_path)
     out = plot_run(str(tmp_path), x="env_steps")
     assert out == tmp_path / "curves.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert series(list(io.iter_jsonl(tmp_path / "metrics.jsonl")), "env_steps",
-                  "mean_reward") == ([40.0, 80.0, 120.0, 160.0], [0.0, 0.1, 0.2, pytest.approx(0.3)])
+    assert series(list(io.iter_jsonl(tmp_path / "metrics.jsonl")), "env_steps", "mean_reward") == (
+        [40.0, 80.0, 120.0, 160.0],
+        [0.0, 0.1, 0.2, pytest.approx(0.3)],
+    )
 
 
 def test_plot_cli_and_bad_input(tmp_path):

@@ -4,7 +4,6 @@ becomes an action. Fast: no model; one small tokenizer for the rendering test.""
 from __future__ import annotations
 
 import pytest
-from fixtures_model import tiny_tokenizer  # noqa: F401  (fixture)
 
 from serl_cli.models.tiny import EOS_TOKEN
 from serl_cli.rollout.prompts import (
@@ -116,7 +115,9 @@ RULES = "You are shopping on a test store.\nAct with one action per turn."
 
 def _history(n: int, obs_len: int = 20) -> list[dict]:
     # distinct, non-overlapping markers per turn so "exactly these turns" is checkable
-    return [{"observation": f"<obs{i:02d}>" + "x" * (obs_len - 7), "action": f"click[act{i:02d}]"} for i in range(1, n + 1)]
+    return [
+        {"observation": f"<obs{i:02d}>" + "x" * (obs_len - 7), "action": f"click[act{i:02d}]"} for i in range(1, n + 1)
+    ]
 
 
 def _user(history, cfg=PromptConfig(), observation="PAGE NOW", admissible=("click[buy now]",), instruction="buy a mug"):
@@ -196,13 +197,15 @@ def test_default_obs_cut_is_400_chars():
     assert obs[:400] + " ...\n" in user and obs[:401] not in user
 
 
-@pytest.mark.parametrize("n,cap,listed,more", [(50, 40, 40, 10), (40, 40, 40, 0), (3, 40, 3, 0), (10, 4, 4, 6), (1, 1, 1, 0)])
+@pytest.mark.parametrize(
+    "n,cap,listed,more", [(50, 40, 40, 10), (40, 40, 40, 0), (3, 40, 3, 0), (10, 4, 4, 6), (1, 1, 1, 0)]
+)
 def test_admissible_actions_capped(n, cap, listed, more):
     actions = [f"click[item-{i:03d}]" for i in range(n)]
     user = _user([], PromptConfig(max_admissible=cap), admissible=actions)
     line = user.split("\n")[-1]
     assert line.startswith("Admissible actions: ")
-    body = line[len("Admissible actions: "):]
+    body = line[len("Admissible actions: ") :]
     if more:
         assert body.endswith(f" (and {more} more)")
         body = body[: -len(f" (and {more} more)")]
@@ -230,14 +233,21 @@ def test_build_messages_does_not_touch_history():
 def test_render_prompt_ids_round_trips_chatml(tiny_tokenizer):
     tok = tiny_tokenizer
     history = [{"observation": "WebShop [SEP] Search", "action": "search[blue  mug, 12 oz]"}]
-    messages = build_messages(RULES, "i need a blue mug — café style ", history,
-                              "Instruction: [SEP] i need a blue mug [SEP] Back to Search [SEP] B0X9 [SEP] $9.99",
-                              ["click[back to search]", "click[b0x9]"], PromptConfig())
+    messages = build_messages(
+        RULES,
+        "i need a blue mug — café style ",
+        history,
+        "Instruction: [SEP] i need a blue mug [SEP] Back to Search [SEP] B0X9 [SEP] $9.99",
+        ["click[back to search]", "click[b0x9]"],
+        PromptConfig(),
+    )
     ids = render_prompt_ids(tok, messages)
     assert isinstance(ids, list) and ids and all(type(i) is int for i in ids)
-    expected = (f"<|im_start|>system\n{messages[0]['content']}<|im_end|>\n"
-                f"<|im_start|>user\n{messages[1]['content']}<|im_end|>\n"
-                "<|im_start|>assistant\n")
+    expected = (
+        f"<|im_start|>system\n{messages[0]['content']}<|im_end|>\n"
+        f"<|im_start|>user\n{messages[1]['content']}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     text = tok.decode(ids)
     assert text == expected
     assert text.endswith("<|im_start|>assistant\n")
@@ -248,8 +258,9 @@ def test_render_prompt_ids_round_trips_chatml(tiny_tokenizer):
     # the same ids as encoding the rendered text directly
     assert ids == tok(expected, add_special_tokens=False)["input_ids"]
     # without the special tokens the text is the two messages' contents
-    assert tok.decode(ids, skip_special_tokens=True) == (f"system\n{messages[0]['content']}\n"
-                                                         f"user\n{messages[1]['content']}\nassistant\n")
+    assert tok.decode(ids, skip_special_tokens=True) == (
+        f"system\n{messages[0]['content']}\nuser\n{messages[1]['content']}\nassistant\n"
+    )
 
 
 def test_render_prompt_ids_deterministic(tiny_tokenizer):

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from fixtures_model import rollout_config, stopping_model_dir, tiny_model_dir  # noqa: F401  (fixtures)
+from support import rollout_config
 
 from serl_cli.algos.batch import make_micro_batches
 from serl_cli.algos.objectives import UpdateInputs, get_objective
@@ -61,9 +61,16 @@ def pipeline_loss_and_grads(policy, teacher, tokenizer, episodes, acfg):
 
 # the random model's replies hold no action: unparsed=whole weights them whole, so the teacher is in play;
 # the defaults (none) leave them at 1; update_step 50 is lambda 0 (no teacher at all)
-@pytest.mark.parametrize("sources, placement, unparsed, update_step", [
-    ("obs", "all", "whole", 0), ("error", "feedback", "whole", 0), ("diff", "random", "whole", 0),
-    ("obs", "all", "none", 0), ("obs", "all", "whole", 50)])
+@pytest.mark.parametrize(
+    "sources, placement, unparsed, update_step",
+    [
+        ("obs", "all", "whole", 0),
+        ("error", "feedback", "whole", 0),
+        ("diff", "random", "whole", 0),
+        ("obs", "all", "none", 0),
+        ("obs", "all", "whole", 50),
+    ],
+)
 def test_reference_step_equals_the_pipeline(group, stopping_model_dir, sources, placement, unparsed, update_step):
     teacher, tokenizer = load_model(str(stopping_model_dir))
     teacher.eval()
@@ -72,8 +79,9 @@ def test_reference_step_equals_the_pipeline(group, stopping_model_dir, sources, 
     with torch.no_grad():  # a policy one update away from the behaviour policy: ratios differ from 1
         for p in policy.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    acfg = AnnotateConfig(sources=sources, placement=placement, seed=3, unparsed=unparsed, update_step=update_step,
-                          teacher_signal=False)
+    acfg = AnnotateConfig(
+        sources=sources, placement=placement, seed=3, unparsed=unparsed, update_step=update_step, teacher_signal=False
+    )
 
     loss, grads, n_micro, reweighted = pipeline_loss_and_grads(policy, teacher, tokenizer, group, acfg)
     assert n_micro > 1  # the pipeline really accumulated over several padded micro-batches

@@ -13,8 +13,14 @@ from serl_cli.method.selection_report import selection_report
 
 
 def rec(episode, turn, selected, sources=(), fired=(), advantage=0.0):
-    return {"episode": episode, "turn": turn, "selected": selected, "sources": list(sources),
-            "fired": list(fired), "advantage": advantage}
+    return {
+        "episode": episode,
+        "turn": turn,
+        "selected": selected,
+        "sources": list(sources),
+        "fired": list(fired),
+        "advantage": advantage,
+    }
 
 
 EPISODES = [
@@ -41,14 +47,30 @@ def roundtrip(report):
 
 def test_counts_and_fractions_by_hand():
     r = roundtrip(selection_report(RECORDS, EPISODES))
-    assert r["counts"] == {"turns": 7, "selected_turns": 3, "selected_fraction": pytest.approx(3 / 7),
-                           "turns_fired": 3, "episodes": 4, "episodes_with_selected": 2,
-                           "episodes_with_selected_fraction": 0.5}
+    assert r["counts"] == {
+        "turns": 7,
+        "selected_turns": 3,
+        "selected_fraction": pytest.approx(3 / 7),
+        "turns_fired": 3,
+        "episodes": 4,
+        "episodes_with_selected": 2,
+        "episodes_with_selected_fraction": 0.5,
+    }
     assert r["selected_by_outcome"]["success"] == {"turns": 3, "selected": 1, "selected_fraction": pytest.approx(1 / 3)}
     assert r["selected_by_outcome"]["failure"] == {"turns": 4, "selected": 2, "selected_fraction": 0.5}
     assert r["sources"] == {
-        "diff": {"produced": 4, "produced_fraction": pytest.approx(4 / 7), "fired": 1, "fired_fraction": pytest.approx(1 / 7)},
-        "error": {"produced": 2, "produced_fraction": pytest.approx(2 / 7), "fired": 2, "fired_fraction": pytest.approx(2 / 7)},
+        "diff": {
+            "produced": 4,
+            "produced_fraction": pytest.approx(4 / 7),
+            "fired": 1,
+            "fired_fraction": pytest.approx(1 / 7),
+        },
+        "error": {
+            "produced": 2,
+            "produced_fraction": pytest.approx(2 / 7),
+            "fired": 2,
+            "fired_fraction": pytest.approx(2 / 7),
+        },
     }
 
 
@@ -58,8 +80,16 @@ def test_distributions_by_hand():
     assert sel["n"] == 3 and sel["mean"] == pytest.approx(1 / 3) and sel["min"] == 0.0 and sel["max"] == 1.0
     assert sel["median"] == 0.0
     # unselected turns' rewards: 1.0, 0.0, 0.5, 1.0
-    assert uns == {"n": 4, "mean": 0.625, "std": pytest.approx(np.sqrt(0.6875 / 4)), "min": 0.0,
-                   "q1": 0.375, "median": 0.75, "q3": 1.0, "max": 1.0}
+    assert uns == {
+        "n": 4,
+        "mean": 0.625,
+        "std": pytest.approx(np.sqrt(0.6875 / 4)),
+        "min": 0.0,
+        "q1": 0.375,
+        "median": 0.75,
+        "q3": 1.0,
+        "max": 1.0,
+    }
     assert r["advantage"]["selected"]["mean"] == pytest.approx(-1 / 3)
     assert r["advantage"]["unselected"]["mean"] == 0.0
     assert r["rollouts"]["with_selected"]["n"] == 2 and r["rollouts"]["with_selected"]["mean"] == 0.5
@@ -69,8 +99,10 @@ def test_distributions_by_hand():
 def test_p_values_match_scipy():
     r = selection_report(RECORDS, EPISODES)
     mw = stats.mannwhitneyu([1.0, 0.0, 0.0], [1.0, 0.0, 0.5, 1.0], alternative="two-sided")
-    assert r["tests"]["mann_whitney"] == {"statistic": pytest.approx(float(mw.statistic)),
-                                          "p_value": pytest.approx(float(mw.pvalue))}
+    assert r["tests"]["mann_whitney"] == {
+        "statistic": pytest.approx(float(mw.statistic)),
+        "p_value": pytest.approx(float(mw.pvalue)),
+    }
     assert r["tests"]["fisher"]["table"] == [[1, 2], [2, 2]]
     odds, p = stats.fisher_exact([[1, 2], [2, 2]])
     assert r["tests"]["fisher"]["odds_ratio"] == pytest.approx(odds)
@@ -81,8 +113,18 @@ def test_p_values_match_scipy():
 def biased_run():
     """10 failed rollouts with one selected turn of two, 10 successes with none selected."""
     episodes = [{"reward": 0.0, "success": False}] * 10 + [{"reward": 1.0, "success": True}] * 10
-    records = [rec(e, t, e < 10 and t == 0, ["error"] if e < 10 else [], ["error"] if e < 10 and t == 0 else [],
-                   -1.0 if e < 10 else 1.0) for e in range(20) for t in range(2)]
+    records = [
+        rec(
+            e,
+            t,
+            e < 10 and t == 0,
+            ["error"] if e < 10 else [],
+            ["error"] if e < 10 and t == 0 else [],
+            -1.0 if e < 10 else 1.0,
+        )
+        for e in range(20)
+        for t in range(2)
+    ]
     return records, episodes
 
 
@@ -131,8 +173,16 @@ def test_none_or_all_selected(selected, reason):
     assert r["tests"]["fisher"]["p_value"] is None
     assert r["tests"]["verdict"] == f"no test: {reason}"
     empty = "selected" if not selected else "unselected"
-    assert r["episode_reward"][empty] == {"n": 0, "mean": None, "std": None, "min": None, "q1": None,
-                                          "median": None, "q3": None, "max": None}
+    assert r["episode_reward"][empty] == {
+        "n": 0,
+        "mean": None,
+        "std": None,
+        "min": None,
+        "q1": None,
+        "median": None,
+        "q3": None,
+        "max": None,
+    }
 
 
 def test_empty_run():

@@ -18,25 +18,82 @@ LONG_TAIL = " lorem" * 100  # pushes an observation past show.OBS_CHARS
 
 
 def _turn(i, obs, text, action, ids, error=None, diff="", reward=0.0, done=False):
-    return {"turn": i, "observation": obs, "state_key": f"s{i}", "expert_action": None, "prompt_ids": [5, 6, 7],
-            "action_ids": ids, "action_text": text, "action": action, "behaviour_logprobs": [-1.0] * len(ids),
-            "next_observation": "", "next_state_key": "", "feedback": {"error": error, "diff": diff},
-            "reward": reward, "done": done, "info": {}}
+    return {
+        "turn": i,
+        "observation": obs,
+        "state_key": f"s{i}",
+        "expert_action": None,
+        "prompt_ids": [5, 6, 7],
+        "action_ids": ids,
+        "action_text": text,
+        "action": action,
+        "behaviour_logprobs": [-1.0] * len(ids),
+        "next_observation": "",
+        "next_state_key": "",
+        "feedback": {"error": error, "diff": diff},
+        "reward": reward,
+        "done": done,
+        "info": {},
+    }
 
 
 EPISODES = [
-    {"task_id": 7, "group_id": 0, "rollout_index": 0, "reward": 0.0, "success": False, "instruction": "i need a red mug",
-     "turns": [_turn(0, "WebShop [SEP] Instruction: [SEP] i need a red mug [SEP] Search" + LONG_TAIL,
-                     "<action>search[red mug]</action>", "search[red mug]", [10, 11, 12, 13],
-                     diff="now on the results page [SEP] Page 1"),
-               _turn(1, "Back to Search [SEP] B01 [SEP] Red Mug [SEP] $9.99", "<action>click[b0x]</action>",
-                     "click[b0x]", [20, 21, 22], error="no button click[b0x] on this page", diff="no change"),
-               _turn(2, "Back to Search [SEP] B01", "<action>click[b01]</action>", "click[b01]", [30, 31],
-                     diff="item page", done=True)]},
-    {"task_id": 7, "group_id": 0, "rollout_index": 1, "reward": 1.0, "success": True, "instruction": "i need a red mug",
-     "turns": [_turn(0, "WebShop [SEP] Search", "<action>search[red mug]</action>", "search[red mug]", [10, 11]),
-               _turn(1, "Item [SEP] Buy Now", "<action>click[buy now]</action>", "click[buy now]", [40, 41],
-                     reward=1.0, done=True)]},
+    {
+        "task_id": 7,
+        "group_id": 0,
+        "rollout_index": 0,
+        "reward": 0.0,
+        "success": False,
+        "instruction": "i need a red mug",
+        "turns": [
+            _turn(
+                0,
+                "WebShop [SEP] Instruction: [SEP] i need a red mug [SEP] Search" + LONG_TAIL,
+                "<action>search[red mug]</action>",
+                "search[red mug]",
+                [10, 11, 12, 13],
+                diff="now on the results page [SEP] Page 1",
+            ),
+            _turn(
+                1,
+                "Back to Search [SEP] B01 [SEP] Red Mug [SEP] $9.99",
+                "<action>click[b0x]</action>",
+                "click[b0x]",
+                [20, 21, 22],
+                error="no button click[b0x] on this page",
+                diff="no change",
+            ),
+            _turn(
+                2,
+                "Back to Search [SEP] B01",
+                "<action>click[b01]</action>",
+                "click[b01]",
+                [30, 31],
+                diff="item page",
+                done=True,
+            ),
+        ],
+    },
+    {
+        "task_id": 7,
+        "group_id": 0,
+        "rollout_index": 1,
+        "reward": 1.0,
+        "success": True,
+        "instruction": "i need a red mug",
+        "turns": [
+            _turn(0, "WebShop [SEP] Search", "<action>search[red mug]</action>", "search[red mug]", [10, 11]),
+            _turn(
+                1,
+                "Item [SEP] Buy Now",
+                "<action>click[buy now]</action>",
+                "click[buy now]",
+                [40, 41],
+                reward=1.0,
+                done=True,
+            ),
+        ],
+    },
 ]
 SELECTED_WEIGHTS = [1.0, 1.15, 0.85]  # episode 0, turn 1
 
@@ -46,14 +103,25 @@ def _annotations(episodes, weights):
     for e, ep in enumerate(episodes):
         for t, turn in enumerate(ep["turns"]):
             sel = (e, t) == (0, 1)
-            recs.append({"episode": e, "task_id": ep["task_id"], "group_id": ep["group_id"],
-                         "rollout_index": ep["rollout_index"], "turn": t, "selected": sel,
-                         "sources": ["error"] if sel else [], "fired": ["error"] if sel else [],
-                         "hindsight": "[error] the button click[b0x] does not exist" if sel else None,
-                         "action_mask": [1] * len(turn["action_ids"]),
-                         "teacher_logprobs": [-0.5] * len(turn["action_ids"]) if sel else None,
-                         "weights": weights if sel else None, "advantage": -0.7 if e == 0 else 0.7,
-                         "log_ratio_mean": 0.1234 if sel else None, "distill": sel})
+            recs.append(
+                {
+                    "episode": e,
+                    "task_id": ep["task_id"],
+                    "group_id": ep["group_id"],
+                    "rollout_index": ep["rollout_index"],
+                    "turn": t,
+                    "selected": sel,
+                    "sources": ["error"] if sel else [],
+                    "fired": ["error"] if sel else [],
+                    "hindsight": "[error] the button click[b0x] does not exist" if sel else None,
+                    "action_mask": [1] * len(turn["action_ids"]),
+                    "teacher_logprobs": [-0.5] * len(turn["action_ids"]) if sel else None,
+                    "weights": weights if sel else None,
+                    "advantage": -0.7 if e == 0 else 0.7,
+                    "log_ratio_mean": 0.1234 if sel else None,
+                    "distill": sel,
+                }
+            )
     assert all(set(ANNOTATION_KEYS) <= set(r) for r in recs)
     return recs
 
@@ -95,8 +163,10 @@ def test_run_view_lists_episodes_and_stages(tmp_path):
     assert "selected" in text
     rows = [[c.strip() for c in line.strip("│ ").split("│")] for line in text.splitlines() if line.startswith("│ ")]
     rows = [r for r in rows if len(r) == 9]
-    assert rows == [["0", "7", "0", "0", "0.000", "no", "3", "1", "1"],
-                    ["1", "7", "0", "1", "1.000", "yes", "2", "0", "0"]], text
+    assert rows == [
+        ["0", "7", "0", "0", "0.000", "no", "3", "1", "1"],
+        ["1", "7", "0", "1", "1.000", "yes", "2", "0", "0"],
+    ], text
     assert "2 episodes, success 0.500, 1 of 5 turns selected" in text
 
 
@@ -114,7 +184,7 @@ def test_episode_view_shows_turns_feedback_selection_and_weights(tmp_path):
     assert "<action>click[b0x]</action>" in text and "click[b01]" in text
     assert "no button click[b0x] on this page" in text and "now on the results page [SEP] Page 1" in text
     assert text.count("SELECTED") == 1 and "DISTILL" in text
-    selected_panel = text[text.index("SELECTED"):text.index("turn 2")]
+    selected_panel = text[text.index("SELECTED") : text.index("turn 2")]
     assert "[error] the button click[b0x] does not exist" in selected_panel
     assert "+0.1234" in selected_panel
     assert "0:1.000 1:1.150 2:0.850" in selected_panel  # fallback: no tokenizer -> numbers per index
@@ -220,7 +290,6 @@ def test_cli_exits_2_with_one_line(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from serl_cli.cli import main; "
-            f"sys.argv = ['serl', 'show', {str(tmp_path / 'nope')!r}]; main()")
+    code = f"import sys; from serl_cli.cli import main; sys.argv = ['serl', 'show', {str(tmp_path / 'nope')!r}]; main()"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "run directory not found" in out.stderr

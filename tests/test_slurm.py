@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
-from test_ablate import run, tiny_grid
+from support import run, tiny_grid
 
 from serl_cli.ablate import cells as ab_cells
 from serl_cli.ablate import grid as ab
@@ -38,17 +37,32 @@ def bash_ok(path: Path) -> bool:
 
 def test_paper_grid_sbatch_runs_torchrun_on_the_cells_gpus(tmp_path):
     out = tmp_path / "abl"
-    p = run(str(ROOT / "experiments" / "ablations" / "sources_paper.yaml"), "--out", str(out), "--emit", "slurm",
-            "--max-parallel", "3")
+    p = run(
+        str(ROOT / "experiments" / "ablations" / "sources_paper.yaml"),
+        "--out",
+        str(out),
+        "--emit",
+        "slurm",
+        "--max-parallel",
+        "3",
+    )
     assert p.returncode == 0, p.stderr
     text = (out / "ablate.sbatch").read_text()
     n = len(json.loads((out / "grid.json").read_text())["cells"])
-    for line in (f"#SBATCH --array=0-{n - 1}%3", "#SBATCH --nodes=1", "#SBATCH --gres=gpu:8",
-                 "#SBATCH --cpus-per-task=32", "#SBATCH --mem=256G", "#SBATCH --partition=gpu",
-                 "#SBATCH --time=48:00:00", "#SBATCH --signal=B:USR1@900", "#SBATCH --requeue"):
+    for line in (
+        f"#SBATCH --array=0-{n - 1}%3",
+        "#SBATCH --nodes=1",
+        "#SBATCH --gres=gpu:8",
+        "#SBATCH --cpus-per-task=32",
+        "#SBATCH --mem=256G",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=48:00:00",
+        "#SBATCH --signal=B:USR1@900",
+        "#SBATCH --requeue",
+    ):
         assert line in text.splitlines(), line
     assert "${TORCHRUN:-torchrun} --standalone --nproc_per_node 6 " in text  # train.gpus: 6 DeepSpeed ranks
-    assert "--signals-to-handle SIGTERM,SIGINT,SIGUSR1" in text and '-m serl_cli ablate' in text
+    assert "--signals-to-handle SIGTERM,SIGINT,SIGUSR1" in text and "-m serl_cli ablate" in text
     assert '--cell "$SLURM_ARRAY_TASK_ID"' in text and 'source "${SERL_VENV:?' in text  # the grid's setup line
     assert 'scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in text
     submit, report = (out / "submit.sh").read_text(), (out / "report.sbatch").read_text()
@@ -78,11 +92,12 @@ def test_multi_node_and_deepspeed_launchers(tmp_path, tiny_model_dir):
     assert p.returncode == 0, p.stderr
     text = (tmp_path / "a" / "ablate.sbatch").read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --account=lab" in text
-    assert 'srun --ntasks-per-node=1 --kill-on-bad-exit=1 ${TORCHRUN:-torchrun} --nnodes 2' in text
+    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 ${TORCHRUN:-torchrun} --nnodes 2" in text
     assert '--rdzv_endpoint "$head:$port"' in text and "--nproc_per_node 4" in text and "%" not in text.split("\n")[2]
     assert bash_ok(tmp_path / "a" / "ablate.sbatch")
-    grid = _grid(tmp_path, tiny_model_dir, {"gpus_per_node": 2, "launcher": "deepspeed", "requeue": False}, ds,
-                 name="b.yaml")
+    grid = _grid(
+        tmp_path, tiny_model_dir, {"gpus_per_node": 2, "launcher": "deepspeed", "requeue": False}, ds, name="b.yaml"
+    )
     assert run(str(grid), "--out", str(tmp_path / "b"), "--emit", "slurm").returncode == 0
     text = (tmp_path / "b" / "ablate.sbatch").read_text()
     assert "${DEEPSPEED:-deepspeed} --num_nodes 1 --num_gpus 2 --module serl_cli ablate" in text
@@ -104,9 +119,17 @@ def _fake_slurm(tmp_path: Path) -> dict:
     (bin_dir / "scontrol").chmod(0o755)
     wrapper = tmp_path / "serl_wrapper.py"
     wrapper.write_text("from serl_cli.cli import main\nmain()\n")
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "0",
-            "SLURM_ARRAY_JOB_ID": "77", "SERL": f"{sys.executable} {wrapper}", "SERL_THREADS": "1",
-            "OMP_NUM_THREADS": "1", "TORCHRUN": f"{sys.executable} -m torch.distributed.run", "COLUMNS": "200"}
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_ARRAY_TASK_ID": "0",
+        "SLURM_ARRAY_JOB_ID": "77",
+        "SERL": f"{sys.executable} {wrapper}",
+        "SERL_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "TORCHRUN": f"{sys.executable} -m torch.distributed.run",
+        "COLUMNS": "200",
+    }
 
 
 def test_sigusr1_requeues_the_task_and_the_rerun_resumes(tmp_path, tiny_model_dir):
@@ -115,8 +138,14 @@ def test_sigusr1_requeues_the_task_and_the_rerun_resumes(tmp_path, tiny_model_di
     assert run(str(grid), "--out", str(out), "--emit", "slurm").returncode == 0
     env = _fake_slurm(tmp_path)
     script = out / "ablate.sbatch"
-    p = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        ["bash", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     rec = json.loads((out / "grid.json").read_text())
     manifest = out / "cells" / rec["cells"][0]["name"] / "train" / "manifest.json"
     deadline = time.monotonic() + 240
@@ -131,7 +160,9 @@ def test_sigusr1_requeues_the_task_and_the_rerun_resumes(tmp_path, tiny_model_di
     assert "requeued" in stdout and (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77_0"]
     cell = json.loads((manifest.parent.parent / "cell.json").read_text())
     assert cell["status"] == "running" and not (manifest.parent.parent / "eval.json").exists()
-    q = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=300, check=False)  # the requeued run
+    q = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=env, timeout=300, check=False
+    )  # the requeued run
     assert q.returncode == 0, q.stderr[-2000:]
     assert json.loads((manifest.parent.parent / "cell.json").read_text())["status"] == "done"
     metrics = (manifest.parent / "metrics.jsonl").read_text().splitlines()
@@ -148,8 +179,14 @@ def test_a_deepspeed_cell_runs_under_torchrun_from_the_sbatch(tmp_path, tiny_mod
     assert run(str(grid), "--out", str(out), "--emit", "slurm").returncode == 0
     text = (out / "ablate.sbatch").read_text()
     assert "--standalone --nproc_per_node 2" in text
-    p = subprocess.run(["bash", str(out / "ablate.sbatch")], capture_output=True, text=True, env=_fake_slurm(tmp_path),
-                       timeout=600, check=False)
+    p = subprocess.run(
+        ["bash", str(out / "ablate.sbatch")],
+        capture_output=True,
+        text=True,
+        env=_fake_slurm(tmp_path),
+        timeout=600,
+        check=False,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads((out / "grid.json").read_text())
     d = out / "cells" / rec["cells"][0]["name"]
@@ -162,9 +199,17 @@ def test_final_evaluation_runs_on_the_cells_engine_device_and_dtype(tmp_path, ti
     paper grids), vLLM settings and GPUs, and the trainer's device and dtype."""
     from serl_cli.stages import evaluate, online
 
-    grid = _grid(tmp_path, tiny_model_dir, {}, {"rollout": {"engine": "vllm", "vllm": {"tensor_parallel_size": 2},
-                                                            "gpus": [6, 7]},
-                                                "train": {"dtype": "bf16", "device": "cpu"}}, algos=("grpo",), seeds=1)
+    grid = _grid(
+        tmp_path,
+        tiny_model_dir,
+        {},
+        {
+            "rollout": {"engine": "vllm", "vllm": {"tensor_parallel_size": 2}, "gpus": [6, 7]},
+            "train": {"dtype": "bf16", "device": "cpu"},
+        },
+        algos=("grpo",),
+        seeds=1,
+    )
     rec = ab_record.grid_record(ab.load_grid(str(grid)), [str(grid)])
     out = tmp_path / "abl"
     ab_record.write_grid(out, rec)
@@ -178,8 +223,9 @@ def test_final_evaluation_runs_on_the_cells_engine_device_and_dtype(tmp_path, ti
     seen = {}
 
     def fake_eval(ecfg, overwrite=False, **kw):
-        seen.update(engine=ecfg.engine, tp=ecfg.vllm.tensor_parallel_size, gpus=ecfg.gpus, dtype=ecfg.dtype,
-                    device=ecfg.device)
+        seen.update(
+            engine=ecfg.engine, tp=ecfg.vllm.tensor_parallel_size, gpus=ecfg.gpus, dtype=ecfg.dtype, device=ecfg.device
+        )
         (Path(ecfg.out) / "eval.json").write_text(json.dumps({"success_rate": 0.0, "score": 0.0, "episodes": 2}))
         return {}
 

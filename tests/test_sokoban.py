@@ -89,13 +89,15 @@ def test_solver_is_as_short_as_plain_bfs(panel):
 
 
 def test_optimal_actions_are_every_first_move_of_a_shortest_plan():
-    level = Solver(parse_room("""
+    level = Solver(
+        parse_room("""
         # # # # #
         # _ G _ #
         # _ B _ #
         # _ _ _ #
         # P _ _ #
-        # # # # #"""))
+        # # # # #""")
+    )
     assert level.optimal_actions(level.start) == {"up", "right"}
     assert level.expert_action(level.start) == "up"  # ties break in up/down/left/right order
     assert level.solve() == ["up", "right", "up"]
@@ -108,7 +110,10 @@ def test_dead_squares_are_corners_and_goalless_walls():
         # _ B _ _ #
         # _ _ P G #
         # # # # # #""")
-    cell = lambda r, c: r * room.width + c
+
+    def cell(r, c):
+        return r * room.width + c
+
     dead = dead_squares(room)
     assert {cell(1, 1), cell(1, 4), cell(3, 1), cell(1, 2), cell(2, 1)} <= dead  # corners, goalless top and left walls
     assert cell(3, 4) not in dead and cell(3, 2) not in dead and cell(2, 2) not in dead
@@ -151,11 +156,18 @@ def test_box_leaving_a_goal_is_said():
     assert ep.step("right").feedback.diff == "pushed a box right; box left a goal"
 
 
-@pytest.mark.parametrize("room, action, error", [
-    ("# # # #\n# P _ #\n# _ B #\n# _ G #\n# # # #", "up", "you walked into a wall"),
-    ("# # # # #\n# _ _ _ #\n# _ P B #\n# _ G _ #\n# # # # #", "right", "the box can't move: wall behind it"),
-    ("# # # # # #\n# _ _ _ G #\n# P B B _ #\n# _ _ _ G #\n# # # # # #", "right", "the box can't move: another box behind it"),
-])
+@pytest.mark.parametrize(
+    "room, action, error",
+    [
+        ("# # # #\n# P _ #\n# _ B #\n# _ G #\n# # # #", "up", "you walked into a wall"),
+        ("# # # # #\n# _ _ _ #\n# _ P B #\n# _ G _ #\n# # # # #", "right", "the box can't move: wall behind it"),
+        (
+            "# # # # # #\n# _ _ _ G #\n# P B B _ #\n# _ _ _ G #\n# # # # # #",
+            "right",
+            "the box can't move: another box behind it",
+        ),
+    ],
+)
 def test_blocked_moves_are_errors_and_change_nothing(room, action, error):
     ep, first = episode(room)
     step = ep.step(action)
@@ -179,25 +191,37 @@ def test_action_format_matches_the_four_moves_only(world):
 
 DEADLOCKS = [
     # into a corner: (1, 1) is a wall above and the border left
-    ("""# # # # # #
+    (
+        """# # # # # #
         # # _ _ _ #
         # _ B P _ #
         # _ _ _ _ #
         # _ _ _ G #
-        # # # # # #""", "left", "deadlock: box pushed into a corner at row 2 col 1"),
+        # # # # # #""",
+        "left",
+        "deadlock: box pushed into a corner at row 2 col 1",
+    ),
     # against the top wall, no goal along row 1
-    ("""# # # # # # #
+    (
+        """# # # # # # #
         # _ _ _ _ _ #
         # _ _ B _ _ #
         # _ _ P _ _ #
         # _ _ _ _ G #
-        # # # # # # #""", "up", "deadlock: box pushed against a wall with no goal along it at row 1 col 3"),
+        # # # # # # #""",
+        "up",
+        "deadlock: box pushed against a wall with no goal along it at row 1 col 3",
+    ),
     # beside a box on its goal, both against the top wall: they freeze each other
-    ("""# # # # # # #
+    (
+        """# # # # # # #
         # _ * _ _ _ #
         # _ _ B _ _ #
         # G _ P _ _ #
-        # # # # # # #""", "up", "deadlock: the level can no longer be solved"),
+        # # # # # # #""",
+        "up",
+        "deadlock: the level can no longer be solved",
+    ),
 ]
 
 

@@ -66,7 +66,7 @@ def test_blunders_deadlock_rooms_and_what_follows_is_off_expert(world):
     for r in lost:
         k = next(i for i, t in enumerate(r["turns"]) if t["info"]["deadlock"])
         assert all(t.get("off_expert") for t in r["turns"][k:])  # the blunder, then moves with no expert action
-        assert all(t["expert_action"] is None for t in r["turns"][k + 1:])
+        assert all(t["expert_action"] is None for t in r["turns"][k + 1 :])
 
 
 def test_plain_expert_records_no_off_expert_key(world):
@@ -81,12 +81,14 @@ def test_noisy_expert_draws_are_seeded_per_call(world):
 
 def test_solvable_actions_leave_out_the_deadlocking_push(world):
     ep = world.new_episode("train")
-    ep.play(parse_room("""# # # # # # #
+    ep.play(
+        parse_room("""# # # # # # #
         # _ _ _ _ _ #
         # _ _ B _ _ #
         # _ _ P _ _ #
         # _ _ _ _ G #
-        # # # # # # #"""))
+        # # # # # # #""")
+    )
     assert sorted(ep.solvable_actions()) == ["down", "left", "right"]  # up pushes the box against a goalless wall
 
 
@@ -95,25 +97,42 @@ def test_compact_prompt_is_the_user_message_alone():
     full = build_messages("RULES", "Push every box onto a goal.", [], "GRID", ["up", "down"], PromptConfig())
     compact = build_messages("RULES", "Push every box onto a goal.", [], "GRID", ["up", "down"], COMPACT)
     assert [m["role"] for m in full] == ["system", "user"] and "Admissible actions: up, down" in full[1]["content"]
-    assert compact == [{"role": "user", "content": "Task: Push every box onto a goal.\nTurn 1. Current observation: GRID"}]
+    assert compact == [
+        {"role": "user", "content": "Task: Push every box onto a goal.\nTurn 1. Current observation: GRID"}
+    ]
 
 
 # -- hindsight SFT --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def noisy_run(tmp_path_factory, micro_dir):
     out = tmp_path_factory.mktemp("runs") / "noisy"
-    run_rollout(RolloutConfig(env=EnvConfig(name="sokoban", split="train"), model=str(micro_dir), policy="expert",
-                              tasks=30, group_size=1, expert_noise=0.3, expert_blunders=0.2, prompt=COMPACT,
-                              threads=1, out=str(out)))
+    run_rollout(
+        RolloutConfig(
+            env=EnvConfig(name="sokoban", split="train"),
+            model=str(micro_dir),
+            policy="expert",
+            tasks=30,
+            group_size=1,
+            expert_noise=0.3,
+            expert_blunders=0.2,
+            prompt=COMPACT,
+            threads=1,
+            out=str(out),
+        )
+    )
     return out
 
 
 @pytest.mark.parametrize("sources", ["error,diff", "error"])
-def test_hindsight_examples_are_teacher_prompts_and_student_prompts_with_the_expert_reply(noisy_run, micro_dir, sources):
+def test_hindsight_examples_are_teacher_prompts_and_student_prompts_with_the_expert_reply(
+    noisy_run, micro_dir, sources
+):
     _, tokenizer = load_model(str(micro_dir))
     episodes = read_rollouts(noisy_run)
-    examples = {(e["task_id"], e["rollout_index"]): e["turns"] for e in
-                hindsight_examples(episodes, tokenizer, sources, bare_replies=True)}
+    examples = {
+        (e["task_id"], e["rollout_index"]): e["turns"]
+        for e in hindsight_examples(episodes, tokenizer, sources, bare_replies=True)
+    }
     expected = 0
     for ep in episodes:
         group = [ep]
@@ -124,8 +143,9 @@ def test_hindsight_examples_are_teacher_prompts_and_student_prompts_with_the_exp
                 continue
             expected += 2
             with_block, without = next(got), next(got)
-            assert with_block["prompt_ids"] == teacher_prompt_ids(turn["prompt_ids"], block_ids(tokenizer, block),
-                                                                  tokenizer.eos_token_id)
+            assert with_block["prompt_ids"] == teacher_prompt_ids(
+                turn["prompt_ids"], block_ids(tokenizer, block), tokenizer.eos_token_id
+            )
             assert without["prompt_ids"] == turn["prompt_ids"]  # the same example, deconfounded
             target = reply_ids(tokenizer, turn["expert_action"], bare=True)
             assert with_block["action_ids"] == without["action_ids"] == target != turn["action_ids"]
@@ -141,8 +161,13 @@ def test_hindsight_sft_adds_its_examples_to_the_update(noisy_run, micro_dir, tmp
     assert m["hindsight_examples"] > 0 and m["turns"] == plain + m["hindsight_examples"]
 
 
-@pytest.mark.parametrize("cfg, match", [(TrainConfig(algo="grpo", hindsight_sft="error"), "goes with --algo sft"),
-                                        (TrainConfig(algo="sft", hindsight_sft="eror"), "unknown feedback source")])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        (TrainConfig(algo="grpo", hindsight_sft="error"), "goes with --algo sft"),
+        (TrainConfig(algo="sft", hindsight_sft="eror"), "unknown feedback source"),
+    ],
+)
 def test_hindsight_sft_settings_are_checked(cfg, match):
     with pytest.raises(SerlError, match=match):
         check_hindsight_sft(cfg)
@@ -163,7 +188,13 @@ def test_quick_demo_runs_end_to_end_on_sokoban(micro_dir, tmp_path):
 
 def test_other_environments_keep_the_webshop_demo():
     web = demo_defaults("webshop")
-    assert (web.env.name, web.env.max_turns, web.preset, web.expert_tasks, web.algos) == ("webshop", 10, "tiny", 60, ["grpo"])
+    assert (web.env.name, web.env.max_turns, web.preset, web.expert_tasks, web.algos) == (
+        "webshop",
+        10,
+        "tiny",
+        60,
+        ["grpo"],
+    )
     assert (web.sft.epochs, web.sft.mini_batches, web.sft.optim.lr, web.sft.hindsight_sft) == (4, 32, 2e-3, None)
     assert (web.online.iterations, web.online.rollout.tasks, web.online.rollout.group_size) == (2, 4, 4)
     assert (web.eval_episodes, web.eval_temperature, web.prompt) == (30, 0.0, PromptConfig(history_turns=0))

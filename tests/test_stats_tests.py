@@ -68,8 +68,11 @@ def test_degenerate_cases_give_none_not_nan():
         assert "NaN" not in text and "Infinity" not in text
     with pytest.raises(ValueError):
         paired_t_test([1.0, 2.0], [1.0])
-    assert not any(isinstance(v, float) and math.isnan(v) for v in paired_t_test(A, B).values() if v is not None
-                   and not isinstance(v, list))
+    assert not any(
+        isinstance(v, float) and math.isnan(v)
+        for v in paired_t_test(A, B).values()
+        if v is not None and not isinstance(v, list)
+    )
 
 
 def test_holm_hand_values():

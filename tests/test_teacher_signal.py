@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from fixtures_model import rollout_config, tiny_model_dir  # noqa: F401  (fixture)
+from support import rollout_config
 from typer.testing import CliRunner
 
 from serl_cli.ablate import cells as ab_cells
@@ -33,17 +33,32 @@ SOKOBAN = EnvConfig(name="sokoban", split="train", max_turns=3)
 
 # -- the arithmetic, on hand-made turns ---------------------------------------------------------
 
+
 def _turn(action, expert):
     return {"action": action, "expert_action": expert}
 
 
 def _record(turn, log_ratio):
-    return {"episode": 0, "turn": turn, "teacher_logprobs": None if log_ratio is None else [log_ratio],
-            "log_ratio_mean": log_ratio}
+    return {
+        "episode": 0,
+        "turn": turn,
+        "teacher_logprobs": None if log_ratio is None else [log_ratio],
+        "log_ratio_mean": log_ratio,
+    }
 
 
-EPISODES = [{"turns": [_turn("up", "down"), _turn("Down ", "down"), _turn("left", "up"), _turn("right", "up"),
-                       _turn("up", None), _turn("up", "up")]}]
+EPISODES = [
+    {
+        "turns": [
+            _turn("up", "down"),
+            _turn("Down ", "down"),
+            _turn("left", "up"),
+            _turn("right", "up"),
+            _turn("up", None),
+            _turn("up", "up"),
+        ]
+    }
+]
 RECORDS = [_record(0, -0.2), _record(1, 0.1), _record(2, 0.3), _record(3, 0.0), _record(4, 0.5), _record(5, None)]
 
 
@@ -77,6 +92,7 @@ def test_no_scored_turn_with_an_expert_action_gives_none():
 
 # -- end to end on Sokoban --------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tiny_model_dir):
     from serl_cli.models.loading import load_model
@@ -99,8 +115,17 @@ def test_expert_reply_is_what_the_expert_policy_records(tiny_model_dir, model_an
     from serl_cli.rollout.prompts import PromptConfig
 
     out = tmp_path / "expert"
-    run_rollout(rollout_config(tiny_model_dir, out, env=SOKOBAN, tasks=2, group_size=1, policy="expert",
-                               prompt=PromptConfig(bare_replies=bare)))
+    run_rollout(
+        rollout_config(
+            tiny_model_dir,
+            out,
+            env=SOKOBAN,
+            tasks=2,
+            group_size=1,
+            policy="expert",
+            prompt=PromptConfig(bare_replies=bare),
+        )
+    )
     _, tok = model_and_tokenizer
     turns = [t for ep in read_rollouts(out) for t in ep["turns"]]
     assert turns and all(t["action_ids"] == expert_reply_ids(tok, t["action"], bare) for t in turns)
@@ -127,7 +152,7 @@ def test_selection_report_has_the_signal_of_forward_passes(sokoban_run, model_an
         with_block = teacher_prompt_ids(turn["prompt_ids"], block_ids(tok, rec["hindsight"]), tok.eos_token_id)
         for side, prompt in (("with", with_block), ("without", turn["prompt_ids"])):
             with torch.no_grad():
-                logits = model(torch.tensor([prompt + reply])).logits[0, len(prompt) - 1:-1]
+                logits = model(torch.tensor([prompt + reply])).logits[0, len(prompt) - 1 : -1]
             lp = logits.log_softmax(-1).gather(1, torch.tensor(reply)[:, None])[:, 0]
             probs[side].append(lp[mask].sum().exp().item())
         on_expert = turn["action"].strip().lower() == turn["expert_action"]
@@ -175,9 +200,11 @@ def test_ablation_report_averages_the_last_measured_iteration_over_seeds(tmp_pat
         if cell["arm"] != SERL_ARM:
             continue
         right, gain = signals[cell["seed"]]
-        teacher = ({"teacher_signal": {"turns": 3, "right_direction": 0.0, "expert_prob_gain": 9.0}},  # earlier
-                   {"teacher_signal": {"turns": 4, "right_direction": right, "expert_prob_gain": gain}},
-                   {"teacher_skipped": True})  # lambda decayed to 0: no teacher, no signal
+        teacher = (
+            {"teacher_signal": {"turns": 3, "right_direction": 0.0, "expert_prob_gain": 9.0}},  # earlier
+            {"teacher_signal": {"turns": 4, "right_direction": right, "expert_prob_gain": gain}},
+            {"teacher_skipped": True},
+        )  # lambda decayed to 0: no teacher, no signal
         for k, stats in enumerate(teacher):
             it = d / "train" / f"iter_{k:04d}"
             it.mkdir(parents=True)
@@ -200,8 +227,17 @@ def test_bare_replies_score_the_bare_expert_reply_on_its_action_span(tiny_model_
     from serl_cli.rollout.prompts import PromptConfig
 
     run = tmp_path / "bare"
-    run_rollout(rollout_config(tiny_model_dir, run, env=SOKOBAN, tasks=2, group_size=2, max_new_tokens=4,
-                               prompt=PromptConfig(history_turns=0, max_admissible=0, system=False, bare_replies=True)))
+    run_rollout(
+        rollout_config(
+            tiny_model_dir,
+            run,
+            env=SOKOBAN,
+            tasks=2,
+            group_size=2,
+            max_new_tokens=4,
+            prompt=PromptConfig(history_turns=0, max_admissible=0, system=False, bare_replies=True),
+        )
+    )
     run_annotate(str(run), AnnotateConfig(sources="error,diff", placement="all", skip_zero_advantage=False, threads=1))
     s = io.read_json(run / "selection_report.json")["teacher"]["teacher_signal"]
     model, tok = model_and_tokenizer
@@ -213,7 +249,7 @@ def test_bare_replies_score_the_bare_expert_reply_on_its_action_span(tiny_model_
         mask = torch.tensor(action_span_mask(tok, reply, "none", fmt), dtype=torch.bool)
         assert mask.any() and not mask[-1]  # the move's tokens, not the end-of-turn token
         with torch.no_grad():
-            logits = model(torch.tensor([turn["prompt_ids"] + reply])).logits[0, len(turn["prompt_ids"]) - 1:-1]
+            logits = model(torch.tensor([turn["prompt_ids"] + reply])).logits[0, len(turn["prompt_ids"]) - 1 : -1]
         probs.append(logits.log_softmax(-1).gather(1, torch.tensor(reply)[:, None])[:, 0][mask].sum().exp().item())
     assert s["turns"] == len(probs) > 0
     assert s["expert_prob_without_block"] == pytest.approx(sum(probs) / len(probs), rel=1e-4)

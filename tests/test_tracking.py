@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
-from test_cli_env import assert_one_line_error, serl
+from support import assert_one_line_error, serl
 
 from serl_cli.artifacts.tracking import check_backends, scalars
 from serl_cli.errors import SerlError
@@ -15,8 +14,10 @@ SYNTH = ["--env", "webshop", "--set", "env.settings.catalog=synthetic", "--set",
 
 
 def test_scalars_flattens_numbers_and_skips_the_rest():
-    assert scalars({"loss": 0.5, "algo": "grpo", "ok": True, "timing": {"update_s": 2}}) == {"loss": 0.5,
-                                                                                               "timing/update_s": 2.0}
+    assert scalars({"loss": 0.5, "algo": "grpo", "ok": True, "timing": {"update_s": 2}}) == {
+        "loss": 0.5,
+        "timing/update_s": 2.0,
+    }
 
 
 def test_bad_backends_are_refused():
@@ -31,9 +32,30 @@ def test_two_iterations_land_in_tensorboard(tiny_model_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    p = serl("train", "--algo", "grpo", "--model", str(tiny_model_dir), "--iterations", "2", "--tasks", "2",
-             "--group-size", "2", "--max-turns", "2", "--out", str(out), "--threads", "1", "--report-to", "tensorboard",
-             *SYNTH, "--set", "rollout.sampling.max_new_tokens=8")
+    p = serl(
+        "train",
+        "--algo",
+        "grpo",
+        "--model",
+        str(tiny_model_dir),
+        "--iterations",
+        "2",
+        "--tasks",
+        "2",
+        "--group-size",
+        "2",
+        "--max-turns",
+        "2",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+        "--report-to",
+        "tensorboard",
+        *SYNTH,
+        "--set",
+        "rollout.sampling.max_new_tokens=8",
+    )
     assert p.returncode == 0, p.stderr
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
@@ -46,8 +68,10 @@ def test_two_iterations_land_in_tensorboard(tiny_model_dir, tmp_path):
 
 
 def test_report_to_bad_name_is_one_line(tmp_path):
-    assert_one_line_error(serl("train", "--iterations", "1", "--report-to", "tb", "--out", str(tmp_path / "r")),
-                          "unknown --report-to 'tb'")
+    assert_one_line_error(
+        serl("train", "--iterations", "1", "--report-to", "tb", "--out", str(tmp_path / "r")),
+        "unknown --report-to 'tb'",
+    )
 
 
 def test_wandb_offline_run_is_written_where_the_run_is(tmp_path, monkeypatch):

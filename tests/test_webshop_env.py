@@ -5,7 +5,7 @@ own behaviour (see envs/webshop/search.py for how its BM25 differs from Lucene's
 from __future__ import annotations
 
 import pytest
-from conftest import requires_webshop_data
+from support import requires_webshop_data
 
 from envs import make_world
 from envs.base import EnvError
@@ -77,7 +77,14 @@ def test_results_item_and_subpages(world):
     ep.reset(0)
     step = ep.step("search[decorative pillows]")
     parts = step.observation.split(" [SEP] ")
-    assert parts[:6] == ["Instruction:", ep.instruction, "Back to Search", "Page 1 (Total results: 50)", "Next >", "B09HKZS7LV"]
+    assert parts[:6] == [
+        "Instruction:",
+        ep.instruction,
+        "Back to Search",
+        "Page 1 (Total results: 50)",
+        "Next >",
+        "B09HKZS7LV",
+    ]
     assert len(parts) == 5 + 3 * 10  # 10 items: asin, title, price
     assert "click[< prev]" not in step.admissible_actions
     step = ep.step("click[next >]")
@@ -87,7 +94,10 @@ def test_results_item_and_subpages(world):
     step = ep.step(f"click[{asin.lower()}]")
     assert step.info["page"] == "item"
     product = world.catalog.by_asin[asin]
-    assert f"Price: {product['Price']} [SEP] Rating: N.A. [SEP] Description [SEP] Features [SEP] Reviews [SEP] Buy Now" in step.observation
+    assert (
+        f"Price: {product['Price']} [SEP] Rating: N.A. [SEP] Description [SEP] Features [SEP] Reviews [SEP] Buy Now"
+        in step.observation
+    )
     step = ep.step("click[features]")
     assert step.observation.endswith(" [SEP] ".join(b.strip() for b in product["BulletPoints"] if b.strip()))
     step = ep.step("click[< prev]")

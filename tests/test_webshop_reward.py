@@ -34,17 +34,15 @@ from envs.webshop.reward import (
 TAGGER_DRIFT_TOL = 0.07  # largest measured gap is 0.4 vs 0.333
 
 MENS_DON = "Mens D.O.N. Issue 2 Gca Basketball Sneakers Shoes Casual - Off White"
-PEAK = ("PEAK High Top Mens Basketball Shoes Lou Williams Streetball Master Breathable "
-        "Non Slip Outdoor Sneakers")
-SAIREED_LONG = ("Saireed UL Listed 2 Prong Power Cord for JBL Bar 3.1 Bar 2.1 Channel 4K Ultra "
-                "HD Soundbar Home Theater System Subwoofer")
-SAIREED_SHORT = ("Saireed UL Listed 2 Prong Power Cord for JBL Bar 3.1 Bar 2.1 Channel 4K Ultra "
-                 "HD Soundbar")
-BRST = ("BRST AC Power Cord Outlet Socket Cable Plug Lead for Panasonic SC-HT830V DVD/VCR "
-        "Combo Home Theater System")
+PEAK = "PEAK High Top Mens Basketball Shoes Lou Williams Streetball Master Breathable Non Slip Outdoor Sneakers"
+SAIREED_LONG = (
+    "Saireed UL Listed 2 Prong Power Cord for JBL Bar 3.1 Bar 2.1 Channel 4K Ultra "
+    "HD Soundbar Home Theater System Subwoofer"
+)
+SAIREED_SHORT = "Saireed UL Listed 2 Prong Power Cord for JBL Bar 3.1 Bar 2.1 Channel 4K Ultra HD Soundbar"
+BRST = "BRST AC Power Cord Outlet Socket Cable Plug Lead for Panasonic SC-HT830V DVD/VCR Combo Home Theater System"
 RUSTICWARE = "Rusticware 921ORB Kitchen and Bath Cabinet Knob"
-MINKISSY = ("Minkissy 2pcs Stainless Steel Eyebrow Tweezers Blackhead Acne Remover Portable "
-            "Makeup Tweezers (Silver)")
+MINKISSY = "Minkissy 2pcs Stainless Steel Eyebrow Tweezers Blackhead Acne Remover Portable Makeup Tweezers (Silver)"
 
 
 def r_type_band(title_score: float) -> float:
@@ -58,13 +56,14 @@ def r_type_band(title_score: float) -> float:
 
 # ---------------------------------------------------------------- test_get_type_reward
 
+
 def type_goal():
     return {"query": "Query 1", "product_category": "a › b › c", "name": "Name 1"}
 
 
 def test_type_exact_match():
     result = type_reward(type_goal(), type_goal())
-    assert result["r_type"] == 1.
+    assert result["r_type"] == 1.0
     assert result["query_match"] == True  # noqa: E712  (as upstream)
     assert result["category_match"] == True  # noqa: E712
     assert result["title_score"] == 1
@@ -75,13 +74,16 @@ def test_type_query_mismatch():
     assert type_reward(purchased, type_goal())["query_match"] == False  # noqa: E712
 
 
-@pytest.mark.parametrize("category, expected", [
-    ("b › c › a", True),   # out of order
-    ("d › e › f", False),  # non-matching
-    ("a › d › b", True),   # partially matching
-    ("a › a › b", True),   # duplicate category
-    ("a › a › d", False),  # duplicate, only one distinct in common
-])
+@pytest.mark.parametrize(
+    "category, expected",
+    [
+        ("b › c › a", True),  # out of order
+        ("d › e › f", False),  # non-matching
+        ("a › d › b", True),  # partially matching
+        ("a › a › b", True),  # duplicate category
+        ("a › a › d", False),  # duplicate, only one distinct in common
+    ],
+)
 def test_type_category_match(category, expected):
     purchased = {**type_goal(), "query": "Query 2", "product_category": category}
     assert type_reward(purchased, type_goal())["category_match"] == expected
@@ -94,14 +96,17 @@ def title_case(goal_name, purchased_name):
     return type_reward(purchased, goal)
 
 
-@pytest.mark.parametrize("goal_name, purchased_name, upstream_score", [
-    # Upstream: isclose(title_score, 0.333, abs_tol=1e-2); spaCy 3.8 gives 0.4 (4/10).
-    pytest.param(MENS_DON, PEAK, 0.333, id="similar-names"),
-    # Upstream: isclose(title_score, 0.3, abs_tol=1e-2); spaCy 3.8 gives 0.3125 (5/16).
-    pytest.param(SAIREED_LONG, BRST, 0.3, id="slightly-similar-long"),
-    # Upstream: isclose(title_score, 0.15, abs_tol=1e-2); spaCy 3.8 gives 0.1667 (2/12).
-    pytest.param(SAIREED_SHORT, BRST, 0.15, id="slightly-similar-short"),
-])
+@pytest.mark.parametrize(
+    "goal_name, purchased_name, upstream_score",
+    [
+        # Upstream: isclose(title_score, 0.333, abs_tol=1e-2); spaCy 3.8 gives 0.4 (4/10).
+        pytest.param(MENS_DON, PEAK, 0.333, id="similar-names"),
+        # Upstream: isclose(title_score, 0.3, abs_tol=1e-2); spaCy 3.8 gives 0.3125 (5/16).
+        pytest.param(SAIREED_LONG, BRST, 0.3, id="slightly-similar-long"),
+        # Upstream: isclose(title_score, 0.15, abs_tol=1e-2); spaCy 3.8 gives 0.1667 (2/12).
+        pytest.param(SAIREED_SHORT, BRST, 0.15, id="slightly-similar-short"),
+    ],
+)
 def test_type_title_score_tagger_drift(goal_name, purchased_name, upstream_score):
     # Tagger-version drift (spaCy 3.3 -> 3.8 en_core_web_sm): same r_type band, close score.
     result = title_case(goal_name, purchased_name)
@@ -127,10 +132,14 @@ def test_attribute_exact_match():
 
 
 def test_attribute_partial_match():
-    purchased = {"Attributes": ["essential oil", "natural ingredients"],
-                 "Title": "", "BulletPoints": [], "Description": ""}
+    purchased = {
+        "Attributes": ["essential oil", "natural ingredients"],
+        "Title": "",
+        "BulletPoints": [],
+        "Description": "",
+    }
     r_attr, num_attr_matches = attribute_reward(purchased, GOAL_ATTRS)
-    assert r_attr == 2. / 3.
+    assert r_attr == 2.0 / 3.0
     assert num_attr_matches == 2
 
 
@@ -142,7 +151,7 @@ def test_attribute_found_in_product_text():
         "Description": "Best shampoo on the market, made with natural ingredients",
     }
     r_attr, num_attr_matches = attribute_reward(purchased, GOAL_ATTRS)
-    assert r_attr == 2. / 3.
+    assert r_attr == 2.0 / 3.0
     assert num_attr_matches == 2
 
 
@@ -160,14 +169,17 @@ def test_attribute_no_match():
 
 # ------------------------------------------------------------- test_get_option_reward
 
-@pytest.mark.parametrize("purchased, goal, expected_matches, expected_r", [
-    pytest.param(["pack of 12", "grey", "XL"], ["grey", "XL", "pack of 12"], 3, 1, id="exact"),
-    pytest.param(["pack of 12", "blue", "XL"], ["grey", "XL", "pack of 12"], 2, 2. / 3., id="partial"),
-    pytest.param(["pack of 12", "powder snow", "XL"], ["cool powder snow", "XL", "pack of 12"], 3, 1,
-                 id="fuzzy"),
-    pytest.param(["goal 1", "goal 2"], [], 0, None, id="empty-goal"),
-    pytest.param([], ["goal 1", "goal 2"], 0, 0, id="empty-purchased"),
-])
+
+@pytest.mark.parametrize(
+    "purchased, goal, expected_matches, expected_r",
+    [
+        pytest.param(["pack of 12", "grey", "XL"], ["grey", "XL", "pack of 12"], 3, 1, id="exact"),
+        pytest.param(["pack of 12", "blue", "XL"], ["grey", "XL", "pack of 12"], 2, 2.0 / 3.0, id="partial"),
+        pytest.param(["pack of 12", "powder snow", "XL"], ["cool powder snow", "XL", "pack of 12"], 3, 1, id="fuzzy"),
+        pytest.param(["goal 1", "goal 2"], [], 0, None, id="empty-goal"),
+        pytest.param([], ["goal 1", "goal 2"], 0, 0, id="empty-purchased"),
+    ],
+)
 def test_option_reward_upstream(purchased, goal, expected_matches, expected_r):
     r_option, matches = option_reward(purchased, goal)
     assert matches == expected_matches
@@ -175,6 +187,7 @@ def test_option_reward_upstream(purchased, goal, expected_matches, expected_r):
 
 
 # -------------------------------------------------------------------- test_get_reward
+
 
 def reward_goal():
     return {
@@ -203,7 +216,8 @@ def reward_purchased():
 def attrs_in_text_only(purchased):
     """Upstream's second step: attributes only in text, BulletPoints a plain string."""
     purchased.update(
-        Attributes=[], Title="",
+        Attributes=[],
+        Title="",
         BulletPoints="This shampoo has essential oils and smells like lemons",
         Description="Best shampoo on the market, made with natural ingredients",
     )
@@ -220,7 +234,7 @@ def test_reward_attribute_variation():
     # "essential oils" is not found there: 1 attr + 2 options + price out of 6.
     purchased = attrs_in_text_only(reward_purchased())
     reward = total_reward(purchased, reward_goal(), 35, purchased["goal_options"])
-    assert isclose(reward, 2. / 3., abs_tol=1e-2)
+    assert isclose(reward, 2.0 / 3.0, abs_tol=1e-2)
 
 
 def test_reward_option_variation():
@@ -242,6 +256,7 @@ def test_reward_type_variation():
 
 
 # ------------------------------------------------------------------------ serl's own
+
 
 def test_normalize_color():
     assert normalize_color("jet black") == "black"
@@ -285,8 +300,7 @@ def test_total_reward_uses_pair_semantics_for_dict_goal():
 
 
 def test_bullet_points_string_is_joined_by_characters():
-    product = {"Attributes": [], "Title": "", "Description": "",
-               "BulletPoints": "made with tea tree"}
+    product = {"Attributes": [], "Title": "", "Description": "", "BulletPoints": "made with tea tree"}
     assert attribute_reward(product, {"attributes": ["tea tree"]}) == (0.0, 0)
     product["BulletPoints"] = ["made with tea tree"]
     assert attribute_reward(product, {"attributes": ["tea tree"]}) == (1.0, 1)
@@ -304,8 +318,13 @@ def test_title_score_counts_duplicate_goal_nouns(monkeypatch):
 
 def test_r_type_thresholds(monkeypatch):
     goal_nouns = tuple(f"n{i}" for i in range(20))
-    names = {"goal": goal_nouns, "one": goal_nouns[:1], "two": goal_nouns[:2],
-             "five": goal_nouns[:5], "zero": ("other",)}
+    names = {
+        "goal": goal_nouns,
+        "one": goal_nouns[:1],
+        "two": goal_nouns[:2],
+        "five": goal_nouns[:5],
+        "zero": ("other",),
+    }
     monkeypatch.setattr(reward_mod, "title_nouns", names.__getitem__)
     goal = {"query": "q", "product_category": "a › b", "name": "goal"}
 
@@ -341,10 +360,16 @@ def test_verbose_info():
     assert reward == total_reward(purchased, goal, 50, purchased["goal_options"])
     assert reward == pytest.approx(3 / 7)  # 1 attr + 2 options, over budget
     assert info == {
-        "r_type": 1.0, "r_att": pytest.approx(1 / 3), "w_att": pytest.approx(3 / 7),
-        "query_match": True, "category_match": True, "title_score": 1.0,
-        "r_option": pytest.approx(2 / 3), "w_option": pytest.approx(3 / 7),
-        "r_price": False, "w_price": pytest.approx(1 / 7),
+        "r_type": 1.0,
+        "r_att": pytest.approx(1 / 3),
+        "w_att": pytest.approx(3 / 7),
+        "query_match": True,
+        "category_match": True,
+        "title_score": 1.0,
+        "r_option": pytest.approx(2 / 3),
+        "w_option": pytest.approx(3 / 7),
+        "r_price": False,
+        "w_price": pytest.approx(1 / 7),
     }
 
 

@@ -116,8 +116,9 @@ def start(game_file: str | Path, *, facts: bool = False, plan: bool = False):
 
     install_translation_cache()
     install_parse_cache()
-    infos = textworld.EnvInfos(won=True, admissible_commands=True, facts=facts, policy_commands=plan,
-                               extras=["gamefile"])
+    infos = textworld.EnvInfos(
+        won=True, admissible_commands=True, facts=facts, policy_commands=plan, extras=["gamefile"]
+    )
     # fresh wrapper instances per environment: a shared instance would share one game
     return textworld.start(str(game_file), request_infos=infos, wrappers=[AlfredDemangler(), AlfredInfos])
 
@@ -134,4 +135,3 @@ def replay(game_file: str | Path, plan: list[str]) -> bool:
         return bool(state["won"])
     finally:
         del env
-

@@ -71,8 +71,10 @@ class AlfWorldWorld:
         require_engine()
         self.root = data_root(self.config.data_dir)
         if not (self.root / GAMES_DIR).is_dir():
-            raise EnvError(f"no ALFWorld data at {self.root}: the games must be in {self.root}/{GAMES_DIR}/"
-                           f"<split>/ (SERL_DATA_DIR/alfworld or ALFWORLD_DATA); {DOWNLOAD_HINT}")
+            raise EnvError(
+                f"no ALFWorld data at {self.root}: the games must be in {self.root}/{GAMES_DIR}/"
+                f"<split>/ (SERL_DATA_DIR/alfworld or ALFWORLD_DATA); {DOWNLOAD_HINT}"
+            )
         self.plans = load_plans(default_plan_files(self.root, self.config.plans))
         self._checked_plans: dict[str, list[str] | None] = {}
         self._idle: list[tuple[str, object]] = []  # (game file, loaded engine), oldest first
@@ -118,7 +120,7 @@ class AlfWorldWorld:
                 picked.append(i)
         return picked
 
-    def new_episode(self, split: str = "valid_unseen", max_turns: int | None = None) -> "AlfWorldEpisode":
+    def new_episode(self, split: str = "valid_unseen", max_turns: int | None = None) -> AlfWorldEpisode:
         check_split(split)
         return AlfWorldEpisode(self, split, max_turns or self.config.max_turns)
 
@@ -156,14 +158,19 @@ class _Now:
     won: bool
 
     @classmethod
-    def of(cls, state) -> "_Now":
+    def of(cls, state) -> _Now:
         props = list(state["facts"])
-        return cls(state["feedback"], fb.positive_facts(props), props, list(state["admissible_commands"]),
-                   bool(state["won"]))
+        return cls(
+            state["feedback"], fb.positive_facts(props), props, list(state["admissible_commands"]), bool(state["won"])
+        )
 
     def as_state(self) -> dict:
-        return {"feedback": self.observation, "facts": self.propositions,
-                "admissible_commands": self.admissible, "won": self.won}
+        return {
+            "feedback": self.observation,
+            "facts": self.propositions,
+            "admissible_commands": self.admissible,
+            "won": self.won,
+        }
 
 
 class AlfWorldEpisode:
@@ -241,8 +248,13 @@ class AlfWorldEpisode:
         return self._handcoded_next
 
     def _result(self, reward: float, feedback: Feedback, info: dict) -> Step:
-        info = {"turn": self.turns, "won": self.now.won, "task_type": self.task_type,
-                "on_plan": self.plan_pos is not None, **info}
+        info = {
+            "turn": self.turns,
+            "won": self.now.won,
+            "task_type": self.task_type,
+            "on_plan": self.plan_pos is not None,
+            **info,
+        }
         return Step(
             observation=self.now.observation,
             reward=float(reward),

@@ -57,8 +57,11 @@ class HandCodedReference:
         self.turn += 1
         if not self.alive or state["won"]:
             return None
-        view = {"feedback": state["feedback"], "facts": state["facts"],
-                "admissible_commands": [to_212(c) for c in state["admissible_commands"]]}
+        view = {
+            "feedback": state["feedback"],
+            "facts": state["facts"],
+            "admissible_commands": [to_212(c) for c in state["admissible_commands"]],
+        }
         saved = random.getstate()
         random.seed(self.seed * 100_003 + self.turn)
         try:

@@ -36,8 +36,10 @@ COMMANDS = {  # verb -> the command's pattern (ALFWorld 2.1.1 templates, alfred.
     "look": re.compile(r"look"),
     "inventory": re.compile(r"inventory"),
 }
-COMMAND_HELP = ("go to X, take X from Y, put X in/on Y, open X, close X, toggle X, heat X with Y, "
-                "cool X with Y, clean X with Y, slice X with Y, use X, examine X, look, inventory")
+COMMAND_HELP = (
+    "go to X, take X from Y, put X in/on Y, open X, close X, toggle X, heat X with Y, "
+    "cool X with Y, clean X with Y, slice X with Y, use X, examine X, look, inventory"
+)
 STATE_WORDS = {"ishot": "hot", "iscool": "cool", "isclean": "clean", "istoggled": "switched on", "issliced": "sliced"}
 START = "the middle of the room"  # where the agent starts: a location no receptacle is at
 

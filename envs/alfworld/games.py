@@ -16,7 +16,7 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from envs.base import EnvError
@@ -32,8 +32,9 @@ TASK_TYPES = {  # ALFWorld's six task types and the short names eval tables use
     "pick_cool_then_place_in_recep": "cool",
     "pick_two_obj_and_place": "pick two",
 }
-DOWNLOAD_HINT = ("upstream's `alfworld-download` fetches it (pip install 'serl[alfworld]'; "
-                 "ALFWORLD_DATA=DIR alfworld-download)")
+DOWNLOAD_HINT = (
+    "upstream's `alfworld-download` fetches it (pip install 'serl[alfworld]'; ALFWORLD_DATA=DIR alfworld-download)"
+)
 
 
 @dataclass(frozen=True)
@@ -54,23 +55,29 @@ def data_root(data_dir: str | None = None) -> Path:
     alfworld sets ``ALFWORLD_DATA`` to its own cache folder, so it comes second)."""
     if data_dir:
         return Path(data_dir)
-    candidates = [Path(os.environ[v]) / sub for v, sub in (("SERL_DATA_DIR", "alfworld"), ("ALFWORLD_DATA", ""))
-                  if os.environ.get(v)]
+    candidates = [
+        Path(os.environ[v]) / sub
+        for v, sub in (("SERL_DATA_DIR", "alfworld"), ("ALFWORLD_DATA", ""))
+        if os.environ.get(v)
+    ]
     for path in candidates:
         if (path / GAMES_DIR).is_dir():
             return path
     if candidates:
         return candidates[0]
-    raise EnvError(f"no ALFWorld data: set SERL_DATA_DIR (games in $SERL_DATA_DIR/alfworld/{GAMES_DIR}/) "
-                   f"or ALFWORLD_DATA; {DOWNLOAD_HINT}")
+    raise EnvError(
+        f"no ALFWorld data: set SERL_DATA_DIR (games in $SERL_DATA_DIR/alfworld/{GAMES_DIR}/) "
+        f"or ALFWORLD_DATA; {DOWNLOAD_HINT}"
+    )
 
 
 def require_engine() -> None:
     """One line naming the extra when the engine is not installed."""
     missing = [m for m in ("alfworld", "textworld", "fast_downward") if importlib.util.find_spec(m) is None]
     if missing:
-        raise EnvError(f"the ALFWorld environment needs the {', '.join(missing)} package(s): "
-                       "pip install 'serl[alfworld]'")
+        raise EnvError(
+            f"the ALFWorld environment needs the {', '.join(missing)} package(s): pip install 'serl[alfworld]'"
+        )
 
 
 def check_split(split: str) -> str:
@@ -91,12 +98,14 @@ def is_playable(folder: Path) -> bool:
         return bool(json.load(f).get("solvable", False))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _scan(root: str, split: str) -> tuple[Game, ...]:
     base = Path(root) / GAMES_DIR / split
     if not base.is_dir():
-        raise EnvError(f"no ALFWorld games for split {split!r}: {base} does not exist; the data must be at "
-                       f"{Path(root)}/{GAMES_DIR}/<split>/; {DOWNLOAD_HINT}")
+        raise EnvError(
+            f"no ALFWorld games for split {split!r}: {base} does not exist; the data must be at "
+            f"{Path(root)}/{GAMES_DIR}/<split>/; {DOWNLOAD_HINT}"
+        )
     games = []
     for game_file in sorted(base.glob(f"*/*/{GAME_FILE}"), key=lambda p: p.as_posix()):  # by string, as games.tsv
         if not is_playable(game_file.parent):

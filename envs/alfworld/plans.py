@@ -23,10 +23,10 @@ import json
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Callable, Iterable
 
 from envs.alfworld.games import Game, file_sha256
 
@@ -80,6 +80,7 @@ def plan_for(game: Game, plans: dict[str, dict], sha256: Callable[[Path], str] =
 
 # -- computing plans (serl data prepare) ---------------------------------------------------
 
+
 def compute_plan(game_file: str) -> dict:
     """Run the planner from the game's start and check the plan by replay (child process)."""
     from envs.alfworld import engine
@@ -104,7 +105,6 @@ def _child(game_file: str, conn) -> None:
         conn.close()
 
 
-
 @dataclass
 class PrepareResult:
     planned: int = 0  # new plans written
@@ -112,8 +112,16 @@ class PrepareResult:
     skipped: int = 0  # already had a plan, or failed before at a timeout at least as long
 
 
-def prepare_plans(games: list[Game], out: Path, *, known: dict[str, dict], append: Callable[[Path, dict], None],
-                  workers: int = 1, timeout_s: float = 600.0, on_result: Callable[[Game, dict], None] | None = None) -> PrepareResult:
+def prepare_plans(
+    games: list[Game],
+    out: Path,
+    *,
+    known: dict[str, dict],
+    append: Callable[[Path, dict], None],
+    workers: int = 1,
+    timeout_s: float = 600.0,
+    on_result: Callable[[Game, dict], None] | None = None,
+) -> PrepareResult:
     """Plan every game that has no plan yet, ``workers`` games at a time, each in its own
     process killed after ``timeout_s``; each result is appended to ``out`` as it arrives
     (``append``: serl passes its atomic JSONL append), so an interrupted run resumes

@@ -132,9 +132,18 @@ class SokobanWorld:
         deadlock. And each move alone, a bare reply: one token each, so that no update can split a
         move in two (a tokenizer that writes "right" as "r" + "ight" lets RL teach "r" + "down")."""
         cells = [(r, c) for r in range(self.config.size) for c in range(self.config.size)]
-        return [*DIRECTIONS, *BLOCKED.values(), NEW_ROOM, NO_CHANGE, ON_GOAL, OFF_GOAL, SOLVED, UNSOLVABLE,
-                *(f"{verb} {d}" for verb in ("player moved", "pushed a box") for d in DIRECTIONS),
-                *(t.format(row=r, col=c) for t in (CORNER, DEAD_WALL) for r, c in cells)]
+        return [
+            *DIRECTIONS,
+            *BLOCKED.values(),
+            NEW_ROOM,
+            NO_CHANGE,
+            ON_GOAL,
+            OFF_GOAL,
+            SOLVED,
+            UNSOLVABLE,
+            *(f"{verb} {d}" for verb in ("player moved", "pushed a box") for d in DIRECTIONS),
+            *(t.format(row=r, col=c) for t in (CORNER, DEAD_WALL) for r, c in cells),
+        ]
 
     def new_episode(self, split: str = "test", max_turns: int | None = None) -> SokobanEpisode:
         self._split(split)  # validate the split name early
@@ -160,8 +169,10 @@ class SokobanWorld:
             level = Solver(room)
             if (level.distance(level.start) or 0) >= cfg.min_solution:
                 return level
-        raise EnvError(f"no Sokoban room with a solution of {cfg.min_solution}+ moves in {MAX_ATTEMPTS} attempts "
-                       f"(seed {seed}, size {cfg.size}, {cfg.boxes} boxes): lower min_solution or raise gen_steps")
+        raise EnvError(
+            f"no Sokoban room with a solution of {cfg.min_solution}+ moves in {MAX_ATTEMPTS} attempts "
+            f"(seed {seed}, size {cfg.size}, {cfg.boxes} boxes): lower min_solution or raise gen_steps"
+        )
 
 
 class SokobanEpisode:
@@ -197,7 +208,9 @@ class SokobanEpisode:
         truncated = not won and self.turns >= self.max_turns
         self.done = won or truncated
         invalid = feedback.error is not None and deadlock is None
-        return self._result(1.0 if won else 0.0, feedback, {"truncated": truncated, "invalid": invalid, "deadlock": deadlock})
+        return self._result(
+            1.0 if won else 0.0, feedback, {"truncated": truncated, "invalid": invalid, "deadlock": deadlock}
+        )
 
     def admissible_actions(self) -> list[str]:
         return [] if self.done else list(DIRECTIONS)
@@ -220,8 +233,11 @@ class SokobanEpisode:
         """
         if self.done or not self.solvable:
             return []
-        return [a for a in DIRECTIONS
-                if self.level.distance(move(self.room, *self.state, self.room.steps[a])[1:]) is not None]
+        return [
+            a
+            for a in DIRECTIONS
+            if self.level.distance(move(self.room, *self.state, self.room.steps[a])[1:]) is not None
+        ]
 
     @property
     def room(self) -> Room:
@@ -269,7 +285,13 @@ class SokobanEpisode:
     def _result(self, reward: float, feedback: Feedback, info: dict) -> Step:
         obs = self.room.render(*self.state)
         won = self.state[1] == self.room.goals
-        info = {"turn": self.turns, "won": won, "solvable": self.solvable,
-                "boxes_on_goals": len(self.state[1] & self.room.goals), **info}
-        return Step(obs, reward, self.done, feedback, self.admissible_actions(), state_key(obs),
-                    self.expert_action(), info)
+        info = {
+            "turn": self.turns,
+            "won": won,
+            "solvable": self.solvable,
+            "boxes_on_goals": len(self.state[1] & self.room.goals),
+            **info,
+        }
+        return Step(
+            obs, reward, self.done, feedback, self.admissible_actions(), state_key(obs), self.expert_action(), info
+        )

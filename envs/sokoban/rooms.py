@@ -66,8 +66,9 @@ class Room:
 
     @cached_property
     def _background(self) -> tuple[str, ...]:
-        return tuple(WALL if c in self.walls else GOAL if c in self.goals else FLOOR
-                     for c in range(self.width * self.height))
+        return tuple(
+            WALL if c in self.walls else GOAL if c in self.goals else FLOOR for c in range(self.width * self.height)
+        )
 
     def render(self, player: int, boxes: frozenset[int]) -> str:
         """The grid one row per line, cells separated by spaces (one token each for a BPE tokenizer)."""
@@ -76,7 +77,7 @@ class Room:
             cells[b] = BOX_ON_GOAL if b in self.goals else BOX
         cells[player] = PLAYER_ON_GOAL if player in self.goals else PLAYER
         w = self.width
-        return "\n".join(" ".join(cells[i:i + w]) for i in range(0, len(cells), w))
+        return "\n".join(" ".join(cells[i : i + w]) for i in range(0, len(cells), w))
 
     def __str__(self) -> str:
         return self.render(self.player, self.boxes)
@@ -100,8 +101,14 @@ def parse_room(text: str) -> Room:
         return frozenset(i for i, s in enumerate(cells) if s in symbols)
 
     players = where(PLAYER, PLAYER_ON_GOAL)
-    room = Room(width, height, walls=where(WALL), goals=where(GOAL, BOX_ON_GOAL, PLAYER_ON_GOAL),
-                boxes=where(BOX, BOX_ON_GOAL), player=min(players, default=-1))
+    room = Room(
+        width,
+        height,
+        walls=where(WALL),
+        goals=where(GOAL, BOX_ON_GOAL, PLAYER_ON_GOAL),
+        boxes=where(BOX, BOX_ON_GOAL),
+        player=min(players, default=-1),
+    )
     if len(players) != 1 or not room.boxes or len(room.boxes) != len(room.goals):
         raise ValueError("a room needs one player, at least one box, and as many goals as boxes")
     return room
@@ -132,7 +139,8 @@ def move(room: Room, player: int, boxes: frozenset[int], step: int) -> tuple[str
 
 # -- generation -----------------------------------------------------------------------------
 def generate_room(rng: random.Random, size: int, num_boxes: int, gen_steps: int) -> Room | None:
-    """One attempt at a ``size`` x ``size`` room carved by ``gen_steps`` walker steps; None when it gave nothing usable."""
+    """One attempt at a ``size`` x ``size`` room carved by ``gen_steps`` walker steps; None when
+    it gave nothing usable."""
     floor = _carve(rng, size, gen_steps)
     if len(floor) < num_boxes + 2:  # the boxes, the player, and room to move
         return None
@@ -171,7 +179,9 @@ def _between_walls(cell: int, walls: frozenset[int], width: int) -> bool:
     return (cell - width in walls and cell + width in walls) or (cell - 1 in walls and cell + 1 in walls)
 
 
-def _reverse_play(width: int, walls: frozenset[int], goals: list[int], player: int) -> tuple[int, frozenset[int]] | None:
+def _reverse_play(
+    width: int, walls: frozenset[int], goals: list[int], player: int
+) -> tuple[int, frozenset[int]] | None:
     """gym-sokoban's reverse play: a depth-first search of the player's walks and pulls from the solved room.
 
     Each position is scored once, on first visit, as pulls along the search path x the

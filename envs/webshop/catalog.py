@@ -50,12 +50,17 @@ def webshop_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
     if data_dir is None:
         root = os.environ.get(DATA_ENV_VAR)
         if not root:
-            raise EnvError(f"{DATA_ENV_VAR} is not set: point it at the folder holding webshop/{DOCUMENTS_FILE}, or use catalog=synthetic")
+            raise EnvError(
+                f"{DATA_ENV_VAR} is not set: point it at the folder holding webshop/{DOCUMENTS_FILE}, "
+                "or use catalog=synthetic"
+            )
         data_dir = Path(root) / "webshop"
     path = Path(data_dir)
     for name in (DOCUMENTS_FILE, INSTRUCTIONS_FILE):
         if not (path / name).is_file():
-            raise EnvError(f"WebShop data not found: {path / name} is missing (set {DATA_ENV_VAR} to the folder holding webshop/)")
+            raise EnvError(
+                f"WebShop data not found: {path / name} is missing (set {DATA_ENV_VAR} to the folder holding webshop/)"
+            )
     return path
 
 
@@ -69,7 +74,9 @@ def load_real_catalog(data_dir: str | os.PathLike | None = None) -> Catalog:
                 products.append(doc["product"])
                 texts.append(doc["contents"])
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise EnvError(f"{path / DOCUMENTS_FILE}:{lineno}: not a WebShop document record ({e.__class__.__name__})") from None
+                raise EnvError(
+                    f"{path / DOCUMENTS_FILE}:{lineno}: not a WebShop document record ({e.__class__.__name__})"
+                ) from None
     try:
         with open(path / INSTRUCTIONS_FILE, encoding="utf-8") as f:
             instructions = json.load(f)

@@ -37,8 +37,9 @@ The episode ends when you click[buy now]; your score is how well the product you
 its options and its price match the instruction."""
 
 
-
-def load_catalog(kind: str = "auto", *, data_dir: str | None = None, synthetic_size: int = 200, synthetic_seed: int = 0) -> Catalog:
+def load_catalog(
+    kind: str = "auto", *, data_dir: str | None = None, synthetic_size: int = 200, synthetic_seed: int = 0
+) -> Catalog:
     """``real`` (the 1k catalog), ``synthetic``, or ``auto``.
 
     ``auto`` takes the real catalog whenever a data folder is named (the argument or
@@ -120,7 +121,7 @@ class WebShopWorld:
         """The catalog's own text, for training a tokenizer that reads these pages well."""
         return list(self.catalog.texts)
 
-    def new_episode(self, split: str = "test", max_turns: int | None = None) -> "WebShopEpisode":
+    def new_episode(self, split: str = "test", max_turns: int | None = None) -> WebShopEpisode:
         split_indices(len(self.goals), split)  # validate the split name early
         return WebShopEpisode(self, split, max_turns or self.config.max_turns)
 
@@ -153,7 +154,9 @@ class WebShopEpisode:
             self.done = True
         diff = "no change" if error else pages.describe_change(before, self.state, self.world.catalog.products)
         reward = self.state.reward if self.state.page == "done" else 0.0
-        return self._step_result(reward, Feedback(error=error, diff=diff), {"truncated": truncated, "invalid": error is not None})
+        return self._step_result(
+            reward, Feedback(error=error, diff=diff), {"truncated": truncated, "invalid": error is not None}
+        )
 
     # -- mechanics ------------------------------------------------------------------------
     def clickables(self) -> dict[str, tuple[str, str | None]]:

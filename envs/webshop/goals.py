@@ -72,7 +72,9 @@ def build_goals(catalog: Catalog) -> tuple[list[dict], dict[str, float]]:
                     # upstream overwrites the goal's name with the product Title
                     "name": product["Title"],
                     "product_category": product["product_category"],
-                    "instruction_text": ins["instruction"] + (f" with {option_text}" if option_text else "") + price_text,
+                    "instruction_text": ins["instruction"]
+                    + (f" with {option_text}" if option_text else "")
+                    + price_text,
                     "attributes": ins["instruction_attributes"],
                     "price_upper": upper,
                     "goal_options": goal_options,

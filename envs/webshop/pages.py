@@ -48,8 +48,10 @@ class PageState:
         start = (self.results_page - 1) * PRODUCTS_PER_PAGE
         return self.hits[start : start + PRODUCTS_PER_PAGE]
 
-    def copy(self) -> "PageState":
-        return PageState(self.page, self.query, self.hits, self.results_page, self.asin, dict(self.options), self.reward)
+    def copy(self) -> PageState:
+        return PageState(
+            self.page, self.query, self.hits, self.results_page, self.asin, dict(self.options), self.reward
+        )
 
 
 def render(state: PageState, instruction: str, products: list[dict], by_asin: dict[str, dict]) -> str:
@@ -68,7 +70,15 @@ def render(state: PageState, instruction: str, products: list[dict], by_asin: di
         parts = header + ["< Prev"]
         for name, values in p["options"].items():
             parts += [name, *values]
-        parts += [p["Title"], f"Price: {p['Price']}", f"Rating: {p['Rating']}", "Description", "Features", "Reviews", "Buy Now"]
+        parts += [
+            p["Title"],
+            f"Price: {p['Price']}",
+            f"Rating: {p['Rating']}",
+            "Description",
+            "Features",
+            "Reviews",
+            "Buy Now",
+        ]
     elif state.page == "description":
         parts = header + ["< Prev", by_asin[state.asin]["Description"]]
     elif state.page == "features":

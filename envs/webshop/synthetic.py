@@ -43,64 +43,192 @@ STYLES = ["classic", "modern", "industrial", "minimalist", "vintage"]
 # category -> (category path root, price band, brands, materials, product types).
 # A type is (noun in titles, scrape query, path below the root, attribute pool, option kinds).
 CATALOG = {
-    "beauty": ("Beauty & Personal Care", (5.0, 60.0), ["Lumora", "Verdana", "Puressa", "Oakleaf"],
-               ["argan oil", "aloe vera", "shea butter", "tea tree oil"], [
-        ("shampoo", "shampoo", "Hair Care › Shampoo & Conditioner › Shampoos",
-         ["sulfate free", "paraben free", "long lasting", "dry hair", "natural ingredients", "color safe"], {"size": VOLUME, "scent": SCENTS}),
-        ("face moisturizer", "face moisturizers", "Skin Care › Face › Moisturizers",
-         ["fragrance free", "sensitive skin", "cruelty free", "non greasy", "anti aging"], {"size": VOLUME}),
-        ("lipstick", "lipstick", "Makeup › Lips › Lipstick",
-         ["long lasting", "cruelty free", "matte finish", "highly pigmented", "easy carry"], {"color": COLORS}),
-        ("hair dryer", "hair dryers", "Hair Care › Styling Tools & Appliances › Hair Dryers",
-         ["fast drying", "low noise", "lightweight", "easy carry", "high quality"], {"color": COLORS}),
-    ]),
-    "electronics": ("Electronics", (15.0, 200.0), ["Voltrix", "Sonique", "Kestrel", "Novatek"],
-                    ["aluminum", "abs plastic", "braided nylon", "tempered glass"], [
-        ("wireless earbuds", "wireless earbuds", "Headphones, Earbuds & Accessories › Earbud Headphones",
-         ["noise cancelling", "water resistant", "fast charging", "long battery life", "hands free"], {"color": COLORS}),
-        ("hdmi cable", "hdmi cables", "Accessories & Supplies › Audio & Video Accessories › Cables › HDMI Cables",
-         ["high speed", "gold plated", "ultra hd", "heavy duty"], {"size": LENGTH}),
-        ("portable charger", "portable chargers", "Cell Phones & Accessories › Chargers & Power Adapters › Portable Power Banks",
-         ["fast charging", "usb c", "lightweight", "high capacity", "easy carry"], {"color": COLORS}),
-        ("bluetooth speaker", "bluetooth speakers", "Portable Audio & Video › Portable Speakers",
-         ["water resistant", "long battery life", "stereo sound", "hands free", "easy carry"], {"color": COLORS, "style": STYLES}),
-    ]),
-    "garden": ("Home & Kitchen", (10.0, 200.0), ["Hearthwood", "Greenfield", "Maplecrest", "Terrano"],
-               ["acacia wood", "stainless steel", "ceramic", "cotton canvas"], [
-        ("throw pillow cover", "decorative pillows", "Home Décor › Decorative Pillows, Inserts & Covers › Throw Pillow Covers",
-         ["machine washable", "super soft", "hidden zipper", "living room"], {"color": COLORS, "size": ["16 x 16 inch", "18 x 18 inch", "20 x 20 inch"]}),
-        ("garden hose", "garden hoses", "Patio, Lawn & Garden › Watering Equipment › Garden Hoses",
-         ["heavy duty", "lightweight", "kink free", "easy install"], {"size": LENGTH}),
-        ("storage shelf", "storage shelves", "Storage & Organization › Racks, Shelves & Drawers › Standing Shelf Units",
-         ["easy assemble", "heavy duty", "rust resistant", "space saving"], {"size": ["3 shelves", "4 shelves", "5 shelves"], "color": COLORS}),
-        ("coffee mug", "coffee mugs", "Kitchen & Dining › Dining & Entertaining › Cups, Mugs & Saucers › Mugs",
-         ["dishwasher safe", "microwave safe", "bpa free", "large capacity"], {"color": COLORS, "size": ["12 ounce", "16 ounce", "20 ounce"]}),
-    ]),
-    "fashion": ("Clothing, Shoes & Jewelry", (10.0, 120.0), ["Northway", "Velour & Vine", "Stride", "Cobalt Row"],
-                ["cotton", "polyester", "leather", "merino wool"], [
-        ("running shoes", "men's running shoes", "Men › Shoes › Athletic › Running",
-         ["non slip", "breathable", "lightweight", "rubber sole", "arch support"], {"size": SHOES, "color": COLORS}),
-        ("t-shirt", "women's t-shirts", "Women › Clothing › Tops, Tees & Blouses › T-Shirts",
-         ["machine wash", "short sleeve", "relaxed fit", "soft material"], {"size": WEAR, "color": COLORS}),
-        ("winter jacket", "men's jackets & coats", "Men › Clothing › Jackets & Coats",
-         ["water resistant", "warm lining", "zipper closure", "hooded"], {"size": WEAR, "color": COLORS}),
-        ("crossbody bag", "women's handbags", "Women › Handbags & Wallets › Cross-Body Bags",
-         ["adjustable strap", "easy carry", "vegan leather", "multiple pockets"], {"color": COLORS}),
-    ]),
-    "grocery": ("Grocery & Gourmet Food", (5.0, 50.0), ["Harvest Lane", "Goldcrest", "Tidewell", "Sunmeadow"],
-                ["whole grain", "almond flour", "dark chocolate", "sea salt"], [
-        ("protein bar", "protein bars", "Snacks & Sweets › Snack Bars › Protein Bars",
-         ["gluten free", "low sugar", "high protein", "non gmo"], {"flavor": FLAVORS, "size": COUNT}),
-        ("green tea", "green tea", "Beverages › Coffee, Tea & Cocoa › Tea › Green",
-         ["caffeine free", "organic", "individually wrapped", "non gmo"], {"size": COUNT}),
-        ("potato chips", "potato chips", "Snacks & Sweets › Snack Foods › Chips & Crisps › Potato",
-         ["gluten free", "kettle cooked", "no artificial flavors", "vegan"], {"flavor": FLAVORS, "size": WEIGHT}),
-        ("peanut butter", "peanut butter", "Pantry Staples › Jams, Jellies & Sweet Spreads › Nut Butters › Peanut Butter",
-         ["sugar free", "non gmo", "high protein", "gluten free"], {"size": WEIGHT}),
-    ]),
+    "beauty": (
+        "Beauty & Personal Care",
+        (5.0, 60.0),
+        ["Lumora", "Verdana", "Puressa", "Oakleaf"],
+        ["argan oil", "aloe vera", "shea butter", "tea tree oil"],
+        [
+            (
+                "shampoo",
+                "shampoo",
+                "Hair Care › Shampoo & Conditioner › Shampoos",
+                ["sulfate free", "paraben free", "long lasting", "dry hair", "natural ingredients", "color safe"],
+                {"size": VOLUME, "scent": SCENTS},
+            ),
+            (
+                "face moisturizer",
+                "face moisturizers",
+                "Skin Care › Face › Moisturizers",
+                ["fragrance free", "sensitive skin", "cruelty free", "non greasy", "anti aging"],
+                {"size": VOLUME},
+            ),
+            (
+                "lipstick",
+                "lipstick",
+                "Makeup › Lips › Lipstick",
+                ["long lasting", "cruelty free", "matte finish", "highly pigmented", "easy carry"],
+                {"color": COLORS},
+            ),
+            (
+                "hair dryer",
+                "hair dryers",
+                "Hair Care › Styling Tools & Appliances › Hair Dryers",
+                ["fast drying", "low noise", "lightweight", "easy carry", "high quality"],
+                {"color": COLORS},
+            ),
+        ],
+    ),
+    "electronics": (
+        "Electronics",
+        (15.0, 200.0),
+        ["Voltrix", "Sonique", "Kestrel", "Novatek"],
+        ["aluminum", "abs plastic", "braided nylon", "tempered glass"],
+        [
+            (
+                "wireless earbuds",
+                "wireless earbuds",
+                "Headphones, Earbuds & Accessories › Earbud Headphones",
+                ["noise cancelling", "water resistant", "fast charging", "long battery life", "hands free"],
+                {"color": COLORS},
+            ),
+            (
+                "hdmi cable",
+                "hdmi cables",
+                "Accessories & Supplies › Audio & Video Accessories › Cables › HDMI Cables",
+                ["high speed", "gold plated", "ultra hd", "heavy duty"],
+                {"size": LENGTH},
+            ),
+            (
+                "portable charger",
+                "portable chargers",
+                "Cell Phones & Accessories › Chargers & Power Adapters › Portable Power Banks",
+                ["fast charging", "usb c", "lightweight", "high capacity", "easy carry"],
+                {"color": COLORS},
+            ),
+            (
+                "bluetooth speaker",
+                "bluetooth speakers",
+                "Portable Audio & Video › Portable Speakers",
+                ["water resistant", "long battery life", "stereo sound", "hands free", "easy carry"],
+                {"color": COLORS, "style": STYLES},
+            ),
+        ],
+    ),
+    "garden": (
+        "Home & Kitchen",
+        (10.0, 200.0),
+        ["Hearthwood", "Greenfield", "Maplecrest", "Terrano"],
+        ["acacia wood", "stainless steel", "ceramic", "cotton canvas"],
+        [
+            (
+                "throw pillow cover",
+                "decorative pillows",
+                "Home Décor › Decorative Pillows, Inserts & Covers › Throw Pillow Covers",
+                ["machine washable", "super soft", "hidden zipper", "living room"],
+                {"color": COLORS, "size": ["16 x 16 inch", "18 x 18 inch", "20 x 20 inch"]},
+            ),
+            (
+                "garden hose",
+                "garden hoses",
+                "Patio, Lawn & Garden › Watering Equipment › Garden Hoses",
+                ["heavy duty", "lightweight", "kink free", "easy install"],
+                {"size": LENGTH},
+            ),
+            (
+                "storage shelf",
+                "storage shelves",
+                "Storage & Organization › Racks, Shelves & Drawers › Standing Shelf Units",
+                ["easy assemble", "heavy duty", "rust resistant", "space saving"],
+                {"size": ["3 shelves", "4 shelves", "5 shelves"], "color": COLORS},
+            ),
+            (
+                "coffee mug",
+                "coffee mugs",
+                "Kitchen & Dining › Dining & Entertaining › Cups, Mugs & Saucers › Mugs",
+                ["dishwasher safe", "microwave safe", "bpa free", "large capacity"],
+                {"color": COLORS, "size": ["12 ounce", "16 ounce", "20 ounce"]},
+            ),
+        ],
+    ),
+    "fashion": (
+        "Clothing, Shoes & Jewelry",
+        (10.0, 120.0),
+        ["Northway", "Velour & Vine", "Stride", "Cobalt Row"],
+        ["cotton", "polyester", "leather", "merino wool"],
+        [
+            (
+                "running shoes",
+                "men's running shoes",
+                "Men › Shoes › Athletic › Running",
+                ["non slip", "breathable", "lightweight", "rubber sole", "arch support"],
+                {"size": SHOES, "color": COLORS},
+            ),
+            (
+                "t-shirt",
+                "women's t-shirts",
+                "Women › Clothing › Tops, Tees & Blouses › T-Shirts",
+                ["machine wash", "short sleeve", "relaxed fit", "soft material"],
+                {"size": WEAR, "color": COLORS},
+            ),
+            (
+                "winter jacket",
+                "men's jackets & coats",
+                "Men › Clothing › Jackets & Coats",
+                ["water resistant", "warm lining", "zipper closure", "hooded"],
+                {"size": WEAR, "color": COLORS},
+            ),
+            (
+                "crossbody bag",
+                "women's handbags",
+                "Women › Handbags & Wallets › Cross-Body Bags",
+                ["adjustable strap", "easy carry", "vegan leather", "multiple pockets"],
+                {"color": COLORS},
+            ),
+        ],
+    ),
+    "grocery": (
+        "Grocery & Gourmet Food",
+        (5.0, 50.0),
+        ["Harvest Lane", "Goldcrest", "Tidewell", "Sunmeadow"],
+        ["whole grain", "almond flour", "dark chocolate", "sea salt"],
+        [
+            (
+                "protein bar",
+                "protein bars",
+                "Snacks & Sweets › Snack Bars › Protein Bars",
+                ["gluten free", "low sugar", "high protein", "non gmo"],
+                {"flavor": FLAVORS, "size": COUNT},
+            ),
+            (
+                "green tea",
+                "green tea",
+                "Beverages › Coffee, Tea & Cocoa › Tea › Green",
+                ["caffeine free", "organic", "individually wrapped", "non gmo"],
+                {"size": COUNT},
+            ),
+            (
+                "potato chips",
+                "potato chips",
+                "Snacks & Sweets › Snack Foods › Chips & Crisps › Potato",
+                ["gluten free", "kettle cooked", "no artificial flavors", "vegan"],
+                {"flavor": FLAVORS, "size": WEIGHT},
+            ),
+            (
+                "peanut butter",
+                "peanut butter",
+                "Pantry Staples › Jams, Jellies & Sweet Spreads › Nut Butters › Peanut Butter",
+                ["sugar free", "non gmo", "high protein", "gluten free"],
+                {"size": WEIGHT},
+            ),
+        ],
+    ),
 }
-TYPES = [(cat, root, band, brands, materials, *kind)
-         for cat, (root, band, brands, materials, kinds) in CATALOG.items() for kind in kinds]
+TYPES = [
+    (cat, root, band, brands, materials, *kind)
+    for cat, (root, band, brands, materials, kinds) in CATALOG.items()
+    for kind in kinds
+]
 
 ADJECTIVES = ["Premium", "Classic", "Ultra", "Professional", "Deluxe", "Everyday", "Original", "Advanced"]
 DESCRIPTIONS = [
@@ -232,5 +360,9 @@ def make_synthetic_catalog(num_products: int = 200, seed: int = 0) -> Catalog:
         p["asin"]: _instruction(rng, p) if i in with_goal else {"attributes": list(p["Attributes"])}
         for i, p in enumerate(products)
     }
-    return Catalog(products=products, texts=[document_text(p) for p in products], instructions=instructions,
-                   source=f"synthetic:n={num_products},seed={seed}")
+    return Catalog(
+        products=products,
+        texts=[document_text(p) for p in products],
+        instructions=instructions,
+        source=f"synthetic:n={num_products},seed={seed}",
+    )

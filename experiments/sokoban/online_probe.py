@@ -50,25 +50,60 @@ def main() -> None:
     args = ap.parse_args()
     prompt = PromptConfig(history_turns=0, max_admissible=0, system=False, bare_replies=True)
     cfg = OnlineConfig(
-        env=EnvConfig(name="sokoban", split="train"), model=args.warm_start, iterations=args.iterations, seed=args.seed,
-        rollout=RolloutConfig(tasks=args.tasks, group_size=args.group_size, sampling=SamplingConfig(args.temperature, 1.0, 3),
-                              prompt=prompt),
-        train=TrainConfig(algo=args.algo, optim=OptimConfig(lr=args.lr), mini_batches=args.mini_batches,
-                          group_norm=args.group_norm, invalid_action_penalty=args.invalid_penalty),
-        annotate=AnnotateConfig(sources="error,diff", placement="feedback"), out=args.out)
+        env=EnvConfig(name="sokoban", split="train"),
+        model=args.warm_start,
+        iterations=args.iterations,
+        seed=args.seed,
+        rollout=RolloutConfig(
+            tasks=args.tasks,
+            group_size=args.group_size,
+            sampling=SamplingConfig(args.temperature, 1.0, 3),
+            prompt=prompt,
+        ),
+        train=TrainConfig(
+            algo=args.algo,
+            optim=OptimConfig(lr=args.lr),
+            mini_batches=args.mini_batches,
+            group_norm=args.group_norm,
+            invalid_action_penalty=args.invalid_penalty,
+        ),
+        annotate=AnnotateConfig(sources="error,diff", placement="feedback"),
+        out=args.out,
+    )
     if args.eval_every:
         cfg.eval = OnlineEvalConfig(episodes=args.episodes, every=args.eval_every, temperature=0.4)
     t0 = time.time()
-    run_online(cfg, overwrite=True, on_iteration=lambda h: print(json.dumps(
-        {k: round(v, 4) if isinstance(v, float) else v for k, v in h.items() if k in SHOWN}
-        | {"t": round(time.time() - t0, 1)}), flush=True))
+    run_online(
+        cfg,
+        overwrite=True,
+        on_iteration=lambda h: print(
+            json.dumps(
+                {k: round(v, 4) if isinstance(v, float) else v for k, v in h.items() if k in SHOWN}
+                | {"t": round(time.time() - t0, 1)}
+            ),
+            flush=True,
+        ),
+    )
     for temperature in (0.4, 0.0):
-        result = run_eval(EvalConfig(env=EnvConfig(name="sokoban", split=None), policy="model",
-                                     model=f"{args.out}/checkpoint", episodes=args.episodes, temperature=temperature,
-                                     max_new_tokens=3, history_turns=0, out=f"{args.out}/eval_T{temperature:g}"),
-                          overwrite=True)
-        print(json.dumps({"eval_temperature": temperature, "success": result["success_rate"],
-                          "ci95": result["success_ci95"]}), flush=True)
+        result = run_eval(
+            EvalConfig(
+                env=EnvConfig(name="sokoban", split=None),
+                policy="model",
+                model=f"{args.out}/checkpoint",
+                episodes=args.episodes,
+                temperature=temperature,
+                max_new_tokens=3,
+                history_turns=0,
+                out=f"{args.out}/eval_T{temperature:g}",
+            ),
+            overwrite=True,
+        )
+        print(
+            json.dumps(
+                {"eval_temperature": temperature, "success": result["success_rate"], "ci95": result["success_ci95"]}
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -40,16 +40,33 @@ def main() -> None:
 
     ts.teacher_signal = capture
     bare = bool(prompt.get("bare_replies"))
-    summary = ts.measure(read_annotations(args.run), read_rollouts(args.run), model, tokenizer, 1.0, 16384,
-                         prompt.get("chat_template_kwargs"), bare, action_format(rollout["env"]) if bare else None)
+    summary = ts.measure(
+        read_annotations(args.run),
+        read_rollouts(args.run),
+        model,
+        tokenizer,
+        1.0,
+        16384,
+        prompt.get("chat_template_kwargs"),
+        bare,
+        action_format(rollout["env"]) if bare else None,
+    )
     gains = [math.exp(sum(w)) - math.exp(sum(wo)) for w, wo in per_turn.values()]
     n = len(gains)
     right = round(summary["right_direction"] * summary["turns"])
-    print(json.dumps({"turns": n, "expert_prob_gain": sum(gains) / n, "gain_ci95": t_interval(gains),
-                      "right_direction": summary["right_direction"],
-                      "right_direction_ci95": list(wilson_interval(right, summary["turns"])),
-                      "expert_prob_with_block": summary["expert_prob_with_block"],
-                      "expert_prob_without_block": summary["expert_prob_without_block"]}))
+    print(
+        json.dumps(
+            {
+                "turns": n,
+                "expert_prob_gain": sum(gains) / n,
+                "gain_ci95": t_interval(gains),
+                "right_direction": summary["right_direction"],
+                "right_direction_ci95": list(wilson_interval(right, summary["turns"])),
+                "expert_prob_with_block": summary["expert_prob_with_block"],
+                "expert_prob_without_block": summary["expert_prob_without_block"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

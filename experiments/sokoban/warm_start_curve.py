@@ -51,8 +51,9 @@ def evaluate(learner: Learner, prompt: PromptConfig, env: EnvConfig, episodes: i
     row = {}
     for t in TEMPERATURES:
         policy = ModelPolicy(engine, SamplingConfig(t, 1.0, 3), prompt, seed=0)
-        ecfg = EvalConfig(env=env, policy="model", episodes=episodes, temperature=t, history_turns=prompt.history_turns,
-                          out=str(out))
+        ecfg = EvalConfig(
+            env=env, policy="model", episodes=episodes, temperature=t, history_turns=prompt.history_turns, out=str(out)
+        )
         row[f"success_T{t:g}"] = run_eval(ecfg, overwrite=True, policy=policy)["success_rate"]
     return row
 
@@ -73,27 +74,42 @@ def main() -> None:
     run = Path(args.run)
     manifest = io.load_manifest(run)["stages"]["rollout"]["config"]
     prompt, env = PromptConfig(**manifest["prompt"]), EnvConfig(name=manifest["env"]["name"], split=None)
-    cfg = TrainConfig(algo="sft", optim=OptimConfig(lr=args.lr), mini_batches=args.every, hindsight_sft=args.hindsight,
-                      seed=args.seed)
+    cfg = TrainConfig(
+        algo="sft", optim=OptimConfig(lr=args.lr), mini_batches=args.every, hindsight_sft=args.hindsight, seed=args.seed
+    )
     learner = Learner(manifest["model"], cfg)
     pool = examples(run, cfg, learner.tokenizer)
     rng, order, curve, train_s = random.Random(args.seed), [], [], 0.0
     for step in range(args.every, args.steps + 1, args.every):
         while len(order) < args.every * args.batch:  # a new seeded shuffle each pass over the examples
             order += rng.sample(range(len(pool)), len(pool))
-        chunk, order = order[:args.every * args.batch], order[args.every * args.batch:]
+        chunk, order = order[: args.every * args.batch], order[args.every * args.batch :]
         t0 = time.time()
         loss = learner.update([pool[i] for i in chunk], 1.0)["loss"]
         train_s += time.time() - t0
-        row = {"step": step, "loss": round(loss, 4), "train_s": round(train_s, 1),
-               **evaluate(learner, prompt, env, args.episodes, run / "curve_eval")}
+        row = {
+            "step": step,
+            "loss": round(loss, 4),
+            "train_s": round(train_s, 1),
+            **evaluate(learner, prompt, env, args.episodes, run / "curve_eval"),
+        }
         curve.append(row)
         if step in {int(s) for s in args.save.split(",") if s}:
             learner.save(run / f"warm_start_{step}", prompt)
         print(json.dumps(row), flush=True)
     out = Path(args.out) if args.out else run / "warm_start_curve.json"
-    io.write_json(out, {"run": str(run), "examples": len(pool), "batch": args.batch, "lr": args.lr,
-                        "hindsight_sft": args.hindsight, "episodes": args.episodes, "curve": curve})
+    io.write_json(
+        out,
+        {
+            "run": str(run),
+            "examples": len(pool),
+            "batch": args.batch,
+            "lr": args.lr,
+            "hindsight_sft": args.hindsight,
+            "episodes": args.episodes,
+            "curve": curve,
+        },
+    )
     print(f"wrote {out}")
 
 

@@ -36,21 +36,24 @@ def arm_rows(out: Path) -> list[dict]:
         members.sort(key=lambda cm: cm[0]["seed"])
         its = [m for _, ms in members for m in ms]
         episodes = sum(m.get("episodes", 0) for m in its)
-        rows.append({
-            "arm": arm,
-            "cells": len(members),
-            "train_mean_reward": sum(m.get("mean_reward", 0.0) * m.get("episodes", 0) for m in its) / max(episodes, 1),
-            "train_success": sum(m.get("success_rate", 0.0) * m.get("episodes", 0) for m in its) / max(episodes, 1),
-            "turns_with_gradient": sum(m.get("turns_with_gradient", 0) for m in its),
-            "turns": sum(m.get("turns", 0) for m in its),
-            "optimizer_steps": sum(m.get("optimizer_steps", 0) for m in its),
-            "teacher_tokens": sum(m.get("teacher_action_tokens", 0) for m in its),
-            "seeds": [c["seed"] for c, _ in members],
-            "final_score_exact": [c["eval"]["score"] for c, _ in members],
-            "final_score_per_seed": [round(c["eval"]["score"], 1) for c, _ in members],
-            "final_success_per_seed": [round(c["eval"]["success_rate"], 3) for c, _ in members],
-            "wall_time_s": round(sum(c.get("wall_time_s", 0.0) for c, _ in members), 1),
-        })
+        rows.append(
+            {
+                "arm": arm,
+                "cells": len(members),
+                "train_mean_reward": sum(m.get("mean_reward", 0.0) * m.get("episodes", 0) for m in its)
+                / max(episodes, 1),
+                "train_success": sum(m.get("success_rate", 0.0) * m.get("episodes", 0) for m in its) / max(episodes, 1),
+                "turns_with_gradient": sum(m.get("turns_with_gradient", 0) for m in its),
+                "turns": sum(m.get("turns", 0) for m in its),
+                "optimizer_steps": sum(m.get("optimizer_steps", 0) for m in its),
+                "teacher_tokens": sum(m.get("teacher_action_tokens", 0) for m in its),
+                "seeds": [c["seed"] for c, _ in members],
+                "final_score_exact": [c["eval"]["score"] for c, _ in members],
+                "final_score_per_seed": [round(c["eval"]["score"], 1) for c, _ in members],
+                "final_success_per_seed": [round(c["eval"]["success_rate"], 3) for c, _ in members],
+                "wall_time_s": round(sum(c.get("wall_time_s", 0.0) for c, _ in members), 1),
+            }
+        )
     return rows
 
 
@@ -61,18 +64,28 @@ def _num(text: str, fmt: str) -> str:
 def outcome_table(out: Path) -> str:
     with open(out / "report.csv", newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
-    head = ("| arm | seeds | success (mean ± std) | score 0-100 (mean ± std) | 95 % t-interval (score) "
-            f"| Δ score vs {rows[0]['baseline']}, paired [95 % CI] | p (paired t) | selected fraction | teacher tokens |")
+    head = (
+        "| arm | seeds | success (mean ± std) | score 0-100 (mean ± std) | 95 % t-interval (score) "
+        f"| Δ score vs {rows[0]['baseline']}, paired [95 % CI] | p (paired t) | selected fraction | teacher tokens |"
+    )
     lines = [head, "| --- " * 9 + "|"]
     for r in rows:
         base = r["arm"] == r["baseline"]
-        delta = "(baseline)" if base else (f"{_num(r['diff_score'], '+.1f')} [{_num(r['diff_score_ci_lo'], '.1f')}, "
-                                           f"{_num(r['diff_score_ci_hi'], '.1f')}]")
-        lines.append(f"| {r['arm']} | {r['seeds_done']} | {_num(r['success_mean'], '.3f')} ± {_num(r['success_std'], '.3f')} "
-                     f"| {_num(r['score_mean'], '.1f')} ± {_num(r['score_std'], '.1f')} "
-                     f"| [{_num(r['score_ci_lo'], '.1f')}, {_num(r['score_ci_hi'], '.1f')}] | {delta} "
-                     f"| {'' if base else _num(r['p_score'], '.3g')} | {_num(r['selected_fraction'], '.3f')} "
-                     f"| {r['teacher_tokens_total'] or 0} |")
+        delta = (
+            "(baseline)"
+            if base
+            else (
+                f"{_num(r['diff_score'], '+.1f')} [{_num(r['diff_score_ci_lo'], '.1f')}, "
+                f"{_num(r['diff_score_ci_hi'], '.1f')}]"
+            )
+        )
+        lines.append(
+            f"| {r['arm']} | {r['seeds_done']} | {_num(r['success_mean'], '.3f')} ± {_num(r['success_std'], '.3f')} "
+            f"| {_num(r['score_mean'], '.1f')} ± {_num(r['score_std'], '.1f')} "
+            f"| [{_num(r['score_ci_lo'], '.1f')}, {_num(r['score_ci_hi'], '.1f')}] | {delta} "
+            f"| {'' if base else _num(r['p_score'], '.3g')} | {_num(r['selected_fraction'], '.3f')} "
+            f"| {r['teacher_tokens_total'] or 0} |"
+        )
     return "\n".join(lines)
 
 
@@ -92,7 +105,7 @@ def versus_table(rows: list[dict], arm: str) -> str:
         diffs = [mine[s] - theirs[s] for s in seeds]
         n, mean = len(diffs), sum(diffs) / max(len(diffs), 1)
         if n > 1 and stats.tstd(diffs) > 0:
-            half = stats.t.ppf(0.975, n - 1) * stats.tstd(diffs) / n ** 0.5
+            half = stats.t.ppf(0.975, n - 1) * stats.tstd(diffs) / n**0.5
             p = stats.ttest_rel([mine[s] for s in seeds], [theirs[s] for s in seeds]).pvalue
             ci, p = f"[{mean - half:+.1f}, {mean + half:+.1f}]", f"{p:.3g}"
         else:  # one pair, or every difference equal: no variance to test against
@@ -102,14 +115,18 @@ def versus_table(rows: list[dict], arm: str) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| arm | cells | training rollouts: mean reward | success | turns with a gradient / all | optimizer steps "
-            "| final score per seed | final success per seed | cell wall s |\n" + "| --- " * 9 + "|")
+    head = (
+        "| arm | cells | training rollouts: mean reward | success | turns with a gradient / all | optimizer steps "
+        "| final score per seed | final success per seed | cell wall s |\n" + "| --- " * 9 + "|"
+    )
     lines = [head]
     for r in rows:
-        lines.append(f"| {r['arm']} | {r['cells']} | {r['train_mean_reward']:.3f} | {r['train_success']:.3f} "
-                     f"| {r['turns_with_gradient']} / {r['turns']} | {r['optimizer_steps']} "
-                     f"| {', '.join(f'{s:.1f}' for s in r['final_score_per_seed'])} "
-                     f"| {', '.join(f'{s:.2f}' for s in r['final_success_per_seed'])} | {r['wall_time_s']:.0f} |")
+        lines.append(
+            f"| {r['arm']} | {r['cells']} | {r['train_mean_reward']:.3f} | {r['train_success']:.3f} "
+            f"| {r['turns_with_gradient']} / {r['turns']} | {r['optimizer_steps']} "
+            f"| {', '.join(f'{s:.1f}' for s in r['final_score_per_seed'])} "
+            f"| {', '.join(f'{s:.2f}' for s in r['final_success_per_seed'])} | {r['wall_time_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -79,8 +79,11 @@ def _selection(train: Path) -> dict | None:
     if not reports:
         return None
     r = io.read_json(reports[-1])
-    return {"iteration": reports[-1].parent.name, "selected_fraction": r.get("counts", {}).get("selected_fraction"),
-            "verdict": r.get("tests", {}).get("verdict")}
+    return {
+        "iteration": reports[-1].parent.name,
+        "selected_fraction": r.get("counts", {}).get("selected_fraction"),
+        "verdict": r.get("tests", {}).get("verdict"),
+    }
 
 
 def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
@@ -134,9 +137,18 @@ def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str
         return "skipped"
     d.mkdir(parents=True, exist_ok=True)
     prev = io.read_json(d / "cell.json") if (d / "cell.json").is_file() else {}
-    info = {"index": index, "name": cell["name"], "arm": cell["arm"], "seed": cell["seed"], "params": cell["params"],
-            "start_model": prev.get("start_model"), "status": "running", "attempts": int(prev.get("attempts", 0)) + 1,
-            "wall_time_s": float(prev.get("wall_time_s", 0.0)), "teacher_tokens_scored": 0}
+    info = {
+        "index": index,
+        "name": cell["name"],
+        "arm": cell["arm"],
+        "seed": cell["seed"],
+        "params": cell["params"],
+        "start_model": prev.get("start_model"),
+        "status": "running",
+        "attempts": int(prev.get("attempts", 0)) + 1,
+        "wall_time_s": float(prev.get("wall_time_s", 0.0)),
+        "teacher_tokens_scored": 0,
+    }
     io.write_json(d / "cell.json", info)
     t0, before = time.perf_counter(), info["wall_time_s"]
 
@@ -158,21 +170,38 @@ def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str
     fe = record["final_eval"]
     if not (d / "eval.json").is_file():
         # on the cell's engine (vLLM for the paper grids), device and precision
-        ecfg = EvalConfig(env=EnvConfig(cfg.env.name, fe["split"], cfg.env.max_turns, cfg.env.settings,
-                                        cfg.env.step_timeout_s), policy="model",
-                          model=str(train / "checkpoint"), episodes=fe["episodes"], panel=fe.get("panel", "first"), seed=0,
-                          batch_size=cfg.rollout.batch_size, history_turns=cfg.rollout.prompt.history_turns,
-                          max_new_tokens=cfg.rollout.sampling.max_new_tokens, threads=cfg.train.threads, out=str(d),
-                          temperature=cfg.eval.temperature,  # the base's eval temperature (paper: 0.4; 0 = greedy)
-                          coupled=cfg.rollout.sampling.coupled,
-                          engine=cfg.rollout.engine, vllm=cfg.rollout.vllm, gpus=cfg.rollout.gpus,
-                          device=cfg.train.device, dtype=cfg.train.dtype)
+        ecfg = EvalConfig(
+            env=EnvConfig(cfg.env.name, fe["split"], cfg.env.max_turns, cfg.env.settings, cfg.env.step_timeout_s),
+            policy="model",
+            model=str(train / "checkpoint"),
+            episodes=fe["episodes"],
+            panel=fe.get("panel", "first"),
+            seed=0,
+            batch_size=cfg.rollout.batch_size,
+            history_turns=cfg.rollout.prompt.history_turns,
+            max_new_tokens=cfg.rollout.sampling.max_new_tokens,
+            threads=cfg.train.threads,
+            out=str(d),
+            temperature=cfg.eval.temperature,  # the base's eval temperature (paper: 0.4; 0 = greedy)
+            coupled=cfg.rollout.sampling.coupled,
+            engine=cfg.rollout.engine,
+            vllm=cfg.rollout.vllm,
+            gpus=cfg.rollout.gpus,
+            device=cfg.train.device,
+            dtype=cfg.train.dtype,
+        )
         run_eval(ecfg, overwrite=True)
     ev = io.read_json(d / "eval.json")
     checkpoint_time()
-    info.update(status="done", teacher_tokens_scored=_teacher_tokens(train), selection=_selection(train),
-                eval={k: ev.get(k) for k in ("episodes", "success_rate", "success_ci95", "score", "invalid_action_rate",
-                                             "mean_turns")})
+    info.update(
+        status="done",
+        teacher_tokens_scored=_teacher_tokens(train),
+        selection=_selection(train),
+        eval={
+            k: ev.get(k)
+            for k in ("episodes", "success_rate", "success_ci95", "score", "invalid_action_rate", "mean_turns")
+        },
+    )
     io.write_json(d / "cell.json", info)
     log(f"cell {index} {cell['name']}: success {ev['success_rate']:.3f}  score {ev['score']:.1f}")
     return "done"

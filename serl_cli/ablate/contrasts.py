@@ -27,9 +27,16 @@ def contrast_rows(data: dict) -> list[dict]:
             t = paired_t_test(plus, minus) if both else None
             w = wilcoxon_signed_rank(plus, minus) if both else None
             ci = (t or {}).get("ci95") or [None, None]
-            row.update({f"pairs_{label}": len(both), f"diff_{label}": t["mean_diff"] if t else None,
-                        f"diff_{label}_ci_lo": ci[0], f"diff_{label}_ci_hi": ci[1],
-                        f"p_{label}": t["p"] if t else None, f"wilcoxon_p_{label}": w["p"] if w else None})
+            row.update(
+                {
+                    f"pairs_{label}": len(both),
+                    f"diff_{label}": t["mean_diff"] if t else None,
+                    f"diff_{label}_ci_lo": ci[0],
+                    f"diff_{label}_ci_hi": ci[1],
+                    f"p_{label}": t["p"] if t else None,
+                    f"wilcoxon_p_{label}": w["p"] if w else None,
+                }
+            )
         rows.append(row)
     for label in CONTRASTED:  # the contrasts are one family per metric
         for r, adjusted in zip(rows, holm([r[f"p_{label}"] for r in rows])):
@@ -41,16 +48,24 @@ def contrast_lines(contrasts: list[dict]) -> list[str]:
     def diff(r, label):
         return "n/a" if r[f"diff_{label}"] is None else f"{r[f'diff_{label}']:+.3f}"
 
-    lines = ["", "## Contrasts (paired by seed)", "",
-             "Per seed, the sum of the plus arms minus the sum of the minus arms, over the seeds every named arm "
-             "finished; 95 % t-interval, t-test p against 0, Holm p over this table's contrasts (one family per "
-             "metric), Wilcoxon signed-rank p where at least 6 seeds pair.", "",
-             "| contrast | plus | minus | pairs | Δ success | 95 % CI | p | Holm p | Wilcoxon p | Δ panel AUC | 95 % CI "
-             "| p | Holm p |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "",
+        "## Contrasts (paired by seed)",
+        "",
+        "Per seed, the sum of the plus arms minus the sum of the minus arms, over the seeds every named arm "
+        "finished; 95 % t-interval, t-test p against 0, Holm p over this table's contrasts (one family per "
+        "metric), Wilcoxon signed-rank p where at least 6 seeds pair.",
+        "",
+        "| contrast | plus | minus | pairs | Δ success | 95 % CI | p | Holm p | Wilcoxon p | Δ panel AUC | 95 % CI "
+        "| p | Holm p |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in contrasts:
-        lines.append(f"| {r['contrast']} | {r['plus']} | {r['minus'] or '(none)'} | {r['pairs_success']} | "
-                     f"{diff(r, 'success')} | {fmt_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
-                     f"{fmt_p(r['p_success'])} | {fmt_p(r['p_success_holm'])} | {fmt_p(r['wilcoxon_p_success'])} | "
-                     f"{diff(r, 'auc')} | {fmt_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {fmt_p(r['p_auc'])} | "
-                     f"{fmt_p(r['p_auc_holm'])} |")
+        lines.append(
+            f"| {r['contrast']} | {r['plus']} | {r['minus'] or '(none)'} | {r['pairs_success']} | "
+            f"{diff(r, 'success')} | {fmt_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
+            f"{fmt_p(r['p_success'])} | {fmt_p(r['p_success_holm'])} | {fmt_p(r['wilcoxon_p_success'])} | "
+            f"{diff(r, 'auc')} | {fmt_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {fmt_p(r['p_auc'])} | "
+            f"{fmt_p(r['p_auc_holm'])} |"
+        )
     return lines

@@ -5,7 +5,8 @@ Grid file (YAML; unknown keys anywhere are errors)::
     description: free text                  # optional
     base_config: ../webshop/paper/serl.yaml # optional: run config(s) (a path or a list, relative to this file)
                                             # the base starts from, merged left to right; base: then overrides
-    base: {...}                             # an OnlineConfig mapping (env, model, iterations, rollout, train, annotate, ...)
+    base: {...}                             # an OnlineConfig mapping (env, model, iterations, rollout,
+                                            # train, annotate, ...)
     grid:                                   # the axes; each one a list (seeds: a count or a list)
       env: [webshop]                        # default: [base env.name]
       algo: [grpo, serl]                    # default: [base train.algo]
@@ -40,8 +41,9 @@ Grid file (YAML; unknown keys anywhere are errors)::
       extra: ["--qos=high"]                 # more #SBATCH lines
 
 **Arms and cells.** Arms are the product env x algo x sources x granularity x placement, in
-that order, duplicates dropped, then the ``arms:`` entries (named as given; names must be unique). The sources, granularity and placement axes apply only to
-the algorithms that annotate (serl, rlsd, sdpo); any other algorithm (grpo, gigpo) gets one
+that order, duplicates dropped, then the ``arms:`` entries (named as given; names must be
+unique). The sources, granularity and placement axes apply only to the algorithms that annotate
+(serl, rlsd, sdpo); any other algorithm (grpo, gigpo) gets one
 arm per environment, however many values those axes hold -- no duplicate cells. rlsd
 always uses placement ``all`` (it is SERL's weights on every turn), so it gets one arm per
 source set and granularity. sdpo arms get ``train.distill_coef: 1.0`` where the base leaves
@@ -61,10 +63,10 @@ is seeds 0..N-1. With a grid file, the same flags replace that axis of the file
 ``--cell i`` means the same cell from every entry point; written atomically, and a second
 entry point with a different grid is refused; what only the report reads -- ``description``,
 ``baseline``, ``contrasts`` -- is taken from the grid file each time it is given),
-``cells/<name>/`` per cell: ``cell.json`` (parameters, status running|done, wall time, teacher tokens scored, final eval summary,
-selection-bias summary), ``train/`` (the online run), ``eval.json`` + ``episodes.jsonl``
-(final evaluation of ``train/checkpoint`` on the fixed test panel). A cell writes nowhere
-else, so any number can run at once. A cell whose cell.json says done and whose eval.json
+``cells/<name>/`` per cell: ``cell.json`` (parameters, status running|done, wall time, teacher
+tokens scored, final eval summary, selection-bias summary), ``train/`` (the online run),
+``eval.json`` + ``episodes.jsonl`` (final evaluation of ``train/checkpoint`` on the fixed test
+panel). A cell writes nowhere else, so any number can run at once. A cell whose cell.json says done and whose eval.json
 exists is skipped; otherwise training resumes from its last finished iteration (the online
 loop's ``--resume``) and the evaluation is redone if missing.
 
@@ -101,10 +103,24 @@ TOP_KEYS = ("description", "base_config", "base", "grid", "arms", "baseline", "c
 CONTRAST_KEYS = ("name", "plus", "minus")
 ARM_KEYS = ("name", "env", "algo", "sources", "granularity", "placement", "set")
 FINAL_EVAL_KEYS = ("episodes", "split", "panel")
-SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "gpus", "cpus_per_task", "mem", "setup",
-              "launcher", "max_parallel", "requeue", "signal_grace_s", "template", "extra")
+SLURM_KEYS = (
+    "partition",
+    "account",
+    "time",
+    "nodes",
+    "gpus_per_node",
+    "gpus",
+    "cpus_per_task",
+    "mem",
+    "setup",
+    "launcher",
+    "max_parallel",
+    "requeue",
+    "signal_grace_s",
+    "template",
+    "extra",
+)
 LAUNCHERS = ("auto", "torchrun", "deepspeed", "none")
-
 
 
 @dataclass
@@ -148,8 +164,13 @@ def _seeds(value) -> list[int]:
     raise SerlError(f"grid.seeds must be a count or a list of integers, got {value!r}")
 
 
-def load_grid(path: str | None = None, *, config_file: str | None = None, overrides: list[str] | None = None,
-              flags: dict | None = None) -> Grid:
+def load_grid(
+    path: str | None = None,
+    *,
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    flags: dict | None = None,
+) -> Grid:
     """Build the grid from a grid file and/or flags (see the module docstring for the rule)."""
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     data: dict = {}
@@ -218,7 +239,9 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
             raise SerlError(f"final_eval.panel {final_eval['panel']!r} is unknown: choose one of {', '.join(PANELS)}")
     if "episodes" in flags:
         final_eval["episodes"] = flags["episodes"]
-    if final_eval["episodes"] is not None and (not isinstance(final_eval["episodes"], int) or final_eval["episodes"] < 1):
+    if final_eval["episodes"] is not None and (
+        not isinstance(final_eval["episodes"], int) or final_eval["episodes"] < 1
+    ):
         raise SerlError(f"final_eval.episodes must be a positive integer, got {final_eval['episodes']!r}")
     slurm = data.get("slurm") or {}
     if not isinstance(slurm, dict):
@@ -226,10 +249,18 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
     _fail_unknown(slurm, SLURM_KEYS, "slurm.")
     _check_slurm(slurm)
     explicit = _explicit_arms(data.get("arms"), base_plain, OnlineConfig)
-    axis_given = any(k != "seeds" for k in raw) or any(k in flags for k in ("env", "algo", "sources", "granularity",
-                                                                             "placement"))
-    grid = Grid(base=base_plain, axes=axes, final_eval=final_eval, slurm=slurm, description=str(data.get("description", "")),
-                extra_arms=explicit, product=axis_given or not explicit)
+    axis_given = any(k != "seeds" for k in raw) or any(
+        k in flags for k in ("env", "algo", "sources", "granularity", "placement")
+    )
+    grid = Grid(
+        base=base_plain,
+        axes=axes,
+        final_eval=final_eval,
+        slurm=slurm,
+        description=str(data.get("description", "")),
+        extra_arms=explicit,
+        product=axis_given or not explicit,
+    )
     _validate_axes(grid)
     names = [a["name"] for a in arms(grid)]
     if len(set(names)) != len(names):
@@ -238,7 +269,9 @@ def load_grid(path: str | None = None, *, config_file: str | None = None, overri
     if data.get("baseline") is not None:
         grid.baseline = _safe(str(data["baseline"]))
         if grid.baseline not in names:
-            raise SerlError(f"baseline {data['baseline']!r} is not an arm of this grid: choose one of {', '.join(names)}")
+            raise SerlError(
+                f"baseline {data['baseline']!r} is not an arm of this grid: choose one of {', '.join(names)}"
+            )
     grid.contrasts = _contrasts(data.get("contrasts"), names)
     return grid
 
@@ -265,8 +298,10 @@ def _contrasts(value, names: list[str]) -> list[dict]:
                 raise SerlError(f"contrast {name!r}: {side} must be a list of arm names")
             for arm in map(str, arms_):
                 if arm not in names:
-                    raise SerlError(f"contrast {name!r} names arm {arm!r}, which is not an arm of this grid: "
-                                    f"choose among {', '.join(names)}")
+                    raise SerlError(
+                        f"contrast {name!r} names arm {arm!r}, which is not an arm of this grid: "
+                        f"choose among {', '.join(names)}"
+                    )
             sides[side] = [str(a) for a in arms_]
         if not sides["plus"]:
             raise SerlError(f"contrast {name!r} needs at least one plus arm")
@@ -294,9 +329,17 @@ def _explicit_arms(value, base: dict, config_cls) -> list[dict]:
             raise SerlError(f"arms[{i}].set must be a mapping of online-loop settings")
         cfgmod.from_dict(config_cls, cfgmod.merge(base, overrides), f"arms[{i}].set")  # unknown keys fail here
         ann = base["annotate"]
-        out.append({"name": _safe(str(a["name"])), "env": str(a.get("env", base["env"]["name"])), "algo": str(a["algo"]),
-                    "sources": str(a.get("sources", ann["sources"])), "granularity": str(a.get("granularity", ann["granularity"])),
-                    "placement": str(a.get("placement", ann["placement"])), "set": overrides})
+        out.append(
+            {
+                "name": _safe(str(a["name"])),
+                "env": str(a.get("env", base["env"]["name"])),
+                "algo": str(a["algo"]),
+                "sources": str(a.get("sources", ann["sources"])),
+                "granularity": str(a.get("granularity", ann["granularity"])),
+                "placement": str(a.get("placement", ann["placement"])),
+                "set": overrides,
+            }
+        )
     return out
 
 
@@ -306,7 +349,9 @@ def _check_slurm(s: dict) -> None:
         raise SerlError("slurm: give gpus_per_node (gpus is its older name), not both")
     for key in ("nodes", "gpus_per_node", "gpus", "cpus_per_task", "max_parallel", "signal_grace_s"):
         v = s.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (0 if key in ("gpus", "gpus_per_node") else 1)):
+        if v is not None and (
+            not isinstance(v, int) or isinstance(v, bool) or v < (0 if key in ("gpus", "gpus_per_node") else 1)
+        ):
             raise SerlError(f"slurm.{key} must be a positive integer, got {v!r}")
     for key in ("setup", "extra"):
         v = s.get(key)
@@ -342,8 +387,10 @@ def _validate_axes(grid: Grid) -> None:
     for algo in grid.axes["algo"] if grid.product else []:
         get_objective(algo)  # unknown algorithm: one line naming the known ones
         if algo == "sft":
-            raise SerlError("--algo sft is not an online algorithm: warm-start with `serl train RUN --algo sft` and "
-                            "give its checkpoint as base.model")
+            raise SerlError(
+                "--algo sft is not an online algorithm: warm-start with `serl train RUN --algo sft` and "
+                "give its checkpoint as base.model"
+            )
     if any(a in ANNOTATING for a in grid.axes["algo"]):
         for s, g, p in itertools.product(grid.axes["sources"], grid.axes["granularity"], grid.axes["placement"]):
             validate(AnnotateConfig(sources=s, granularity=g, placement=p))
@@ -365,8 +412,13 @@ def _feedback_axes(algo: str, sources, gran, place) -> dict:
 def arms(grid: Grid) -> list[dict]:
     """The product arms (unless only ``arms:`` was given), then the grid file's own arms."""
     out, seen = [], set()
-    product = itertools.product(grid.axes["env"], grid.axes["algo"], grid.axes["sources"], grid.axes["granularity"],
-                                grid.axes["placement"]) if grid.product else []
+    product = (
+        itertools.product(
+            grid.axes["env"], grid.axes["algo"], grid.axes["sources"], grid.axes["granularity"], grid.axes["placement"]
+        )
+        if grid.product
+        else []
+    )
     for env, algo, sources, gran, place in product:
         arm = {"env": env, "algo": algo, **_feedback_axes(algo, sources, gran, place)}
         parts = (env, algo) if algo not in ANNOTATING else (env, algo, sources, gran, arm["placement"])
@@ -394,7 +446,14 @@ def cells(grid: Grid) -> list[dict]:
     out = []
     for arm in arms(grid):
         for seed in grid.axes["seeds"]:
-            out.append({"index": len(out), "name": f"{arm['name']}-s{seed}", "arm": arm["name"], "seed": seed,
-                        "params": {k: arm[k] for k in ("env", "algo", "sources", "granularity", "placement")},
-                        "overrides": cell_overrides(grid, arm, seed)})
+            out.append(
+                {
+                    "index": len(out),
+                    "name": f"{arm['name']}-s{seed}",
+                    "arm": arm["name"],
+                    "seed": seed,
+                    "params": {k: arm[k] for k in ("env", "algo", "sources", "granularity", "placement")},
+                    "overrides": cell_overrides(grid, arm, seed),
+                }
+            )
     return out

@@ -19,10 +19,20 @@ GRID_VERSION = 1
 
 
 def grid_record(grid: Grid, source_args: list[str]) -> dict:
-    return {"kind": "serl-ablation", "version": GRID_VERSION, "source_args": list(source_args),
-            "description": grid.description, "axes": grid.axes, "final_eval": grid.final_eval, "slurm": grid.slurm,
-            "base": grid.base, "arms": arms(grid), "baseline": grid.baseline, "contrasts": grid.contrasts,
-            "cells": cells(grid)}
+    return {
+        "kind": "serl-ablation",
+        "version": GRID_VERSION,
+        "source_args": list(source_args),
+        "description": grid.description,
+        "axes": grid.axes,
+        "final_eval": grid.final_eval,
+        "slurm": grid.slurm,
+        "base": grid.base,
+        "arms": arms(grid),
+        "baseline": grid.baseline,
+        "contrasts": grid.contrasts,
+        "cells": cells(grid),
+    }
 
 
 _IDENTITY = ("version", "axes", "final_eval", "base", "cells")

@@ -18,8 +18,9 @@ the others are listed as unfinished) and writes:
 **Curves as numbers.** Per cell, from the evaluations during training: the panel AUC (the
 trapezoid rule over cumulative environment steps from the first evaluation to the last,
 divided by that span: the mean panel success over training), compared with the baseline
-like the final success; and the panel success at fixed environment-step budgets (one per evaluation round: the most steps any
-cell had taken by that round; the last evaluation within the budget), so arms whose episodes differ
+like the final success; and the panel success at fixed environment-step budgets (one per
+evaluation round: the most steps any cell had taken by that round; the last evaluation within the
+budget), so arms whose episodes differ
 in length are compared at equal experience.
 
 **Multiple comparisons.** Each metric's p-values against the baseline (one per arm) are one
@@ -45,8 +46,8 @@ seed by seed: ``{name, plus: [arms], minus: [arms]}`` is, per seed, the sum of t
 metric minus the sum of the minus arms', over the seeds every named arm finished (a 2x2
 interaction is two arms plus, two minus). For the final success and the panel AUC: the mean
 contrast, its 95 % t-interval, the t-test p (against 0) and Wilcoxon's signed-rank p; the
-contrasts are one family per metric for Holm's adjustment (:mod:`serl_cli.ablate.contrasts`). They go to ``report.md`` and
-``contrasts.csv``.
+contrasts are one family per metric for Holm's adjustment (:mod:`serl_cli.ablate.contrasts`).
+They go to ``report.md`` and ``contrasts.csv``.
 
 **Teacher signal.** Per arm, where the environment has an expert action, from the last
 iteration's report that has one (``teacher.teacher_signal``, ``method.teacher_signal``; after
@@ -81,9 +82,16 @@ def _curve(train: Path) -> list[dict]:
     for k in sorted(by_iter):
         rec = by_iter[k]
         steps += int(rec.get("env_steps", 0) or 0)
-        out.append({"iteration": k, "env_steps": steps, "success_rate": rec.get("success_rate"),
-                    "mean_reward": rec.get("mean_reward"), "panel_success": rec.get("eval_success_rate"),
-                    "advantage_mass_moved": rec.get("advantage_mass_moved")})
+        out.append(
+            {
+                "iteration": k,
+                "env_steps": steps,
+                "success_rate": rec.get("success_rate"),
+                "mean_reward": rec.get("mean_reward"),
+                "panel_success": rec.get("eval_success_rate"),
+                "advantage_mass_moved": rec.get("advantage_mass_moved"),
+            }
+        )
     return out
 
 
@@ -134,10 +142,15 @@ def collect(out: str | Path) -> dict:
             continue
         ev, info = io.read_json(d / "eval.json"), io.read_json(d / "cell.json")
         arms[cell["arm"]]["cells"][cell["seed"]] = {
-            "success": float(ev["success_rate"]), "score": float(ev["score"]), "episodes": ev.get("episodes"),
-            "wall_time_s": float(info.get("wall_time_s", 0.0)), "teacher_tokens": int(info.get("teacher_tokens_scored", 0)),
-            "selection": info.get("selection"), "teacher_signal": _teacher_signal(d / "train"),
-            "curve": _curve(d / "train")}
+            "success": float(ev["success_rate"]),
+            "score": float(ev["score"]),
+            "episodes": ev.get("episodes"),
+            "wall_time_s": float(info.get("wall_time_s", 0.0)),
+            "teacher_tokens": int(info.get("teacher_tokens_scored", 0)),
+            "selection": info.get("selection"),
+            "teacher_signal": _teacher_signal(d / "train"),
+            "curve": _curve(d / "train"),
+        }
         c = arms[cell["arm"]]["cells"][cell["seed"]]
         c["panel"] = panel_points(c["curve"])
         c["auc"] = curve_auc(c["panel"])
@@ -152,7 +165,9 @@ def collect(out: str | Path) -> dict:
         for c in a["cells"].values():
             c["at_budget"] = [success_at_budget(c["panel"], b) for b in budgets]
     names = list(arms)
-    baseline = record.get("baseline") or next((n for n in names if arms[n]["algo"] == "grpo"), names[0] if names else None)
+    baseline = record.get("baseline") or next(
+        (n for n in names if arms[n]["algo"] == "grpo"), names[0] if names else None
+    )
     return {"record": record, "arms": arms, "baseline": baseline, "unfinished": unfinished, "budgets": budgets}
 
 
@@ -163,28 +178,52 @@ def summarize(data: dict) -> list[dict]:
     for name, arm in arms.items():
         c = arm["cells"]
         seeds = sorted(c)
-        row = {"arm": name, **{k: arm[k] for k in ("env", "algo", "sources", "granularity", "placement")},
-               "seeds_done": len(seeds), "seeds": " ".join(map(str, seeds))}
+        row = {
+            "arm": name,
+            **{k: arm[k] for k in ("env", "algo", "sources", "granularity", "placement")},
+            "seeds_done": len(seeds),
+            "seeds": " ".join(map(str, seeds)),
+        }
         for label in COMPARED:
             d = describe([c[s][label] for s in seeds if c[s][label] is not None])
-            row.update({f"{label}_mean": d["mean"], f"{label}_std": d["std"],
-                        f"{label}_ci_lo": d["ci95"][0] if d["ci95"] else None,
-                        f"{label}_ci_hi": d["ci95"][1] if d["ci95"] else None})
+            row.update(
+                {
+                    f"{label}_mean": d["mean"],
+                    f"{label}_std": d["std"],
+                    f"{label}_ci_lo": d["ci95"][0] if d["ci95"] else None,
+                    f"{label}_ci_hi": d["ci95"][1] if d["ci95"] else None,
+                }
+            )
         paired = sorted(set(seeds) & set(base_cells))
         row["baseline"] = baseline
         row["pairs"] = len(paired) if name != baseline else 0
         for label in COMPARED:
             both = [s for s in paired if c[s][label] is not None and base_cells[s][label] is not None]
             if name == baseline or not both:
-                row.update({f"diff_{label}": None, f"diff_{label}_ci_lo": None, f"diff_{label}_ci_hi": None,
-                            f"t_{label}": None, f"p_{label}": None, f"wilcoxon_p_{label}": None})
+                row.update(
+                    {
+                        f"diff_{label}": None,
+                        f"diff_{label}_ci_lo": None,
+                        f"diff_{label}_ci_hi": None,
+                        f"t_{label}": None,
+                        f"p_{label}": None,
+                        f"wilcoxon_p_{label}": None,
+                    }
+                )
                 continue
             a, b = [c[s][label] for s in both], [base_cells[s][label] for s in both]
             t = paired_t_test(a, b)
             w = wilcoxon_signed_rank(a, b)
-            row.update({f"diff_{label}": t["mean_diff"], f"diff_{label}_ci_lo": t["ci95"][0] if t["ci95"] else None,
-                        f"diff_{label}_ci_hi": t["ci95"][1] if t["ci95"] else None, f"t_{label}": t["t"],
-                        f"p_{label}": t["p"], f"wilcoxon_p_{label}": w["p"] if w else None})
+            row.update(
+                {
+                    f"diff_{label}": t["mean_diff"],
+                    f"diff_{label}_ci_lo": t["ci95"][0] if t["ci95"] else None,
+                    f"diff_{label}_ci_hi": t["ci95"][1] if t["ci95"] else None,
+                    f"t_{label}": t["t"],
+                    f"p_{label}": t["p"],
+                    f"wilcoxon_p_{label}": w["p"] if w else None,
+                }
+            )
         sel = [c[s]["selection"] for s in seeds if c[s]["selection"]]
         fracs = [x["selected_fraction"] for x in sel if x.get("selected_fraction") is not None]
         verdicts: dict[str, int] = {}
@@ -226,8 +265,9 @@ def _decoding(rec: dict) -> str:
     return "greedy" if not t else f"sampled at T {t:g}"
 
 
-def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str | None,
-                    contrasts: list[dict] | None = None) -> str:
+def render_markdown(
+    data: dict, rows: list[dict], png: str | None, png_note: str | None, contrasts: list[dict] | None = None
+) -> str:
     rec = data["record"]
     n, unfinished = len(rec["cells"]), data["unfinished"]
     fe = rec["final_eval"]
@@ -238,65 +278,112 @@ def render_markdown(data: dict, rows: list[dict], png: str | None, png_note: str
     else:
         panel = f"the first {fe['episodes']} tasks of the `{fe['split']}` split"
     lines = [
-        "# Ablation report", "",
+        "# Ablation report",
+        "",
         f"{n} cells ({n - len(unfinished)} finished, {len(unfinished)} unfinished): {len(rows)} arms x "
         f"seeds {rec['axes']['seeds']}. Final evaluation: {panel}, {_decoding(rec)}, "
-        f"the same panel for every cell.", "",
-        "## Results (final evaluation, mean ± std over seeds, 95 % t-interval)", "",
+        f"the same panel for every cell.",
+        "",
+        "## Results (final evaluation, mean ± std over seeds, 95 % t-interval)",
+        "",
         "| arm | seeds | success | 95 % CI | score (0-100) | 95 % CI | panel AUC | 95 % CI |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['arm']} | {r['seeds_done']} | {_pm(r['success_mean'], r['success_std'], 3)} | "
-                     f"{fmt_ci(r['success_ci_lo'], r['success_ci_hi'], 3)} | {_pm(r['score_mean'], r['score_std'], 1)} | "
-                     f"{fmt_ci(r['score_ci_lo'], r['score_ci_hi'], 1)} | {_pm(r['auc_mean'], r['auc_std'], 3)} | "
-                     f"{fmt_ci(r['auc_ci_lo'], r['auc_ci_hi'], 3)} |")
-    lines += ["", "Panel AUC: the test-panel success of the evaluations during training, averaged over "
-              "environment steps (trapezoid rule from the first evaluation to the last)."]
-    lines += ["", f"## Difference from the baseline `{data['baseline']}` (paired by seed, paired t-test)", "",
-              "Pairing is valid because every cell is evaluated on the same fixed test panel; "
-              "Wilcoxon signed-rank p is given where at least 6 seeds pair. Holm p: adjusted over this table's "
-              "comparisons, one family per metric.", "",
-              "| arm | pairs | Δ success | 95 % CI | p | Holm p | Wilcoxon p | Δ panel AUC | 95 % CI | p | Holm p |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r['arm']} | {r['seeds_done']} | {_pm(r['success_mean'], r['success_std'], 3)} | "
+            f"{fmt_ci(r['success_ci_lo'], r['success_ci_hi'], 3)} | {_pm(r['score_mean'], r['score_std'], 1)} | "
+            f"{fmt_ci(r['score_ci_lo'], r['score_ci_hi'], 1)} | {_pm(r['auc_mean'], r['auc_std'], 3)} | "
+            f"{fmt_ci(r['auc_ci_lo'], r['auc_ci_hi'], 3)} |"
+        )
+    lines += [
+        "",
+        "Panel AUC: the test-panel success of the evaluations during training, averaged over "
+        "environment steps (trapezoid rule from the first evaluation to the last).",
+    ]
+    lines += [
+        "",
+        f"## Difference from the baseline `{data['baseline']}` (paired by seed, paired t-test)",
+        "",
+        "Pairing is valid because every cell is evaluated on the same fixed test panel; "
+        "Wilcoxon signed-rank p is given where at least 6 seeds pair. Holm p: adjusted over this table's "
+        "comparisons, one family per metric.",
+        "",
+        "| arm | pairs | Δ success | 95 % CI | p | Holm p | Wilcoxon p | Δ panel AUC | 95 % CI | p | Holm p |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         if r["arm"] == data["baseline"]:
             continue
         d_s = "n/a" if r["diff_success"] is None else f"{r['diff_success']:+.3f}"
         d_a = "n/a" if r["diff_auc"] is None else f"{r['diff_auc']:+.3f}"
-        lines.append(f"| {r['arm']} | {r['pairs']} | {d_s} | {fmt_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
-                     f"{fmt_p(r['p_success'])} | {fmt_p(r['p_success_holm'])} | {fmt_p(r['wilcoxon_p_success'])} | {d_a} | "
-                     f"{fmt_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {fmt_p(r['p_auc'])} | {fmt_p(r['p_auc_holm'])} |")
+        lines.append(
+            f"| {r['arm']} | {r['pairs']} | {d_s} | {fmt_ci(r['diff_success_ci_lo'], r['diff_success_ci_hi'], 3)} | "
+            f"{fmt_p(r['p_success'])} | {fmt_p(r['p_success_holm'])} | {fmt_p(r['wilcoxon_p_success'])} | {d_a} | "
+            f"{fmt_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {fmt_p(r['p_auc'])} | {fmt_p(r['p_auc_holm'])} |"
+        )
     if contrasts:
         lines += contrast_lines(contrasts)
     if data["budgets"]:
         cols = [f"success_at_{b}_steps" for b in data["budgets"]]
-        lines += ["", "## Panel success at fixed environment-step budgets (mean over seeds)", "",
-                  "The last evaluation within each budget. One budget per evaluation round: the most "
-                  "environment steps any cell had taken by that round, so every cell had evaluated at "
-                  "least that often within it.", "",
-                  "| arm | " + " | ".join(f"{b} steps" for b in data["budgets"]) + " |",
-                  "| --- | " + " | ".join("---" for _ in cols) + " |"]
+        lines += [
+            "",
+            "## Panel success at fixed environment-step budgets (mean over seeds)",
+            "",
+            "The last evaluation within each budget. One budget per evaluation round: the most "
+            "environment steps any cell had taken by that round, so every cell had evaluated at "
+            "least that often within it.",
+            "",
+            "| arm | " + " | ".join(f"{b} steps" for b in data["budgets"]) + " |",
+            "| --- | " + " | ".join("---" for _ in cols) + " |",
+        ]
         lines += [f"| {r['arm']} | " + " | ".join(fmt(r[k]) for k in cols) + " |" for r in rows]
-    lines += ["", "## Selection bias (last iteration's selection report, per seed)", "",
-              "| arm | selected fraction (mean) | verdicts |", "| --- | --- | --- |"]
+    lines += [
+        "",
+        "## Selection bias (last iteration's selection report, per seed)",
+        "",
+        "| arm | selected fraction (mean) | verdicts |",
+        "| --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['arm']} | {fmt(r['selected_fraction'])} | {r['selection_verdicts'] or 'n/a (no annotation)'} |")
-    lines += ["", "## Teacher signal (last iteration that measured it, mean over seeds)", "",
-              ("On scored turns with an expert action: how often the teacher moves the action the right way "
-               "(down off the expert's action, up on it), and the change the hindsight block makes to the "
-               "teacher's probability of the expert action."), "",
-              "Advantage mass moved: the share of the update's advantage mass the weights change, "
-              "sum |A (w - 1)| / sum |A| over action tokens, averaged over iterations and seeds.", "",
-              "| arm | seeds | right direction | expert prob gain | advantage mass moved |", "| --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r['arm']} | {fmt(r['selected_fraction'])} | {r['selection_verdicts'] or 'n/a (no annotation)'} |"
+        )
+    lines += [
+        "",
+        "## Teacher signal (last iteration that measured it, mean over seeds)",
+        "",
+        (
+            "On scored turns with an expert action: how often the teacher moves the action the right way "
+            "(down off the expert's action, up on it), and the change the hindsight block makes to the "
+            "teacher's probability of the expert action."
+        ),
+        "",
+        "Advantage mass moved: the share of the update's advantage mass the weights change, "
+        "sum |A (w - 1)| / sum |A| over action tokens, averaged over iterations and seeds.",
+        "",
+        "| arm | seeds | right direction | expert prob gain | advantage mass moved |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         gain = "n/a" if r["teacher_expert_prob_gain"] is None else f"{r['teacher_expert_prob_gain']:+.3g}"
-        lines.append(f"| {r['arm']} | {r['teacher_signal_seeds']} | {fmt(r['teacher_right_direction'])} | {gain} | "
-                     f"{fmt(r['advantage_mass_moved'], 4)} |")
-    lines += ["", "## Cost", "", "| arm | cells | wall time total (s) | per cell (s) | teacher tokens scored |",
-              "| --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r['arm']} | {r['teacher_signal_seeds']} | {fmt(r['teacher_right_direction'])} | {gain} | "
+            f"{fmt(r['advantage_mass_moved'], 4)} |"
+        )
+    lines += [
+        "",
+        "## Cost",
+        "",
+        "| arm | cells | wall time total (s) | per cell (s) | teacher tokens scored |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['arm']} | {r['seeds_done']} | {fmt(r['wall_time_s_total'], 1)} | "
-                     f"{fmt(r['wall_time_s_mean'], 1)} | {r['teacher_tokens_total'] if r['teacher_tokens_total'] is not None else 'n/a'} |")
+        lines.append(
+            f"| {r['arm']} | {r['seeds_done']} | {fmt(r['wall_time_s_total'], 1)} | "
+            f"{fmt(r['wall_time_s_mean'], 1)} | "
+            f"{r['teacher_tokens_total'] if r['teacher_tokens_total'] is not None else 'n/a'} |"
+        )
     lines += ["", "## Learning curves", ""]
     lines.append(f"![learning curves]({png})" if png else f"(no plot: {png_note})")
     if unfinished:
@@ -324,7 +411,7 @@ def plot_curves(data: dict, path: Path) -> str | None:
         x = np.mean([xx[:k] for xx in xs], axis=0)
         y = np.array([yy[:k] for yy in ys], dtype=float)
         m, s = y.mean(axis=0), (y.std(axis=0, ddof=1) if len(ys) > 1 else np.zeros(k))
-        line, = ax.plot(x, m, marker=marker, label=f"{name} (n={len(ys)})")
+        (line,) = ax.plot(x, m, marker=marker, label=f"{name} (n={len(ys)})")
         ax.fill_between(x, m - s, m + s, alpha=0.2, color=line.get_color())
 
     for name, arm in data["arms"].items():
@@ -332,8 +419,13 @@ def plot_curves(data: dict, path: Path) -> str | None:
         if not curves:
             continue
         for ax, key in zip(axes, ("success_rate", "mean_reward")):
-            band(ax, [[p["env_steps"] for p in c] for c in curves], [[float(p[key] or 0.0) for p in c] for c in curves],
-                 name, None)
+            band(
+                ax,
+                [[p["env_steps"] for p in c] for c in curves],
+                [[float(p[key] or 0.0) for p in c] for c in curves],
+                name,
+                None,
+            )
         points = [c["panel"] for c in arm["cells"].values() if c["panel"]]
         if panels and points:
             band(axes[2], [[x for x, _ in p] for p in points], [[y for _, y in p] for p in points], name, "o")
@@ -379,5 +471,10 @@ def write_report(out: str | Path) -> dict:
         io.atomic_write_text(out / "contrasts.csv", _csv_text(contrasts, "contrast"))
     elif (out / "contrasts.csv").is_file():  # the grid no longer names any: no stale table beside the report
         (out / "contrasts.csv").unlink()
-    return {"rows": rows, "contrasts": contrasts, "unfinished": data["unfinished"], "baseline": data["baseline"],
-            "plot": note is None}
+    return {
+        "rows": rows,
+        "contrasts": contrasts,
+        "unfinished": data["unfinished"],
+        "baseline": data["baseline"],
+        "plot": note is None,
+    }

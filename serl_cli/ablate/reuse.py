@@ -25,8 +25,9 @@ from serl_cli.errors import SerlError
 
 
 def _cell_key(record: dict, cell: dict) -> str:
-    return json.dumps([cell["name"], cell["overrides"], resolved_base(record["base"]), record["final_eval"]],
-                      sort_keys=True)
+    return json.dumps(
+        [cell["name"], cell["overrides"], resolved_base(record["base"]), record["final_eval"]], sort_keys=True
+    )
 
 
 def same_cell(record_a: dict, cell_a: dict, record_b: dict, cell_b: dict) -> bool:
@@ -47,8 +48,12 @@ def reuse_finished_cells(src: str | Path, dst: str | Path) -> tuple[int, list[st
     for cell in record_dst["cells"]:
         other = by_name.get(cell["name"])
         target = cell_dir(dst, cell)
-        if other is None or target.exists() or not is_done(src, other) \
-                or not same_cell(record_src, other, record_dst, cell):
+        if (
+            other is None
+            or target.exists()
+            or not is_done(src, other)
+            or not same_cell(record_src, other, record_dst, cell)
+        ):
             continue
         model = cell_config(record_dst, dst, cell).model  # the base's, or the arm's own
         if model not in identities:  # hashed once per model, not once per cell

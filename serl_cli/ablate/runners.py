@@ -46,9 +46,13 @@ def run_cells(record: dict, out: str | Path, *, parallel: int = 1, log=print) ->
         for i, p in list(running.items()):
             if p.poll() is not None:
                 del running[i]
-                results[i] = "done" if p.returncode == 0 else \
-                    f"stopped (exit {p.returncode}): rerun to resume it" if p.returncode == PREEMPTED_EXIT else \
-                    f"failed (exit {p.returncode})"
+                results[i] = (
+                    "done"
+                    if p.returncode == 0
+                    else f"stopped (exit {p.returncode}): rerun to resume it"
+                    if p.returncode == PREEMPTED_EXIT
+                    else f"failed (exit {p.returncode})"
+                )
                 log(f"cell {i} {record['cells'][i]['name']}: {results[i]}")
                 if p.returncode:
                     failed.append(i)
@@ -149,16 +153,23 @@ def launch_command(record: dict, out: Path, *, grace: int) -> tuple[str, str]:
     if launcher == "none":
         return "", f"${{SERL:-serl}} {args}"
     if launcher == "deepspeed":
-        hosts = "" if nodes == 1 else " --hostfile \"$SERL_HOSTFILE\""
-        return "", f"${{DEEPSPEED:-deepspeed}}{hosts} --num_nodes {nodes} --num_gpus {per_node} --module serl_cli {args}"
+        hosts = "" if nodes == 1 else ' --hostfile "$SERL_HOSTFILE"'
+        return (
+            "",
+            f"${{DEEPSPEED:-deepspeed}}{hosts} --num_nodes {nodes} --num_gpus {per_node} --module serl_cli {args}",
+        )
     # torchrun passes SIGUSR1/SIGTERM on to its workers and gives them the grace period to stop
-    common = (f"--nproc_per_node {per_node} --signals-to-handle SIGTERM,SIGINT,SIGUSR1 "
-              f"--shutdown-timeout {max(grace - 60, 30)}")
+    common = (
+        f"--nproc_per_node {per_node} --signals-to-handle SIGTERM,SIGINT,SIGUSR1 "
+        f"--shutdown-timeout {max(grace - 60, 30)}"
+    )
     if nodes == 1:
         return "", f"${{TORCHRUN:-torchrun}} --standalone {common} -m serl_cli {args}"
     rdzv = '--rdzv_backend c10d --rdzv_endpoint "$head:$port" --rdzv_id "$SLURM_JOB_ID"'
-    return MULTI_NODE, (f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 ${{TORCHRUN:-torchrun}} --nnodes {nodes} "
-                        f"{rdzv} {common} -m serl_cli {args}")
+    return MULTI_NODE, (
+        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 ${{TORCHRUN:-torchrun}} --nnodes {nodes} "
+        f"{rdzv} {common} -m serl_cli {args}"
+    )
 
 
 def _resources(s: dict, *, gpus: bool) -> list[str]:
@@ -195,10 +206,12 @@ def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, pa
     requeue = s.get("requeue", True)
     prepare, command = launch_command(record, out, grace=grace)
     setup = "\n".join(s.get("setup") or [])
-    requeue_cmd = ('scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" || true' if requeue
-                   else ": # slurm.requeue is false: rerun the task to resume it")
-    launch = LAUNCH.format(prepare=prepare, command=command, grace=grace, preempted=PREEMPTED_EXIT,
-                           requeue=requeue_cmd)
+    requeue_cmd = (
+        'scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" || true'
+        if requeue
+        else ": # slurm.requeue is false: rerun the task to resume it"
+    )
+    launch = LAUNCH.format(prepare=prepare, command=command, grace=grace, preempted=PREEMPTED_EXIT, requeue=requeue_cmd)
     template = template or s.get("template")
     submit = out / "submit.sh"
     if template:
@@ -215,14 +228,29 @@ def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, pa
         resources = _resources(s, gpus=True)
         if requeue:
             resources += [f"#SBATCH --signal=B:USR1@{grace}", "#SBATCH --requeue"]
-        script = DEFAULT_SBATCH.format(array=array, logs=shlex.quote(str(out / "logs")), resources="\n".join(resources),
-                                       grid=out / "grid.json", setup=setup, launch=launch, submit=submit)
-    report = REPORT_SBATCH.format(logs=shlex.quote(str(out / "logs")), resources="\n".join(_resources(s, gpus=False)),
-                                  submit=submit, setup=setup, out=shlex.quote(str(out)))
+        script = DEFAULT_SBATCH.format(
+            array=array,
+            logs=shlex.quote(str(out / "logs")),
+            resources="\n".join(resources),
+            grid=out / "grid.json",
+            setup=setup,
+            launch=launch,
+            submit=submit,
+        )
+    report = REPORT_SBATCH.format(
+        logs=shlex.quote(str(out / "logs")),
+        resources="\n".join(_resources(s, gpus=False)),
+        submit=submit,
+        setup=setup,
+        out=shlex.quote(str(out)),
+    )
     (out / "logs").mkdir(parents=True, exist_ok=True)
     path = out / "ablate.sbatch"
-    for target, text in ((path, script), (out / "report.sbatch", report),
-                         (submit, SUBMIT.format(out=shlex.quote(str(out))))):
+    for target, text in (
+        (path, script),
+        (out / "report.sbatch", report),
+        (submit, SUBMIT.format(out=shlex.quote(str(out)))),
+    ):
         io.atomic_write_text(target, text)
         target.chmod(0o755)
     return path

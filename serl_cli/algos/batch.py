@@ -43,8 +43,9 @@ class MicroBatch:
     #                                      forward pass only when train.entropy_coef > 0 (training.step.forward)
 
 
-def make_micro_batches(samples: list, order: list[int], max_tokens: int, pad_id: int,
-                       per_turn: PerTurn | None = None) -> list[MicroBatch]:
+def make_micro_batches(
+    samples: list, order: list[int], max_tokens: int, pad_id: int, per_turn: PerTurn | None = None
+) -> list[MicroBatch]:
     """Group ``samples`` (turns, or anything with ``prompt_ids`` and ``action_ids``), in
     ``order``, into left-padded micro-batches of at most ``max_tokens`` padded tokens,
     carrying what ``per_turn`` fixed for each of them."""
@@ -76,11 +77,11 @@ def collate(samples: list, index: list[int], pad_id: int, per_turn: PerTurn | No
     reply_mask = torch.zeros((len(seqs), k), dtype=torch.float32)
     reply_ids = torch.full((len(seqs), k), pad_id, dtype=torch.long)
     for row, (i, s) in enumerate(zip(index, seqs)):
-        ids[row, width - len(s):] = torch.tensor(s)
-        attn[row, width - len(s):] = 1
+        ids[row, width - len(s) :] = torch.tensor(s)
+        attn[row, width - len(s) :] = 1
         a = samples[i].action_ids
-        reply_mask[row, k - len(a):] = 1.0
-        reply_ids[row, k - len(a):] = torch.tensor(a)
+        reply_mask[row, k - len(a) :] = 1.0
+        reply_ids[row, k - len(a) :] = torch.tensor(a)
     positions = (attn.cumsum(-1) - 1).clamp_min(0)
     mb = MicroBatch(ids, attn, positions, reply_mask, reply_ids, list(index))
     behaviour = [getattr(samples[i], "behaviour_logprobs", None) for i in index]
@@ -102,5 +103,5 @@ def right_aligned(rows: list[list[float]], k: int, pad: float = 0.0) -> torch.Te
     out = torch.full((len(rows), k), pad, dtype=torch.float32)
     for r, v in enumerate(rows):
         if v:
-            out[r, k - len(v):] = torch.tensor(v, dtype=torch.float32)
+            out[r, k - len(v) :] = torch.tensor(v, dtype=torch.float32)
     return out

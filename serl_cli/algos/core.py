@@ -3,12 +3,12 @@
 Shapes: B samples (one sample = one turn), T token positions. `mask` marks the tokens
 that carry loss (generated tokens; prompt and padding are 0). Everything is pure.
 """
+
 import torch
 from torch import Tensor
 
 
-def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6,
-                     std_norm: bool = True) -> Tensor:
+def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6, std_norm: bool = True) -> Tensor:
     """GRPO advantage (R - mean_g) / (std_g + eps) within each group id.
 
     std is the unbiased (Bessel) std, torch's default, as in verl and TRL. A group of
@@ -22,7 +22,7 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6,
     count = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inv, torch.ones_like(r))
     mean = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inv, r) / count
     centred = r - mean[inv]
-    var = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inv, centred ** 2)
+    var = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inv, centred**2)
     std = (var / (count - 1).clamp_min(1)).sqrt()
     gmax = torch.full((n_groups,), -torch.inf, dtype=r.dtype).scatter_reduce(0, inv, r, "amax")
     gmin = torch.full((n_groups,), torch.inf, dtype=r.dtype).scatter_reduce(0, inv, r, "amin")
@@ -60,9 +60,16 @@ def kl_k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
-def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor,
-                  weights: Tensor | None, mask: Tensor, clip_eps: float = 0.2,
-                  num_tokens: float | None = None, dual_clip: float = 0.0) -> tuple[Tensor, dict]:
+def ppo_clip_loss(
+    logp: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    weights: Tensor | None,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    num_tokens: float | None = None,
+    dual_clip: float = 0.0,
+) -> tuple[Tensor, dict]:
     """Token-level PPO clip on the reweighted advantage w * A (METHOD.md section 6).
 
     loss = sum_k -min(r_k w_k A, clip(r_k, 1-eps, 1+eps) w_k A) / N_tokens over masked k.
@@ -95,23 +102,35 @@ def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor,
         # The clipped branch binds where it is strictly smaller: A>0 and r>1+eps, or
         # A<0 and r<1-eps. There its gradient is zero.
         clipped = (surr_clipped < surr).to(logp.dtype)
-        stats = {"clip_frac": masked_mean(clipped, mask).item(),
-                 "ratio_mean": masked_mean(ratio, mask).item(),
-                 "approx_kl": masked_mean(-log_ratio, mask).item()}
+        stats = {
+            "clip_frac": masked_mean(clipped, mask).item(),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            "approx_kl": masked_mean(-log_ratio, mask).item(),
+        }
         if dual_clip:
             stats["dual_clip_frac"] = masked_mean(lower, mask).item()
     return loss, stats
 
 
-def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor, *,
-                weights: Tensor | None = None, clip_eps: float = 0.2,
-                logp_ref: Tensor | None = None, kl_coef: float = 0.0,
-                logp_teacher: Tensor | None = None, distill_coef: float = 0.0,
-                distill_mask: Tensor | None = None,
-                num_tokens: float | None = None,
-                distill_num_tokens: float | None = None,
-                dual_clip: float = 0.0,
-                entropy: Tensor | None = None, entropy_coef: float = 0.0) -> tuple[Tensor, dict]:
+def policy_loss(
+    logp: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    weights: Tensor | None = None,
+    clip_eps: float = 0.2,
+    logp_ref: Tensor | None = None,
+    kl_coef: float = 0.0,
+    logp_teacher: Tensor | None = None,
+    distill_coef: float = 0.0,
+    distill_mask: Tensor | None = None,
+    num_tokens: float | None = None,
+    distill_num_tokens: float | None = None,
+    dual_clip: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, dict]:
     """The one loss every algorithm trains on:
 
         PPO-clip(w * A)  +  kl_coef * mean_k3(pi || ref)  +  distill_coef * mean_k3(pi || T)
@@ -147,7 +166,9 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor
     if distill_coef:
         dmask = mask if distill_mask is None else distill_mask.bool() & mask.bool()
         k3 = kl_k3(_zero_outside(logp, dmask), _zero_outside(logp_teacher.detach(), dmask))
-        distill = masked_mean(k3, dmask) if distill_num_tokens is None else masked_sum(k3, dmask) / max(distill_num_tokens, 1)
+        distill = (
+            masked_mean(k3, dmask) if distill_num_tokens is None else masked_sum(k3, dmask) / max(distill_num_tokens, 1)
+        )
         loss = loss + distill_coef * distill
         stats["distill_kl"] = distill.item()
     stats["loss"] = loss.item()

@@ -9,6 +9,7 @@ turns that start from the same anchor state (same observation, same task, same g
 each turn's discounted return R_t = sum_k gamma^k r_{t+k} is normalized within its anchor
 group, so among actions taken in one state the ones that led further get more credit.
 """
+
 from torch import Tensor
 
 from .core import group_advantages
@@ -23,8 +24,7 @@ def discounted_returns(rewards_per_turn: list[float], gamma: float) -> list[floa
     return returns[::-1]
 
 
-def step_advantages(returns: Tensor, anchor_ids: Tensor, eps: float = 1e-6,
-                    std_norm: bool = True) -> Tensor:
+def step_advantages(returns: Tensor, anchor_ids: Tensor, eps: float = 1e-6, std_norm: bool = True) -> Tensor:
     """Returns [M] normalized among the turns sharing an anchor id (M turns, all episodes).
 
     Same convention as group_advantages: unbiased std, and a singleton anchor group (a
@@ -34,7 +34,6 @@ def step_advantages(returns: Tensor, anchor_ids: Tensor, eps: float = 1e-6,
     return group_advantages(returns, anchor_ids, eps, std_norm)
 
 
-def gigpo_advantages(episode_adv_per_turn: Tensor, step_adv: Tensor,
-                     omega: float = 1.0) -> Tensor:
+def gigpo_advantages(episode_adv_per_turn: Tensor, step_adv: Tensor, omega: float = 1.0) -> Tensor:
     """A^E + omega * A^S, both [M] per turn (the episode advantage repeated on its turns)."""
     return episode_adv_per_turn + omega * step_adv

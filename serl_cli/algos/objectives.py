@@ -8,8 +8,8 @@ micro-batch from the current policy's token log-probs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -70,8 +70,14 @@ def _score(s: TurnSample, success_reward: float) -> float:
     return (success_reward if s.success else 0.0) if success_reward else s.episode_reward
 
 
-def episode_advantages(samples: list[TurnSample], eps: float, *, std_norm: bool = True,
-                       invalid_penalty: float = 0.0, success_reward: float = 0.0) -> torch.Tensor:
+def episode_advantages(
+    samples: list[TurnSample],
+    eps: float,
+    *,
+    std_norm: bool = True,
+    invalid_penalty: float = 0.0,
+    success_reward: float = 0.0,
+) -> torch.Tensor:
     """GRPO: each turn carries its episode's group-normalized score (METHOD.md 6).
 
     The score is the task reward (see ``_score``) minus ``invalid_penalty`` per invalid turn
@@ -94,8 +100,14 @@ def episode_advantages(samples: list[TurnSample], eps: float, *, std_norm: bool 
     return torch.tensor([by_episode.get(s.episode, 0.0) for s in samples], dtype=torch.float32)
 
 
-def cross_step_advantages(samples: list[TurnSample], eps: float, *, std_norm: bool = True,
-                          invalid_penalty: float = 0.0, success_reward: float = 0.0) -> torch.Tensor:
+def cross_step_advantages(
+    samples: list[TurnSample],
+    eps: float,
+    *,
+    std_norm: bool = True,
+    invalid_penalty: float = 0.0,
+    success_reward: float = 0.0,
+) -> torch.Tensor:
     """The authors' GRPO normalization (``compute_mean_std_cross_steps=True``,
     verl/trainer/ppo/core_algos.py:114-175, called at ray_trainer.py:289-295): every turn is
     a sample scored with its episode's reward minus ``invalid_penalty`` if *this* turn was
@@ -103,10 +115,13 @@ def cross_step_advantages(samples: list[TurnSample], eps: float, *, std_norm: bo
     group, so a long episode weighs more in them. Faulted episodes are left out (0)."""
     keep = [i for i, s in enumerate(samples) if not s.faulted]
     group_index: dict[tuple, int] = {}
-    groups = torch.tensor([group_index.setdefault(samples[i].group_key, len(group_index)) for i in keep],
-                          dtype=torch.long)
-    scores = torch.tensor([_score(samples[i], success_reward) - (invalid_penalty if samples[i].invalid else 0.0)
-                           for i in keep], dtype=torch.float64)
+    groups = torch.tensor(
+        [group_index.setdefault(samples[i].group_key, len(group_index)) for i in keep], dtype=torch.long
+    )
+    scores = torch.tensor(
+        [_score(samples[i], success_reward) - (invalid_penalty if samples[i].invalid else 0.0) for i in keep],
+        dtype=torch.float64,
+    )
     out = torch.zeros(len(samples), dtype=torch.float32)
     if keep:
         out[keep] = core.group_advantages(scores, groups, eps=eps, std_norm=std_norm).to(torch.float32)
@@ -117,8 +132,11 @@ def turn_advantages(samples: list[TurnSample], cfg, *, std_norm: bool = True) ->
     """The GRPO advantage of every turn under ``cfg``'s settings (``train.group_norm``,
     ``train.invalid_action_penalty``, ``train.success_reward``); the defaults give exactly
     :func:`episode_advantages`."""
-    kw = {"std_norm": std_norm, "invalid_penalty": getattr(cfg, "invalid_action_penalty", 0.0),
-          "success_reward": getattr(cfg, "success_reward", 0.0)}
+    kw = {
+        "std_norm": std_norm,
+        "invalid_penalty": getattr(cfg, "invalid_action_penalty", 0.0),
+        "success_reward": getattr(cfg, "success_reward", 0.0),
+    }
     mode = getattr(cfg, "group_norm", "episode")
     if mode not in GROUP_NORMS:
         raise SerlError(f"unknown train.group_norm {mode!r}: choose one of {', '.join(GROUP_NORMS)}")
@@ -129,12 +147,22 @@ def turn_advantages(samples: list[TurnSample], cfg, *, std_norm: bool = True) ->
 
 def default_advantages(cfg) -> bool:
     """Whether ``cfg`` scores turns exactly as serl always did (the annotate stage's advantage)."""
-    return (getattr(cfg, "group_norm", "episode") == "episode" and not getattr(cfg, "invalid_action_penalty", 0.0)
-            and not getattr(cfg, "success_reward", 0.0))
+    return (
+        getattr(cfg, "group_norm", "episode") == "episode"
+        and not getattr(cfg, "invalid_action_penalty", 0.0)
+        and not getattr(cfg, "success_reward", 0.0)
+    )
 
 
-def policy_gradient_loss(mb: MicroBatch, logp: torch.Tensor, cfg, *, num_tokens: float, distill_tokens: float = 0.0,
-                         logp_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+def policy_gradient_loss(
+    mb: MicroBatch,
+    logp: torch.Tensor,
+    cfg,
+    *,
+    num_tokens: float,
+    distill_tokens: float = 0.0,
+    logp_ref: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
     """PPO-clip on the (optionally reweighted) advantage, + KL to the reference, + distillation,
     (- the entropy bonus, with dual-clip, when those settings are on).
 
@@ -144,13 +172,24 @@ def policy_gradient_loss(mb: MicroBatch, logp: torch.Tensor, cfg, *, num_tokens:
     """
     distill = bool(cfg.distill_coef and mb.distill is not None and mb.logp_teacher is not None)
     distill_mask = sdpo.distill_token_mask(mb.reply_mask, mb.distill) if distill else None
-    return core.policy_loss(logp, mb.logp_old, mb.advantages, mb.reply_mask, weights=mb.weights,
-                            clip_eps=cfg.clip_eps, logp_ref=logp_ref, kl_coef=cfg.kl_coef, num_tokens=num_tokens,
-                            logp_teacher=mb.logp_teacher if distill else None,
-                            distill_coef=cfg.distill_coef if distill else 0.0,
-                            distill_mask=distill_mask, distill_num_tokens=distill_tokens,
-                            dual_clip=getattr(cfg, "dual_clip", 0.0), entropy=mb.entropy,
-                            entropy_coef=getattr(cfg, "entropy_coef", 0.0))
+    return core.policy_loss(
+        logp,
+        mb.logp_old,
+        mb.advantages,
+        mb.reply_mask,
+        weights=mb.weights,
+        clip_eps=cfg.clip_eps,
+        logp_ref=logp_ref,
+        kl_coef=cfg.kl_coef,
+        num_tokens=num_tokens,
+        logp_teacher=mb.logp_teacher if distill else None,
+        distill_coef=cfg.distill_coef if distill else 0.0,
+        distill_mask=distill_mask,
+        distill_num_tokens=distill_tokens,
+        dual_clip=getattr(cfg, "dual_clip", 0.0),
+        entropy=mb.entropy,
+        entropy_coef=getattr(cfg, "entropy_coef", 0.0),
+    )
 
 
 # -- sft: behaviour cloning on the reply tokens of reference trajectories ----------------
@@ -176,8 +215,16 @@ register(Objective("grpo", _grpo_prepare, policy_gradient_loss))
 
 
 # -- serl / rlsd / sdpo: the annotate stage's teacher scores and weights ---------------------
-def _annotated(samples, inputs: UpdateInputs, cfg, *, weights: bool, distill: bool, placement: str | None = None,
-               tokens: str | None = None) -> PerTurn:
+def _annotated(
+    samples,
+    inputs: UpdateInputs,
+    cfg,
+    *,
+    weights: bool,
+    distill: bool,
+    placement: str | None = None,
+    tokens: str | None = None,
+) -> PerTurn:
     """serl: the weights on the parsed action's tokens of the annotation's turns (default: every
     turn with a block); rlsd (``placement="all"``, ``tokens="reply"``): on every reply token."""
     ann = inputs.annotations
@@ -187,15 +234,20 @@ def _annotated(samples, inputs: UpdateInputs, cfg, *, weights: bool, distill: bo
         raise SerlError(f"annotations hold {len(ann)} turns but the rollouts {len(samples)}: annotate this run again")
     made = inputs.annotate_config or {}
     if placement and made.get("placement") and made["placement"] != placement:
-        raise SerlError(f"--algo {cfg.algo} needs annotations with placement {placement!r}, these used {made['placement']!r}")
+        raise SerlError(
+            f"--algo {cfg.algo} needs annotations with placement {placement!r}, these used {made['placement']!r}"
+        )
     if tokens and made and made.get("tokens", "action") != tokens:
-        raise SerlError(f"--algo {cfg.algo} weights every reply token: annotate with --set tokens={tokens} "
-                        f"(these annotations weighted {made.get('tokens', 'action')!r} tokens)")
+        raise SerlError(
+            f"--algo {cfg.algo} weights every reply token: annotate with --set tokens={tokens} "
+            f"(these annotations weighted {made.get('tokens', 'action')!r} tokens)"
+        )
     adv = turn_advantages(samples, cfg)
     prep = PerTurn(advantages=torch.zeros_like(adv) if distill and not weights else adv)
     if weights:
-        prep.token_weights = [a["weights"] if a["weights"] is not None else [1.0] * len(s.action_ids)
-                              for a, s in zip(ann, samples)]
+        prep.token_weights = [
+            a["weights"] if a["weights"] is not None else [1.0] * len(s.action_ids) for a, s in zip(ann, samples)
+        ]
     if distill or cfg.distill_coef:
         prep.teacher_logprobs = [a["teacher_logprobs"] or [0.0] * len(s.action_ids) for a, s in zip(ann, samples)]
         prep.distill = [bool(a["distill"]) and a["teacher_logprobs"] is not None for a in ann]
@@ -239,16 +291,30 @@ def _sdpo_prepare(samples, inputs: UpdateInputs, cfg) -> PerTurn:
     if not cfg.distill_coef:
         raise SerlError("--algo sdpo is the distillation term alone: set train.distill_coef > 0")
     if (inputs.annotate_config or {}).get("skip_zero_advantage", False):
-        raise SerlError("--algo sdpo distills on failed rollouts whatever their advantage: annotate with "
-                        "--set skip_zero_advantage=false")
+        raise SerlError(
+            "--algo sdpo distills on failed rollouts whatever their advantage: annotate with "
+            "--set skip_zero_advantage=false"
+        )
     return _annotated(samples, inputs, cfg, weights=False, distill=True)
 
 
-register(Objective("serl", lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False),
-                   policy_gradient_loss, needs_annotations=True))
-register(Objective("rlsd", lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False, placement="all",
-                                                        tokens="reply"),
-                   policy_gradient_loss, needs_annotations=True, placement="all"))
+register(
+    Objective(
+        "serl",
+        lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False),
+        policy_gradient_loss,
+        needs_annotations=True,
+    )
+)
+register(
+    Objective(
+        "rlsd",
+        lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False, placement="all", tokens="reply"),
+        policy_gradient_loss,
+        needs_annotations=True,
+        placement="all",
+    )
+)
 register(Objective("sdpo", _sdpo_prepare, policy_gradient_loss, needs_annotations=True))
 
 
@@ -274,16 +340,23 @@ def _gigpo_prepare(samples, inputs, cfg) -> PerTurn:
             ret_of[id(s)] = r - penalty if penalty and s.invalid else r
     kept = [i for i, s in enumerate(samples) if not s.faulted]
     anchor_index: dict[tuple, int] = {}
-    anchors = torch.tensor([anchor_index.setdefault((samples[i].group_key, samples[i].state_key), len(anchor_index))
-                            for i in kept], dtype=torch.long)
+    anchors = torch.tensor(
+        [anchor_index.setdefault((samples[i].group_key, samples[i].state_key), len(anchor_index)) for i in kept],
+        dtype=torch.long,
+    )
     returns = torch.tensor([ret_of[id(samples[i])] for i in kept], dtype=torch.float64)
     step = torch.zeros(len(samples), dtype=torch.float32)
     if kept:
         step[kept] = gigpo.step_advantages(returns, anchors, eps=cfg.adv_eps, std_norm=std_norm).to(torch.float32)
     adv = gigpo.gigpo_advantages(episode_adv, step, omega=cfg.omega)
-    return PerTurn(advantages=adv, stats={"mean_abs_advantage": adv.abs().mean().item(),
-                                           "mean_abs_step_advantage": step.abs().mean().item(),
-                                           "anchor_states": len(anchor_index)})
+    return PerTurn(
+        advantages=adv,
+        stats={
+            "mean_abs_advantage": adv.abs().mean().item(),
+            "mean_abs_step_advantage": step.abs().mean().item(),
+            "anchor_states": len(anchor_index),
+        },
+    )
 
 
 register(Objective("gigpo", _gigpo_prepare, policy_gradient_loss))

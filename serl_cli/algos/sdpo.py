@@ -4,6 +4,7 @@ on the action tokens of selected turns of FAILED rollouts (METHOD.md sections 6-
 On a failure the reward gives no example of what to do; the teacher, shown hindsight
 (the error, a successful sibling...), does. On a success the policy already did well.
 """
+
 from torch import Tensor
 
 from .core import kl_k3

@@ -10,12 +10,12 @@ On a success (A > 0), tokens the teacher likes more than the student get more cr
 on a failure (A < 0), tokens the teacher likes less get more blame. All weights are
 constants: computed from stored log-probs, never differentiated.
 """
+
 import torch
 from torch import Tensor
 
 
-def hindsight_weights(logp_teacher: Tensor, logp_old: Tensor, advantages_sign: Tensor,
-                      clip: float = 0.2) -> Tensor:
+def hindsight_weights(logp_teacher: Tensor, logp_old: Tensor, advantages_sign: Tensor, clip: float = 0.2) -> Tensor:
     """w = clip(exp(sign(A) * (logp_T - logp_old)), 1 - clip, 1 + clip), per token [B, T].
 
     advantages_sign: [B] or [B, T]; only its sign is used, so the advantage itself can
@@ -50,5 +50,3 @@ def blend_weights(w: Tensor, lam: float) -> Tensor:
 def apply_placement(weights: Tensor, selected_tokens_mask: Tensor) -> Tensor:
     """Keep weights on selected tokens (action tokens of turns in S), 1 everywhere else."""
     return torch.where(selected_tokens_mask.bool(), weights, torch.ones_like(weights))
-
-

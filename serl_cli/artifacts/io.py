@@ -21,8 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from serl_cli import __version__
 from serl_cli.errors import SerlError
@@ -149,7 +150,9 @@ def iter_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> Iterator[dic
     with open(path, "rb") as f:
         for lineno, raw in _lines(f, path):
             if not raw.endswith(b"\n"):
-                raise SerlError(f"{path}:{lineno}: truncated last line (no newline): the file was cut while being written")
+                raise SerlError(
+                    f"{path}:{lineno}: truncated last line (no newline): the file was cut while being written"
+                )
             record = _parse(raw, path, lineno)
             missing = [k for k in required if k not in record]
             if missing:
@@ -172,7 +175,9 @@ def truncate_jsonl(path: str | Path, n: int) -> None:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -202,7 +207,9 @@ def load_manifest(run_dir: str | Path) -> dict:
         raise SerlError(f"{run_dir}/manifest.json is not a serl manifest (expected an object with a stages mapping)")
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise SerlError(f"{run_dir}/manifest.json has artifact schema version {version!r}; this serl reads version {SCHEMA_VERSION}")
+        raise SerlError(
+            f"{run_dir}/manifest.json has artifact schema version {version!r}; this serl reads version {SCHEMA_VERSION}"
+        )
     return manifest
 
 
@@ -221,7 +228,9 @@ def prepare_output(path: str | Path, *, overwrite: bool, what: str) -> Path:
     """Refuse to write over finished output unless told ``--overwrite``."""
     path = Path(path)
     if path.exists() and not overwrite:
-        raise SerlError(f"{what} already exists at {path}: pass --overwrite to replace it (or --resume where supported)")
+        raise SerlError(
+            f"{what} already exists at {path}: pass --overwrite to replace it (or --resume where supported)"
+        )
     return path
 
 
@@ -241,6 +250,7 @@ def append_jsonl(path: str | Path, record: dict) -> None:
 
 # -- journals: the finished units of an interrupted stage ---------------------------------------
 
+
 def begin_resumable(target: Path, journal: Path, *, overwrite: bool, resume: bool, what: str, finished) -> dict | None:
     """Start a stage that writes ``target`` and journals its units in ``journal``.
 
@@ -254,8 +264,10 @@ def begin_resumable(target: Path, journal: Path, *, overwrite: bool, resume: boo
         return summary
     prepare_output(target, overwrite=overwrite, what=what)
     if journal.exists() and not overwrite:
-        raise SerlError(f"{target.parent} holds an interrupted {what} pass ({journal.name}): pass --resume to "
-                        f"continue it or --overwrite to start again")
+        raise SerlError(
+            f"{target.parent} holds an interrupted {what} pass ({journal.name}): pass --resume to "
+            f"continue it or --overwrite to start again"
+        )
     return None
 
 
@@ -273,7 +285,7 @@ def append_journal(path: str | Path, unit: dict) -> None:
         try:
             view = memoryview(line)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -312,8 +324,10 @@ def _check_header(path: Path, found, expected: dict) -> None:
     if not isinstance(found, dict):
         raise SerlError(f"{path} is not a serl journal: delete it or pass --overwrite to start again")
     key = next(k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k))
-    raise SerlError(f"{path} belongs to an interrupted run with a different {key}: resume with the same settings, "
-                    f"or pass --overwrite to start again")
+    raise SerlError(
+        f"{path} belongs to an interrupted run with a different {key}: resume with the same settings, "
+        f"or pass --overwrite to start again"
+    )
 
 
 DEBRIS = (".*.tmp", ".*.partial")  # temporary files of atomic writes, staging folders of checkpoints

@@ -33,7 +33,7 @@ def _process_identity(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return f"{boot}:{fields[19]}"  # field 22 of stat: start time in clock ticks after boot
 
 
@@ -78,8 +78,13 @@ def run_lock(run_dir: str | Path, warn=None):
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
     path = lock_path(run_dir)
     created = _make_dirs(path.parent)
-    me = {"pid": os.getpid(), "host": platform.node(), "started": time.time(), "command": sys.argv,
-          "identity": _process_identity(os.getpid())}
+    me = {
+        "pid": os.getpid(),
+        "host": platform.node(),
+        "started": time.time(),
+        "command": sys.argv,
+        "identity": _process_identity(os.getpid()),
+    }
     text = json.dumps(me)
     try:
         for _ in range(3):

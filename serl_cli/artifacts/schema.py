@@ -44,13 +44,22 @@ def _number(v) -> bool:
 
 
 # what each stored field must be: a wrong type is refused on reading, not found mid-update
-EPISODE_TYPES = {"task_id": (lambda v: type(v) is int, "an integer"), "group_id": (lambda v: type(v) is int, "an integer"),
-                 "rollout_index": (lambda v: type(v) is int, "an integer"), "reward": (_number, "a number"),
-                 "success": (lambda v: type(v) is bool, "true or false")}
-TURN_TYPES = {"prompt_ids": (_ints, "a list of token ids"), "action_ids": (_ints, "a list of token ids"),
-              "behaviour_logprobs": (_numbers, "a list of numbers"), "action_text": (lambda v: isinstance(v, str), "a string"),
-              "reward": (_number, "a number"), "done": (lambda v: type(v) is bool, "true or false"),
-              "state_key": (lambda v: isinstance(v, str), "a string")}
+EPISODE_TYPES = {
+    "task_id": (lambda v: type(v) is int, "an integer"),
+    "group_id": (lambda v: type(v) is int, "an integer"),
+    "rollout_index": (lambda v: type(v) is int, "an integer"),
+    "reward": (_number, "a number"),
+    "success": (lambda v: type(v) is bool, "true or false"),
+}
+TURN_TYPES = {
+    "prompt_ids": (_ints, "a list of token ids"),
+    "action_ids": (_ints, "a list of token ids"),
+    "behaviour_logprobs": (_numbers, "a list of numbers"),
+    "action_text": (lambda v: isinstance(v, str), "a string"),
+    "reward": (_number, "a number"),
+    "done": (lambda v: type(v) is bool, "true or false"),
+    "state_key": (lambda v: isinstance(v, str), "a string"),
+}
 
 
 def _check_types(record: dict, types: dict, where: str) -> None:
@@ -65,7 +74,9 @@ def read_rollouts(run_dir: str | Path, *, need_tokens: bool = True) -> list[dict
     io.load_manifest(run_dir)
     path = run_dir / ROLLOUTS_FILE
     if not path.is_file():
-        raise SerlError(f"{run_dir} holds no rollouts ({ROLLOUTS_FILE} missing): run `serl rollout --out {run_dir}` first")
+        raise SerlError(
+            f"{run_dir} holds no rollouts ({ROLLOUTS_FILE} missing): run `serl rollout --out {run_dir}` first"
+        )
     episodes = list(io.iter_jsonl(path, required=ROLLOUT_KEYS))
     if not episodes:
         raise SerlError(f"{path} holds no episodes")
@@ -78,10 +89,14 @@ def read_rollouts(run_dir: str | Path, *, need_tokens: bool = True) -> list[dict
                 raise SerlError(f"{path}:{n}: a turn must be a JSON object, got {type(t).__name__}")
             missing = [k for k in TURN_KEYS if k not in t]
             if missing:
-                raise SerlError(f"{path}:{n}: a turn lacks {', '.join(missing)} (rollouts without feedback or token fields)")
+                raise SerlError(
+                    f"{path}:{n}: a turn lacks {', '.join(missing)} (rollouts without feedback or token fields)"
+                )
             _check_types(t, TURN_TYPES, f"{path}:{n}: a turn's")
             if need_tokens and (not t["prompt_ids"] or not t["action_ids"]):
-                raise SerlError(f"{path}:{n}: a turn has no token ids: these rollouts were not recorded with a model tokenizer")
+                raise SerlError(
+                    f"{path}:{n}: a turn has no token ids: these rollouts were not recorded with a model tokenizer"
+                )
             if need_tokens and t["behaviour_logprobs"] and len(t["behaviour_logprobs"]) != len(t["action_ids"]):
                 raise SerlError(f"{path}:{n}: behaviour_logprobs and action_ids differ in length")
             if not isinstance(t["feedback"], dict) or "error" not in t["feedback"]:
@@ -148,8 +163,23 @@ SELECTION_REPORT_FILE = "selection_report.json"
 #   advantage        the episode's group-normalized advantage
 #   log_ratio_mean   mean over action tokens of log pi_T - log pi_old (None: not scored)
 #   distill          the turn carries the distillation term (selected turn of a failed rollout)
-ANNOTATION_KEYS = ("episode", "task_id", "group_id", "rollout_index", "turn", "selected", "sources", "fired",
-                   "hindsight", "action_mask", "teacher_logprobs", "weights", "advantage", "log_ratio_mean", "distill")
+ANNOTATION_KEYS = (
+    "episode",
+    "task_id",
+    "group_id",
+    "rollout_index",
+    "turn",
+    "selected",
+    "sources",
+    "fired",
+    "hindsight",
+    "action_mask",
+    "teacher_logprobs",
+    "weights",
+    "advantage",
+    "log_ratio_mean",
+    "distill",
+)
 
 
 def rollout_temperature(manifest: dict) -> float:
@@ -159,10 +189,8 @@ def rollout_temperature(manifest: dict) -> float:
     return t if t > 0 else 1.0
 
 
-
 def rollouts_fingerprint(run: Path) -> str:
     return hashlib.sha256((run / ROLLOUTS_FILE).read_bytes()).hexdigest()[:16]
-
 
 
 def read_annotations(run_dir: str | Path) -> list[dict]:

@@ -71,8 +71,9 @@ class Tracker:
             self.writers.append(("tensorboard", writer))
         if "wandb" in self.backends:
             wandb = _import("wandb")
-            self.writers.append(("wandb", wandb.init(name=self.run_name, config=self.config, dir=str(self.run_dir),
-                                                     reinit=True)))
+            self.writers.append(
+                ("wandb", wandb.init(name=self.run_name, config=self.config, dir=str(self.run_dir), reinit=True))
+            )
 
     def log(self, metrics: dict, step: int) -> None:
         if self.backends and not self.writers:

@@ -10,9 +10,20 @@ every one-line error free of torch and transformers (several seconds of start-up
 from __future__ import annotations
 
 # command name -> the module that registers it
-COMMAND_MODULES = {"ablate": "ablate", "annotate": "annotate", "config": "config", "data": "data", "demo": "demo",
-                   "env": "env_play", "eval": "eval", "model": "model", "plot": "plot", "rollout": "rollout",
-                   "show": "show", "train": "train"}
+COMMAND_MODULES = {
+    "ablate": "ablate",
+    "annotate": "annotate",
+    "config": "config",
+    "data": "data",
+    "demo": "demo",
+    "env": "env_play",
+    "eval": "eval",
+    "model": "model",
+    "plot": "plot",
+    "rollout": "rollout",
+    "show": "show",
+    "train": "train",
+}
 
 
 def command_modules(argv: list[str]) -> list[str]:

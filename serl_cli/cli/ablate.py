@@ -12,7 +12,6 @@ The grid rule (axes, the flags shorthand, cell names) is in :mod:`serl_cli.ablat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -26,7 +25,7 @@ from serl_cli.stages.online import PREEMPTED_EXIT, Preempted
 from serl_cli.training.backends import is_main_process
 
 
-def _report(out: Path, quiet: bool, keep: Optional[str] = None) -> None:
+def _report(out: Path, quiet: bool, keep: str | None = None) -> None:
     from serl_cli.ablate.report import write_report
     from serl_cli.stats.summary import fmt
 
@@ -35,53 +34,85 @@ def _report(out: Path, quiet: bool, keep: Optional[str] = None) -> None:
         console.print(f"{kept} cells' summaries kept in {keep}", highlight=False)
         out = Path(keep)
     res = write_report(out)
-    rows = [(r["arm"], f"{fmt(r['success_mean'])} ± {fmt(r['success_std'])}  (n={r['seeds_done']})"
-             + ("" if r["p_success"] is None else f"  p={r['p_success']:.3g}")) for r in res["rows"]]
+    rows = [
+        (
+            r["arm"],
+            f"{fmt(r['success_mean'])} ± {fmt(r['success_std'])}  (n={r['seeds_done']})"
+            + ("" if r["p_success"] is None else f"  p={r['p_success']:.3g}"),
+        )
+        for r in res["rows"]
+    ]
     if res["unfinished"]:
         rows.append(("unfinished cells", str(len(res["unfinished"]))))
     console.print(summary_table(f"ablation {out}: success over seeds (baseline {res['baseline']})", rows))
-    console.print(f"report: {out / 'report.md'}, {out / 'report.csv'}"
-                  + (f", {out / 'contrasts.csv'} ({len(res['contrasts'])} contrasts)" if res["contrasts"] else "")
-                  + (f", {out / 'curves.png'}" if res["plot"] else " (no plot: matplotlib missing)"), highlight=False)
+    console.print(
+        f"report: {out / 'report.md'}, {out / 'report.csv'}"
+        + (f", {out / 'contrasts.csv'} ({len(res['contrasts'])} contrasts)" if res["contrasts"] else "")
+        + (f", {out / 'curves.png'}" if res["plot"] else " (no plot: matplotlib missing)"),
+        highlight=False,
+    )
 
 
 @app.command("ablate")
 def ablate_command(
-    grid_file: Optional[str] = typer.Argument(None, help="A grid file (experiments/ablations/*.yaml); with --report "
-                                                         "and no --out: the ablation directory."),
-    env: Optional[str] = typer.Option(None, "--env", help="Environments (comma list): the env axis."),
-    algo: Optional[str] = typer.Option(None, "--algo", help="Algorithms (comma list): the algo axis."),
-    sources: Optional[str] = typer.Option(None, "--sources", help="Without a grid file: one SERL arm per source, one "
-                                                                  "with all combined, and GRPO."),
-    granularity: Optional[str] = typer.Option(None, "--granularity", help="Granularities (comma list)."),
-    placement: Optional[str] = typer.Option(None, "--placement", help="Placements (comma list)."),
-    seeds: Optional[int] = typer.Option(None, "--seeds", help="Seeds per arm: 0..N-1."),
-    iterations: Optional[int] = typer.Option(None, "--iterations", help="Online iterations per cell."),
-    episodes: Optional[int] = typer.Option(None, "--episodes", help="Final evaluation: test-panel episodes per cell."),
-    out: Optional[str] = typer.Option(None, "--out", help="The ablation directory (default runs/ablate)."),
-    cell: Optional[int] = typer.Option(None, "--cell", help="Run only cell i (what SLURM array task i runs)."),
-    parallel: int = typer.Option(1, "--parallel", help="Cells at a time here (subprocesses); with --emit slurm: "
-                                                       "the array's concurrency limit."),
-    max_parallel: Optional[int] = typer.Option(None, "--max-parallel", help="--emit slurm: array tasks running at "
-                                               "once (%N); default: slurm.max_parallel of the grid, else no cap."),
-    emit: Optional[str] = typer.Option(None, "--emit", help="slurm: write OUT/ablate.sbatch instead of running."),
-    slurm_template: Optional[str] = typer.Option(None, "--slurm-template", help="A sbatch template with {array} and "
-                                                                                "{command} placeholders."),
+    grid_file: str | None = typer.Argument(
+        None, help="A grid file (experiments/ablations/*.yaml); with --report and no --out: the ablation directory."
+    ),
+    env: str | None = typer.Option(None, "--env", help="Environments (comma list): the env axis."),
+    algo: str | None = typer.Option(None, "--algo", help="Algorithms (comma list): the algo axis."),
+    sources: str | None = typer.Option(
+        None, "--sources", help="Without a grid file: one SERL arm per source, one with all combined, and GRPO."
+    ),
+    granularity: str | None = typer.Option(None, "--granularity", help="Granularities (comma list)."),
+    placement: str | None = typer.Option(None, "--placement", help="Placements (comma list)."),
+    seeds: int | None = typer.Option(None, "--seeds", help="Seeds per arm: 0..N-1."),
+    iterations: int | None = typer.Option(None, "--iterations", help="Online iterations per cell."),
+    episodes: int | None = typer.Option(None, "--episodes", help="Final evaluation: test-panel episodes per cell."),
+    out: str | None = typer.Option(None, "--out", help="The ablation directory (default runs/ablate)."),
+    cell: int | None = typer.Option(None, "--cell", help="Run only cell i (what SLURM array task i runs)."),
+    parallel: int = typer.Option(
+        1, "--parallel", help="Cells at a time here (subprocesses); with --emit slurm: the array's concurrency limit."
+    ),
+    max_parallel: int | None = typer.Option(
+        None,
+        "--max-parallel",
+        help="--emit slurm: array tasks running at once (%N); default: slurm.max_parallel of the grid, else no cap.",
+    ),
+    emit: str | None = typer.Option(None, "--emit", help="slurm: write OUT/ablate.sbatch instead of running."),
+    slurm_template: str | None = typer.Option(
+        None, "--slurm-template", help="A sbatch template with {array} and {command} placeholders."
+    ),
     report: bool = typer.Option(False, "--report", help="Aggregate finished cells into report.md/.csv and curves.png."),
-    keep: Optional[str] = typer.Option(None, "--keep", help="With --report: copy the cells' small summaries to this "
-                                                            "folder and build the report there (commit it; "
-                                                            "`serl ablate --report DIR` rebuilds it)."),
-    reuse_from: Optional[List[str]] = typer.Option(None, "--reuse", help="Copy the cells another ablation "
-                                                   "directory finished, where they are the same cell, instead "
-                                                   "of training them again (repeatable)."),
-    config: Optional[str] = typer.Option(None, "--config", help="A YAML file of grid settings (one file)."),
-    set_: Optional[List[str]] = SetOpt,
+    keep: str | None = typer.Option(
+        None,
+        "--keep",
+        help="With --report: copy the cells' small summaries to this "
+        "folder and build the report there (commit it; "
+        "`serl ablate --report DIR` rebuilds it).",
+    ),
+    reuse_from: list[str] | None = typer.Option(
+        None,
+        "--reuse",
+        help="Copy the cells another ablation "
+        "directory finished, where they are the same cell, instead "
+        "of training them again (repeatable).",
+    ),
+    config: str | None = typer.Option(None, "--config", help="A YAML file of grid settings (one file)."),
+    set_: list[str] | None = SetOpt,
     quiet: bool = QuietOpt,
     verbose: bool = VerboseOpt,
 ):
     """Ablation grid: cells = arms x seeds, each an online run plus a final evaluation."""
-    flags = {"env": env, "algo": algo, "sources": sources, "granularity": granularity, "placement": placement,
-             "seeds": seeds, "iterations": iterations, "episodes": episodes}
+    flags = {
+        "env": env,
+        "algo": algo,
+        "sources": sources,
+        "granularity": granularity,
+        "placement": placement,
+        "seeds": seeds,
+        "iterations": iterations,
+        "episodes": episodes,
+    }
     defines_grid = bool(config or set_ or any(v is not None for v in flags.values()))
     if keep is not None and not report:
         raise SerlError("--keep goes with --report: serl ablate --report OUT --keep DIR")
@@ -130,14 +161,20 @@ def ablate_command(
         copied, other_start = reuse.reuse_finished_cells(src, out_dir)
         log(f"{copied} finished cells reused from {src}")
         if other_start:
-            err_console.print(f"{len(other_start)} cells of {src} not reused: they started from another model than "
-                              f"this grid's (or did not record theirs), e.g. {other_start[0]}",
-                              highlight=False, soft_wrap=True)
+            err_console.print(
+                f"{len(other_start)} cells of {src} not reused: they started from another model than "
+                f"this grid's (or did not record theirs), e.g. {other_start[0]}",
+                highlight=False,
+                soft_wrap=True,
+            )
     if emit == "slurm":
         cap = max_parallel or (parallel if parallel > 1 else 0)
         path = runners.emit_slurm(record, out_dir, template=slurm_template, parallel=cap)
-        console.print(f"{len(record['cells'])} cells; job array written to {path}; submit it with its report job: "
-                      f"bash {out_dir.resolve() / 'submit.sh'} (or sbatch {path} alone)", highlight=False)
+        console.print(
+            f"{len(record['cells'])} cells; job array written to {path}; submit it with its report job: "
+            f"bash {out_dir.resolve() / 'submit.sh'} (or sbatch {path} alone)",
+            highlight=False,
+        )
         return
     if cell is not None:
         _run_one_cell(record, out_dir, cell, quiet)

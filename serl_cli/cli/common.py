@@ -41,8 +41,16 @@ def show_defaults(cls, **flag_keys: str):
 READS_RUN_FILES = ("rollout", "eval", "annotate")
 
 
-def resolve(cls, *, config_file, overrides, flags: dict, base: dict | None = None, command: str | None = None,
-            quiet: bool = False):
+def resolve(
+    cls,
+    *,
+    config_file,
+    overrides,
+    flags: dict,
+    base: dict | None = None,
+    command: str | None = None,
+    quiet: bool = False,
+):
     """``cls`` from defaults < ``base`` < ``--config`` files < flags < ``--set``. With ``command``
     (one of :data:`READS_RUN_FILES`) a run file is read too, and the keys of it the command does
     not use are named in one note on stderr (not under ``-q``)."""
@@ -52,8 +60,9 @@ def resolve(cls, *, config_file, overrides, flags: dict, base: dict | None = Non
         from serl_cli.stages.run_file import RunFileReader
 
         reader = RunFileReader(command, cls, OnlineConfig)
-    cfg = cfgmod.resolve(cls, config_file=config_file, flags=flags, overrides=list(overrides or []), base=base,
-                         reader=reader)
+    cfg = cfgmod.resolve(
+        cls, config_file=config_file, flags=flags, overrides=list(overrides or []), base=base, reader=reader
+    )
     note = reader.note() if reader is not None else None
     if note and not quiet:
         err_console.print(note, highlight=False, markup=False, soft_wrap=True)

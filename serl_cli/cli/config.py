@@ -11,7 +11,6 @@ Command-line flags of the command itself (``--tasks``, ``--algo``...) are ``--se
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
 
 import typer
 import yaml
@@ -53,8 +52,8 @@ COMMANDS = ("rollout", "annotate", "train", "eval", "demo", "data", "model", "en
 @config_app.command("show")
 def show_command(
     command: str = typer.Argument(..., help=f"The command whose configuration to print: {' | '.join(COMMANDS)}."),
-    config: Optional[List[str]] = typer.Option(None, "--config", help="YAML config files, composed left to right."),
-    set_: Optional[List[str]] = SetOpt,
+    config: list[str] | None = typer.Option(None, "--config", help="YAML config files, composed left to right."),
+    set_: list[str] | None = SetOpt,
     defaults: bool = typer.Option(False, "--defaults", help="Print the defaults alone (no files, no --set)."),
 ):
     """Print the resolved configuration of COMMAND as YAML."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -44,15 +43,31 @@ def prepare_alfworld(cfg: PrepareConfig, world, progress=None) -> dict:
     games = world.games(cfg.env.split)
     if cfg.games is not None:
         if not 0 < cfg.games <= len(games):
-            raise SerlError(f"--games {cfg.games} out of range: the alfworld {cfg.env.split} split has {len(games)} games")
+            raise SerlError(
+                f"--games {cfg.games} out of range: the alfworld {cfg.env.split} split has {len(games)} games"
+            )
         games = games[: cfg.games]
     out = Path(cfg.out) if cfg.out else cache_dir() / PLANS_FILE
     known = {**world.plans, **load_plans([out])}
-    result = prepare_plans(games, out, known=known, workers=cfg.workers, timeout_s=cfg.timeout_s, on_result=progress,
-                           append=io.append_jsonl)
+    result = prepare_plans(
+        games,
+        out,
+        known=known,
+        workers=cfg.workers,
+        timeout_s=cfg.timeout_s,
+        on_result=progress,
+        append=io.append_jsonl,
+    )
     have = load_plans([*default_plan_files(world.root, world.config.plans), out])
-    return {"split": cfg.env.split, "games": len(games), "planned": result.planned, "failed": result.failed,
-            "skipped": result.skipped, "with_plan": sum(g.rel in have for g in games), "out": str(out)}
+    return {
+        "split": cfg.env.split,
+        "games": len(games),
+        "planned": result.planned,
+        "failed": result.failed,
+        "skipped": result.skipped,
+        "with_plan": sum(g.rel in have for g in games),
+        "out": str(out),
+    }
 
 
 PREPARERS = {"alfworld": prepare_alfworld}
@@ -60,22 +75,37 @@ PREPARERS = {"alfworld": prepare_alfworld}
 
 @data_app.command("prepare")
 def prepare(
-    env: Optional[str] = typer.Option(None, "--env", help="Environment: alfworld."),
-    split: Optional[str] = typer.Option(None, "--split", help="Split whose games to prepare (train, valid_seen, valid_unseen)."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Planner processes at once."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds per game before its planner is stopped."),
-    games: Optional[int] = typer.Option(None, "--games", help="Only the first N games of the split's panel."),
-    out: Optional[str] = typer.Option(None, "--out", help="Plan file to append to (default: the serl cache)."),
-    config: Optional[List[str]] = ConfigOpt,
-    set_: Optional[List[str]] = SetOpt,
+    env: str | None = typer.Option(None, "--env", help="Environment: alfworld."),
+    split: str | None = typer.Option(
+        None, "--split", help="Split whose games to prepare (train, valid_seen, valid_unseen)."
+    ),
+    workers: int | None = typer.Option(None, "--workers", help="Planner processes at once."),
+    timeout: float | None = typer.Option(None, "--timeout", help="Seconds per game before its planner is stopped."),
+    games: int | None = typer.Option(None, "--games", help="Only the first N games of the split's panel."),
+    out: str | None = typer.Option(None, "--out", help="Plan file to append to (default: the serl cache)."),
+    config: list[str] | None = ConfigOpt,
+    set_: list[str] | None = SetOpt,
     quiet: bool = QuietOpt,
 ):
     """Compute and cache expert plans (ALFWorld), resumable: games with a plan are skipped."""
-    cfg = resolve(PrepareConfig, config_file=config, overrides=set_, flags={
-        "env.name": env, "env.split": split, "workers": workers, "timeout_s": timeout, "games": games, "out": out})
+    cfg = resolve(
+        PrepareConfig,
+        config_file=config,
+        overrides=set_,
+        flags={
+            "env.name": env,
+            "env.split": split,
+            "workers": workers,
+            "timeout_s": timeout,
+            "games": games,
+            "out": out,
+        },
+    )
     if cfg.env.name not in PREPARERS:
-        raise SerlError(f"environment {cfg.env.name!r} needs no preparation: `serl data prepare` is for "
-                        f"{', '.join(sorted(PREPARERS))}")
+        raise SerlError(
+            f"environment {cfg.env.name!r} needs no preparation: `serl data prepare` is for "
+            f"{', '.join(sorted(PREPARERS))}"
+        )
     world = build_world(cfg.env)
 
     def report(game, rec):
@@ -85,7 +115,16 @@ def prepare(
 
     summary = PREPARERS[cfg.env.name](cfg, world, progress=report)
     save_resolved(Path(summary["out"]).parent, "prepare_config.yaml", cfg)
-    console.print(summary_table(f"{cfg.env.name} {cfg.env.split}: expert plans", [
-        ("games", str(summary["games"])), ("planned now", str(summary["planned"])),
-        ("failed now", str(summary["failed"])), ("skipped", str(summary["skipped"])),
-        ("games with a plan", f"{summary['with_plan']} / {summary['games']}"), ("plan file", summary["out"])]))
+    console.print(
+        summary_table(
+            f"{cfg.env.name} {cfg.env.split}: expert plans",
+            [
+                ("games", str(summary["games"])),
+                ("planned now", str(summary["planned"])),
+                ("failed now", str(summary["failed"])),
+                ("skipped", str(summary["skipped"])),
+                ("games with a plan", f"{summary['with_plan']} / {summary['games']}"),
+                ("plan file", summary["out"]),
+            ],
+        )
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import List, Optional
 
 import typer
 from rich.markup import escape
@@ -19,35 +18,64 @@ from serl_cli.rollout.worlds import EnvConfig, build_world
 
 def _show(step: Step, turn: int, action: str | None, as_json: bool) -> None:
     if as_json:
-        console.print_json(json.dumps({"turn": turn, "action": action, "observation": step.observation, "reward": step.reward,
-                                       "done": step.done, "feedback": step.feedback.to_dict(), "state_key": step.state_key,
-                                       "expert_action": step.expert_action, "admissible_actions": step.admissible_actions}))
+        console.print_json(
+            json.dumps(
+                {
+                    "turn": turn,
+                    "action": action,
+                    "observation": step.observation,
+                    "reward": step.reward,
+                    "done": step.done,
+                    "feedback": step.feedback.to_dict(),
+                    "state_key": step.state_key,
+                    "expert_action": step.expert_action,
+                    "admissible_actions": step.admissible_actions,
+                }
+            )
+        )
         return
     title = escape(f"turn {turn}" + (f": {action}" if action else ": reset"))
     console.print(Panel(Text(step.observation), title=title, title_align="left"))
     fb = step.feedback
     if fb.error:
         console.print(f"[red]error:[/] {escape(fb.error)}", highlight=False)
-    console.print(f"[cyan]diff:[/] {escape(fb.diff)}   [cyan]reward:[/] {step.reward}   [cyan]done:[/] {step.done}", highlight=False)
+    console.print(
+        f"[cyan]diff:[/] {escape(fb.diff)}   [cyan]reward:[/] {step.reward}   [cyan]done:[/] {step.done}",
+        highlight=False,
+    )
     if not step.done:
-        console.print(f"[dim]admissible: {escape(', '.join(step.admissible_actions[:30]))}"
-                      f"{' ...' if len(step.admissible_actions) > 30 else ''}[/]", highlight=False)
+        console.print(
+            f"[dim]admissible: {escape(', '.join(step.admissible_actions[:30]))}"
+            f"{' ...' if len(step.admissible_actions) > 30 else ''}[/]",
+            highlight=False,
+        )
         console.print(f"[dim]expert: {escape(str(step.expert_action))}[/]", highlight=False)
 
 
 @env_app.command("play")
 def play(
-    env: str = typer.Option("webshop", "--env", help="Environment: webshop, alfworld, sokoban, an installed serl.envs entry point, or package.module:factory (docs/ENVIRONMENTS.md)."),
-    split: Optional[str] = typer.Option(None, "--split", help="Split the task comes from (default: the env's evaluation split)."),
+    env: str = typer.Option(
+        "webshop",
+        "--env",
+        help="Environment: webshop, alfworld, sokoban, an installed serl.envs entry point, or "
+        "package.module:factory (docs/ENVIRONMENTS.md).",
+    ),
+    split: str | None = typer.Option(
+        None, "--split", help="Split the task comes from (default: the env's evaluation split)."
+    ),
     task: int = typer.Option(0, "--task", help="Task id within the split (0-based, in panel order)."),
-    actions: Optional[str] = typer.Option(None, "--actions", help='Actions separated by ";" (no prompt): "search[...];click[...]".'),
-    max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Turn limit."),
+    actions: str | None = typer.Option(
+        None, "--actions", help='Actions separated by ";" (no prompt): "search[...];click[...]".'
+    ),
+    max_turns: int | None = typer.Option(None, "--max-turns", help="Turn limit."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per step, for scripts."),
-    config: Optional[List[str]] = ConfigOpt,
-    set_: Optional[List[str]] = SetOpt,
+    config: list[str] | None = ConfigOpt,
+    set_: list[str] | None = SetOpt,
 ):
     """Play one task: print each observation, its feedback and reward. Interactive without --actions."""
-    cfg = resolve(EnvConfig, config_file=config, overrides=set_, flags={"name": env, "split": split, "max_turns": max_turns})
+    cfg = resolve(
+        EnvConfig, config_file=config, overrides=set_, flags={"name": env, "split": split, "max_turns": max_turns}
+    )
     world = build_world(cfg)
     episode = world.new_episode(cfg.split, cfg.max_turns)
     step = episode.reset(task)
@@ -72,4 +100,7 @@ def play(
         step = episode.step(action)
         _show(step, turn, action, as_json)
     if not as_json:
-        console.print(f"[bold]episode {'over' if step.done else 'stopped'}[/]: reward {step.reward}, {turn} turns", highlight=False)
+        console.print(
+            f"[bold]episode {'over' if step.done else 'stopped'}[/]: reward {step.reward}, {turn} turns",
+            highlight=False,
+        )

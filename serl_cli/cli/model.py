@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 import typer
 
@@ -19,31 +18,44 @@ class ModelInitConfig:
     seed: int = 0
     out: str = "runs/model"
 
+
 model_app = typer.Typer(no_args_is_help=True, help="Models: build a local model for tests and demos.")
 app.add_typer(model_app, name="model")
 
 
 @model_app.command("init")
 def init(
-    preset: Optional[str] = typer.Option(None, "--preset", help="tiny (~4M parameters) | small (~25M)."),
-    out: Optional[str] = typer.Option(None, "--out", help="Directory to create (a Hugging Face model directory)."),
-    env: Optional[str] = typer.Option(None, "--env", help="Environment whose text trains the tokenizer."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Initialization seed."),
+    preset: str | None = typer.Option(None, "--preset", help="tiny (~4M parameters) | small (~25M)."),
+    out: str | None = typer.Option(None, "--out", help="Directory to create (a Hugging Face model directory)."),
+    env: str | None = typer.Option(None, "--env", help="Environment whose text trains the tokenizer."),
+    seed: int | None = typer.Option(None, "--seed", help="Initialization seed."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing directory."),
-    config: Optional[List[str]] = ConfigOpt,
-    set_: Optional[List[str]] = SetOpt,
+    config: list[str] | None = ConfigOpt,
+    set_: list[str] | None = SetOpt,
 ):
     """Random-init a Qwen2 model with a byte-level BPE tokenizer trained on environment text."""
     from serl_cli.models.loading import ModelError, load_model
     from serl_cli.models.tiny import PRESETS, count_parameters, init_model
     from serl_cli.rollout.default_model import tokenizer_corpus
 
-    cfg = resolve(ModelInitConfig, config_file=config, overrides=set_,
-                  flags={"preset": preset, "out": out, "env.name": env, "seed": seed})
+    cfg = resolve(
+        ModelInitConfig,
+        config_file=config,
+        overrides=set_,
+        flags={"preset": preset, "out": out, "env.name": env, "seed": seed},
+    )
     if cfg.preset not in PRESETS:
         raise ModelError(f"unknown preset {cfg.preset!r}: choose one of {', '.join(PRESETS)}")
     world = build_world(cfg.env)
     path = init_model(cfg.preset, cfg.out, tokenizer_corpus(world), seed=cfg.seed, overwrite=overwrite)
     model, tokenizer = load_model(str(path))
-    console.print(summary_table(f"model init: {cfg.preset}", [
-        ("directory", str(path)), ("parameters", f"{count_parameters(model):,}"), ("vocabulary", f"{len(tokenizer):,}")]))
+    console.print(
+        summary_table(
+            f"model init: {cfg.preset}",
+            [
+                ("directory", str(path)),
+                ("parameters", f"{count_parameters(model):,}"),
+                ("vocabulary", f"{len(tokenizer):,}"),
+            ],
+        )
+    )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from serl_cli.cli.root import app, console
@@ -14,7 +12,7 @@ from serl_cli.stages.plot import plot_run
 def plot_command(
     run: str = typer.Argument(..., help="A run directory with metrics.jsonl (serl train)."),
     x: str = typer.Option("iteration", "--x", help="x axis: iteration | env_steps."),
-    out: Optional[str] = typer.Option(None, "--out", help="PNG to write (default: RUN/curves.png)."),
+    out: str | None = typer.Option(None, "--out", help="PNG to write (default: RUN/curves.png)."),
 ):
     """Plot reward, success, loss, KL, clip fraction, SERL weights and the teacher signal of a run."""
     path = plot_run(run, x=x, out=out)

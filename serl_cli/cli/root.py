@@ -18,8 +18,12 @@ from envs.base import EnvError
 from serl_cli import __version__
 from serl_cli.errors import SerlError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="serl: selective environment-reweighted learning for multi-turn LLM agents.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="serl: selective environment-reweighted learning for multi-turn LLM agents.",
+)
 env_app = typer.Typer(no_args_is_help=True, help="Environments: play a task by hand or by script.")
 app.add_typer(env_app, name="env")
 
@@ -27,7 +31,11 @@ console = Console()
 err_console = Console(stderr=True)
 
 # Options every command shares (README.md, "The pipeline").
-ConfigOpt = typer.Option(None, "--config", help="A YAML config file (from experiments/ or your own); repeat it to compose files, left to right.")
+ConfigOpt = typer.Option(
+    None,
+    "--config",
+    help="A YAML config file (from experiments/ or your own); repeat it to compose files, left to right.",
+)
 SetOpt = typer.Option(None, "--set", help="Override a setting: key.path=value (repeatable; value parsed as YAML).")
 SeedOpt = typer.Option(None, "--seed", help="Seed for task order, sampling and initialization.")
 QuietOpt = typer.Option(False, "-q", "--quiet", help="Print only the final table.")
@@ -63,4 +71,3 @@ def run() -> None:
         # escaped: messages quote actions like click[buy now] and extras like serl[vllm]
         err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
-

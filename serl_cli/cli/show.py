@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -16,13 +15,18 @@ from serl_cli.stages import show as sh
 @app.command("show")
 def show_command(
     run: str = typer.Argument(..., help="A run directory (manifest.json, rollouts.jsonl, optional annotations.jsonl)."),
-    episode: Optional[int] = typer.Option(None, "--episode", help="Show this episode (its index in rollouts.jsonl)."),
-    turn: Optional[int] = typer.Option(None, "--turn", help="With --episode: only this turn."),
+    episode: int | None = typer.Option(None, "--episode", help="Show this episode (its index in rollouts.jsonl)."),
+    turn: int | None = typer.Option(None, "--turn", help="With --episode: only this turn."),
     full: bool = typer.Option(False, "--full", help="Show observations whole instead of shortened."),
-    width: Optional[int] = typer.Option(None, "--width", min=40,
-                                        help="Render at this many columns (default: the terminal's)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts: the episode with its annotations "
-                                 "merged per turn (without --episode: one row per episode)."),
+    width: int | None = typer.Option(
+        None, "--width", min=40, help="Render at this many columns (default: the terminal's)."
+    ),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print JSON for scripts: the episode with its annotations "
+        "merged per turn (without --episode: one row per episode).",
+    ),
 ):
     """Show a run: its stages and episodes, or one episode turn by turn (selection, hindsight, weights)."""
     if turn is not None and episode is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -29,61 +28,121 @@ def _fmt(v) -> str:
 
 
 @app.command("train")
-@show_defaults(OnlineConfig, algo="train.algo", backend="train.backend", lora_rank="train.lora.rank",
-               lora_alpha="train.lora.alpha", lora_targets="train.lora.targets", lora_save="train.lora.save",
-               iterations="iterations", engine="rollout.engine", device="train.device", dtype="train.dtype", env="env.name", tasks="rollout.tasks",
-               group_size="rollout.group_size", max_turns="env.max_turns", out="out")
+@show_defaults(
+    OnlineConfig,
+    algo="train.algo",
+    backend="train.backend",
+    lora_rank="train.lora.rank",
+    lora_alpha="train.lora.alpha",
+    lora_targets="train.lora.targets",
+    lora_save="train.lora.save",
+    iterations="iterations",
+    engine="rollout.engine",
+    device="train.device",
+    dtype="train.dtype",
+    env="env.name",
+    tasks="rollout.tasks",
+    group_size="rollout.group_size",
+    max_turns="env.max_turns",
+    out="out",
+)
 def train_command(
-    run: Optional[str] = typer.Argument(None, help="A run directory with rollouts (one update). Omit for the online loop."),
-    algo: Optional[str] = typer.Option(None, "--algo", help="sft | grpo | gigpo | rlsd | sdpo | serl."),
-    model: Optional[str] = typer.Option(None, "--model", help="Policy to start from (default: the rollouts' model)."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="Training backend: torch | deepspeed."),
-    deepspeed_config: Optional[str] = typer.Option(None, "--deepspeed-config",
-                                                   help="DeepSpeed JSON (default: serl's for the ZeRO stage)."),
-    zero_stage: Optional[int] = typer.Option(None, "--zero-stage", help="DeepSpeed ZeRO stage: 1, 2 or 3."),
-    offload: Optional[bool] = typer.Option(None, "--offload/--no-offload",
-                                           help="DeepSpeed: optimizer states (stage 3: parameters too) in CPU memory."),
-    lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="Train LoRA adapters of this rank (0 = off)."),
-    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA scale numerator (update x alpha/rank)."),
-    lora_targets: Optional[str] = typer.Option(None, "--lora-targets",
-                                               help="LoRA target modules, comma-separated, or all-linear."),
-    lora_save: Optional[str] = typer.Option(None, "--lora-save", help="LoRA checkpoints: merged | adapter."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto (CUDA when present) | cpu | cuda."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | "
-                                        "fp16: compute precision, through autocast."),
-    gradient_checkpointing: Optional[bool] = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing",
-                                                          help="Recompute activations in backward (less memory)."),
-    iterations: Optional[int] = typer.Option(None, "--iterations", help="Online loop: K x (rollout -> update)."),
-    engine: Optional[str] = typer.Option(None, "--engine", help="Online loop: generation engine, hf | vllm."),
-    env: Optional[str] = typer.Option(None, "--env", help="Environment for the online loop."),
-    tasks: Optional[int] = typer.Option(None, "--tasks", help="Online loop: tasks per iteration."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="Online loop: rollouts per task."),
-    max_turns: Optional[int] = typer.Option(None, "--max-turns", help="Online loop: turn limit."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
-    out: Optional[str] = typer.Option(None, "--out", help="Online loop: the run directory. One update: where its "
-                                                          "checkpoint goes (default RUN/checkpoint)."),
-    resume: bool = typer.Option(False, "--resume", help="Online loop: continue after the last finished iteration; "
-                                                       "one update: skip it if it finished, else run it again."),
+    run: str | None = typer.Argument(
+        None, help="A run directory with rollouts (one update). Omit for the online loop."
+    ),
+    algo: str | None = typer.Option(None, "--algo", help="sft | grpo | gigpo | rlsd | sdpo | serl."),
+    model: str | None = typer.Option(None, "--model", help="Policy to start from (default: the rollouts' model)."),
+    backend: str | None = typer.Option(None, "--backend", help="Training backend: torch | deepspeed."),
+    deepspeed_config: str | None = typer.Option(
+        None, "--deepspeed-config", help="DeepSpeed JSON (default: serl's for the ZeRO stage)."
+    ),
+    zero_stage: int | None = typer.Option(None, "--zero-stage", help="DeepSpeed ZeRO stage: 1, 2 or 3."),
+    offload: bool | None = typer.Option(
+        None, "--offload/--no-offload", help="DeepSpeed: optimizer states (stage 3: parameters too) in CPU memory."
+    ),
+    lora_rank: int | None = typer.Option(None, "--lora-rank", help="Train LoRA adapters of this rank (0 = off)."),
+    lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="LoRA scale numerator (update x alpha/rank)."),
+    lora_targets: str | None = typer.Option(
+        None, "--lora-targets", help="LoRA target modules, comma-separated, or all-linear."
+    ),
+    lora_save: str | None = typer.Option(None, "--lora-save", help="LoRA checkpoints: merged | adapter."),
+    device: str | None = typer.Option(None, "--device", help="auto (CUDA when present) | cpu | cuda."),
+    dtype: str | None = typer.Option(
+        None,
+        "--dtype",
+        help="auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | fp16: compute precision, through autocast.",
+    ),
+    gradient_checkpointing: bool | None = typer.Option(
+        None,
+        "--gradient-checkpointing/--no-gradient-checkpointing",
+        help="Recompute activations in backward (less memory).",
+    ),
+    iterations: int | None = typer.Option(None, "--iterations", help="Online loop: K x (rollout -> update)."),
+    engine: str | None = typer.Option(None, "--engine", help="Online loop: generation engine, hf | vllm."),
+    env: str | None = typer.Option(None, "--env", help="Environment for the online loop."),
+    tasks: int | None = typer.Option(None, "--tasks", help="Online loop: tasks per iteration."),
+    group_size: int | None = typer.Option(None, "--group-size", help="Online loop: rollouts per task."),
+    max_turns: int | None = typer.Option(None, "--max-turns", help="Online loop: turn limit."),
+    threads: int | None = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    out: str | None = typer.Option(
+        None,
+        "--out",
+        help="Online loop: the run directory. One update: where its checkpoint goes (default RUN/checkpoint).",
+    ),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Online loop: continue after the last finished iteration; "
+        "one update: skip it if it finished, else run it again.",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing checkpoint or run."),
-    report_to: Optional[List[str]] = typer.Option(None, "--report-to", help="Also log metrics to: none | tensorboard "
-                                                  "(RUN/tensorboard/) | wandb (honours WANDB_MODE=offline); repeatable."),
-    config: Optional[List[str]] = ConfigOpt,
-    set_: Optional[List[str]] = SetOpt,
-    seed: Optional[int] = SeedOpt,
+    report_to: list[str] | None = typer.Option(
+        None,
+        "--report-to",
+        help="Also log metrics to: none | tensorboard "
+        "(RUN/tensorboard/) | wandb (honours WANDB_MODE=offline); repeatable.",
+    ),
+    config: list[str] | None = ConfigOpt,
+    set_: list[str] | None = SetOpt,
+    seed: int | None = SeedOpt,
     quiet: bool = QuietOpt,
     verbose: bool = VerboseOpt,
 ):
     """Update a policy: --algo on RUN's rollouts, or the online loop (rollout -> update, K times)."""
     online = iterations is not None or run is None
-    cfg = resolve(OnlineConfig, config_file=config, overrides=set_, flags={
-        "train.algo": algo, "model": model, "train.backend": backend, "iterations": iterations, "env.name": env,
-        "rollout.engine": engine, "rollout.tasks": tasks, "rollout.group_size": group_size, "env.max_turns": max_turns,
-        "train.threads": threads, "rollout.threads": threads, "out": out or (run if online else None), "seed": seed,
-        "train.seed": None if online else seed,  # the online loop seeds its update with the run's seed
-        "train.deepspeed.config": deepspeed_config, "train.deepspeed.zero_stage": zero_stage,
-        "train.deepspeed.offload": offload, "train.lora.rank": lora_rank, "train.lora.alpha": lora_alpha,
-        "train.lora.targets": lora_targets, "train.lora.save": lora_save, "train.device": device, "train.dtype": dtype,
-        "rollout.device": device, "rollout.dtype": dtype, "train.gradient_checkpointing": gradient_checkpointing})
+    cfg = resolve(
+        OnlineConfig,
+        config_file=config,
+        overrides=set_,
+        flags={
+            "train.algo": algo,
+            "model": model,
+            "train.backend": backend,
+            "iterations": iterations,
+            "env.name": env,
+            "rollout.engine": engine,
+            "rollout.tasks": tasks,
+            "rollout.group_size": group_size,
+            "env.max_turns": max_turns,
+            "train.threads": threads,
+            "rollout.threads": threads,
+            "out": out or (run if online else None),
+            "seed": seed,
+            "train.seed": None if online else seed,  # the online loop seeds its update with the run's seed
+            "train.deepspeed.config": deepspeed_config,
+            "train.deepspeed.zero_stage": zero_stage,
+            "train.deepspeed.offload": offload,
+            "train.lora.rank": lora_rank,
+            "train.lora.alpha": lora_alpha,
+            "train.lora.targets": lora_targets,
+            "train.lora.save": lora_save,
+            "train.device": device,
+            "train.dtype": dtype,
+            "rollout.device": device,
+            "rollout.dtype": dtype,
+            "train.gradient_checkpointing": gradient_checkpointing,
+        },
+    )
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
     trackers = check_backends(report_to) if main else []
     if not online:
@@ -100,7 +159,9 @@ def train_command(
         tracker = Tracker(trackers, run, Path(run).name, dataclasses.asdict(cfg.train))
         tracker.log(m, step=m.get("update", 1))
         tracker.close()
-        console.print(summary_table(f"train {cfg.train.algo}: {run}", [(k, _fmt(v)) for k, v in m.items() if k != "timing"]))
+        console.print(
+            summary_table(f"train {cfg.train.algo}: {run}", [(k, _fmt(v)) for k, v in m.items() if k != "timing"])
+        )
         warn_if_no_gradient(m)
         return
 
@@ -114,9 +175,11 @@ def train_command(
             return
         if live is None:  # a log file: one line per iteration
             extra = f"  eval success {m['eval_success_rate']:.3f}" if "eval_success_rate" in m else ""
-            console.print(f"iteration {m['iteration']}: reward {m['mean_reward']:.3f}  success {m['success_rate']:.3f}  "
-                          f"loss {m.get('loss', float('nan')):.4f}  |A| {m.get('mean_abs_advantage', 0):.3f}{extra}",
-                          highlight=False)
+            console.print(
+                f"iteration {m['iteration']}: reward {m['mean_reward']:.3f}  success {m['success_rate']:.3f}  "
+                f"loss {m.get('loss', float('nan')):.4f}  |A| {m.get('mean_abs_advantage', 0):.3f}{extra}",
+                highlight=False,
+            )
             return
         recent.append(m)
         live.update(iterations_table(recent[-LIVE_ROWS:], cfg.iterations), refresh=True)
@@ -148,9 +211,17 @@ def train_command(
 def update_bar(out: Console, quiet: bool):
     """A progress bar over an update's micro-batches, with an ETA, on a terminal (nothing under
     ``-q`` or in a log); yields the ``progress(done, total)`` callback for ``Learner.update``."""
-    with Progress(TextColumn("[bold]update"), BarColumn(), MofNCompleteColumn(), TextColumn("micro-batches"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=out, disable=quiet or not out.is_terminal,
-                  transient=True) as bar:
+    with Progress(
+        TextColumn("[bold]update"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("micro-batches"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=out,
+        disable=quiet or not out.is_terminal,
+        transient=True,
+    ) as bar:
         task = bar.add_task("micro-batches", total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
@@ -159,13 +230,23 @@ def warn_if_no_gradient(m: dict) -> None:
     """An update that changed nothing deserves a line: its metrics say so (optimizer_steps 0)."""
     if m.get("optimizer_steps") == 0:
         it = f"iteration {m['iteration']}: " if "iteration" in m else ""
-        err_console.print(f"[yellow]warning:[/] {it}no turn had a gradient (every group's rewards were equal): "
-                          f"the update changed nothing", highlight=False)
+        err_console.print(
+            f"[yellow]warning:[/] {it}no turn had a gradient (every group's rewards were equal): "
+            f"the update changed nothing",
+            highlight=False,
+        )
 
 
 LIVE_ROWS = 8
-LIVE_COLUMNS = [("reward", "mean_reward"), ("success", "success_rate"), ("loss", "loss"), ("|A|", "mean_abs_advantage"),
-                ("grad turns", "turns_with_gradient"), ("weight mean", "weight_mean"), ("eval", "eval_success_rate")]
+LIVE_COLUMNS = [
+    ("reward", "mean_reward"),
+    ("success", "success_rate"),
+    ("loss", "loss"),
+    ("|A|", "mean_abs_advantage"),
+    ("grad turns", "turns_with_gradient"),
+    ("weight mean", "weight_mean"),
+    ("eval", "eval_success_rate"),
+]
 
 
 def iterations_table(rows: list[dict], total: int) -> Table:
@@ -196,5 +277,7 @@ def single_update_note(config_files, overrides) -> str | None:
     ignored = [k for k in keys if k not in SINGLE_UPDATE_READS]
     if not ignored:
         return None
-    return f"note: ignoring {', '.join(ignored)} of the run config (a single update reads train and seed; " \
-           f"the rollouts already exist)"
+    return (
+        f"note: ignoring {', '.join(ignored)} of the run config (a single update reads train and seed; "
+        f"the rollouts already exist)"
+    )

@@ -106,8 +106,10 @@ def _pool_expert(ctx: TurnContext, members: list[tuple[int, int]]) -> tuple[str 
     here = [a for a, key in expert_steps(ctx) if key in keys]
     if not here:
         return None, False
-    return (section("The expert's action from this state (privileged oracle information):", _short(here[-1])),
-            not _same(here[-1], _action(ctx.step)))
+    return (
+        section("The expert's action from this state (privileged oracle information):", _short(here[-1])),
+        not _same(here[-1], _action(ctx.step)),
+    )
 
 
 def hindsight_anchor(ctx: TurnContext, spec, anchors: dict) -> tuple[str | None, list[str], list[str]]:

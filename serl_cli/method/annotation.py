@@ -34,7 +34,6 @@ from serl_cli.method.teacher import TOKEN_SCOPES, UNPARSED, ScoreItem, action_sp
 GRANULARITIES = ("step", "anchor")
 
 
-
 @dataclass
 class AnnotateConfig:
     # combine with ",", fall back with "|" (METHOD.md 3). obs = the environment's raw answer, the
@@ -53,7 +52,9 @@ class AnnotateConfig:
     # a turn with advantage 0 keeps weight 1 whatever the teacher says: don't score it. false = the teacher's
     # log-probs are wanted for themselves (distillation: sdpo needs false), so lambda = 0 does not skip the teacher
     skip_zero_advantage: bool = True
-    teacher_sync_interval: int = 10  # online loop: the teacher is the policy snapshot of every N-th update; 1 = the rollout policy
+    teacher_sync_interval: int = (
+        10  # online loop: the teacher is the policy snapshot of every N-th update; 1 = the rollout policy
+    )
     weight_clip: float = 0.2  # c
     mixing_lambda: float = 0.5  # lambda at update 0
     lambda_decay_steps: int = 50  # 0 = no decay
@@ -66,7 +67,6 @@ class AnnotateConfig:
     dtype: str = "auto"  # auto | fp32 | bf16 | fp16
     micro_batch_tokens: int = 16384
     teacher_signal: bool = True  # check the teacher against the expert action, where turns have one
-
 
 
 def validate(cfg: AnnotateConfig) -> list[list[str]]:
@@ -86,7 +86,6 @@ def validate(cfg: AnnotateConfig) -> list[list[str]]:
     return spec
 
 
-
 def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[dict]]:
     """The environment's expert episode for each task (the `expert` source: privileged oracle information)."""
     from serl_cli.rollout.policies import ExpertPolicy
@@ -96,9 +95,15 @@ def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[d
     env = EnvConfig(**env_cfg)
     world = build_world(env)
     tasks = sorted({e["task_id"] for e in episodes})
-    records = run_episodes(world, env.split, [EpisodeSpec(task_id=t) for t in tasks], ExpertPolicy(), max_turns=env.max_turns)
-    return {r["task_id"]: [{"observation": t["observation"], "action": t["action"], "state_key": t["state_key"]}
-                           for t in r["turns"]] for r in records}
+    records = run_episodes(
+        world, env.split, [EpisodeSpec(task_id=t) for t in tasks], ExpertPolicy(), max_turns=env.max_turns
+    )
+    return {
+        r["task_id"]: [
+            {"observation": t["observation"], "action": t["action"], "state_key": t["state_key"]} for t in r["turns"]
+        ]
+        for r in records
+    }
 
 
 def action_format(env_cfg: dict | None):
@@ -125,12 +130,22 @@ def action_masks(tokenizer, episodes: list[dict], unparsed: str, env_cfg: dict |
     return masks, len(failed)
 
 
-
-def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, tokenizer, *, env_cfg: dict | None,
-                      temperature: float = 1.0, scorer=score, advantages: list[float] | None = None,
-                      chat_template_kwargs: dict | None = None, bare_replies: bool = False) -> tuple[list[dict], dict]:
+def annotate_episodes(
+    episodes: list[dict],
+    cfg: AnnotateConfig,
+    teacher_model,
+    tokenizer,
+    *,
+    env_cfg: dict | None,
+    temperature: float = 1.0,
+    scorer=score,
+    advantages: list[float] | None = None,
+    chat_template_kwargs: dict | None = None,
+    bare_replies: bool = False,
+) -> tuple[list[dict], dict]:
     """Annotation records for every turn, and statistics of the pass (teacher work).
-    ``scorer`` has :func:`serl_cli.method.teacher.score`'s signature (e.g. :func:`serl_cli.stages.annotate.journaled_scorer`).
+    ``scorer`` has :func:`serl_cli.method.teacher.score`'s signature (e.g.
+    :func:`serl_cli.stages.annotate.journaled_scorer`).
     ``advantages``: the update's advantage per turn, in turn order, whose sign sets each weight
     (the authors sign by the final advantage, invalid-action penalty included:
     verl/trainer/ppo/core_algos.py:466); default: the plain episode GRPO advantage.
@@ -143,7 +158,11 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
     groups: dict[tuple, list[dict]] = {}
     for e in episodes:
         groups.setdefault((e["task_id"], e["group_id"]), []).append(e)
-    anchors = {k: anchors_mod.anchor_groups(g, cfg.anchor_similarity) for k, g in groups.items()} if cfg.granularity == "anchor" else {}
+    anchors = (
+        {k: anchors_mod.anchor_groups(g, cfg.anchor_similarity) for k, g in groups.items()}
+        if cfg.granularity == "anchor"
+        else {}
+    )
     cut = fb.make_cutter(tokenizer, cfg.max_hindsight_tokens)  # the whole block, not each source
     samples = turn_samples(episodes)
     if advantages is None:
@@ -165,11 +184,25 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
                 text, used, fired = anchors_mod.hindsight_anchor(ctx, spec, anchors[key])
             else:
                 text, used, fired = fb.hindsight_step(ctx, spec)
-            records.append({"episode": e_idx, "task_id": ep["task_id"], "group_id": ep["group_id"],
-                            "rollout_index": ep["rollout_index"], "turn": t_idx, "selected": False, "sources": used,
-                            "fired": fired, "hindsight": (cut(text) or None) if text else None, "action_mask": masks[i],
-                            "teacher_logprobs": None, "weights": None, "advantage": advantages[i],
-                            "log_ratio_mean": None, "distill": False})
+            records.append(
+                {
+                    "episode": e_idx,
+                    "task_id": ep["task_id"],
+                    "group_id": ep["group_id"],
+                    "rollout_index": ep["rollout_index"],
+                    "turn": t_idx,
+                    "selected": False,
+                    "sources": used,
+                    "fired": fired,
+                    "hindsight": (cut(text) or None) if text else None,
+                    "action_mask": masks[i],
+                    "teacher_logprobs": None,
+                    "weights": None,
+                    "advantage": advantages[i],
+                    "log_ratio_mean": None,
+                    "distill": False,
+                }
+            )
             i += 1
 
     def scorable(r: dict) -> bool:
@@ -180,8 +213,10 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
         return not cfg.skip_zero_advantage or (r["advantage"] != 0 and (cfg.tokens == "reply" or any(r["action_mask"])))
 
     def turn_infos() -> list[placement.TurnInfo]:
-        return [placement.TurnInfo(k, bool(r["fired"]), r["log_ratio_mean"], r["hindsight"] is not None, scorable(r))
-                for k, r in enumerate(records)]
+        return [
+            placement.TurnInfo(k, bool(r["fired"]), r["log_ratio_mean"], r["hindsight"] is not None, scorable(r))
+            for k, r in enumerate(records)
+        ]
 
     # Select first where the rule allows it, so the teacher scores only the turns that need it.
     need_scores_first = placement.needs_teacher_before_selection(cfg.placement)
@@ -195,8 +230,13 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
         to_score = []  # no teacher prompt, no forward pass (serl_ray_trainer.py:405-433)
 
     t0 = time.perf_counter()
-    items = [ScoreItem(teacher_prompt(tokenizer, samples[k].prompt_ids, records[k]["hindsight"], chat_template_kwargs),
-                       samples[k].action_ids) for k in to_score]
+    items = [
+        ScoreItem(
+            teacher_prompt(tokenizer, samples[k].prompt_ids, records[k]["hindsight"], chat_template_kwargs),
+            samples[k].action_ids,
+        )
+        for k in to_score
+    ]
     scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens) if items else []
     for k, lp in zip(to_score, scored):
         old = samples[k].behaviour_logprobs
@@ -216,18 +256,40 @@ def annotate_episodes(episodes: list[dict], cfg: AnnotateConfig, teacher_model, 
         lp_t = torch.tensor(r["teacher_logprobs"], dtype=torch.float64)
         lp_old = torch.tensor(samples[k].behaviour_logprobs, dtype=torch.float64)
         w = blend_weights(hindsight_weights(lp_t, lp_old, torch.tensor(r["advantage"]), cfg.weight_clip), lam)
-        where = torch.ones(len(w), dtype=torch.bool) if cfg.tokens == "reply" else torch.tensor(r["action_mask"], dtype=torch.bool)
+        where = (
+            torch.ones(len(w), dtype=torch.bool)
+            if cfg.tokens == "reply"
+            else torch.tensor(r["action_mask"], dtype=torch.bool)
+        )
         r["weights"] = apply_placement(w, where).tolist()
         r["distill"] = not episodes[r["episode"]]["success"]
-    stats = {"turns": len(records), "selected": sum(r["selected"] for r in records), "teacher_turns_scored": len(items),
-             "teacher_tokens_scored": sum(len(it.prompt_ids) + len(it.action_ids) for it in items),
-             "teacher_action_tokens": sum(len(it.action_ids) for it in items), "teacher_s": round(teacher_s, 3),
-             "lambda": lam, "teacher_skipped": not use_teacher,
-             "turns_with_block": sum(r["hindsight"] is not None for r in records),
-             "action_parse_failures": parse_failures}
-    signal = teacher_signal.measure(records, episodes, teacher_model, tokenizer, temperature, cfg.micro_batch_tokens,
-                                    chat_template_kwargs, bare_replies,
-                                    action_format(env_cfg) if bare_replies else None) if cfg.teacher_signal else None
+    stats = {
+        "turns": len(records),
+        "selected": sum(r["selected"] for r in records),
+        "teacher_turns_scored": len(items),
+        "teacher_tokens_scored": sum(len(it.prompt_ids) + len(it.action_ids) for it in items),
+        "teacher_action_tokens": sum(len(it.action_ids) for it in items),
+        "teacher_s": round(teacher_s, 3),
+        "lambda": lam,
+        "teacher_skipped": not use_teacher,
+        "turns_with_block": sum(r["hindsight"] is not None for r in records),
+        "action_parse_failures": parse_failures,
+    }
+    signal = (
+        teacher_signal.measure(
+            records,
+            episodes,
+            teacher_model,
+            tokenizer,
+            temperature,
+            cfg.micro_batch_tokens,
+            chat_template_kwargs,
+            bare_replies,
+            action_format(env_cfg) if bare_replies else None,
+        )
+        if cfg.teacher_signal
+        else None
+    )
     if signal is not None:
         stats["teacher_signal"] = signal
     return records, stats

@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import abc
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from envs.base import state_key as hash_observation
 from serl_cli.errors import SerlError
@@ -75,7 +75,7 @@ def _same(a: str | None, b: str | None) -> bool:
 def _trim(head: str, full: str) -> str:
     """``head`` (a prefix of ``full``) ended cleanly: no partial word, then " ..."."""
     head = head.rstrip("\ufffd")  # a split UTF-8 character decodes to U+FFFD: drop it
-    if not full[len(head):len(head) + 1].isspace():  # the cut fell inside a word
+    if not full[len(head) : len(head) + 1].isspace():  # the cut fell inside a word
         space = max(head.rfind(" "), head.rfind("\n"))
         if space >= 0 and len(head) - space <= max(0.2 * len(head), TAIL_CHARS):
             head = head[:space]  # drop the partial word; a long unbroken run (a URL, an id) stays cut
@@ -84,15 +84,18 @@ def _trim(head: str, full: str) -> str:
 
 def char_cutter(max_chars: int) -> Callable[[str], str]:
     """Cut to at most ``max_chars`` characters, cleanly (for tests and tokenizer-less use)."""
+
     def cut(text: str) -> str:
         if len(text) <= max_chars:
             return text
-        return _trim(text[:max_chars - 4], text) if max_chars >= 4 else ""  # room for " ..." or nothing
+        return _trim(text[: max_chars - 4], text) if max_chars >= 4 else ""  # room for " ..." or nothing
+
     return cut
 
 
 def make_cutter(tokenizer, max_tokens: int) -> Callable[[str], str]:
     """Cut to at most ``max_tokens`` tokens of ``tokenizer``, cleanly; short texts unchanged."""
+
     def cut(text: str) -> str:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) <= max_tokens:
@@ -104,6 +107,7 @@ def make_cutter(tokenizer, max_tokens: int) -> Callable[[str], str]:
                 return out
             n -= 1
         return ""  # the budget cannot hold even the marker
+
     return cut
 
 
@@ -288,8 +292,9 @@ def parse_sources(spec: str) -> list[list[str]]:
     """``"error,ref"`` -> [["error"], ["ref"]]; ``"ref|error"`` -> [["ref", "error"]]."""
     known = f"known sources: {', '.join(SOURCES)}"
     if not spec or not spec.strip():
-        raise SerlError(f"no feedback sources given: name one or more, joined by ',' (combine) or '|' (fall back);"
-                        f" {known}")
+        raise SerlError(
+            f"no feedback sources given: name one or more, joined by ',' (combine) or '|' (fall back); {known}"
+        )
     out, seen = [], set()
     for part in spec.split(","):
         alts = [a.strip() for a in part.split("|")]

@@ -35,25 +35,48 @@ from serl_cli.method.teacher import teacher_prompt
 from serl_cli.rollout.prompts import format_reply, reply_ids
 
 
-def examples_for_run(episodes: list[dict], tokenizer, sources: str, env_cfg: dict | None,
-                     bare_replies: bool = False, chat_template_kwargs: dict | None = None) -> list[dict]:
+def examples_for_run(
+    episodes: list[dict],
+    tokenizer,
+    sources: str,
+    env_cfg: dict | None,
+    bare_replies: bool = False,
+    chat_template_kwargs: dict | None = None,
+) -> list[dict]:
     """:func:`hindsight_examples` of a run's episodes, with the environment's expert
     trajectories for ``expert`` where the sources use it (as the annotation has them)."""
     uses_expert = any("expert" in alts for alts in fb.parse_sources(sources))
     experts = expert_trajectories(env_cfg, episodes) if uses_expert and env_cfg else None
-    return hindsight_examples(episodes, tokenizer, sources, experts=experts, bare_replies=bare_replies,
-                              chat_template_kwargs=chat_template_kwargs)
+    return hindsight_examples(
+        episodes,
+        tokenizer,
+        sources,
+        experts=experts,
+        bare_replies=bare_replies,
+        chat_template_kwargs=chat_template_kwargs,
+    )
 
 
 def hindsight_turns(episodes: list[dict]) -> list[tuple[int, int]]:
     """(episode, turn) of every off-expert move made from a state that had an expert action."""
-    return [(e, t) for e, ep in enumerate(episodes) for t, turn in enumerate(ep["turns"])
-            if turn.get("off_expert") and turn.get("expert_action")]
+    return [
+        (e, t)
+        for e, ep in enumerate(episodes)
+        for t, turn in enumerate(ep["turns"])
+        if turn.get("off_expert") and turn.get("expert_action")
+    ]
 
 
-def hindsight_examples(episodes: list[dict], tokenizer, sources: str, *, experts: dict[int, list[dict]] | None = None,
-                       max_hindsight_tokens: int = 2048, bare_replies: bool = False,
-                       chat_template_kwargs: dict | None = None) -> list[dict]:
+def hindsight_examples(
+    episodes: list[dict],
+    tokenizer,
+    sources: str,
+    *,
+    experts: dict[int, list[dict]] | None = None,
+    max_hindsight_tokens: int = 2048,
+    bare_replies: bool = False,
+    chat_template_kwargs: dict | None = None,
+) -> list[dict]:
     """The SFT examples, as episodes ``Learner.update`` reads: one per episode that has any,
     holding two turns per hindsight turn whose ``sources`` render a block (with the block,
     then without). ``experts``: the expert's trajectory per task, for the ``expert`` source
@@ -68,24 +91,40 @@ def hindsight_examples(episodes: list[dict], tokenizer, sources: str, *, experts
     by_episode: dict[int, list[dict]] = {}
     for e, t in hindsight_turns(episodes):
         ep = episodes[e]
-        ctx = fb.TurnContext(episode=ep, turn=t, group=groups[(ep["task_id"], ep["group_id"])],
-                             expert=(experts or {}).get(ep["task_id"]))
+        ctx = fb.TurnContext(
+            episode=ep, turn=t, group=groups[(ep["task_id"], ep["group_id"])], expert=(experts or {}).get(ep["task_id"])
+        )
         block, _, _ = fb.hindsight_step(ctx, spec)
         if block is None:
             continue
         block = cut(block)
         turn = ep["turns"][t]
         teacher = teacher_prompt(tokenizer, turn["prompt_ids"], block, chat_template_kwargs)
-        by_episode.setdefault(e, []).extend([_example(turn, teacher, tokenizer, block, bare_replies),
-                                             _example(turn, turn["prompt_ids"], tokenizer, None, bare_replies)])
-    return [{**{k: episodes[e][k] for k in ("task_id", "group_id", "rollout_index", "reward", "success")}, "turns": turns}
-            for e, turns in by_episode.items()]
+        by_episode.setdefault(e, []).extend(
+            [
+                _example(turn, teacher, tokenizer, block, bare_replies),
+                _example(turn, turn["prompt_ids"], tokenizer, None, bare_replies),
+            ]
+        )
+    return [
+        {**{k: episodes[e][k] for k in ("task_id", "group_id", "rollout_index", "reward", "success")}, "turns": turns}
+        for e, turns in by_episode.items()
+    ]
 
 
 def _example(turn: dict, prompt_ids: list[int], tokenizer, hindsight: str | None, bare: bool) -> dict:
     """A turn record whose reply is the expert's action from ``turn``'s state."""
     expert = turn["expert_action"]
-    return {"turn": turn["turn"], "prompt_ids": prompt_ids, "action_ids": reply_ids(tokenizer, expert, bare),
-            "action_text": format_reply(expert, bare), "action": expert, "behaviour_logprobs": [],
-            "state_key": turn["state_key"], "feedback": turn["feedback"], "reward": 0.0, "done": False,
-            "hindsight": hindsight}
+    return {
+        "turn": turn["turn"],
+        "prompt_ids": prompt_ids,
+        "action_ids": reply_ids(tokenizer, expert, bare),
+        "action_text": format_reply(expert, bare),
+        "action": expert,
+        "behaviour_logprobs": [],
+        "state_key": turn["state_key"],
+        "feedback": turn["feedback"],
+        "reward": 0.0,
+        "done": False,
+        "hindsight": hindsight,
+    }

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from serl_cli.errors import SerlError
 
@@ -47,7 +47,9 @@ class TurnInfo:
     fired: bool  # a chosen feedback source produced evidence for this turn
     log_ratio_mean: float | None  # mean over action tokens of log pi_T - log pi_old; None: not scored
     has_block: bool = True  # the sources rendered a hindsight block for it
-    scorable: bool = True  # selected, the teacher would score it: a block (and a nonzero advantage where A = 0 is skipped)
+    scorable: bool = (
+        True  # selected, the teacher would score it: a block (and a nonzero advantage where A = 0 is skipped)
+    )
 
 
 Rule = Callable[..., list[bool]]  # rule(turns, *, rho, seed) -> one bool per turn
@@ -128,5 +130,3 @@ def needs_teacher_before_selection(rule: str) -> bool:
     """True when the rule reads every turn's teacher score (``gap``); the others select first."""
     check_rule(rule)
     return rule in _NEEDS_TEACHER
-
-

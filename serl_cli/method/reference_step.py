@@ -37,12 +37,21 @@ from serl_cli.method.teacher import action_span_mask, teacher_prompt
 def token_logprobs(model, prompt_ids: list[int], reply_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
     """log pi(reply_k | prompt, reply_<k) for one turn, [K]: one unpadded forward pass."""
     ids = torch.tensor([prompt_ids + reply_ids])
-    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1:-1].float() / temperature
+    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(reply_ids).unsqueeze(-1)).squeeze(-1)
 
 
-def reference_step(policy, teacher, tokenizer, group: list[dict], cfg: AnnotateConfig, *,
-                   clip_eps: float = 0.2, adv_eps: float = 1e-6, temperature: float = 1.0) -> torch.Tensor:
+def reference_step(
+    policy,
+    teacher,
+    tokenizer,
+    group: list[dict],
+    cfg: AnnotateConfig,
+    *,
+    clip_eps: float = 0.2,
+    adv_eps: float = 1e-6,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """The SERL loss of one group of rollouts under ``policy`` (differentiable), with the
     hindsight ``teacher`` (a frozen copy of the rollout policy) setting the token weights."""
     turns = [(ep, t) for ep in group for t in range(len(ep["turns"]))]
@@ -64,10 +73,14 @@ def reference_step(policy, teacher, tokenizer, group: list[dict], cfg: AnnotateC
     # 3. placement: the critical set S, chosen before the teacher is asked anything. A turn is
     # scorable with a block, a nonzero advantage and (serl) a parsed action to weight
     masks = [action_span_mask(tokenizer, ep["turns"][t]["action_ids"], cfg.unparsed) for ep, t in turns]
-    scorable = [text is not None and adv[id(ep)] != 0 and (cfg.tokens == "reply" or any(m))
-                for (ep, _), (text, _, _), m in zip(turns, blocks, masks)]
-    infos = [placement.TurnInfo(k, bool(fired), None, text is not None, ok)
-             for k, ((text, _, fired), ok) in enumerate(zip(blocks, scorable))]
+    scorable = [
+        text is not None and adv[id(ep)] != 0 and (cfg.tokens == "reply" or any(m))
+        for (ep, _), (text, _, _), m in zip(turns, blocks, masks)
+    ]
+    infos = [
+        placement.TurnInfo(k, bool(fired), None, text is not None, ok)
+        for k, ((text, _, fired), ok) in enumerate(zip(blocks, scorable))
+    ]
     selected = placement.select(cfg.placement, infos, rho=cfg.rho, seed=cfg.seed)
 
     lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)

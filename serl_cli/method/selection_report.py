@@ -49,8 +49,16 @@ def distribution(values) -> dict:
     if v.size == 0:
         return {"n": 0, "mean": None, "std": None, "min": None, "q1": None, "median": None, "q3": None, "max": None}
     q1, med, q3 = np.percentile(v, [25, 50, 75])
-    return {"n": int(v.size), "mean": _num(v.mean()), "std": _num(v.std()), "min": _num(v.min()),
-            "q1": _num(q1), "median": _num(med), "q3": _num(q3), "max": _num(v.max())}
+    return {
+        "n": int(v.size),
+        "mean": _num(v.mean()),
+        "std": _num(v.std()),
+        "min": _num(v.min()),
+        "q1": _num(q1),
+        "median": _num(med),
+        "q3": _num(q3),
+        "max": _num(v.max()),
+    }
 
 
 def _check(records: list[dict], episodes: list[dict]) -> None:
@@ -67,8 +75,12 @@ def _check(records: list[dict], episodes: list[dict]) -> None:
 
 def _tests(sel_r, uns_r, table, alpha: float) -> dict:
     """Mann-Whitney and Fisher results, None where untestable, plus the reason."""
-    out = {"alpha": alpha, "mann_whitney": {"statistic": None, "p_value": None},
-           "fisher": {"table": table, "odds_ratio": None, "p_value": None}, "untestable": None}
+    out = {
+        "alpha": alpha,
+        "mann_whitney": {"statistic": None, "p_value": None},
+        "fisher": {"table": table, "odds_ratio": None, "p_value": None},
+        "untestable": None,
+    }
     if not sel_r:
         out["untestable"] = "no turn is selected"
         return out
@@ -124,29 +136,49 @@ def selection_report(records: list[dict], episodes: list[dict], *, alpha: float 
     for s in names:
         made = sum(1 for r in records if s in (r["sources"] or []))
         fired = sum(1 for r in records if s in (r["fired"] or []))
-        sources[s] = {"produced": made, "produced_fraction": _frac(made, n), "fired": fired, "fired_fraction": _frac(fired, n)}
+        sources[s] = {
+            "produced": made,
+            "produced_fraction": _frac(made, n),
+            "fired": fired,
+            "fired_fraction": _frac(fired, n),
+        }
 
     sel_r = [reward[r["episode"]] for r in sel]
     uns_r = [reward[r["episode"]] for r in uns]
-    table = [[sum(1 for r in group if success[r["episode"]]), sum(1 for r in group if not success[r["episode"]])]
-             for group in (sel, uns)]
+    table = [
+        [sum(1 for r in group if success[r["episode"]]), sum(1 for r in group if not success[r["episode"]])]
+        for group in (sel, uns)
+    ]
     tests = _tests(sel_r, uns_r, table, alpha)
     reward_dist = {"selected": distribution(sel_r), "unselected": distribution(uns_r)}
-    tests["verdict"] = _verdict(tests, by_outcome["success"]["selected_fraction"] or 0.0,
-                                by_outcome["failure"]["selected_fraction"] or 0.0,
-                                reward_dist["selected"]["mean"], reward_dist["unselected"]["mean"])
+    tests["verdict"] = _verdict(
+        tests,
+        by_outcome["success"]["selected_fraction"] or 0.0,
+        by_outcome["failure"]["selected_fraction"] or 0.0,
+        reward_dist["selected"]["mean"],
+        reward_dist["unselected"]["mean"],
+    )
     return {
         "unit": "turn",
-        "counts": {"turns": n, "selected_turns": n_sel, "selected_fraction": _frac(n_sel, n),
-                   "turns_fired": sum(1 for r in records if r["fired"]),
-                   "episodes": len(episodes), "episodes_with_selected": len(eps_with),
-                   "episodes_with_selected_fraction": _frac(len(eps_with), len(episodes))},
+        "counts": {
+            "turns": n,
+            "selected_turns": n_sel,
+            "selected_fraction": _frac(n_sel, n),
+            "turns_fired": sum(1 for r in records if r["fired"]),
+            "episodes": len(episodes),
+            "episodes_with_selected": len(eps_with),
+            "episodes_with_selected_fraction": _frac(len(eps_with), len(episodes)),
+        },
         "episode_reward": reward_dist,
-        "advantage": {"selected": distribution(r["advantage"] for r in sel),
-                      "unselected": distribution(r["advantage"] for r in uns)},
+        "advantage": {
+            "selected": distribution(r["advantage"] for r in sel),
+            "unselected": distribution(r["advantage"] for r in uns),
+        },
         "selected_by_outcome": by_outcome,
         "sources": sources,
-        "rollouts": {"with_selected": distribution(reward[e] for e in eps_with),
-                     "without_selected": distribution(reward[e] for e in eps_without)},
+        "rollouts": {
+            "with_selected": distribution(reward[e] for e in eps_with),
+            "without_selected": distribution(reward[e] for e in eps_without),
+        },
         "tests": tests,
     }

@@ -73,8 +73,10 @@ def teacher_prompt_ids(prompt_ids: list[int], block_ids: list[int], end_of_turn_
         # the last end-of-turn token before the assistant header closes the user message
         cut = len(prompt_ids) - 1 - prompt_ids[::-1].index(end_of_turn_id)
     except ValueError:
-        raise SerlError("cannot place the hindsight block: the stored prompt has no end-of-turn token "
-                        "(the tokenizer's eos token must close each chat message)") from None
+        raise SerlError(
+            "cannot place the hindsight block: the stored prompt has no end-of-turn token "
+            "(the tokenizer's eos token must close each chat message)"
+        ) from None
     return prompt_ids[:cut] + block_ids + prompt_ids[cut:]
 
 
@@ -114,7 +116,7 @@ def chat_tail(tokenizer, chat_template_kwargs: dict | None = None) -> list[int] 
     a, b = (_render_probe(tokenizer, text, chat_template_kwargs) for text in PROBE_TEXTS)
     if a is None or b is None:
         return None
-    return a[len(a) - _common_suffix(a, b):]
+    return a[len(a) - _common_suffix(a, b) :]
 
 
 def spliced_part(student: list[int], teacher: list[int], tail: list[int]) -> list[int] | None:
@@ -139,7 +141,7 @@ def inserted_ids(tokenizer, block: str, tail: list[int], chat_template_kwargs: d
 
 
 def _ends_with(ids: list[int], tail: list[int]) -> bool:
-    return len(ids) >= len(tail) and ids[len(ids) - len(tail):] == tail
+    return len(ids) >= len(tail) and ids[len(ids) - len(tail) :] == tail
 
 
 def teacher_prompt(tokenizer, prompt_ids: list[int], block: str, chat_template_kwargs: dict | None = None) -> list[int]:
@@ -159,9 +161,11 @@ def teacher_prompt(tokenizer, prompt_ids: list[int], block: str, chat_template_k
     if tail is not None and _ends_with(prompt_ids, tail):
         cut = len(prompt_ids) - len(tail)
         return prompt_ids[:cut] + ids + prompt_ids[cut:]
-    raise SerlError("cannot place the hindsight block: the stored prompt has no end-of-turn token and does "
-                    "not end as the tokenizer's chat template ends a user message (rendered with other "
-                    "prompt.chat_template_kwargs, or by another tokenizer?)")
+    raise SerlError(
+        "cannot place the hindsight block: the stored prompt has no end-of-turn token and does "
+        "not end as the tokenizer's chat template ends a user message (rendered with other "
+        "prompt.chat_template_kwargs, or by another tokenizer?)"
+    )
 
 
 def teacher_suffix(block: str) -> str:
@@ -208,7 +212,9 @@ def action_span_mask(tokenizer, action_ids: list[int], unparsed: str = "none", a
 
 
 @torch.no_grad()
-def score(model, tokenizer, items: list[ScoreItem], temperature: float = 1.0, micro_batch_tokens: int = 16384) -> list[list[float]]:
+def score(
+    model, tokenizer, items: list[ScoreItem], temperature: float = 1.0, micro_batch_tokens: int = 16384
+) -> list[list[float]]:
     """log-probs of each item's action tokens under ``model``, batched by length."""
     if not items:
         return []
@@ -222,7 +228,7 @@ def score(model, tokenizer, items: list[ScoreItem], temperature: float = 1.0, mi
         k = logp.shape[1]
         for row, i in enumerate(mb.index):
             n = len(items[i].action_ids)
-            out[i] = logp[row, k - n:].tolist()
+            out[i] = logp[row, k - n :].tolist()
     model.train(was_training)
     return out
 

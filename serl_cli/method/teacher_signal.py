@@ -52,12 +52,16 @@ def _turn(records: list[dict], episodes: list[dict], k: int) -> dict:
 
 def signal_turns(records: list[dict], episodes: list[dict]) -> list[int]:
     """Indices of the records the teacher scored whose turn has an expert action."""
-    return [k for k, r in enumerate(records)
-            if r["teacher_logprobs"] is not None and _turn(records, episodes, k).get("expert_action")]
+    return [
+        k
+        for k, r in enumerate(records)
+        if r["teacher_logprobs"] is not None and _turn(records, episodes, k).get("expert_action")
+    ]
 
 
-def teacher_signal(records: list[dict], episodes: list[dict],
-                   expert_logprobs: dict[int, tuple[list[float], list[float]]]) -> dict | None:
+def teacher_signal(
+    records: list[dict], episodes: list[dict], expert_logprobs: dict[int, tuple[list[float], list[float]]]
+) -> dict | None:
     """The signal over the records in ``expert_logprobs``: record index -> log pi_T of the
     expert reply's action-span tokens (with the block, without it). None where it is empty."""
     if not expert_logprobs:
@@ -76,16 +80,30 @@ def teacher_signal(records: list[dict], episodes: list[dict],
     def frac(xs: list[bool]) -> float | None:
         return sum(xs) / len(xs) if xs else None
 
-    return {"turns": n, "right_direction": frac(right[False] + right[True]),
-            "expert_prob_gain": (sum(with_block) - sum(without_block)) / n,
-            "off_expert_turns": len(right[False]), "off_expert_right_direction": frac(right[False]),
-            "on_expert_turns": len(right[True]), "on_expert_right_direction": frac(right[True]),
-            "expert_prob_with_block": sum(with_block) / n, "expert_prob_without_block": sum(without_block) / n}
+    return {
+        "turns": n,
+        "right_direction": frac(right[False] + right[True]),
+        "expert_prob_gain": (sum(with_block) - sum(without_block)) / n,
+        "off_expert_turns": len(right[False]),
+        "off_expert_right_direction": frac(right[False]),
+        "on_expert_turns": len(right[True]),
+        "on_expert_right_direction": frac(right[True]),
+        "expert_prob_with_block": sum(with_block) / n,
+        "expert_prob_without_block": sum(without_block) / n,
+    }
 
 
-def measure(records: list[dict], episodes: list[dict], teacher_model, tokenizer, temperature: float,
-            micro_batch_tokens: int, chat_template_kwargs: dict | None = None, bare_replies: bool = False,
-            action_format=None) -> dict | None:
+def measure(
+    records: list[dict],
+    episodes: list[dict],
+    teacher_model,
+    tokenizer,
+    temperature: float,
+    micro_batch_tokens: int,
+    chat_template_kwargs: dict | None = None,
+    bare_replies: bool = False,
+    action_format=None,
+) -> dict | None:
     """Score the expert's reply with and without each turn's block, and summarize (:func:`teacher_signal`)."""
     turns = signal_turns(records, episodes)
     if not turns:
@@ -93,8 +111,9 @@ def measure(records: list[dict], episodes: list[dict], teacher_model, tokenizer,
     expert = [_turn(records, episodes, k)["expert_action"] for k in turns]
     reply = {a: expert_reply_ids(tokenizer, a, bare_replies) for a in set(expert)}
     # a bare reply's action is found by the environment's action format; an empty span would read as probability 1
-    span = {a: action_span_mask(tokenizer, ids, "none", action_format if bare_replies else None)
-            for a, ids in reply.items()}
+    span = {
+        a: action_span_mask(tokenizer, ids, "none", action_format if bare_replies else None) for a, ids in reply.items()
+    }
     keep = [j for j, a in enumerate(expert) if any(span[a])]
     turns, expert = [turns[j] for j in keep], [expert[j] for j in keep]
     if not turns:
@@ -109,5 +128,8 @@ def measure(records: list[dict], episodes: list[dict], teacher_model, tokenizer,
     def on_span(logprobs: list[float], a: str) -> list[float]:
         return [x for x, m in zip(logprobs, span[a]) if m]
 
-    return teacher_signal(records, episodes, {k: (on_span(scored[2 * j], a), on_span(scored[2 * j + 1], a))
-                                              for j, (k, a) in enumerate(zip(turns, expert))})
+    return teacher_signal(
+        records,
+        episodes,
+        {k: (on_span(scored[2 * j], a), on_span(scored[2 * j + 1], a)) for j, (k, a) in enumerate(zip(turns, expert))},
+    )

@@ -94,13 +94,17 @@ def resolve_device(name: str = "auto", gpus: list[int] | None = None) -> torch.d
     if name == "cpu" or (name == "auto" and not cuda_available()):
         return torch.device("cpu")
     if not cuda_available():
-        raise SerlError("--device cuda: torch sees no CUDA device here (torch "
-                        f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu or auto")
+        raise SerlError(
+            "--device cuda: torch sees no CUDA device here (torch "
+            f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu or auto"
+        )
     rank = local_rank()
     if gpus:
         if rank >= len(gpus):
-            raise SerlError(f"process {rank} has no GPU: train.gpus lists {len(gpus)} ({gpus}); start as many "
-                            f"processes per node as it lists")
+            raise SerlError(
+                f"process {rank} has no GPU: train.gpus lists {len(gpus)} ({gpus}); start as many "
+                f"processes per node as it lists"
+            )
         index = int(gpus[rank])
     else:
         index = rank

@@ -23,15 +23,18 @@ class ModelError(SerlError, ValueError):
     """A model name or directory that cannot be used; the message is one line for the CLI."""
 
 
-
 def _looks_like_path(name: str) -> bool:
     # Hub ids are "name" or "org/name"; anything else can only be meant as a local path.
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
-
-def load_model(name_or_dir: str, dtype: torch.dtype = torch.float32, *, device: torch.device | str | None = None,
-               attn_implementation: str | None = None):
+def load_model(
+    name_or_dir: str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    device: torch.device | str | None = None,
+    attn_implementation: str | None = None,
+):
     """Load (model, tokenizer) from a local HF model directory or a hub name: weights in
     ``dtype``, moved to ``device`` (default: left on the CPU), with ``attn_implementation``
     (default: transformers' choice, SDPA where torch has it)."""
@@ -47,8 +50,12 @@ def load_for_inference(name_or_dir: str, precision):
     tagged so that every forward pass runs under the precision's autocast."""
     from serl_cli.models.device import tag
 
-    model, tokenizer = load_model(name_or_dir, precision.storage_dtype(training=False), device=precision.device,
-                                  attn_implementation=precision.attn_implementation)
+    model, tokenizer = load_model(
+        name_or_dir,
+        precision.storage_dtype(training=False),
+        device=precision.device,
+        attn_implementation=precision.attn_implementation,
+    )
     return tag(model.eval(), precision), tokenizer
 
 
@@ -61,7 +68,9 @@ def _load_model(name: str, dtype: torch.dtype, attn_implementation: str | None):
         if not path.is_dir():
             raise ModelError(f"model path {name} is a file, not a model directory")
         if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
-            return load_adapter_model(path, dtype, attn_implementation)  # a LoRA adapter-only checkpoint: base + adapter
+            return load_adapter_model(
+                path, dtype, attn_implementation
+            )  # a LoRA adapter-only checkpoint: base + adapter
         if not (path / "config.json").is_file():
             raise ModelError(f"model directory {name} has no config.json: not a Hugging Face model")
         source = str(path)
@@ -78,10 +87,11 @@ def _load_model(name: str, dtype: torch.dtype, attn_implementation: str | None):
         if local:
             raise ModelError(f"cannot load model directory {name}: {first}") from None
         offline = " (HF_HUB_OFFLINE is set and it is not cached)" if is_offline_mode() else ""
-        raise ModelError(f"cannot load model {name!r}: no such local directory and not loadable "
-                         f"from the Hugging Face hub{offline}: {first}") from None
+        raise ModelError(
+            f"cannot load model {name!r}: no such local directory and not loadable "
+            f"from the Hugging Face hub{offline}: {first}"
+        ) from None
     return model, tokenizer
-
 
 
 def _cached(name: str) -> bool:
@@ -113,9 +123,11 @@ def _check_hub_reachable(name: str, timeout_s: float = 3.0) -> None:
         reason = e.strerror or type(e).__name__
     finally:
         pool.shutdown(wait=False)
-    raise ModelError(f"cannot load model {name!r}: no such local directory, not in the Hugging Face cache, and the hub "
-                     f"({constants.ENDPOINT}) is unreachable ({reason}): pass a local model directory, download it "
-                     f"where there is network, or set HF_HUB_OFFLINE=1 to use only the local cache")
+    raise ModelError(
+        f"cannot load model {name!r}: no such local directory, not in the Hugging Face cache, and the hub "
+        f"({constants.ENDPOINT}) is unreachable ({reason}): pass a local model directory, download it "
+        f"where there is network, or set HF_HUB_OFFLINE=1 to use only the local cache"
+    )
 
 
 def set_torch_threads(n: int | None) -> None:
@@ -123,13 +135,10 @@ def set_torch_threads(n: int | None) -> None:
     torch.set_num_threads(n or int(os.environ.get("SERL_THREADS") or 0) or os.cpu_count() or 1)
 
 
-
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-
 ADAPTER_SUBDIR = "adapter"  # where a merged checkpoint keeps the adapter it was merged from
-
 
 
 def import_peft():
@@ -137,7 +146,6 @@ def import_peft():
     import peft
 
     return peft
-
 
 
 def adapter_dir(checkpoint: str | Path) -> Path | None:
@@ -150,7 +158,6 @@ def adapter_dir(checkpoint: str | Path) -> Path | None:
     return None
 
 
-
 def base_model_name(adapter: Path) -> str:
     try:
         name = json.loads((adapter / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
@@ -161,12 +168,10 @@ def base_model_name(adapter: Path) -> str:
     return name
 
 
-
 def load_adapters(model, adapter: Path, trainable: bool):
     """``model`` (the base) with the saved adapter from ``adapter`` applied."""
     peft = import_peft()
     return peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
-
 
 
 def load_adapter_model(path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):

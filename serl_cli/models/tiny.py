@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -24,9 +24,7 @@ from serl_cli.models.loading import ModelError
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
-
 
 
 # Qwen-style ChatML; no default system prompt so rendered prompts are exactly what callers pass.
@@ -36,7 +34,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
 
 
 # Tied embeddings (the vocab matrix is the largest block at this scale). head_dim 64 (micro: 32), GQA 2:1.
@@ -52,31 +49,51 @@ _COMMON = dict(
 )
 
 
-
 PRESETS: dict[str, dict] = {
     # ~0.9M params: 4 x 0.2M layers and at most 0.13M embedding. The Sokoban demo's: small
     # enough that an online iteration (8 rooms x 8) runs in seconds on one CPU thread
-    "micro": dict(_COMMON, vocab_size=1024, hidden_size=128, intermediate_size=384,
-                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+    "micro": dict(
+        _COMMON,
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
     # ~4.2M params: 1.05M embedding + 4 x 0.79M layers
-    "tiny": dict(_COMMON, vocab_size=4096, hidden_size=256, intermediate_size=768,
-                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+    "tiny": dict(
+        _COMMON,
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
     # ~25.4M params: 4.2M embedding + 6 x 3.54M layers
-    "small": dict(_COMMON, vocab_size=8192, hidden_size=512, intermediate_size=1792,
-                  num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4),
+    "small": dict(
+        _COMMON,
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1792,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
 }
-
 
 
 def _qwen2_pipeline(tok: Tokenizer) -> Tokenizer:
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
-
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -104,7 +121,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     )
 
 
-
 def build_config(preset: str, tokenizer=None) -> Qwen2Config:
     if preset not in PRESETS:
         raise ModelError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
@@ -118,9 +134,7 @@ def build_config(preset: str, tokenizer=None) -> Qwen2Config:
     return cfg
 
 
-
-def init_model(preset: str, out_dir: str | Path, texts: Iterable[str], seed: int = 0,
-               overwrite: bool = False) -> Path:
+def init_model(preset: str, out_dir: str | Path, texts: Iterable[str], seed: int = 0, overwrite: bool = False) -> Path:
     """Train a tokenizer, randomly init a Qwen2 model and save both to `out_dir` atomically."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -131,7 +145,8 @@ def init_model(preset: str, out_dir: str | Path, texts: Iterable[str], seed: int
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None)
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # A sibling temp dir lives on the same filesystem, so the final rename is atomic and a
@@ -152,7 +167,6 @@ def init_model(preset: str, out_dir: str | Path, texts: Iterable[str], seed: int
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
-
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -4,8 +4,9 @@
 preset the environment names (``model_preset``: Sokoban's 6x6 grids need only ``micro``).
 Its tokenizer is trained on the text the policy will read and write: prompts rendered
 from expert episodes on the train split (system rules, instructions, pages, admissible
-actions) and the environment's own text (the catalog's products, Sokoban's feedback). The cache lives in ``$SERL_CACHE_DIR`` (default ``~/.cache/serl``), keyed
-by environment, preset, data source and seed, so a changed catalog builds a new model.
+actions) and the environment's own text (the catalog's products, Sokoban's feedback). The
+cache lives in ``$SERL_CACHE_DIR`` (default ``~/.cache/serl``), keyed by environment, preset, data
+source and seed, so a changed catalog builds a new model.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def cache_root() -> Path:
 
 
 def tokenizer_corpus(world, episodes: int = 300) -> list[str]:
-    """Prompts and replies of expert episodes on the train split (else the eval split), plus the environment's own text."""
+    """Prompts and replies of expert episodes on the train split (else the eval split), plus the
+    environment's own text."""
     from serl_cli.rollout.policies import ExpertPolicy
 
     split = "train" if "train" in world.splits() else world.eval_split  # a plugin environment may have no train split
@@ -36,8 +38,9 @@ def tokenizer_corpus(world, episodes: int = 300) -> list[str]:
     for rec in records:
         history = []
         for t in rec["turns"]:
-            messages = build_messages(world.rules, rec["instruction"], history, t["observation"], [], PromptConfig(),
-                                      action_format_of(world))
+            messages = build_messages(
+                world.rules, rec["instruction"], history, t["observation"], [], PromptConfig(), action_format_of(world)
+            )
             texts += [m["content"] for m in messages] + [format_action(t["action"])]
             history.append({"observation": t["observation"], "action": t["action"]})
     return texts + list(getattr(world, "corpus_texts", lambda: [])())

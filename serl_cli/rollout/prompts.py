@@ -73,8 +73,15 @@ def trained_prompt(model_name: str | None) -> PromptConfig | None:
         return None  # an unreadable record: fall back to the defaults rather than guess
 
 
-def build_messages(rules: str, instruction: str, history: list[dict], observation: str, admissible: list[str],
-                   cfg: PromptConfig, action_format: ActionFormat = DEFAULT_ACTION_FORMAT) -> list[dict]:
+def build_messages(
+    rules: str,
+    instruction: str,
+    history: list[dict],
+    observation: str,
+    admissible: list[str],
+    cfg: PromptConfig,
+    action_format: ActionFormat = DEFAULT_ACTION_FORMAT,
+) -> list[dict]:
     """``history`` holds the episode's past turns (dicts with ``observation`` and ``action``)."""
     k = len(history) if cfg.history_turns < 0 else cfg.history_turns
     shown = history[-k:] if k > 0 else []
@@ -111,8 +118,9 @@ def check_chat_template_kwargs(kwargs: dict) -> None:
 def render_prompt_ids(tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
     """``messages`` rendered with the tokenizer's chat template and the assistant header;
     ``chat_template_kwargs`` (``PromptConfig.chat_template_kwargs``) reach the template."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        **(chat_template_kwargs or {}))
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})
+    )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some transformers versions
         ids = ids["input_ids"]
     return list(ids)
@@ -161,14 +169,16 @@ def _probe_end_of_turn(tokenizer) -> int:
     if not getattr(tokenizer, "chat_template", None):
         return eos
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "Probe message"},
-                                              {"role": "assistant", "content": _REPLY_PROBE}], tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Probe message"}, {"role": "assistant", "content": _REPLY_PROBE}],
+            tokenize=False,
+        )
     except Exception:  # noqa: BLE001 - a template that cannot render this conversation: keep eos
         return eos
     at = text.rfind(_REPLY_PROBE)
     if at < 0:
         return eos
-    after = tokenizer.encode(text[at + len(_REPLY_PROBE):], add_special_tokens=False)
+    after = tokenizer.encode(text[at + len(_REPLY_PROBE) :], add_special_tokens=False)
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
     return after[0] if after and after[0] in special else eos
 

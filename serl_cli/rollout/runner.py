@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from envs.base import EnvError, Episode, Step, World
 from serl_cli.rollout.policies import Decision
@@ -52,7 +53,9 @@ def time_limit(seconds: float | None):
 
 def _describe(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-    return f"environment {'timed out' if isinstance(e, StepTimeout) else 'raised ' + type(e).__name__}" + (f": {text}" if text else "")
+    return f"environment {'timed out' if isinstance(e, StepTimeout) else 'raised ' + type(e).__name__}" + (
+        f": {text}" if text else ""
+    )
 
 
 class Policy(Protocol):
@@ -112,9 +115,17 @@ def run_episodes(
     action_format = action_format_of(world)
     start_more()
     while live:
-        contexts = [{"instruction": ep.instruction, "turns": rec["turns"], "rules": world.rules,
-                     "action_format": action_format, "episode": ep, "row": (rec["group_id"], rec["rollout_index"])}
-                    for _, ep, _, rec in live]
+        contexts = [
+            {
+                "instruction": ep.instruction,
+                "turns": rec["turns"],
+                "rules": world.rules,
+                "action_format": action_format,
+                "episode": ep,
+                "row": (rec["group_id"], rec["rollout_index"]),
+            }
+            for _, ep, _, rec in live
+        ]
         decisions = policy.act([step for _, _, step, _ in live], contexts)
         still_live = []
         for (i, ep, step, rec), d in zip(live, decisions):

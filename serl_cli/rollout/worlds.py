@@ -24,7 +24,9 @@ _WORLDS: dict[tuple, World] = {}
 def build_world(cfg: EnvConfig) -> World:
     """Build (once per process) the environment's world and check the split exists."""
     if cfg.step_timeout_s is not None and not cfg.step_timeout_s > 0:
-        raise SerlError(f"env.step_timeout_s must be a positive number of seconds (or null for no limit), got {cfg.step_timeout_s}")
+        raise SerlError(
+            f"env.step_timeout_s must be a positive number of seconds (or null for no limit), got {cfg.step_timeout_s}"
+        )
     if cfg.max_turns is not None and cfg.max_turns < 1:
         raise SerlError(f"--max-turns must be at least 1, got {cfg.max_turns}")
     key = (cfg.name, tuple(sorted((k, repr(v)) for k, v in cfg.settings.items())))
@@ -39,6 +41,8 @@ def build_world(cfg: EnvConfig) -> World:
     except EnvError as e:
         raise SerlError(str(e)) from None
     except (UnicodeDecodeError, OSError) as e:  # unreadable data files: name them rather than show a traceback
-        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else f"{e.__class__.__name__}: {e}"
+        what = (
+            f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else f"{e.__class__.__name__}: {e}"
+        )
         raise SerlError(f"cannot load the {cfg.name} environment's data ({what})") from None
     return world

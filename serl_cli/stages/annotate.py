@@ -28,7 +28,6 @@ from serl_cli.method.teacher import score, score_units
 JOURNAL_FILE = "annotations.journal.jsonl"
 
 
-
 def journaled_scorer(journal: Path, done: list[dict], progress=None):
     """A :func:`score` that reuses the units in ``done`` and journals each one it scores;
     ``progress(turns scored, turns to score)`` after each unit (a progress bar)."""
@@ -39,8 +38,10 @@ def journaled_scorer(journal: Path, done: list[dict], progress=None):
         for u, index in enumerate(score_units(tokenizer, items, micro_batch_tokens)):
             if u < len(done):
                 if done[u].get("items") != index:
-                    raise SerlError(f"{journal}: teacher batch {u} covers other turns than this run's: "
-                                    f"pass --overwrite to annotate from scratch")
+                    raise SerlError(
+                        f"{journal}: teacher batch {u} covers other turns than this run's: "
+                        f"pass --overwrite to annotate from scratch"
+                    )
                 logprobs = done[u]["logprobs"]
             else:
                 logprobs = score(model, tokenizer, [items[i] for i in index], temperature, micro_batch_tokens)
@@ -55,25 +56,27 @@ def journaled_scorer(journal: Path, done: list[dict], progress=None):
     return scorer
 
 
-
 def _finished(run: Path, manifest: dict) -> dict | None:
     stage = manifest.get("stages", {}).get("annotate", {})
-    if stage.get("status") != "done" or not (run / ANNOTATIONS_FILE).is_file() or not (run / SELECTION_REPORT_FILE).is_file():
+    if (
+        stage.get("status") != "done"
+        or not (run / ANNOTATIONS_FILE).is_file()
+        or not (run / SELECTION_REPORT_FILE).is_file()
+    ):
         return None
     if stage.get("rollouts_sha256") != rollouts_fingerprint(run):
         return None
     return {**stage.get("stats", {}), "report": io.read_json(run / SELECTION_REPORT_FILE)}
 
 
-
-def run_annotate(run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False, resume: bool = False,
-                 progress=None) -> dict:
+def run_annotate(
+    run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False, resume: bool = False, progress=None
+) -> dict:
     """Annotate a run's rollouts; ``resume`` continues an interrupted pass from its journal
     (or returns the summary of a finished one)."""
     run = Path(run_dir)
     with runlock.run_lock(run):
         return _run_annotate(run, cfg, overwrite=overwrite, resume=resume, progress=progress)
-
 
 
 def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bool, progress=None) -> dict:
@@ -84,8 +87,14 @@ def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bo
     manifest = io.load_manifest(run)
     validate(cfg)
     journal = run / JOURNAL_FILE
-    finished = io.begin_resumable(run / ANNOTATIONS_FILE, journal, overwrite=overwrite, resume=resume,
-                                  what="annotation", finished=lambda: _finished(run, manifest))
+    finished = io.begin_resumable(
+        run / ANNOTATIONS_FILE,
+        journal,
+        overwrite=overwrite,
+        resume=resume,
+        what="annotation",
+        finished=lambda: _finished(run, manifest),
+    )
     if finished is not None:
         return finished
     episodes = read_rollouts(run)
@@ -97,7 +106,12 @@ def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bo
         raise SerlError(f"no teacher model: {run}/manifest.json names no rollout model; pass --set teacher=DIR")
     plain = io.to_plain(cfg)
     plain.pop("threads")
-    header = {"stage": "annotate", "config": plain, "teacher": str(teacher_name), "rollouts_sha256": rollouts_fingerprint(run)}
+    header = {
+        "stage": "annotate",
+        "config": plain,
+        "teacher": str(teacher_name),
+        "rollouts_sha256": rollouts_fingerprint(run),
+    }
     if resume and not overwrite and journal.exists():
         done = io.read_journal(journal, header)
     else:
@@ -107,14 +121,20 @@ def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bo
     set_torch_threads(cfg.threads)
     # the teacher on cfg.device in cfg.dtype (a GPU: bf16 weights; a CPU: fp32 weights under autocast)
     model, tokenizer = load_for_inference(teacher_name, resolve(cfg.device, cfg.dtype))
-    records, stats = annotate_episodes(episodes, cfg, model, tokenizer, env_cfg=rollout_cfg.get("env"),
-                                       temperature=rollout_temperature(manifest), scorer=journaled_scorer(journal, done, progress),
-                                       chat_template_kwargs=(rollout_cfg.get("prompt") or {}).get("chat_template_kwargs"),
-                                       bare_replies=bool((rollout_cfg.get("prompt") or {}).get("bare_replies")))
+    records, stats = annotate_episodes(
+        episodes,
+        cfg,
+        model,
+        tokenizer,
+        env_cfg=rollout_cfg.get("env"),
+        temperature=rollout_temperature(manifest),
+        scorer=journaled_scorer(journal, done, progress),
+        chat_template_kwargs=(rollout_cfg.get("prompt") or {}).get("chat_template_kwargs"),
+        bare_replies=bool((rollout_cfg.get("prompt") or {}).get("bare_replies")),
+    )
     result = write_annotations(run, records, episodes, cfg, stats)
     journal.unlink(missing_ok=True)
     return result
-
 
 
 def write_annotations(run: Path, records: list[dict], episodes: list[dict], cfg: AnnotateConfig, stats: dict) -> dict:
@@ -122,5 +142,7 @@ def write_annotations(run: Path, records: list[dict], episodes: list[dict], cfg:
     report["teacher"] = stats
     io.write_jsonl(run / ANNOTATIONS_FILE, records)
     io.write_json(run / SELECTION_REPORT_FILE, report)
-    io.mark_stage(run, "annotate", "done", config=io.to_plain(cfg), rollouts_sha256=rollouts_fingerprint(run), stats=stats)
+    io.mark_stage(
+        run, "annotate", "done", config=io.to_plain(cfg), rollouts_sha256=rollouts_fingerprint(run), stats=stats
+    )
     return {**stats, "report": report}

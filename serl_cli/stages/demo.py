@@ -63,22 +63,27 @@ class DemoConfig:
     expert_blunders: float = 0.1  # deadlocking pushes: the mistakes hindsight SFT teaches the teacher to read
     # the grid alone, bare replies: a model trained from scratch gains nothing from constant text and
     # pays for every token of it; with tagged replies it sits at chance for hundreds of steps (PromptConfig)
-    prompt: PromptConfig = field(default_factory=lambda: PromptConfig(history_turns=0, max_admissible=0, system=False,
-                                                                      bare_replies=True))
+    prompt: PromptConfig = field(
+        default_factory=lambda: PromptConfig(history_turns=0, max_admissible=0, system=False, bare_replies=True)
+    )
     # lands in the steep part of the curve, 15-50 % (docs/RESULTS.md, the warm-start curve); no hindsight
     # SFT: from the start that has it, RL gained half as much (docs/RESULTS.md, the demo)
-    sft: TrainConfig = field(default_factory=lambda: TrainConfig(
-        algo="sft", epochs=2, mini_batches=150, optim=OptimConfig(lr=1e-3)))
+    sft: TrainConfig = field(
+        default_factory=lambda: TrainConfig(algo="sft", epochs=2, mini_batches=150, optim=OptimConfig(lr=1e-3))
+    )
     # many rooms, small groups: updates from 8 rooms at a time fit those rooms and lose the panel;
     # cross_steps pools a group's turns, so the long failed episodes do not outweigh the short wins;
     # four optimizer steps an iteration cost no more compute than one and moved the panel +9 points
     # in 40 iterations where one step moved it +0.5 (docs/RESULTS.md, the Sokoban demo)
-    online: OnlineConfig = field(default_factory=lambda: OnlineConfig(
-        iterations=40,
-        rollout=RolloutConfig(tasks=32, group_size=2, sampling=SamplingConfig(1.0, 1.0, 3)),
-        train=TrainConfig(optim=OptimConfig(lr=1e-4), group_norm="cross_steps", mini_batches=4),
-        # the turns the environment flagged (a bump, a blocked push, a deadlock), shown with what they changed
-        annotate=AnnotateConfig(sources="error,diff", placement="feedback")))
+    online: OnlineConfig = field(
+        default_factory=lambda: OnlineConfig(
+            iterations=40,
+            rollout=RolloutConfig(tasks=32, group_size=2, sampling=SamplingConfig(1.0, 1.0, 3)),
+            train=TrainConfig(optim=OptimConfig(lr=1e-4), group_norm="cross_steps", mini_batches=4),
+            # the turns the environment flagged (a bump, a blocked push, a deadlock), shown with what they changed
+            annotate=AnnotateConfig(sources="error,diff", placement="feedback"),
+        )
+    )
     algos: list[str] = field(default_factory=lambda: ["grpo", "serl"])  # online arms, each from the warm start
     parallel_arms: bool = True  # the arms side by side, one process each, the cores shared out between them
     eval_episodes: int = 200  # first tasks of the test panel
@@ -96,15 +101,25 @@ def demo_defaults(env_name: str) -> DemoConfig:
         return DemoConfig()
     return DemoConfig(
         # 10 turns: the expert needs about 6; a tiny model that never buys would burn 15 per episode
-        env=EnvConfig(name=env_name, split="train", max_turns=10), preset="tiny", expert_tasks=60,
-        expert_noise=0.0, expert_blunders=0.0,
+        env=EnvConfig(name=env_name, split="train", max_turns=10),
+        preset="tiny",
+        expert_tasks=60,
+        expert_noise=0.0,
+        expert_blunders=0.0,
         # no history: the expert's next action depends only on the page and the task, and short
         # prompts let a tiny model take many more optimizer steps in the same CPU time
         prompt=PromptConfig(history_turns=0),
         sft=TrainConfig(algo="sft", epochs=4, mini_batches=32, optim=OptimConfig(lr=2e-3)),
-        online=OnlineConfig(iterations=2, rollout=RolloutConfig(tasks=4, group_size=4, sampling=SamplingConfig(1.0, 1.0, 32)),
-                            train=TrainConfig(algo="grpo", optim=OptimConfig(lr=5e-5))),
-        algos=["grpo"], eval_episodes=30, eval_temperature=0.0, eval_max_new_tokens=48)
+        online=OnlineConfig(
+            iterations=2,
+            rollout=RolloutConfig(tasks=4, group_size=4, sampling=SamplingConfig(1.0, 1.0, 32)),
+            train=TrainConfig(algo="grpo", optim=OptimConfig(lr=5e-5)),
+        ),
+        algos=["grpo"],
+        eval_episodes=30,
+        eval_temperature=0.0,
+        eval_max_new_tokens=48,
+    )
 
 
 def quick(cfg: DemoConfig) -> DemoConfig:
@@ -129,9 +144,19 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     steps = 5
     log(f"[1/{steps}] model: {model}")
 
-    expert_cfg = RolloutConfig(env=cfg.env, model=model, policy="expert", tasks=cfg.expert_tasks, group_size=1,
-                               expert_noise=cfg.expert_noise, expert_blunders=cfg.expert_blunders, prompt=cfg.prompt,
-                               seed=cfg.seed, threads=cfg.threads, out=str(out / "expert"))
+    expert_cfg = RolloutConfig(
+        env=cfg.env,
+        model=model,
+        policy="expert",
+        tasks=cfg.expert_tasks,
+        group_size=1,
+        expert_noise=cfg.expert_noise,
+        expert_blunders=cfg.expert_blunders,
+        prompt=cfg.prompt,
+        seed=cfg.seed,
+        threads=cfg.threads,
+        out=str(out / "expert"),
+    )
     s = run_rollout(expert_cfg, overwrite=True)
     log(f"[2/{steps}] expert data: {s['episodes']} episodes, {s['turns']} turns")
 
@@ -139,14 +164,18 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     sft.threads, sft.seed, sft.model = cfg.threads, cfg.seed, model
     m = train_on_run(str(out / "expert"), sft, overwrite=True)
     hindsight = f", {m['hindsight_examples']} hindsight examples" if "hindsight_examples" in m else ""
-    log(f"[3/{steps}] warm start (SFT): {m['turns']} examples{hindsight}, {m['optimizer_steps']} steps, "
-        f"mean loss {m['loss']:.3f}")
+    log(
+        f"[3/{steps}] warm start (SFT): {m['turns']} examples{hindsight}, {m['optimizer_steps']} steps, "
+        f"mean loss {m['loss']:.3f}"
+    )
     policies = {"expert": None, "warm start": str(out / "expert" / "checkpoint")}
 
     arms = [_online_arm(cfg, algo, policies["warm start"]) for algo in cfg.algos]
     side_by_side = cfg.parallel_arms and len(arms) > 1
-    log(f"[4/{steps}] online: {', '.join(cfg.algos)}, {cfg.online.iterations} iterations each"
-        f"{', side by side' if side_by_side else ''}")
+    log(
+        f"[4/{steps}] online: {', '.join(cfg.algos)}, {cfg.online.iterations} iterations each"
+        f"{', side by side' if side_by_side else ''}"
+    )
     if side_by_side:
         _run_side_by_side(arms, log)
     else:
@@ -155,8 +184,13 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     policies.update({f"warm start + {arm.train.algo}": str(Path(arm.out) / "checkpoint") for arm in arms})
 
     results = {name: _evaluate(cfg, name, model_dir, log, steps) for name, model_dir in policies.items()}
-    summary = {"results": results, "iterations": cfg.online.iterations, "wall_time_s": round(time.time() - started, 1),
-               "model": model, "eval_temperature": cfg.eval_temperature}
+    summary = {
+        "results": results,
+        "iterations": cfg.online.iterations,
+        "wall_time_s": round(time.time() - started, 1),
+        "model": model,
+        "eval_temperature": cfg.eval_temperature,
+    }
     if "serl" in cfg.algos:
         summary["teacher_signal"] = teacher_signal(out / "serl")
     io.write_json(out / "demo.json", summary)
@@ -203,10 +237,18 @@ def _run_arm(arm: OnlineConfig, lines) -> None:
 def _evaluate(cfg: DemoConfig, name: str, model_dir: str | None, log, steps: int) -> dict:
     """One row of the table: ``name`` on the first ``eval_episodes`` tasks of the test panel."""
     test = EnvConfig(cfg.env.name, None, cfg.env.max_turns, cfg.env.settings)  # None: the evaluation split
-    ecfg = EvalConfig(env=test, policy="expert" if model_dir is None else "model", model=model_dir,
-                      episodes=cfg.eval_episodes, seed=cfg.seed, temperature=cfg.eval_temperature,
-                      history_turns=cfg.prompt.history_turns, max_new_tokens=cfg.eval_max_new_tokens,
-                      threads=cfg.threads, out=str(Path(cfg.out) / f"eval_{name.replace(' + ', '+').replace(' ', '_')}"))
+    ecfg = EvalConfig(
+        env=test,
+        policy="expert" if model_dir is None else "model",
+        model=model_dir,
+        episodes=cfg.eval_episodes,
+        seed=cfg.seed,
+        temperature=cfg.eval_temperature,
+        history_turns=cfg.prompt.history_turns,
+        max_new_tokens=cfg.eval_max_new_tokens,
+        threads=cfg.threads,
+        out=str(Path(cfg.out) / f"eval_{name.replace(' + ', '+').replace(' ', '_')}"),
+    )
     result = run_eval(ecfg, overwrite=True)
     log(f"[{steps}/{steps}] eval {name}: success {result['success_rate']:.3f}")
     return result
@@ -228,5 +270,9 @@ def teacher_signal(run: Path) -> dict | None:
     if not signals:
         return None
     n = sum(t for t, _, _ in signals)
-    return {"turns": n, "iterations": len(signals), "right_direction": sum(t * r for t, r, _ in signals) / n,
-            "expert_prob_gain": sum(t * g for t, _, g in signals) / n}
+    return {
+        "turns": n,
+        "iterations": len(signals),
+        "right_direction": sum(t * r for t, r, _ in signals) / n,
+        "expert_prob_gain": sum(t * g for t, _, g in signals) / n,
+    }

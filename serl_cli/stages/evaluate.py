@@ -87,9 +87,20 @@ def make_policy(cfg: EvalConfig):
     if cfg.history_turns is not None:
         prompt.history_turns = cfg.history_turns
     cfg.history_turns = prompt.history_turns  # recorded in eval_config.yaml
-    return model_policy(cfg.model, temperature=cfg.temperature, seed=cfg.seed, prompt=prompt,
-                        max_new_tokens=cfg.max_new_tokens, threads=cfg.threads, engine=cfg.engine,
-                        device=cfg.device, dtype=cfg.dtype, vllm=cfg.vllm, gpus=cfg.gpus, coupled=cfg.coupled)
+    return model_policy(
+        cfg.model,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        prompt=prompt,
+        max_new_tokens=cfg.max_new_tokens,
+        threads=cfg.threads,
+        engine=cfg.engine,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        vllm=cfg.vllm,
+        gpus=cfg.gpus,
+        coupled=cfg.coupled,
+    )
 
 
 def check_model_settings(cfg: EvalConfig) -> None:
@@ -123,9 +134,16 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
     started = time.time()
     task_ids = PANELS[cfg.panel](n, total)
     try:
-        records = run_episodes(world, cfg.env.split, [EpisodeSpec(task_id=i) for i in task_ids], policy,
-                               max_turns=cfg.env.max_turns, batch_size=cfg.batch_size, on_episode_done=progress,
-                               step_timeout_s=cfg.env.step_timeout_s)
+        records = run_episodes(
+            world,
+            cfg.env.split,
+            [EpisodeSpec(task_id=i) for i in task_ids],
+            policy,
+            max_turns=cfg.env.max_turns,
+            batch_size=cfg.batch_size,
+            on_episode_done=progress,
+            step_timeout_s=cfg.env.step_timeout_s,
+        )
     finally:
         if own:
             from serl_cli.rollout.engines import close_engine

@@ -21,8 +21,9 @@ at the last iteration, and when the run is stopped; then only the newest ``keep_
 them stay (0: all). ``save_every: 1`` (the default) resumes from the last finished iteration.
 
 **Preemption** (a SLURM job near its time limit, a requeue): SIGTERM or SIGUSR1 asks the
-loop to stop (a second SIGTERM ends the process at once, as it would without serl). Before an iteration's update has started (during its rollouts or its
-annotation) the iteration is abandoned -- its rollouts would be collected again the same
+loop to stop (a second SIGTERM ends the process at once, as it would without serl). Before an
+iteration's update has started (during its rollouts or its annotation) the iteration is abandoned --
+its rollouts would be collected again the same
 way; once the update has started the iteration is finished (update, checkpoint, periodic
 evaluation). Either way the last finished iteration then has a checkpoint, and the loop
 raises :class:`Preempted`; the CLI exits with :data:`PREEMPTED_EXIT` (75, EX_TEMPFAIL), and
@@ -88,8 +89,10 @@ class Preempted(Exception):
     def __init__(self, run: Path, finished: int, signum: int):
         self.run, self.finished, self.signum = run, finished, signum
         name = signal.Signals(signum).name
-        super().__init__(f"stopped on {name} after {finished} finished iteration(s), checkpointed: "
-                         f"continue with --resume (exit code {PREEMPTED_EXIT})")
+        super().__init__(
+            f"stopped on {name} after {finished} finished iteration(s), checkpointed: "
+            f"continue with --resume (exit code {PREEMPTED_EXIT})"
+        )
 
 
 class StopSignal:
@@ -112,8 +115,12 @@ class StopSignal:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         if self.signum is None:
-            print(f"serl: {signal.Signals(signum).name}: stopping at the next safe point (checkpoint, then exit "
-                  f"{PREEMPTED_EXIT}; a second SIGTERM stops at once)", file=sys.stderr, flush=True)
+            print(
+                f"serl: {signal.Signals(signum).name}: stopping at the next safe point (checkpoint, then exit "
+                f"{PREEMPTED_EXIT}; a second SIGTERM stops at once)",
+                file=sys.stderr,
+                flush=True,
+            )
         self.signum = signum
 
     def __exit__(self, *exc) -> None:
@@ -168,7 +175,9 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
         manifest = io.load_manifest(run)
         start = resume_point(run, cfg, finished_iterations(manifest))
     elif main and run.exists() and any(run.iterdir()) and not overwrite:
-        raise SerlError(f"run directory {run} already exists: pass --resume to continue it or --overwrite to replace it")
+        raise SerlError(
+            f"run directory {run} already exists: pass --resume to continue it or --overwrite to replace it"
+        )
     if start == 0:
         cfg.model = resolve_model(RolloutConfig(env=cfg.env, model=cfg.model), world)
         learner = Learner(cfg.model, train_cfg)
@@ -206,11 +215,23 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
     # one engine for the whole run: hf generates with learner.model itself; vLLM loads its own
     # copy from the policy's directory and gets each update pushed into it (below)
     policy_dir = cfg.model if start == 0 else str(_iter_dir(run, start - 1) / "checkpoint")
-    engine = make_engine(cfg.rollout.engine, learner.model, learner.tokenizer, model_dir=policy_dir,
-                         vllm=cfg.rollout.vllm, seed=cfg.seed, gpus=cfg.rollout.gpus) if main else None
+    engine = (
+        make_engine(
+            cfg.rollout.engine,
+            learner.model,
+            learner.tokenizer,
+            model_dir=policy_dir,
+            vllm=cfg.rollout.vllm,
+            seed=cfg.seed,
+            gpus=cfg.rollout.gpus,
+        )
+        if main
+        else None
+    )
     try:
-        return _iterations(cfg, run, start, learner, objective, recompute, acfg, teacher, engine, stop, main,
-                           on_iteration)
+        return _iterations(
+            cfg, run, start, learner, objective, recompute, acfg, teacher, engine, stop, main, on_iteration
+        )
     finally:
         if main:
             close_engine(engine)  # vLLM's engine process and its GPU memory go now, not at exit
@@ -240,8 +261,20 @@ def _sync_engine(engine, learner: Learner, cfg: OnlineConfig, checkpoint: Path, 
     return {}
 
 
-def _iterations(cfg: OnlineConfig, run: Path, start: int, learner: Learner, objective, recompute: bool, acfg,
-                teacher, engine, stop: StopSignal, main: bool, on_iteration) -> list[dict]:
+def _iterations(
+    cfg: OnlineConfig,
+    run: Path,
+    start: int,
+    learner: Learner,
+    objective,
+    recompute: bool,
+    acfg,
+    teacher,
+    engine,
+    stop: StopSignal,
+    main: bool,
+    on_iteration,
+) -> list[dict]:
     history = []
     disk_sync = cfg.rollout.engine != "hf" and cfg.rollout.vllm.weight_sync == "disk"
     for k in range(start, cfg.iterations):
@@ -257,8 +290,13 @@ def _iterations(cfg: OnlineConfig, run: Path, start: int, learner: Learner, obje
                 teacher.sync()  # the teacher becomes this rollout policy
             if main:
                 try:
-                    summary = run_rollout(rcfg, overwrite=True, model=learner.model, tokenizer=learner.tokenizer,
-                                          engine=StoppableEngine(engine, stop))
+                    summary = run_rollout(
+                        rcfg,
+                        overwrite=True,
+                        model=learner.model,
+                        tokenizer=learner.tokenizer,
+                        engine=StoppableEngine(engine, stop),
+                    )
                 except _Abandon:
                     abandon = True
                 if not abandon:
@@ -269,19 +307,29 @@ def _iterations(cfg: OnlineConfig, run: Path, start: int, learner: Learner, obje
                     if objective.needs_annotations:
                         acfg.update_step, acfg.seed = learner.updates, cfg.seed * 1000 + k
                         # the weights are signed by the update's own advantages (group_norm, penalty, reward scale)
-                        adv = None if default_advantages(cfg.train) else \
-                            turn_advantages(turn_samples(episodes), cfg.train).tolist()
+                        adv = (
+                            None
+                            if default_advantages(cfg.train)
+                            else turn_advantages(turn_samples(episodes), cfg.train).tolist()
+                        )
                         with teacher.scoring() as teacher_model:
-                            annotations, stats = annotate_episodes(episodes, acfg, teacher_model, learner.tokenizer,
-                                                                   env_cfg=io.to_plain(cfg.env),
-                                                                   temperature=temperature, advantages=adv,
-                                                                   chat_template_kwargs=rcfg.prompt.chat_template_kwargs,
-                                                                   bare_replies=rcfg.prompt.bare_replies)
+                            annotations, stats = annotate_episodes(
+                                episodes,
+                                acfg,
+                                teacher_model,
+                                learner.tokenizer,
+                                env_cfg=io.to_plain(cfg.env),
+                                temperature=temperature,
+                                advantages=adv,
+                                chat_template_kwargs=rcfg.prompt.chat_template_kwargs,
+                                bare_replies=rcfg.prompt.bare_replies,
+                            )
                         write_annotations(it, annotations, episodes, acfg, stats)
                         meta = {"config": io.to_plain(acfg), "stats": stats}
                 abandon = abandon or stop.requested  # a stop before the update: abandon this iteration
         summary, episodes, annotations, meta, recomputed, abandon, signum = learner.broadcast(
-            (summary, episodes, annotations, meta, recomputed, abandon, stop.signum))
+            (summary, episodes, annotations, meta, recomputed, abandon, stop.signum)
+        )
         if abandon:  # iteration k is redone on resume; k - 1 must have its checkpoint
             if k > 0 and not _resumable(run, k - 1):
                 _save(learner, teacher, _iter_dir(run, k - 1) / "checkpoint", cfg.rollout.prompt, main)
@@ -308,9 +356,16 @@ def _iterations(cfg: OnlineConfig, run: Path, start: int, learner: Learner, obje
                 raise Preempted(run, k + 1, signum)
             continue
         io.append_jsonl(run / "metrics.jsonl", metrics)
-        io.append_jsonl(run / "timings.jsonl", {"iteration": k, "update": timing, "rollout_s": summary["wall_time_s"],
-                                                "rollout_tokens_per_s": summary["tokens_per_s"],
-                                                "iteration_s": round(time.perf_counter() - t0, 3)})
+        io.append_jsonl(
+            run / "timings.jsonl",
+            {
+                "iteration": k,
+                "update": timing,
+                "rollout_s": summary["wall_time_s"],
+                "rollout_tokens_per_s": summary["tokens_per_s"],
+                "iteration_s": round(time.perf_counter() - t0, 3),
+            },
+        )
         io.mark_stage(run, it.name, "done")
         prune_checkpoints(run, cfg.keep_last)
         history.append(metrics)
@@ -328,12 +383,22 @@ def _evaluate(cfg: OnlineConfig, rcfg: RolloutConfig, engine, it: Path) -> dict:
     """The periodic evaluation after iteration ``it``: ``eval.episodes`` tasks of the evaluation
     split's fixed panel, sampled at ``eval.temperature`` (0: greedy) with the run's seed, by the
     engine that serves the updated policy; ``it/eval.json`` and the metrics' ``eval_*``."""
-    ecfg = EvalConfig(env=EnvConfig(cfg.env.name, cfg.eval.split, cfg.env.max_turns, cfg.env.settings,
-                                    cfg.env.step_timeout_s),
-                      policy="model", episodes=cfg.eval.episodes, out=str(it), seed=cfg.seed,
-                      batch_size=rcfg.batch_size, history_turns=rcfg.prompt.history_turns,
-                      temperature=cfg.eval.temperature, max_new_tokens=rcfg.sampling.max_new_tokens,
-                      coupled=rcfg.sampling.coupled)
+    ecfg = EvalConfig(
+        env=EnvConfig(cfg.env.name, cfg.eval.split, cfg.env.max_turns, cfg.env.settings, cfg.env.step_timeout_s),
+        policy="model",
+        episodes=cfg.eval.episodes,
+        out=str(it),
+        seed=cfg.seed,
+        batch_size=rcfg.batch_size,
+        history_turns=rcfg.prompt.history_turns,
+        temperature=cfg.eval.temperature,
+        max_new_tokens=rcfg.sampling.max_new_tokens,
+        coupled=rcfg.sampling.coupled,
+    )
     ev = run_eval(ecfg, overwrite=True, policy=ModelPolicy(engine, eval_sampling(cfg), rcfg.prompt, seed=cfg.seed))
-    return {"eval_success_rate": ev["success_rate"], "eval_score": ev["score"],
-            "eval_invalid_action_rate": ev["invalid_action_rate"], "eval_mean_turns": ev["mean_turns"]}
+    return {
+        "eval_success_rate": ev["success_rate"],
+        "eval_score": ev["score"],
+        "eval_invalid_action_rate": ev["invalid_action_rate"],
+        "eval_mean_turns": ev["mean_turns"],
+    }

@@ -25,8 +25,11 @@ def _keep_iterations_before(path: Path, start: int) -> None:
 
 
 def finished_iterations(manifest: dict) -> int:
-    done = [int(name.split("_")[1]) for name, s in manifest.get("stages", {}).items()
-            if name.startswith("iter_") and s.get("status") == "done"]
+    done = [
+        int(name.split("_")[1])
+        for name, s in manifest.get("stages", {}).items()
+        if name.startswith("iter_") and s.get("status") == "done"
+    ]
     return max(done) + 1 if done else 0
 
 
@@ -37,8 +40,9 @@ def checkpoint_due(cfg: OnlineConfig, k: int) -> bool:
 
 def _resumable(run: Path, k: int) -> bool:
     last = _iter_dir(run, k) / "checkpoint"
-    return ((last / "config.json").is_file() or (last / ADAPTER_CONFIG).is_file()) and \
-        (last / "trainer_state.pt").is_file()
+    return ((last / "config.json").is_file() or (last / ADAPTER_CONFIG).is_file()) and (
+        last / "trainer_state.pt"
+    ).is_file()
 
 
 def resume_point(run: Path, cfg: OnlineConfig, finished: int) -> int:
@@ -49,8 +53,9 @@ def resume_point(run: Path, cfg: OnlineConfig, finished: int) -> int:
         if _resumable(run, k):
             return k + 1
         if checkpoint_due(cfg, k):
-            raise SerlError(f"cannot resume {run}: iteration {k} is marked done but "
-                            f"{_iter_dir(run, k) / 'checkpoint'} is missing")
+            raise SerlError(
+                f"cannot resume {run}: iteration {k} is marked done but {_iter_dir(run, k) / 'checkpoint'} is missing"
+            )
     return 0
 
 

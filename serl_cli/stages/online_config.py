@@ -38,7 +38,9 @@ class OnlineConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     annotate: AnnotateConfig = field(default_factory=AnnotateConfig)  # serl, rlsd, sdpo: between rollout and update
     eval: OnlineEvalConfig = field(default_factory=OnlineEvalConfig)
-    save_every: int = 1  # iteration k writes iter_k/checkpoint when (k + 1) % save_every == 0 (and at the end, and on a stop)
+    save_every: int = (
+        1  # iteration k writes iter_k/checkpoint when (k + 1) % save_every == 0 (and at the end, and on a stop)
+    )
     keep_last: int = 1  # iteration checkpoints kept, newest first; 0 = all of them
     seed: int = 0
     out: str = "runs/online"
@@ -68,7 +70,9 @@ def check_online_config(cfg: OnlineConfig) -> None:
         check_gpus(cfg.rollout.vllm, cfg.rollout.gpus)
         if cfg.train.lora.rank > 0 and cfg.train.lora.save != "merged" and cfg.rollout.vllm.weight_sync == "disk":
             # vLLM reloads the policy from each saved checkpoint: it needs the full (merged) weights
-            raise SerlError("--engine vllm with vllm.weight_sync=disk needs train.lora.save=merged: it reloads the "
-                            "policy's full weights from each saved checkpoint")
+            raise SerlError(
+                "--engine vllm with vllm.weight_sync=disk needs train.lora.save=merged: it reloads the "
+                "policy's full weights from each saved checkpoint"
+            )
     check_engine(cfg.rollout.engine)  # an unknown engine or a missing extra, before any model loads
     check_train_config(cfg.train)  # the same for the backend, its DeepSpeed config, LoRA, device, dtype

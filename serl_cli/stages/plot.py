@@ -81,7 +81,7 @@ def plot_run(run_dir: str, *, x: str = "iteration", out: str | None = None) -> P
         ax.grid(alpha=0.3)
         if len(lines) > 1:
             ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(str(run), fontsize=9)
     fig.tight_layout()

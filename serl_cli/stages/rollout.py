@@ -44,8 +44,11 @@ class RolloutConfig:
     env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))
     model: str | None = None  # None: the embedded default tiny model for the environment
     policy: str = "model"  # model | expert (SFT data)
-    expert_noise: float = 0.0  # policy expert: chance per turn of a random detour (kept solvable where the env can tell), marked off_expert
-    expert_blunders: float = 0.0  # policy expert: chance per turn of a move that makes the task unsolvable, where one exists
+    # policy expert: chance per turn of a random detour (kept solvable where the env can tell), marked off_expert
+    expert_noise: float = 0.0
+    expert_blunders: float = (
+        0.0  # policy expert: chance per turn of a move that makes the task unsolvable, where one exists
+    )
     engine: str = "hf"  # hf | vllm
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # --engine vllm: tensor parallelism, memory, dtype
     # engine hf (models.device): auto = CUDA when present | cpu | cuda; auto = bf16 on a GPU with it, else fp32.
@@ -96,7 +99,9 @@ def sample_tasks(num_tasks: int, count: int, seed: int) -> list[int]:
 def episode_specs(task_ids: list[int], group_size: int) -> list[EpisodeSpec]:
     if group_size < 1:
         raise SerlError(f"--group-size must be at least 1, got {group_size}")
-    return [EpisodeSpec(task_id=t, group_id=g, rollout_index=r) for g, t in enumerate(task_ids) for r in range(group_size)]
+    return [
+        EpisodeSpec(task_id=t, group_id=g, rollout_index=r) for g, t in enumerate(task_ids) for r in range(group_size)
+    ]
 
 
 def resolve_model(cfg: RolloutConfig, world) -> str:
@@ -109,7 +114,9 @@ def resolve_model(cfg: RolloutConfig, world) -> str:
 
 def make_rollout_policy(cfg: RolloutConfig, model, tokenizer, engine=None):
     if cfg.policy == "expert":
-        return TokenizedExpertPolicy(tokenizer, cfg.prompt, ExpertPolicy(cfg.expert_noise, cfg.expert_blunders, cfg.seed))
+        return TokenizedExpertPolicy(
+            tokenizer, cfg.prompt, ExpertPolicy(cfg.expert_noise, cfg.expert_blunders, cfg.seed)
+        )
     if cfg.policy == "model":
         if engine is None:
             engine = make_engine(cfg.engine, model, tokenizer, vllm=cfg.vllm, seed=cfg.seed)
@@ -132,8 +139,10 @@ class JournaledPolicy:
         if self.round < len(self.replay):
             saved = self.replay[self.round]
             if len(saved) != len(steps):
-                raise SerlError(f"{self.journal}: round {self.round} holds {len(saved)} decisions but {len(steps)} "
-                                f"episodes are live: the environment is not the one this journal was written with")
+                raise SerlError(
+                    f"{self.journal}: round {self.round} holds {len(saved)} decisions but {len(steps)} "
+                    f"episodes are live: the environment is not the one this journal was written with"
+                )
             self.round += 1
             return [Decision(**d) for d in saved]
         decisions = self.policy.act(steps, contexts)
@@ -158,24 +167,46 @@ def _finished_summary(out: Path) -> dict | None:
     return stage.get("summary") if stage.get("status") == "done" and (out / ROLLOUTS_FILE).is_file() else None
 
 
-def run_rollout(cfg: RolloutConfig, *, overwrite: bool = False, resume: bool = False, progress=None, model=None,
-                tokenizer=None, engine=None) -> dict:
+def run_rollout(
+    cfg: RolloutConfig,
+    *,
+    overwrite: bool = False,
+    resume: bool = False,
+    progress=None,
+    model=None,
+    tokenizer=None,
+    engine=None,
+) -> dict:
     """Collect rollouts into ``cfg.out``; returns a summary. ``model``/``tokenizer`` may be
     passed in (the online loop keeps its policy in memory), and so may a live ``engine``
     (the online loop keeps one vLLM engine for the whole run). ``resume`` continues an
     interrupted run from its journal (or returns the summary of a finished one)."""
     out = Path(cfg.out)
     with runlock.run_lock(out):
-        return _run_rollout(cfg, out, overwrite=overwrite, resume=resume, progress=progress, model=model,
-                            tokenizer=tokenizer, engine=engine)
+        return _run_rollout(
+            cfg,
+            out,
+            overwrite=overwrite,
+            resume=resume,
+            progress=progress,
+            model=model,
+            tokenizer=tokenizer,
+            engine=engine,
+        )
 
 
 def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, model, tokenizer, engine) -> dict:
     from serl_cli.models.loading import load_model, set_torch_threads
 
     journal = out / JOURNAL_FILE
-    finished = io.begin_resumable(out / ROLLOUTS_FILE, journal, overwrite=overwrite, resume=resume, what="rollout",
-                                  finished=lambda: _finished_summary(out))
+    finished = io.begin_resumable(
+        out / ROLLOUTS_FILE,
+        journal,
+        overwrite=overwrite,
+        resume=resume,
+        what="rollout",
+        finished=lambda: _finished_summary(out),
+    )
     if finished is not None:
         return finished
     validate(cfg)
@@ -215,9 +246,16 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed))
         io.start_journal(journal, header)
     started = time.time()
-    records = run_episodes(world, cfg.env.split, specs, JournaledPolicy(policy, journal, replay),
-                           max_turns=cfg.env.max_turns, batch_size=cfg.batch_size, on_episode_done=progress,
-                           step_timeout_s=cfg.env.step_timeout_s)
+    records = run_episodes(
+        world,
+        cfg.env.split,
+        specs,
+        JournaledPolicy(policy, journal, replay),
+        max_turns=cfg.env.max_turns,
+        batch_size=cfg.batch_size,
+        on_episode_done=progress,
+        step_timeout_s=cfg.env.step_timeout_s,
+    )
     wall = time.time() - started
     io.write_jsonl(out / ROLLOUTS_FILE, records)
     gen_tokens = sum(len(t["action_ids"]) for r in records for t in r["turns"])

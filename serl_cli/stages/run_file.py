@@ -16,8 +16,11 @@ from serl_cli.errors import SerlError
 # and checkpoint (iter_k/checkpoint, RUN/checkpoint); the annotation's seed and update counter. The
 # resolved online.yaml leaves them out, so each setting appears once; a file that sets them (an older
 # online.yaml) still loads, and they are ignored, as they always were.
-LOOP_SETS = {"rollout": ("env", "model", "seed", "out"), "train": ("model", "seed", "checkpoint"),
-             "annotate": ("seed", "update_step")}
+LOOP_SETS = {
+    "rollout": ("env", "model", "seed", "out"),
+    "train": ("model", "seed", "checkpoint"),
+    "annotate": ("seed", "update_step"),
+}
 
 
 def run_settings(cfg) -> dict:
@@ -39,14 +42,27 @@ def run_settings(cfg) -> dict:
 # A section "S.*" is all of S but the keys the loop sets. Keys of the file not read are named in a note.
 RUN_FILE_READS = {
     "rollout": [("env", "env"), ("model", "model"), ("seed", "seed"), ("rollout.*", "")],
-    "eval": [("env.name", "env.name"), ("env.max_turns", "env.max_turns"), ("env.settings", "env.settings"),
-             ("env.step_timeout_s", "env.step_timeout_s"), ("model", "model"), ("seed", "seed"),
-             ("eval.split", "env.split"), ("eval.episodes", "episodes", 0),  # 0: the run evaluated none; here all
-             ("eval.temperature", "temperature"), ("rollout.engine", "engine"), ("rollout.vllm", "vllm"),
-             ("rollout.gpus", "gpus"), ("rollout.device", "device"), ("rollout.dtype", "dtype"),
-             ("rollout.threads", "threads"), ("rollout.batch_size", "batch_size"),
-             ("rollout.sampling.max_new_tokens", "max_new_tokens"), ("rollout.sampling.coupled", "coupled"),
-             ("rollout.prompt.history_turns", "history_turns")],
+    "eval": [
+        ("env.name", "env.name"),
+        ("env.max_turns", "env.max_turns"),
+        ("env.settings", "env.settings"),
+        ("env.step_timeout_s", "env.step_timeout_s"),
+        ("model", "model"),
+        ("seed", "seed"),
+        ("eval.split", "env.split"),
+        ("eval.episodes", "episodes", 0),  # 0: the run evaluated none; here all
+        ("eval.temperature", "temperature"),
+        ("rollout.engine", "engine"),
+        ("rollout.vllm", "vllm"),
+        ("rollout.gpus", "gpus"),
+        ("rollout.device", "device"),
+        ("rollout.dtype", "dtype"),
+        ("rollout.threads", "threads"),
+        ("rollout.batch_size", "batch_size"),
+        ("rollout.sampling.max_new_tokens", "max_new_tokens"),
+        ("rollout.sampling.coupled", "coupled"),
+        ("rollout.prompt.history_turns", "history_turns"),
+    ],
     "annotate": [("annotate.*", ""), ("seed", "seed")],
 }
 
@@ -72,8 +88,10 @@ class RunFileReader:
         mixed = [key for key in data if key in self.own_only]
         if mixed:
             theirs = ", ".join(key for key in data if key in self.run_only)
-            raise SerlError(f"{where} mixes the online loop's layout ({theirs}) with serl {self.command}'s own "
-                            f"({', '.join(mixed)}): use one layout per file")
+            raise SerlError(
+                f"{where} mixes the online loop's layout ({theirs}) with serl {self.command}'s own "
+                f"({', '.join(mixed)}): use one layout per file"
+            )
         cfgmod.from_dict(self.run_cls, data)  # every key known and of its type, as `serl train` would check
         out: dict = {}
         for src, dst, *unset in self.reads:

@@ -41,18 +41,24 @@ def read_annotations(run: Path, manifest: dict, episodes: list[dict]) -> dict | 
         return None
     made_from = manifest.get("stages", {}).get("annotate", {}).get("rollouts_sha256")
     if made_from and hashlib.sha256((run / ROLLOUTS_FILE).read_bytes()).hexdigest()[:16] != made_from:
-        raise SerlError(f"{path} was made from other rollouts than {run / ROLLOUTS_FILE}: "
-                        f"run `serl annotate {run} --overwrite`")
+        raise SerlError(
+            f"{path} was made from other rollouts than {run / ROLLOUTS_FILE}: run `serl annotate {run} --overwrite`"
+        )
     out = {}
     for n, rec in enumerate(io.iter_jsonl(path, required=ANNOTATION_KEYS), 1):
         e, t = rec["episode"], rec["turn"]
-        if not (isinstance(e, int) and isinstance(t, int) and 0 <= e < len(episodes) and 0 <= t < len(episodes[e]["turns"])):
+        if not (
+            isinstance(e, int) and isinstance(t, int) and 0 <= e < len(episodes) and 0 <= t < len(episodes[e]["turns"])
+        ):
             raise SerlError(f"{path}:{n}: episode {e!r} turn {t!r} is not a turn of {run / ROLLOUTS_FILE}")
         if (e, t) in out:
             raise SerlError(f"{path}:{n}: a second record for episode {e} turn {t}")
         w, ids = rec["weights"], episodes[e]["turns"][t]["action_ids"]
-        if w is not None and (not isinstance(w, list) or len(w) != len(ids)
-                              or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in w)):
+        if w is not None and (
+            not isinstance(w, list)
+            or len(w) != len(ids)
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in w)
+        ):
             raise SerlError(f"{path}:{n}: weights must be a list of one number per action token ({len(ids)})")
         out[e, t] = rec
     return out
@@ -77,14 +83,18 @@ def _stage_detail(entry: dict) -> str:
 
 def run_view(run_dir: str | Path, manifest: dict, episodes: list[dict], ann: dict | None) -> RenderableType:
     commit = (manifest.get("git_commit") or "unknown")[:10]
-    head = Text(f"run {run_dir}: serl {manifest.get('serl_version')}, seed {manifest.get('seed')}, commit {commit}",
-                style="bold")
+    head = Text(
+        f"run {run_dir}: serl {manifest.get('serl_version')}, seed {manifest.get('seed')}, commit {commit}",
+        style="bold",
+    )
     stages = Table(title="stages", title_justify="left", header_style="bold")
     for col in ("stage", "status", "detail"):
         stages.add_column(col)
     for name, entry in manifest.get("stages", {}).items():
         status = str(entry.get("status", "?"))
-        stages.add_row(Text(name), Text(status, style="green" if status == "done" else "yellow"), Text(_stage_detail(entry)))
+        stages.add_row(
+            Text(name), Text(status, style="green" if status == "done" else "yellow"), Text(_stage_detail(entry))
+        )
     table = Table(title="episodes", title_justify="left", header_style="bold")
     for col in ("#", "task_id", "group_id", "rollout", "reward", "success", "turns", "invalid"):
         table.add_column(col, justify="right")
@@ -92,9 +102,16 @@ def run_view(run_dir: str | Path, manifest: dict, episodes: list[dict], ann: dic
         table.add_column("selected", justify="right")
     rows = episode_rows(episodes, ann)
     for e, row in enumerate(rows):
-        cells = [str(e), str(row["task_id"]), str(row["group_id"]), str(row["rollout_index"]), f"{row['reward']:.3f}",
-                 Text("yes", style="green") if row["success"] else Text("no", style="red"), str(row["turns"]),
-                 str(row["invalid_actions"])]
+        cells = [
+            str(e),
+            str(row["task_id"]),
+            str(row["group_id"]),
+            str(row["rollout_index"]),
+            f"{row['reward']:.3f}",
+            Text("yes", style="green") if row["success"] else Text("no", style="red"),
+            str(row["turns"]),
+            str(row["invalid_actions"]),
+        ]
         if ann is not None:
             cells.append(str(row["selected_turns"]))
         table.add_row(*[c if isinstance(c, Text) else Text(c) for c in cells])
@@ -116,10 +133,12 @@ def teacher_signal_text(s: dict) -> Text:
     if on:
         sides.append(f"raises {s['on_expert_right_direction']:.0%} of the {on} on it")
     t = Text("teacher signal", style="bold")
-    t.append(f", {s['turns']} scored turns with an expert action: the teacher moves the action the right way on "
-             f"{s['right_direction']:.1%} ({', '.join(sides)}); the hindsight block moves the expert "
-             f"action's probability by {s['expert_prob_gain']:+.3g} "
-             f"({s['expert_prob_without_block']:.3g} -> {s['expert_prob_with_block']:.3g})")
+    t.append(
+        f", {s['turns']} scored turns with an expert action: the teacher moves the action the right way on "
+        f"{s['right_direction']:.1%} ({', '.join(sides)}); the hindsight block moves the expert "
+        f"action's probability by {s['expert_prob_gain']:+.3g} "
+        f"({s['expert_prob_without_block']:.3g} -> {s['expert_prob_with_block']:.3g})"
+    )
     return t
 
 
@@ -142,8 +161,9 @@ def episode_json(episodes: list[dict], ann: dict | None, index: int, turn: int |
     _check_index("episode", index, len(episodes))
     ep = dict(episodes[index], episode=index)
     _check_index("turn", turn, len(ep["turns"]))
-    ep["turns"] = [dict(t, annotation=(ann or {}).get((index, i))) for i, t in enumerate(ep["turns"])
-                   if turn is None or i == turn]
+    ep["turns"] = [
+        dict(t, annotation=(ann or {}).get((index, i))) for i, t in enumerate(ep["turns"]) if turn is None or i == turn
+    ]
     return ep
 
 
@@ -192,13 +212,21 @@ def weights_summary(weights: list[float]) -> str:
 def legend(clip: float, by_index: bool, tokens: str = "action") -> Text:
     t = Text()
     t.append("weights: ", style="bold")
-    for label, w in ((f"w={1 + clip:g}", 1 + clip), (f"w={1 + clip / 2:g}", 1 + clip / 2), ("w=1", 1.0),
-                     (f"w={1 - clip / 2:g}", 1 - clip / 2), (f"w={1 - clip:g}", 1 - clip)):
+    for label, w in (
+        (f"w={1 + clip:g}", 1 + clip),
+        (f"w={1 + clip / 2:g}", 1 + clip / 2),
+        ("w=1", 1.0),
+        (f"w={1 - clip / 2:g}", 1 - clip / 2),
+        (f"w={1 - clip:g}", 1 - clip),
+    ):
         t.append(f" {label} ", style=weight_style(w, clip) or None)
         t.append(" ")
     t.append(f"  green: up-weighted, red: down-weighted, shade: |w-1|/{clip:g}; dim: outside the parsed action")
-    t.append("; reweighted: every reply token (rlsd)" if tokens == "reply" else
-             "; reweighted: the parsed action's tokens only (a reply with none keeps 1)")
+    t.append(
+        "; reweighted: every reply token (rlsd)"
+        if tokens == "reply"
+        else "; reweighted: the parsed action's tokens only (a reply with none keeps 1)"
+    )
     if by_index:
         t.append("; shown as token-index:weight")
     return t
@@ -245,17 +273,29 @@ def turn_view(i: int, turn: dict, rec: dict | None, full: bool, tokenizer, clip:
     return Panel(grid, title=title, title_align="left", border_style=border)
 
 
-def episode_view(manifest: dict, episodes: list[dict], ann: dict | None, index: int, turn: int | None = None,
-                 full: bool = False, tokenizer_loader=load_tokenizer) -> RenderableType:
+def episode_view(
+    manifest: dict,
+    episodes: list[dict],
+    ann: dict | None,
+    index: int,
+    turn: int | None = None,
+    full: bool = False,
+    tokenizer_loader=load_tokenizer,
+) -> RenderableType:
     ep = episode_json(episodes, ann, index, turn)
-    head = Text(f"episode {index}: task {ep['task_id']}, group {ep['group_id']}, rollout {ep['rollout_index']}, "
-                f"reward {float(ep['reward']):.3f}, ", style="bold")
+    head = Text(
+        f"episode {index}: task {ep['task_id']}, group {ep['group_id']}, rollout {ep['rollout_index']}, "
+        f"reward {float(ep['reward']):.3f}, ",
+        style="bold",
+    )
     head.append("success" if ep["success"] else "failure", style="bold green" if ep["success"] else "bold red")
     parts: list[RenderableType] = [head]
     if ep.get("instruction"):
         parts.append(Text(f"instruction: {ep['instruction']}"))
     if ann is None:
-        parts.append(Text("not annotated: run `serl annotate RUN` to see selection, hindsight and weights", style="dim"))
+        parts.append(
+            Text("not annotated: run `serl annotate RUN` to see selection, hindsight and weights", style="dim")
+        )
     shown = range(len(ep["turns"])) if turn is None else [turn]
     weighted = any(t["annotation"] and t["annotation"]["weights"] is not None for t in ep["turns"])
     tokenizer, why = tokenizer_loader(manifest) if weighted else (None, "")

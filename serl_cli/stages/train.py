@@ -41,13 +41,19 @@ def follow_train_on_run(run_dir: str, cfg: TrainConfig, *, resume: bool = False)
     learner = Learner(model_name, cfg)
     episodes = training_episodes(read_rollouts(run), cfg, run)
     episodes += hindsight_sft_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
-    learner.update(episodes, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest), annotations, meta,
-                   engine=rollout_cfg.get("engine", "hf"))
+    learner.update(
+        episodes,
+        1.0 if cfg.algo == "sft" else rollout_temperature(manifest),
+        annotations,
+        meta,
+        engine=rollout_cfg.get("engine", "hf"),
+    )
     learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
 
 
-def train_on_run(run_dir: str, cfg: TrainConfig, *, overwrite: bool = False, resume: bool = False,
-                 progress=None) -> dict:
+def train_on_run(
+    run_dir: str, cfg: TrainConfig, *, overwrite: bool = False, resume: bool = False, progress=None
+) -> dict:
     """One update on a run's rollouts, under the run's lock. The update is the unit of work:
     a killed one reruns from the start (the checkpoint is written atomically and the
     metrics lines of an unfinished attempt are dropped); ``resume`` returns a finished
@@ -56,7 +62,6 @@ def train_on_run(run_dir: str, cfg: TrainConfig, *, overwrite: bool = False, res
     run = Path(run_dir)
     with runlock.run_lock(run):
         return _train_on_run(run, cfg, overwrite=overwrite, resume=resume, progress=progress)
-
 
 
 def check_hindsight_sft(cfg: TrainConfig) -> None:
@@ -68,23 +73,25 @@ def check_hindsight_sft(cfg: TrainConfig) -> None:
     parse_sources(cfg.hindsight_sft)
 
 
-
 def hindsight_sft_examples(episodes: list[dict], cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> list[dict]:
     """With ``train.hindsight_sft``, the SFT data's teacher-prompt examples (``method.hindsight_sft``); else none."""
     if cfg.hindsight_sft is None:
         return []
     prompt = rollout_cfg.get("prompt") or {}
-    return examples_for_run(episodes, tokenizer, cfg.hindsight_sft, rollout_cfg.get("env"),
-                            bare_replies=bool(prompt.get("bare_replies")),
-                            chat_template_kwargs=prompt.get("chat_template_kwargs"))
-
+    return examples_for_run(
+        episodes,
+        tokenizer,
+        cfg.hindsight_sft,
+        rollout_cfg.get("env"),
+        bare_replies=bool(prompt.get("bare_replies")),
+        chat_template_kwargs=prompt.get("chat_template_kwargs"),
+    )
 
 
 def _comparable(cfg: TrainConfig) -> dict:
     plain = io.to_plain(cfg)
     plain.pop("threads")
     return plain
-
 
 
 def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool, progress=None) -> dict:
@@ -124,8 +131,14 @@ def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool,
     learner = Learner(model_name, cfg)
     examples = hindsight_sft_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
     # the engine that generated the rollouts: on vLLM's, pi_old is recomputed by default (recompute_logp_old: null)
-    metrics = learner.update(episodes + examples, 1.0 if cfg.algo == "sft" else rollout_temperature(manifest),
-                             annotations, meta, engine=rollout_cfg.get("engine", "hf"), progress=progress)
+    metrics = learner.update(
+        episodes + examples,
+        1.0 if cfg.algo == "sft" else rollout_temperature(manifest),
+        annotations,
+        meta,
+        engine=rollout_cfg.get("engine", "hf"),
+        progress=progress,
+    )
     if cfg.hindsight_sft is not None:
         metrics["hindsight_examples"] = sum(len(e["turns"]) for e in examples)
     timing = metrics.pop("timing")  # wall-clock figures apart, so metrics.jsonl is deterministic

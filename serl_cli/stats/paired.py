@@ -1,9 +1,8 @@
-"""Paired comparisons of two arms over the same seeds: the paired t-test and Wilcoxon's signed-rank test.
-"""
+"""Paired comparisons of two arms over the same seeds: the paired t-test and Wilcoxon's signed-rank test."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from scipy import stats as _st
 
@@ -16,14 +15,12 @@ def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.
         raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
     d = [float(x) - float(y) for x, y in zip(a, b)]
     n = len(d)
-    out = {"n": n, "mean_diff": mean(d), "std_diff": std(d), "ci95": t_interval(d, confidence),
-           "t": None, "p": None}
+    out = {"n": n, "mean_diff": mean(d), "std_diff": std(d), "ci95": t_interval(d, confidence), "t": None, "p": None}
     if n < 2 or not out["std_diff"]:
         return out  # one pair, or every difference equal: t is 0/0 or +-inf, not a test
     res = _st.ttest_rel([float(x) for x in a], [float(y) for y in b])
     out["t"], out["p"] = _finite(res.statistic), _finite(res.pvalue)
     return out
-
 
 
 def wilcoxon_signed_rank(a: Sequence[float], b: Sequence[float], min_n: int = 6) -> dict | None:

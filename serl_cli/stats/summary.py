@@ -6,7 +6,7 @@ Every helper takes plain lists of floats and returns plain floats (None where un
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from scipy import stats as _st
 
@@ -23,16 +23,13 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> list[fl
     return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
-
 def _finite(x) -> float | None:
     x = float(x)
     return x if math.isfinite(x) else None
 
 
-
 def mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
-
 
 
 def std(xs: Sequence[float]) -> float | None:
@@ -42,7 +39,6 @@ def std(xs: Sequence[float]) -> float | None:
         return None
     m = sum(xs) / n
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
-
 
 
 def t_interval(xs: Sequence[float], confidence: float = 0.95) -> list[float] | None:
@@ -55,11 +51,9 @@ def t_interval(xs: Sequence[float], confidence: float = 0.95) -> list[float] | N
     return [m - half, m + half]
 
 
-
 def describe(xs: Sequence[float], confidence: float = 0.95) -> dict:
     xs = [float(x) for x in xs]
     return {"n": len(xs), "mean": mean(xs), "std": std(xs), "ci95": t_interval(xs, confidence)}
-
 
 
 def fmt(x: float | None, digits: int = 3) -> str:

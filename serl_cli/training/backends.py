@@ -42,8 +42,10 @@ class TorchBackend:
 
     def __init__(self, cfg):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise SerlError("the torch backend runs in one process: under torchrun or the deepspeed launcher "
-                            "use --backend deepspeed")
+            raise SerlError(
+                "the torch backend runs in one process: under torchrun or the deepspeed launcher "
+                "use --backend deepspeed"
+            )
         self.cfg = cfg
         self.precision = resolve_precision(cfg.device, cfg.dtype, cfg.attn_implementation, cfg.gpus)
         self.scaler = grad_scaler(self.precision)
@@ -65,10 +67,25 @@ class TorchBackend:
         """The network as the user knows it (a Hugging Face model, or its peft wrapper)."""
         return self.model
 
-    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, num_tokens: float, temperature: float,
-             entropy: bool = False) -> dict:
-        return accumulate_step(self.model, self.optimizer, micro_batches, loss_fn, num_tokens, temperature,
-                               self.cfg.optim.grad_clip, entropy=entropy, scaler=self.scaler)
+    def step(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        num_tokens: float,
+        temperature: float,
+        entropy: bool = False,
+    ) -> dict:
+        return accumulate_step(
+            self.model,
+            self.optimizer,
+            micro_batches,
+            loss_fn,
+            num_tokens,
+            temperature,
+            self.cfg.optim.grad_clip,
+            entropy=entropy,
+            scaler=self.scaler,
+        )
 
     @contextmanager
     def full_model(self):

@@ -30,9 +30,9 @@ def frozen_copy(model, device=None):
     return tag(replica, precision) if precision is not None else replica
 
 
-
-def save_checkpoint(model, tokenizer, path: str | Path, extra_state: dict | None = None,
-                    extra_files: dict[str, str] | None = None) -> Path:
+def save_checkpoint(
+    model, tokenizer, path: str | Path, extra_state: dict | None = None, extra_files: dict[str, str] | None = None
+) -> Path:
     """A Hugging Face model directory (safetensors), written to a temp sibling then renamed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,9 +46,15 @@ def save_checkpoint(model, tokenizer, path: str | Path, extra_state: dict | None
     return path
 
 
-
-def write_model_files(model, tokenizer, directory: Path, *, state_dict: dict | None = None,
-                      extra_state: dict | None = None, extra_files: dict[str, str] | None = None) -> None:
+def write_model_files(
+    model,
+    tokenizer,
+    directory: Path,
+    *,
+    state_dict: dict | None = None,
+    extra_state: dict | None = None,
+    extra_files: dict[str, str] | None = None,
+) -> None:
     """``model`` (or ``state_dict`` in ``model``'s architecture) and ``tokenizer`` into ``directory``."""
     model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(directory)
@@ -56,7 +62,6 @@ def write_model_files(model, tokenizer, directory: Path, *, state_dict: dict | N
         torch.save(extra_state, directory / "trainer_state.pt")
     for name, text in (extra_files or {}).items():
         (directory / name).write_text(text, encoding="utf-8")
-
 
 
 def commit_dir(tmp: Path, path: Path) -> None:

@@ -68,8 +68,12 @@ def _inherited_solo_group() -> bool:
     of one (its pid and port in ``SOLO_MARK``), not a launcher's: torchrun sets its own port and
     ``TORCHELASTIC_RUN_ID``, and the parent's port stays taken by the parent's store."""
     pid, _, port = os.environ.get(SOLO_MARK, "").partition(":")
-    return (bool(pid) and pid != str(os.getpid()) and port == os.environ.get("MASTER_PORT")
-            and "TORCHELASTIC_RUN_ID" not in os.environ)
+    return (
+        bool(pid)
+        and pid != str(os.getpid())
+        and port == os.environ.get("MASTER_PORT")
+        and "TORCHELASTIC_RUN_ID" not in os.environ
+    )
 
 
 def _free_port() -> int:
@@ -91,8 +95,9 @@ def init_distributed(deepspeed) -> None:
     alone = "RANK" not in os.environ or inherited
     if alone:
         port = None if inherited else os.environ.get("MASTER_PORT")
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=port or str(_free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port or str(_free_port())
+        )
         os.environ[SOLO_MARK] = f"{os.getpid()}:{os.environ['MASTER_PORT']}"
     # the first initialize on a CPU compiles a small shared-memory op; cache it with serl's cache
     cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
@@ -151,14 +156,18 @@ class DeepSpeedBackend:
         self.cfg = cfg
         # validate before starting anything: bad input is one line, not a half-started job
         wanted = resolve_precision(cfg.device, cfg.dtype, cfg.attn_implementation, cfg.gpus)
-        self.config = resolve_config(cfg.deepspeed, cfg.optim, bf16_available=wanted.dtype == torch.bfloat16,
-                                     dtype=cfg.dtype)
+        self.config = resolve_config(
+            cfg.deepspeed, cfg.optim, bf16_available=wanted.dtype == torch.bfloat16, dtype=cfg.dtype
+        )
         self.stage = zero_stage(self.config)
         # DeepSpeed holds the module in the half dtype itself (fp32 master weights in its optimizer)
         half = torch.bfloat16 if uses_bf16(self.config) else torch.float16 if uses_fp16(self.config) else None
         self.load_dtype = half or torch.float32
-        self.precision = Precision(wanted.device, half or torch.float32,
-                                   attention_implementation(cfg.attn_implementation, wanted.device, half or torch.float32))
+        self.precision = Precision(
+            wanted.device,
+            half or torch.float32,
+            attention_implementation(cfg.attn_implementation, wanted.device, half or torch.float32),
+        )
         _choose_accelerator(wanted.device)
         self._deepspeed = _import_deepspeed()
         if wanted.device.type == "cuda":
@@ -181,22 +190,32 @@ class DeepSpeedBackend:
         client_optimizer = None if "optimizer" in self.config else make_optimizer(model, self.cfg.optim)
         trainable = [p for p in model.parameters() if p.requires_grad]
         # the process's GPU: LOCAL_RANK's, or train.gpus[LOCAL_RANK] (split from vLLM's devices)
-        args = SimpleNamespace(device_rank=self.precision.device.index) if self.precision.device.type == "cuda" else None
+        args = (
+            SimpleNamespace(device_rank=self.precision.device.index) if self.precision.device.type == "cuda" else None
+        )
         try:
             self.engine, self.optimizer, _, _ = self._deepspeed.initialize(
-                args=args, model=model, optimizer=client_optimizer, model_parameters=trainable, config=self.config)
+                args=args, model=model, optimizer=client_optimizer, model_parameters=trainable, config=self.config
+            )
         except (ValueError, AssertionError, TypeError, KeyError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise SerlError(f"DeepSpeed rejected the configuration ({self.cfg.deepspeed.config or 'serl default'}): "
-                            f"{first}") from None
+            raise SerlError(
+                f"DeepSpeed rejected the configuration ({self.cfg.deepspeed.config or 'serl default'}): {first}"
+            ) from None
 
     @property
     def module(self):
         return self.engine.module
 
-    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, num_tokens: float, temperature: float,
-             entropy: bool = False) -> dict:
-        mine = micro_batches[self.rank::self.world]
+    def step(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        num_tokens: float,
+        temperature: float,
+        entropy: bool = False,
+    ) -> dict:
+        mine = micro_batches[self.rank :: self.world]
         passes = -(-len(micro_batches) // self.world)  # the same on every process
         run_tokens = sum(mb.reply_mask.sum().item() for mb in micro_batches)
         stats: dict[str, float] = {}
@@ -263,16 +282,24 @@ class DeepSpeedBackend:
     def load_state(self, state: dict, directory: Path) -> None:
         engine_dir = directory / ENGINE_DIR
         if not (engine_dir / ENGINE_TAG).is_dir():
-            raise SerlError(f"cannot resume with --backend deepspeed: {directory} has no DeepSpeed checkpoint "
-                            f"({ENGINE_DIR}/{ENGINE_TAG}); it was written by another backend")
+            raise SerlError(
+                f"cannot resume with --backend deepspeed: {directory} has no DeepSpeed checkpoint "
+                f"({ENGINE_DIR}/{ENGINE_TAG}); it was written by another backend"
+            )
         try:
-            path, _ = self.engine.load_checkpoint(str(engine_dir), tag=ENGINE_TAG, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True,
-                                                  load_module_strict=self.cfg.lora.rank == 0)
+            path, _ = self.engine.load_checkpoint(
+                str(engine_dir),
+                tag=ENGINE_TAG,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+                load_module_strict=self.cfg.lora.rank == 0,
+            )
         except (AssertionError, RuntimeError, KeyError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise SerlError(f"cannot resume from {engine_dir} with ZeRO stage {self.stage} on {self.world} "
-                            f"process(es): it was saved with other settings ({first})") from None
+            raise SerlError(
+                f"cannot resume from {engine_dir} with ZeRO stage {self.stage} on {self.world} "
+                f"process(es): it was saved with other settings ({first})"
+            ) from None
         if path is None:
             raise SerlError(f"DeepSpeed could not load its checkpoint from {engine_dir}")
 

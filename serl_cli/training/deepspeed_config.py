@@ -58,8 +58,10 @@ def _own(config: dict, key: str, value, why: str, where: str) -> None:
     """Set a key serl decides; a file that sets it to something else is refused ("auto" is fine)."""
     given = config.get(key, "auto")
     if given != "auto" and given != value:
-        raise SerlError(f"DeepSpeed config {where}: {key} is {given!r} but serl sets it to {value!r} ({why}); "
-                        f"remove it or write \"auto\"")
+        raise SerlError(
+            f"DeepSpeed config {where}: {key} is {given!r} but serl sets it to {value!r} ({why}); "
+            f'remove it or write "auto"'
+        )
     config[key] = value
 
 
@@ -96,8 +98,9 @@ def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool, dtype: s
     _own(config, "managed_gradient_accumulation", False, "serl owns the optimizer-step boundary", where)
     _own(config, "gradient_clipping", float(optim.grad_clip), "train.optim.grad_clip", where)
     if config.pop("train_batch_size", "auto") != "auto":
-        raise SerlError(f"DeepSpeed config {where}: train_batch_size is serl's to decide (turns per step vary); "
-                        f"remove it")
+        raise SerlError(
+            f"DeepSpeed config {where}: train_batch_size is serl's to decide (turns per step vary); remove it"
+        )
     config.setdefault("zero_allow_untested_optimizer", True)  # serl's torch AdamW under ZeRO
     config.setdefault("zero_force_ds_cpu_optimizer", False)  # ... also with CPU offload
     config.setdefault("steps_per_print", 2**31 - 1)  # serl reports its own metrics
@@ -121,8 +124,10 @@ def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool, dtype: s
             section = config.setdefault(half, {})
             given = section.get("enabled", "auto")
             if given != "auto" and bool(given) != on:
-                raise SerlError(f"DeepSpeed config {where}: {half}.enabled is {given!r} but train.dtype is {dtype}; "
-                                f"write \"auto\" there or change --dtype")
+                raise SerlError(
+                    f"DeepSpeed config {where}: {half}.enabled is {given!r} but train.dtype is {dtype}; "
+                    f'write "auto" there or change --dtype'
+                )
             section["enabled"] = on
     bf16 = config.setdefault("bf16", {"enabled": False})
     if bf16.get("enabled") == "auto":
@@ -151,4 +156,3 @@ def check_config(cfg) -> None:
     resolve_config(cfg.deepspeed, cfg.optim, bf16_available=False, dtype=cfg.dtype)
     if importlib.util.find_spec("deepspeed") is None:
         raise SerlError(MISSING)
-

@@ -32,7 +32,6 @@ from serl_cli.training.step import action_logprobs
 from serl_cli.training.train_config import TrainConfig, check_train_config, recompute_enabled
 
 
-
 def training_episodes(episodes: list[dict], cfg: TrainConfig, run: Path) -> list[dict]:
     """The episodes an update learns from. Filtered behaviour cloning keeps only the successful
     ones: an expert that gave up halfway (ALFWorld's hand-coded expert can) demonstrates nothing."""
@@ -44,9 +43,13 @@ def training_episodes(episodes: list[dict], cfg: TrainConfig, run: Path) -> list
     return kept
 
 
-
-def load_policy(model_name: str, cfg: TrainConfig, dtype: torch.dtype, resume_dir: Path | None = None,
-                attn_implementation: str | None = None):
+def load_policy(
+    model_name: str,
+    cfg: TrainConfig,
+    dtype: torch.dtype,
+    resume_dir: Path | None = None,
+    attn_implementation: str | None = None,
+):
     """(model, tokenizer) to train. With LoRA, a fresh run adds new adapters to the model (a
     checkpoint's own adapter, if it has one, is merged into it first), so the model as
     loaded is the starting policy and the KL reference is that model with adapters off; a
@@ -70,7 +73,6 @@ def load_policy(model_name: str, cfg: TrainConfig, dtype: torch.dtype, resume_di
     return lora_mod.add_adapters(model, cfg.lora, base_name), tokenizer
 
 
-
 class Learner:
     """A policy being trained: the backend (model, optimizer), tokenizer, reference, update counter."""
 
@@ -84,8 +86,9 @@ class Learner:
         self.cfg = cfg
         self.uses_lora = lora_mod.enabled(cfg.lora)
         resume_dir = state_file.parent if state_file is not None and state_file.is_file() else None
-        model, self.tokenizer = load_policy(model_name, cfg, self.backend.load_dtype, resume_dir,
-                                            self.backend.precision.attn_implementation)
+        model, self.tokenizer = load_policy(
+            model_name, cfg, self.backend.load_dtype, resume_dir, self.backend.precision.attn_implementation
+        )
         model.config.use_cache = False
         if cfg.gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA) and under ZeRO
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.20's name
@@ -157,8 +160,9 @@ class Learner:
         engine-trainer mismatch over all reply tokens, mean and max |delta log p| (verl logs
         the same comparison in probabilities, ray_trainer.py:1170-1192). Turns already
         recomputed are left alone, so calling it twice costs nothing."""
-        turns = [t for ep in episodes for t in ep["turns"]
-                 if t.get("behaviour_logprobs") and "engine_logprobs" not in t]
+        turns = [
+            t for ep in episodes for t in ep["turns"] if t.get("behaviour_logprobs") and "engine_logprobs" not in t
+        ]
         if not turns:
             return {}
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -172,7 +176,7 @@ class Learner:
                 logp = action_logprobs(module, mb, temperature)
                 k = logp.shape[1]
                 for row, i in enumerate(mb.index):
-                    new[i] = logp[row, k - len(items[i].action_ids):].tolist()
+                    new[i] = logp[row, k - len(items[i].action_ids) :].tolist()
         if was_training:
             self.model.train()
         total, worst, count = 0.0, 0.0, 0
@@ -181,11 +185,21 @@ class Learner:
             total, count = total + sum(deltas), count + len(deltas)
             worst = max([worst, *deltas])
             t["engine_logprobs"], t["behaviour_logprobs"] = t["behaviour_logprobs"], lp
-        return {"logp_old_recomputed_turns": len(turns), "logp_mismatch_mean": total / max(count, 1),
-                "logp_mismatch_max": worst}
+        return {
+            "logp_old_recomputed_turns": len(turns),
+            "logp_mismatch_mean": total / max(count, 1),
+            "logp_mismatch_max": worst,
+        }
 
-    def update(self, episodes: list[dict], temperature: float, annotations: list[dict] | None = None,
-               annotate_meta: dict | None = None, engine: str | None = None, progress=None) -> dict:
+    def update(
+        self,
+        episodes: list[dict],
+        temperature: float,
+        annotations: list[dict] | None = None,
+        annotate_meta: dict | None = None,
+        engine: str | None = None,
+        progress=None,
+    ) -> dict:
         """Train on a batch of episodes; returns the update's metrics. ``engine``: what
         generated the rollouts (hf, vllm), for ``train.recompute_logp_old: null``.
         ``progress(done, total)``: micro-batches run of the update's, once before the first
@@ -207,8 +221,9 @@ class Learner:
         if not objective.uses_behaviour_logprobs:  # imitation: a noisy expert's exploration moves are no targets
             samples = [s for s in samples if not s.off_expert]
         if objective.uses_behaviour_logprobs and any(not s.behaviour_logprobs for s in samples):
-            raise SerlError(f"--algo {cfg.algo} needs behaviour log-probs: these rollouts have none "
-                            f"(expert data is for --algo sft)")
+            raise SerlError(
+                f"--algo {cfg.algo} needs behaviour log-probs: these rollouts have none (expert data is for --algo sft)"
+            )
         meta = annotate_meta or {}
         inputs = UpdateInputs(episodes, annotations, meta.get("config"), meta.get("stats"))
         prepared = objective.prepare(samples, inputs, cfg)
@@ -243,8 +258,14 @@ class Learner:
 
             def loss_fn(mb, logp, n_tokens):
                 tick.one()  # a micro-batch's forward pass is done; its backward follows
-                return objective.loss(mb, logp, cfg, num_tokens=n_tokens, distill_tokens=chunk_distill_tokens,
-                                      logp_ref=self._reference_logprobs(mb, temperature))
+                return objective.loss(
+                    mb,
+                    logp,
+                    cfg,
+                    num_tokens=n_tokens,
+                    distill_tokens=chunk_distill_tokens,
+                    logp_ref=self._reference_logprobs(mb, temperature),
+                )
 
             if entropy:
                 step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature, entropy=True))
@@ -254,20 +275,30 @@ class Learner:
         self.model.eval()
         self.updates += 1
         wall = time.perf_counter() - t0
-        metrics = {"update": self.updates, "algo": cfg.algo, "turns": len(samples), "action_tokens": int(num_tokens),
-                   "turns_with_gradient": len(active)}
+        metrics = {
+            "update": self.updates,
+            "algo": cfg.algo,
+            "turns": len(samples),
+            "action_tokens": int(num_tokens),
+            "turns_with_gradient": len(active),
+        }
         metrics.update(_mean_stats(step_stats))
         metrics.update(prepared.stats)
         metrics.update(_episode_stats(episodes))
         metrics.update(recomputed)
-        metrics["timing"] = {"update_s": round(wall, 4), "action_tokens_per_s": round(num_tokens * cfg.epochs / wall, 2) if wall else 0.0}
+        metrics["timing"] = {
+            "update_s": round(wall, 4),
+            "action_tokens_per_s": round(num_tokens * cfg.epochs / wall, 2) if wall else 0.0,
+        }
         return metrics
 
     def _contributing(self, objective, samples, prepared) -> list[int]:
-        """Turns whose loss can have a gradient. Without a KL term, a turn with advantage 0
-        (a group whose rewards are all equal) and no distillation term adds exactly 0 to the
-        loss and its gradient, so it is not run through the model at all."""
-        if not objective.uses_behaviour_logprobs or self.cfg.kl_coef > 0:
+        """Turns whose loss can have a gradient. Without a KL term or an entropy bonus, a turn
+        with advantage 0 (a group whose rewards are all equal) and no distillation term adds
+        exactly 0 to the loss and its gradient, so it is not run through the model at all. The
+        entropy bonus covers every row of the batch, as the authors' does (verl dp_actor.py:
+        entropy_loss over the whole response mask), so with it every turn runs."""
+        if not objective.uses_behaviour_logprobs or self.cfg.kl_coef > 0 or self.cfg.entropy_coef > 0:
             return list(range(len(samples)))
         distill = prepared.distill or [False] * len(samples)
         return [i for i in range(len(samples)) if prepared.advantages[i] != 0 or distill[i]]
@@ -304,8 +335,14 @@ class Learner:
         if not self.uses_lora:
             write_model_files(module, self.tokenizer, directory, extra_state=state, extra_files=files)
         elif self.cfg.lora.save == "merged":
-            write_model_files(module.get_base_model(), self.tokenizer, directory,
-                              state_dict=lora_mod.merged_state_dict(module), extra_state=state, extra_files=files)
+            write_model_files(
+                module.get_base_model(),
+                self.tokenizer,
+                directory,
+                state_dict=lora_mod.merged_state_dict(module),
+                extra_state=state,
+                extra_files=files,
+            )
             module.save_pretrained(directory / ADAPTER_SUBDIR)
         else:  # adapter only: peft's layout, plus the tokenizer and serl's files
             module.save_pretrained(directory)
@@ -354,23 +391,32 @@ def _mean_stats(steps: list[dict]) -> dict:
 def _episode_stats(episodes: list[dict]) -> dict:
     n = len(episodes)
     faulted = [e for e in episodes if e.get("error")]  # crashed, timed out, or failed at reset
-    return {"mean_reward": sum(e["reward"] for e in episodes) / n, "success_rate": sum(e["success"] for e in episodes) / n,
-            "episodes": n, "faulted_episodes": len(faulted), "faulted_turns": sum(len(e["turns"]) for e in faulted)}
+    return {
+        "mean_reward": sum(e["reward"] for e in episodes) / n,
+        "success_rate": sum(e["success"] for e in episodes) / n,
+        "episodes": n,
+        "faulted_episodes": len(faulted),
+        "faulted_turns": sum(len(e["turns"]) for e in faulted),
+    }
 
 
-
-def _check_annotated_advantages(used: torch.Tensor, annotations: list[dict] | None, expected: torch.Tensor,
-                                cfg: TrainConfig) -> None:
+def _check_annotated_advantages(
+    used: torch.Tensor, annotations: list[dict] | None, expected: torch.Tensor, cfg: TrainConfig
+) -> None:
     """Under non-default advantage settings (group_norm, invalid_action_penalty,
     success_reward) a weighted objective (serl, rlsd) must train on the advantages those
     settings define, and its annotations' weights must be signed the same way, or a turn
     would be reweighted in the wrong direction. Refuse, rather than run what the config
     does not say."""
-    settings = (f"train.group_norm={cfg.group_norm}, invalid_action_penalty={cfg.invalid_action_penalty}, "
-                f"success_reward={cfg.success_reward}")
+    settings = (
+        f"train.group_norm={cfg.group_norm}, invalid_action_penalty={cfg.invalid_action_penalty}, "
+        f"success_reward={cfg.success_reward}"
+    )
     if not torch.allclose(used, expected, rtol=0, atol=1e-6):
         raise SerlError(f"--algo {cfg.algo} does not compute its advantages with {settings} (docs/PARITY.md)")
     for a, adv in zip(annotations or [], expected.tolist()):
         if a["weights"] is not None and a["advantage"] * adv < 0:
-            raise SerlError(f"the annotations' weights were signed by advantages computed without {settings}: "
-                            f"they would push some turns the wrong way (docs/PARITY.md)")
+            raise SerlError(
+                f"the annotations' weights were signed by advantages computed without {settings}: "
+                f"they would push some turns the wrong way (docs/PARITY.md)"
+            )

@@ -32,7 +32,6 @@ from serl_cli.models.loading import import_peft
 SAVE_MODES = ("merged", "adapter")
 
 
-
 @dataclass
 class LoraConfig:
     rank: int = 0  # 0 = full fine-tuning; > 0 = LoRA of this rank
@@ -42,10 +41,8 @@ class LoraConfig:
     save: str = "merged"  # merged | adapter
 
 
-
 def enabled(cfg: LoraConfig) -> bool:
     return cfg.rank > 0
-
 
 
 def validate(cfg: LoraConfig) -> None:
@@ -64,13 +61,18 @@ def _target_modules(targets: str):
     return "all-linear" if names == ["all-linear"] else names
 
 
-
 def add_adapters(model, cfg: LoraConfig, base_name: str):
     """``model`` wrapped with fresh trainable adapters (A random from torch's RNG, B = 0,
     so the wrapped model starts exactly equal to ``model``)."""
     peft = import_peft()
-    spec = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=_target_modules(cfg.targets),
-                           lora_dropout=cfg.dropout, bias="none", task_type="CAUSAL_LM")
+    spec = peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        target_modules=_target_modules(cfg.targets),
+        lora_dropout=cfg.dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     try:
         wrapped = peft.get_peft_model(model, spec)
     except ValueError as e:
@@ -79,12 +81,10 @@ def add_adapters(model, cfg: LoraConfig, base_name: str):
     return wrapped
 
 
-
 def adapter_state(model) -> dict[str, torch.Tensor]:
     """A detached copy of the adapter weights (peft's names, without the adapter name)."""
     peft = import_peft()
     return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
-
 
 
 def load_adapter_state(model, state: dict[str, torch.Tensor]) -> None:
@@ -92,13 +92,11 @@ def load_adapter_state(model, state: dict[str, torch.Tensor]) -> None:
     peft.set_peft_model_state_dict(model, state)
 
 
-
 @contextmanager
 def reference_view(model):
     """The base model: the starting policy, the adapters switched off for the duration."""
     with model.disable_adapter():
         yield model
-
 
 
 def merged_state_dict(model) -> dict[str, torch.Tensor]:

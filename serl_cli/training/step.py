@@ -8,8 +8,8 @@ the step equals one full-batch step whatever the micro-batch size.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -26,7 +26,6 @@ class OptimConfig:
     micro_batch_tokens: int = 16384  # padded tokens per forward pass: bounds memory
 
 
-
 def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0, entropy: bool = False):
     """log pi(a_k | prompt, a_<k) for the reply tokens of each row: [B, K] (0 where masked).
 
@@ -41,8 +40,13 @@ def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0, entropy: bo
     device = model_device(model)
     # logits at position j predict token j+1: the K reply tokens need the K positions before them
     with autocast(model):
-        out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
-                    position_ids=mb.position_ids.to(device), logits_to_keep=k + 1, use_cache=False)
+        out = model(
+            input_ids=mb.input_ids.to(device),
+            attention_mask=mb.attention_mask.to(device),
+            position_ids=mb.position_ids.to(device),
+            logits_to_keep=k + 1,
+            use_cache=False,
+        )
     logits = out.logits[:, :-1, :].float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     logp = log_probs.gather(-1, mb.reply_ids.to(device).unsqueeze(-1)).squeeze(-1)
@@ -52,13 +56,10 @@ def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0, entropy: bo
     return logp.cpu() * mb.reply_mask, ent.cpu() * mb.reply_mask
 
 
-
 ADDITIVE_STATS = frozenset({"loss", "pg_loss", "kl_ref", "nll", "distill_kl", "entropy"})
 
 
-
 LossFn = Callable[[MicroBatch, torch.Tensor, float], tuple[torch.Tensor, dict]]
-
 
 
 def forward(model, mb: MicroBatch, temperature: float, entropy: bool) -> torch.Tensor:
@@ -70,9 +71,17 @@ def forward(model, mb: MicroBatch, temperature: float, entropy: bool) -> torch.T
     return logp
 
 
-
-def accumulate_step(model, optimizer, micro_batches: list[MicroBatch], loss_fn: LossFn, num_tokens: float,
-                    temperature: float, grad_clip: float, entropy: bool = False, scaler=None) -> dict:
+def accumulate_step(
+    model,
+    optimizer,
+    micro_batches: list[MicroBatch],
+    loss_fn: LossFn,
+    num_tokens: float,
+    temperature: float,
+    grad_clip: float,
+    entropy: bool = False,
+    scaler=None,
+) -> dict:
     """One optimizer step over ``micro_batches``; skipped (and reported) if the loss is not finite.
     ``entropy``: also compute the policy's entropy per reply token (``mb.entropy``). ``scaler``:
     fp16's ``torch.amp.GradScaler`` (the loss is scaled for backward and the gradients
@@ -96,8 +105,9 @@ def accumulate_step(model, optimizer, micro_batches: list[MicroBatch], loss_fn: 
             stats[key] = stats.get(key, 0.0) + (v if key in ADDITIVE_STATS else v * share)
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                               grad_clip if grad_clip > 0 else math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        [p for p in model.parameters() if p.requires_grad], grad_clip if grad_clip > 0 else math.inf
+    )
     if not torch.isfinite(grad_norm):
         if scaler is not None:
             scaler.update()  # the overflow was recorded by unscale_: the next step runs at a lower scale
@@ -110,7 +120,6 @@ def accumulate_step(model, optimizer, micro_batches: list[MicroBatch], loss_fn: 
         optimizer.step()
     stats.update(loss=total_loss, grad_norm=float(grad_norm), skipped=0.0)
     return stats
-
 
 
 def make_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:

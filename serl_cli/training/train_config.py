@@ -21,7 +21,6 @@ from serl_cli.training.step import OptimConfig
 BACKENDS = tuple(BACKEND_REGISTRY)
 
 
-
 @dataclass
 class TrainConfig:
     algo: str = "grpo"
@@ -31,10 +30,12 @@ class TrainConfig:
     # with it, fp32 elsewhere. Half precision is autocast over fp32 master weights (DeepSpeed: its bf16/fp16)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | fp32 | bf16 | fp16
-    attn_implementation: str = "auto"  # auto (flash_attention_2 when installed, on CUDA, in bf16/fp16; else sdpa) | sdpa | eager
+    attn_implementation: str = (
+        "auto"  # auto (flash_attention_2 when installed, on CUDA, in bf16/fp16; else sdpa) | sdpa | eager
+    )
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % more compute
     gpus: list[int] | None = None  # CUDA devices of the trainer's processes, one each (LOCAL_RANK r takes gpus[r]);
-                                   # None: LOCAL_RANK's. With rollout.gpus: vLLM on its own GPUs
+    # None: LOCAL_RANK's. With rollout.gpus: vLLM on its own GPUs
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # with backend deepspeed
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train LoRA adapters only
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -52,7 +53,9 @@ class TrainConfig:
     distill_coef: float = 0.0  # KL(pi || teacher) on selected turns of failed rollouts (off in serl, on in sdpo)
     omega: float = 1.0  # gigpo: weight of the step advantage
     gamma: float = 0.95  # gigpo: discount of the per-turn return
-    gigpo_mode: str = "mean_std_norm"  # gigpo: mean_std_norm (divide by std) | mean_norm (mean only; verl-agent's default)
+    gigpo_mode: str = (
+        "mean_std_norm"  # gigpo: mean_std_norm (divide by std) | mean_norm (mean only; verl-agent's default)
+    )
     adv_eps: float = 1e-6
     # how a group's statistics pool: episode (one score per episode, serl's) | cross_steps (every turn a
     # sample, the authors' compute_mean_std_cross_steps=True, core_algos.py:114-175)
@@ -70,8 +73,9 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     checkpoint: str | None = None  # default RUN/checkpoint
-    hindsight_sft: str | None = None  # sft: also teacher prompts built by these feedback sources, e.g. "ref|error" (method.hindsight_sft)
-
+    hindsight_sft: str | None = (
+        None  # sft: also teacher prompts built by these feedback sources, e.g. "ref|error" (method.hindsight_sft)
+    )
 
 
 def check_train_config(cfg: TrainConfig) -> None:
@@ -94,7 +98,6 @@ def check_train_config(cfg: TrainConfig) -> None:
         require_peft()
 
 
-
 def _check_loss_settings(cfg: TrainConfig) -> None:
     if cfg.dual_clip and cfg.dual_clip <= 1:
         raise SerlError(f"train.dual_clip must be 0 (off) or above 1, got {cfg.dual_clip}")
@@ -107,7 +110,6 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
         raise SerlError(f"unknown train.group_norm {cfg.group_norm!r}: choose one of {', '.join(GROUP_NORMS)}")
     if cfg.gigpo_mode not in GIGPO_MODES:
         raise SerlError(f"unknown train.gigpo_mode {cfg.gigpo_mode!r}: choose one of {', '.join(GIGPO_MODES)}")
-
 
 
 def recompute_enabled(cfg: TrainConfig, engine: str | None) -> bool:

@@ -14,12 +14,13 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
-def kill_during(work: Callable[[], object], when: Callable[[], bool], *, delay: float = 0.0,
-                timeout: float = 300.0) -> bool:
+def kill_during(
+    work: Callable[[], object], when: Callable[[], bool], *, delay: float = 0.0, timeout: float = 300.0
+) -> bool:
     """Run ``work()`` in a forked child and SIGKILL it ``delay`` seconds after ``when()``
     first holds. True if it was killed; False if it finished first (a failure of the child
     is an AssertionError carrying its exit status)."""

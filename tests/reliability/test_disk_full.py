@@ -13,15 +13,32 @@ import shutil
 
 import pytest
 from faults import cli_exit_code, run_with_file_size_limit, tree_hash
-from fixtures_model import rollout_config, synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
+from support import rollout_config, synthetic_env
 
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
 from serl_cli.stages.rollout import JOURNAL_FILE, run_rollout
 
 SETTINGS = dict(seed=3, env=synthetic_env(max_turns=4), tasks=2, group_size=3, max_new_tokens=10, batch_size=4)
-CLI_SETTINGS = ["--tasks", "2", "--group-size", "3", "--max-turns", "4", "--seed", "3", "--set", "env.settings.catalog=synthetic",
-                "--set", "sampling.max_new_tokens=10", "--set", "batch_size=4", "--threads", "1", "-q"]
+CLI_SETTINGS = [
+    "--tasks",
+    "2",
+    "--group-size",
+    "3",
+    "--max-turns",
+    "4",
+    "--seed",
+    "3",
+    "--set",
+    "env.settings.catalog=synthetic",
+    "--set",
+    "sampling.max_new_tokens=10",
+    "--set",
+    "batch_size=4",
+    "--threads",
+    "1",
+    "-q",
+]
 
 
 def one_line(stderr_path) -> str:
@@ -37,8 +54,9 @@ def test_disk_fills_during_rollout_then_resume(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     limit = 30_000  # a few rounds of the journal fit; the next append is cut part-way
     err = tmp_path / "stderr.txt"
-    code = run_with_file_size_limit(lambda: cli_exit_code("rollout", "--model", str(tiny_model_dir), "--out", str(run),
-                                                          *CLI_SETTINGS), limit, err)
+    code = run_with_file_size_limit(
+        lambda: cli_exit_code("rollout", "--model", str(tiny_model_dir), "--out", str(run), *CLI_SETTINGS), limit, err
+    )
     line = one_line(err)
     assert code == 2
     assert f"could not write {run / JOURNAL_FILE}" in line and "File too large (disk full?)" in line
@@ -51,13 +69,16 @@ def test_disk_fills_during_rollout_then_resume(tiny_model_dir, tmp_path):
 
 def test_disk_full_while_saving_a_checkpoint_keeps_the_old_one(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    run_rollout(rollout_config(tiny_model_dir, run, policy="expert", tasks=2, group_size=1, env=synthetic_env(max_turns=3)))
+    run_rollout(
+        rollout_config(tiny_model_dir, run, policy="expert", tasks=2, group_size=1, env=synthetic_env(max_turns=3))
+    )
     shutil.copytree(tiny_model_dir, run / "checkpoint")  # the previous checkpoint, to be replaced
     old_checkpoint = tree_hash(run / "checkpoint")
     err = tmp_path / "stderr.txt"
     # the weights (~16 MB) do not fit under 1 MB; the manifest and metrics lines do
-    code = run_with_file_size_limit(lambda: cli_exit_code("train", str(run), "--algo", "sft", "--overwrite",
-                                                          "--threads", "1"), 1 << 20, err)
+    code = run_with_file_size_limit(
+        lambda: cli_exit_code("train", str(run), "--algo", "sft", "--overwrite", "--threads", "1"), 1 << 20, err
+    )
     line = one_line(err)
     assert code == 2 and f"could not write {run / 'checkpoint'}" in line and "(disk full?)" in line
     assert tree_hash(run / "checkpoint") == old_checkpoint
@@ -80,6 +101,7 @@ def test_enospc_on_an_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
     monkeypatch.setattr(io.tempfile, "mkstemp", on_a_full_disk)
     with pytest.raises(SerlError) as e:
         io.write_json(path, {"success_rate": 0.75, "padding": "x" * 100_000})
-    assert str(e.value) == (f"could not write {path}: {os.strerror(errno.ENOSPC)} (disk full?); "
-                            f"the previous version, if any, is intact")
+    assert str(e.value) == (
+        f"could not write {path}: {os.strerror(errno.ENOSPC)} (disk full?); the previous version, if any, is intact"
+    )
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]

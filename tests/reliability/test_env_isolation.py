@@ -10,7 +10,6 @@ import json
 import time
 
 import pytest
-from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 
 import envs
 from envs.base import EnvError, Feedback, Step, state_key
@@ -42,8 +41,16 @@ class ToyEpisode:
 
     def _step(self, reward=0.0, done=False) -> Step:
         obs = f"task {self.task_id} page {self.turns}"
-        return Step(obs, reward, done, Feedback(None, "page changed"), ["click[next]"], state_key(obs), "click[next]",
-                    {"won": done})
+        return Step(
+            obs,
+            reward,
+            done,
+            Feedback(None, "page changed"),
+            ["click[next]"],
+            state_key(obs),
+            "click[next]",
+            {"won": done},
+        )
 
     def reset(self, task_id: int) -> Step:
         self.task_id, self.turns, self.instruction = task_id, 0, f"reach page 3 of task {task_id}"
@@ -74,8 +81,14 @@ class ToyWorld:
 
 
 def run(faults: dict, timeout: float | None = None, batch_size: int = 3) -> list[dict]:
-    return run_episodes(ToyWorld(faults), "train", [EpisodeSpec(task_id=t) for t in range(6)], ExpertPolicy(),
-                        batch_size=batch_size, step_timeout_s=timeout)
+    return run_episodes(
+        ToyWorld(faults),
+        "train",
+        [EpisodeSpec(task_id=t) for t in range(6)],
+        ExpertPolicy(),
+        batch_size=batch_size,
+        step_timeout_s=timeout,
+    )
 
 
 def test_healthy_world_every_episode_wins():
@@ -120,8 +133,15 @@ def test_rollout_stage_records_env_errors(tiny_model_dir, tmp_path, monkeypatch)
     from serl_cli.stages.rollout import RolloutConfig, run_rollout
 
     monkeypatch.setitem(envs._REGISTRY, "toy", lambda **settings: ToyWorld({1: (1, "raise"), 3: (2, "sleep")}))
-    cfg = RolloutConfig(env=EnvConfig(name="toy", split="train", step_timeout_s=0.5), model=str(tiny_model_dir),
-                        policy="expert", tasks=6, group_size=1, threads=1, out=str(tmp_path / "run"))
+    cfg = RolloutConfig(
+        env=EnvConfig(name="toy", split="train", step_timeout_s=0.5),
+        model=str(tiny_model_dir),
+        policy="expert",
+        tasks=6,
+        group_size=1,
+        threads=1,
+        out=str(tmp_path / "run"),
+    )
     summary = run_rollout(cfg)
     assert summary["episodes"] == 6 and summary["env_errors"] == 2
     episodes = read_rollouts(tmp_path / "run")  # a record with an error is still a valid record

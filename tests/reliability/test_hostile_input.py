@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from faults import cli, one_line_error, tree_hash
-from fixtures_model import rollout_config, synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
+from support import rollout_config, synthetic_env
 
 from serl_cli.stages.rollout import run_rollout
 
@@ -25,7 +25,9 @@ SYNTH = ["--set", "env.settings.catalog=synthetic"]
 @pytest.fixture(scope="module")
 def expert_run(tiny_model_dir, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("runs") / "expert"
-    run_rollout(rollout_config(tiny_model_dir, run, policy="expert", tasks=2, group_size=1, env=synthetic_env(max_turns=3)))
+    run_rollout(
+        rollout_config(tiny_model_dir, run, policy="expert", tasks=2, group_size=1, env=synthetic_env(max_turns=3))
+    )
     return run
 
 
@@ -49,8 +51,10 @@ def _webshop_data(d: Path, documents: bytes, instructions: bytes = b"{}") -> Pat
 
 def _doc_lines(n: int = 3) -> bytes:
     """Records shaped like the catalog's (``product``, ``contents``)."""
-    return b"".join(json.dumps({"product": {"asin": f"B00{i}", "name": f"item {i}"}, "contents": f"item {i}"}).encode()
-                    + b"\n" for i in range(n))
+    return b"".join(
+        json.dumps({"product": {"asin": f"B00{i}", "name": f"item {i}"}, "contents": f"item {i}"}).encode() + b"\n"
+        for i in range(n)
+    )
 
 
 def _annotations_of_wrong_schema(run: Path) -> None:
@@ -83,66 +87,151 @@ CASES = [
     ("yaml-top-level-list", lambda t, r, m: _cfg(t, b"- tasks: 2\n"), ["must hold a mapping of settings"]),
     ("yaml-not-utf8", lambda t, r, m: _cfg(t, b"tasks: \xff\xfe\n"), ["is not UTF-8 text"]),
     ("yaml-wrong-type", lambda t, r, m: _cfg(t, b"tasks: many\n"), ["setting tasks must be an integer"]),
-    ("yaml-unknown-nested-key", lambda t, r, m: _cfg(t, b"sampling: {temprature: 0.5}\n"),
-     ["unknown setting sampling.temprature"]),
+    (
+        "yaml-unknown-nested-key",
+        lambda t, r, m: _cfg(t, b"sampling: {temprature: 0.5}\n"),
+        ["unknown setting sampling.temprature"],
+    ),
     ("yaml-section-as-scalar", lambda t, r, m: _cfg(t, b"sampling: hot\n"), ["setting sampling must be a mapping"]),
     # --- --set overrides ------------------------------------------------------------------------
     ("set-into-a-value", lambda t, r, m: _ro(t, m, "--set", "tasks.count=3"), ["is a value, not a section"]),
-    ("set-control-characters", lambda t, r, m: _ro(t, m, "--set", "policy=\x07\x1b[31m"), ["malformed --set", "not valid YAML"]),
-    ("set-negative-temperature", lambda t, r, m: _ro(t, m, "--set", "sampling.temperature=-1"),
-     ["sampling.temperature must be 0 (greedy) or positive"]),
+    (
+        "set-control-characters",
+        lambda t, r, m: _ro(t, m, "--set", "policy=\x07\x1b[31m"),
+        ["malformed --set", "not valid YAML"],
+    ),
+    (
+        "set-negative-temperature",
+        lambda t, r, m: _ro(t, m, "--set", "sampling.temperature=-1"),
+        ["sampling.temperature must be 0 (greedy) or positive"],
+    ),
     ("set-top-p-zero", lambda t, r, m: _ro(t, m, "--set", "sampling.top_p=0"), ["sampling.top_p must be in (0, 1]"]),
-    ("set-no-new-tokens", lambda t, r, m: _ro(t, m, "--set", "sampling.max_new_tokens=0"),
-     ["sampling.max_new_tokens must be at least 1"]),
+    (
+        "set-no-new-tokens",
+        lambda t, r, m: _ro(t, m, "--set", "sampling.max_new_tokens=0"),
+        ["sampling.max_new_tokens must be at least 1"],
+    ),
     ("set-batch-size-zero", lambda t, r, m: _ro(t, m, "--set", "batch_size=0"), ["batch_size must be at least 1"]),
     ("negative-max-turns", lambda t, r, m: _ro(t, m, "--max-turns", "-3"), ["--max-turns must be at least 1"]),
-    ("step-timeout-zero", lambda t, r, m: _ro(t, m, "--set", "env.step_timeout_s=0"), ["env.step_timeout_s must be a positive"]),
-    ("set-seed-as-list", lambda t, r, m: _ro(t, m, "--seed", "1", "--set", "seed=[1, 2]"), ["setting seed must be an integer"]),
+    (
+        "step-timeout-zero",
+        lambda t, r, m: _ro(t, m, "--set", "env.step_timeout_s=0"),
+        ["env.step_timeout_s must be a positive"],
+    ),
+    (
+        "set-seed-as-list",
+        lambda t, r, m: _ro(t, m, "--seed", "1", "--set", "seed=[1, 2]"),
+        ["setting seed must be an integer"],
+    ),
     # --- JSONL artifacts ------------------------------------------------------------------------
-    ("rollouts-line-is-an-array", lambda t, r, m: _train(r, lines=["[1, 2, 3]"]), ["rollouts.jsonl:1: expected a JSON object, got list"]),
-    ("rollouts-token-ids-as-text", lambda t, r, m: _train(r, edit=lambda e: e["turns"][0].update(action_ids="12 13")),
-     ["rollouts.jsonl:1: a turn's action_ids must be a list of token ids"]),
-    ("rollouts-reward-as-text", lambda t, r, m: _train(r, edit=lambda e: e.update(reward="high")),
-     ["rollouts.jsonl:1: reward must be a number"]),
-    ("rollouts-turn-not-an-object", lambda t, r, m: _train(r, edit=lambda e: e.update(turns=[5])),
-     ["a turn must be a JSON object, got int"]),
-    ("rollouts-huge-line", lambda t, r, m: _train(r, raw=b'{"task_id": "' + b"9" * (64 * 2**20) + b'"}\n'),
-     ["rollouts.jsonl:1: line longer than 64 MiB"]),
-    ("rollouts-binary-garbage", lambda t, r, m: _train(r, raw=b"\x00\xff\xfe\x9c garbage\n"), ["rollouts.jsonl:1: not a JSON record"]),
-    ("rollouts-deeply-nested", lambda t, r, m: _train(r, raw=b"[" * 200_000 + b"]" * 200_000 + b"\n"),
-     ["rollouts.jsonl:1: not a JSON record"]),
+    (
+        "rollouts-line-is-an-array",
+        lambda t, r, m: _train(r, lines=["[1, 2, 3]"]),
+        ["rollouts.jsonl:1: expected a JSON object, got list"],
+    ),
+    (
+        "rollouts-token-ids-as-text",
+        lambda t, r, m: _train(r, edit=lambda e: e["turns"][0].update(action_ids="12 13")),
+        ["rollouts.jsonl:1: a turn's action_ids must be a list of token ids"],
+    ),
+    (
+        "rollouts-reward-as-text",
+        lambda t, r, m: _train(r, edit=lambda e: e.update(reward="high")),
+        ["rollouts.jsonl:1: reward must be a number"],
+    ),
+    (
+        "rollouts-turn-not-an-object",
+        lambda t, r, m: _train(r, edit=lambda e: e.update(turns=[5])),
+        ["a turn must be a JSON object, got int"],
+    ),
+    (
+        "rollouts-huge-line",
+        lambda t, r, m: _train(r, raw=b'{"task_id": "' + b"9" * (64 * 2**20) + b'"}\n'),
+        ["rollouts.jsonl:1: line longer than 64 MiB"],
+    ),
+    (
+        "rollouts-binary-garbage",
+        lambda t, r, m: _train(r, raw=b"\x00\xff\xfe\x9c garbage\n"),
+        ["rollouts.jsonl:1: not a JSON record"],
+    ),
+    (
+        "rollouts-deeply-nested",
+        lambda t, r, m: _train(r, raw=b"[" * 200_000 + b"]" * 200_000 + b"\n"),
+        ["rollouts.jsonl:1: not a JSON record"],
+    ),
     ("rollouts-empty-file", lambda t, r, m: _train(r, raw=b""), ["holds no episodes"]),
-    ("manifest-is-a-list", lambda t, r, m: (_set_manifest(r, "[]"), ["train", str(r), "--algo", "sft"])[1],
-     ["manifest.json is not a serl manifest"]),
-    ("manifest-stages-not-a-mapping", lambda t, r, m: (_set_manifest(r, '{"schema_version": 1, "stages": [1]}'),
-                                                      ["train", str(r), "--algo", "sft"])[1], ["is not a serl manifest"]),
-    ("manifest-cut-short", lambda t, r, m: (_set_manifest(r, (r / "manifest.json").read_text()[:50]),
-                                            ["train", str(r), "--algo", "sft"])[1], ["manifest.json: malformed JSON"]),
-    ("annotations-wrong-schema", lambda t, r, m: (_annotations_of_wrong_schema(r), ["train", str(r), "--algo", "serl"])[1],
-     ["annotations.jsonl:1: record lacks"]),
+    (
+        "manifest-is-a-list",
+        lambda t, r, m: (_set_manifest(r, "[]"), ["train", str(r), "--algo", "sft"])[1],
+        ["manifest.json is not a serl manifest"],
+    ),
+    (
+        "manifest-stages-not-a-mapping",
+        lambda t, r, m: (_set_manifest(r, '{"schema_version": 1, "stages": [1]}'), ["train", str(r), "--algo", "sft"])[
+            1
+        ],
+        ["is not a serl manifest"],
+    ),
+    (
+        "manifest-cut-short",
+        lambda t, r, m: (_set_manifest(r, (r / "manifest.json").read_text()[:50]), ["train", str(r), "--algo", "sft"])[
+            1
+        ],
+        ["manifest.json: malformed JSON"],
+    ),
+    (
+        "annotations-wrong-schema",
+        lambda t, r, m: (_annotations_of_wrong_schema(r), ["train", str(r), "--algo", "serl"])[1],
+        ["annotations.jsonl:1: record lacks"],
+    ),
     ("journal-not-serl", lambda t, r, m: (_journal(r, '{"hello": 1}'), _resume(r, m))[1], ["is not a serl journal"]),
-    ("journal-of-other-settings", lambda t, r, m: (_other_settings_journal(r), _resume(r, m))[1],
-     ["belongs to an interrupted run with a different config", "--overwrite"]),
+    (
+        "journal-of-other-settings",
+        lambda t, r, m: (_other_settings_journal(r), _resume(r, m))[1],
+        ["belongs to an interrupted run with a different config", "--overwrite"],
+    ),
     # --- model directories ------------------------------------------------------------------------
-    ("model-config-malformed", lambda t, r, m: _ro(t, _model(t, m, "config.json", b'{"model_type": "qwen2",')),
-     ["cannot load model directory"]),
-    ("model-weights-truncated", lambda t, r, m: _ro(t, _model(t, m, "model.safetensors", None)),
-     ["cannot load model directory", "deserializing header"]),
+    (
+        "model-config-malformed",
+        lambda t, r, m: _ro(t, _model(t, m, "config.json", b'{"model_type": "qwen2",')),
+        ["cannot load model directory"],
+    ),
+    (
+        "model-weights-truncated",
+        lambda t, r, m: _ro(t, _model(t, m, "model.safetensors", None)),
+        ["cannot load model directory", "deserializing header"],
+    ),
     ("model-path-is-a-file", lambda t, r, m: _ro(t, _file(t / "weights.bin")), ["is a file, not a model directory"]),
     # --- environment data files -------------------------------------------------------------------
-    ("webshop-documents-cut", lambda t, r, m: _ro(t, m, *_data(t, _doc_lines()[:-20])), ["documents_1k.jsonl:3: not a WebShop document"]),
-    ("webshop-documents-not-utf8", lambda t, r, m: _ro(t, m, *_data(t, _doc_lines() + b"\xff\xfe\n")),
-     ["cannot load the webshop environment's data", "UnicodeDecodeError"]),
-    ("webshop-instructions-not-a-mapping", lambda t, r, m: _ro(t, m, *_data(t, _doc_lines(), b"[1, 2]")),
-     ["items_ins_v2_1000.json: expected a JSON object keyed by ASIN"]),
+    (
+        "webshop-documents-cut",
+        lambda t, r, m: _ro(t, m, *_data(t, _doc_lines()[:-20])),
+        ["documents_1k.jsonl:3: not a WebShop document"],
+    ),
+    (
+        "webshop-documents-not-utf8",
+        lambda t, r, m: _ro(t, m, *_data(t, _doc_lines() + b"\xff\xfe\n")),
+        ["cannot load the webshop environment's data", "UnicodeDecodeError"],
+    ),
+    (
+        "webshop-instructions-not-a-mapping",
+        lambda t, r, m: _ro(t, m, *_data(t, _doc_lines(), b"[1, 2]")),
+        ["items_ins_v2_1000.json: expected a JSON object keyed by ASIN"],
+    ),
     # --- grid files -------------------------------------------------------------------------------
     ("grid-top-level-list", lambda t, r, m: _grid(t, b"- grid\n"), ["must hold a mapping"]),
     ("grid-sft-online", lambda t, r, m: _grid(t, b"grid: {algo: [sft]}\n"), ["not an online algorithm"]),
     ("grid-seed-twice", lambda t, r, m: _grid(t, b"grid: {algo: [grpo], seeds: [1, 1]}\n"), ["names a seed twice"]),
-    ("grid-negative-episodes", lambda t, r, m: _grid(t, b"grid: {algo: [grpo]}\nfinal_eval: {episodes: -1}\n"),
-     ["final_eval.episodes must be a positive integer"]),
-    ("grid-unknown-slurm-key", lambda t, r, m: _grid(t, b"grid: {algo: [grpo]}\nslurm: {partitionn: gpu}\n"),
-     ["unknown key slurm.partitionn"]),
+    (
+        "grid-negative-episodes",
+        lambda t, r, m: _grid(t, b"grid: {algo: [grpo]}\nfinal_eval: {episodes: -1}\n"),
+        ["final_eval.episodes must be a positive integer"],
+    ),
+    (
+        "grid-unknown-slurm-key",
+        lambda t, r, m: _grid(t, b"grid: {algo: [grpo]}\nslurm: {partitionn: gpu}\n"),
+        ["unknown key slurm.partitionn"],
+    ),
     ("grid-unknown-placement", lambda t, r, m: _grid(t, b"grid: {algo: [serl], placement: [nowhere]}\n"), ["nowhere"]),
 ]
 
@@ -153,7 +242,19 @@ def _cfg(t: Path, text: bytes) -> list[str]:
 
 
 def _ro(t: Path, model, *extra: str) -> list[str]:
-    return ["rollout", "--model", str(model), "--tasks", "1", "--group-size", "1", "--out", str(t / "out"), *SYNTH, *extra]
+    return [
+        "rollout",
+        "--model",
+        str(model),
+        "--tasks",
+        "1",
+        "--group-size",
+        "1",
+        "--out",
+        str(t / "out"),
+        *SYNTH,
+        *extra,
+    ]
 
 
 def _train(run: Path, *, lines=None, edit=None, raw=None) -> list[str]:
@@ -168,8 +269,23 @@ def _train(run: Path, *, lines=None, edit=None, raw=None) -> list[str]:
 
 
 def _resume(run: Path, model) -> list[str]:
-    return ["rollout", "--policy", "expert", "--model", str(model), "--tasks", "2", "--group-size", "1", "--max-turns", "3",
-            "--out", str(run), "--resume", *SYNTH]
+    return [
+        "rollout",
+        "--policy",
+        "expert",
+        "--model",
+        str(model),
+        "--tasks",
+        "2",
+        "--group-size",
+        "1",
+        "--max-turns",
+        "3",
+        "--out",
+        str(run),
+        "--resume",
+        *SYNTH,
+    ]
 
 
 def _model(t: Path, model, name: str, content: bytes | None) -> Path:
@@ -196,8 +312,9 @@ def _grid(t: Path, text: bytes) -> list[str]:
 
 
 @pytest.mark.parametrize("name,setup,needles", CASES, ids=[c[0] for c in CASES])
-def test_hostile_input_is_one_line_exit_2_and_nothing_changes(name, setup, needles, expert_run, tiny_model_dir,
-                                                              tmp_path, capsys):
+def test_hostile_input_is_one_line_exit_2_and_nothing_changes(
+    name, setup, needles, expert_run, tiny_model_dir, tmp_path, capsys
+):
     run = tmp_path / "run"
     shutil.copytree(expert_run, run)
     args = setup(tmp_path, run, tiny_model_dir)
@@ -214,11 +331,28 @@ def test_enough_cases():
 def test_hostile_action_strings_are_environment_feedback_not_crashes(capsys):
     """A policy's action is not the user's input: however long or strange, the environment
     answers with error feedback and the episode goes on (exit 0)."""
-    actions = ["search[" + "x" * 100_000 + "]", "click[\x07\x1b[31mred\x1b[0m\x00]", "click[日本語 🚀 ñ]",
-               "search[\u202eevil\u202c]", "]]][[[", ""]
-    code, out, err = cli(capsys, "env", "play", "--split", "train", "--task", "0", "--json",
-                         "--set", "settings.catalog=synthetic", "--actions",
-                         ";".join(actions[1:]))
+    actions = [
+        "search[" + "x" * 100_000 + "]",
+        "click[\x07\x1b[31mred\x1b[0m\x00]",
+        "click[日本語 🚀 ñ]",
+        "search[\u202eevil\u202c]",
+        "]]][[[",
+        "",
+    ]
+    code, out, err = cli(
+        capsys,
+        "env",
+        "play",
+        "--split",
+        "train",
+        "--task",
+        "0",
+        "--json",
+        "--set",
+        "settings.catalog=synthetic",
+        "--actions",
+        ";".join(actions[1:]),
+    )
     assert code == 0, err
     assert "Traceback" not in err
     from serl_cli.rollout.worlds import EnvConfig, build_world

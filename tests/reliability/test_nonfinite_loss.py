@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from fixtures_model import rollout_config, synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
+from support import rollout_config, synthetic_env
 
 from serl_cli.algos import objectives
 from serl_cli.artifacts.schema import read_rollouts
@@ -23,7 +23,9 @@ POISON = {1: float("nan"), 3: float("inf")}  # optimizer step -> what its loss b
 @pytest.fixture(scope="module")
 def episodes(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "expert"
-    run_rollout(rollout_config(tiny_model_dir, out, policy="expert", tasks=2, group_size=1, env=synthetic_env(max_turns=4)))
+    run_rollout(
+        rollout_config(tiny_model_dir, out, policy="expert", tasks=2, group_size=1, env=synthetic_env(max_turns=4))
+    )
     return read_rollouts(out)
 
 
@@ -41,8 +43,11 @@ def test_nonfinite_steps_are_skipped_and_logged(tiny_model_dir, episodes, monkey
         step = len(before_step) - 1
         return (loss * POISON[step] if step in POISON else loss), stats
 
-    monkeypatch.setitem(objectives.OBJECTIVES, cfg.algo,
-                        objectives.Objective(cfg.algo, sft.prepare, poisoned_loss, uses_behaviour_logprobs=False))
+    monkeypatch.setitem(
+        objectives.OBJECTIVES,
+        cfg.algo,
+        objectives.Objective(cfg.algo, sft.prepare, poisoned_loss, uses_behaviour_logprobs=False),
+    )
     metrics = learner.update(episodes, 1.0)
     after = {k: v.detach().clone() for k, v in learner.model.named_parameters()}
     snapshots = before_step + [after]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from faults import kill_during, lines, same_weights, stage_status, without
-from fixtures_model import rollout_config, synthetic_env, tiny_model_dir  # noqa: F401  (fixture)
+from support import rollout_config, synthetic_env
 
 from serl_cli.artifacts import io
 from serl_cli.stages.rollout import JOURNAL_FILE, run_rollout
@@ -85,8 +85,10 @@ def test_rollout_killed_twice_and_torn_journal_line(tiny_model_dir, reference_ro
     out = tmp_path / "twice"
     assert _kill_rollout_at(tiny_model_dir, out, 1, delay=0.0)
     # the resumed run is killed too, later on
-    assert kill_during(lambda: run_rollout(rollout_cfg(tiny_model_dir, out), resume=True),
-                       lambda: lines(out / JOURNAL_FILE) >= 1 + rounds - 3)
+    assert kill_during(
+        lambda: run_rollout(rollout_cfg(tiny_model_dir, out), resume=True),
+        lambda: lines(out / JOURNAL_FILE) >= 1 + rounds - 3,
+    )
     # a kill in the middle of an append: the last line torn in half
     journal = out / JOURNAL_FILE
     data = journal.read_bytes()
@@ -112,12 +114,14 @@ def test_rollout_resume_refuses_other_settings(tiny_model_dir, tmp_path):
 
 # -- annotate: the unit is one teacher micro-batch ------------------------------------------------
 
+
 def annotate_cfg():
     from serl_cli.method.annotation import AnnotateConfig
 
     # every turn scored, a few turns per teacher micro-batch: several units to kill between
-    return AnnotateConfig(sources="ref|error", placement="all", skip_zero_advantage=False, micro_batch_tokens=1200,
-                          threads=1)
+    return AnnotateConfig(
+        sources="ref|error", placement="all", skip_zero_advantage=False, micro_batch_tokens=1200, threads=1
+    )
 
 
 def copy_run(src: Path, dst: Path) -> Path:
@@ -150,13 +154,19 @@ def test_annotate_resumes_identical_after_sigkill(reference_rollout, reference_a
     ref_report = json.loads((ref / "selection_report.json").read_text())
     for n, point in enumerate(points):
         run = copy_run(reference_rollout[0], tmp_path / f"a{n}")
-        when = (lambda: lines(run / AJ) >= 1 + point) if point is not None else (lambda: (run / "annotations.jsonl").exists())
+        when = (
+            (lambda: lines(run / AJ) >= 1 + point)
+            if point is not None
+            else (lambda: (run / "annotations.jsonl").exists())
+        )
         assert kill_during(lambda: run_annotate(str(run), annotate_cfg()), when, delay=rng.uniform(0, 0.05))
         todo = 0 if stage_status(run, "annotate") == "done" else units - max(lines(run / AJ) - 1, 0)
         with units_written() as scored:
             run_annotate(str(run), annotate_cfg(), resume=True)
         assert len(scored) == todo  # the teacher scores only what the journal lacks
-        assert (run / "annotations.jsonl").read_bytes() == (ref / "annotations.jsonl").read_bytes(), f"kill point {point}"
+        assert (run / "annotations.jsonl").read_bytes() == (ref / "annotations.jsonl").read_bytes(), (
+            f"kill point {point}"
+        )
         report = json.loads((run / "selection_report.json").read_text())
         assert without(report, "teacher") == without(ref_report, "teacher")
         assert without(report["teacher"], "teacher_s") == without(ref_report["teacher"], "teacher_s")
@@ -184,6 +194,7 @@ def test_training_refuses_an_interrupted_annotation(reference_annotations, tmp_p
 
 # -- a single `serl train`: the unit is the update ---------------------------------------------
 
+
 def train_cfg():
     from serl_cli.training.step import OptimConfig
     from serl_cli.training.train_config import TrainConfig
@@ -194,7 +205,9 @@ def train_cfg():
 @pytest.fixture(scope="module")
 def expert_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "expert"
-    run_rollout(rollout_config(tiny_model_dir, out, policy="expert", tasks=2, group_size=1, env=synthetic_env(max_turns=4)))
+    run_rollout(
+        rollout_config(tiny_model_dir, out, policy="expert", tasks=2, group_size=1, env=synthetic_env(max_turns=4))
+    )
     return out
 
 
@@ -235,15 +248,22 @@ def test_single_update_resumes_identical_after_sigkill(expert_run, reference_upd
 
 # -- the online loop: the unit is the iteration -----------------------------------------------
 
+
 def online_cfg(model, out):
     from serl_cli.rollout.engines import SamplingConfig
     from serl_cli.stages.online_config import OnlineConfig
     from serl_cli.stages.rollout import RolloutConfig
 
     # sft on the policy's own samples always has a gradient, so iteration 1 samples from changed weights
-    return OnlineConfig(env=synthetic_env(max_turns=3), model=str(model), iterations=2, seed=4, out=str(out),
-                        rollout=RolloutConfig(tasks=2, group_size=2, sampling=SamplingConfig(1.0, 1.0, 8), threads=1),
-                        train=train_cfg())
+    return OnlineConfig(
+        env=synthetic_env(max_turns=3),
+        model=str(model),
+        iterations=2,
+        seed=4,
+        out=str(out),
+        rollout=RolloutConfig(tasks=2, group_size=2, sampling=SamplingConfig(1.0, 1.0, 8), threads=1),
+        train=train_cfg(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -268,8 +288,11 @@ def test_online_loop_resumes_identical_after_sigkill(tiny_model_dir, reference_o
     for name, point in points.items():
         out = tmp_path / name
         # iteration 0 is killed before its metrics line is written (see the xfail below); the rest anywhere
-        assert kill_during(lambda: run_online(online_cfg(tiny_model_dir, out)), lambda: point(out),
-                           delay=0.0 if name == "it0" else rng.uniform(0, 0.3))
+        assert kill_during(
+            lambda: run_online(online_cfg(tiny_model_dir, out)),
+            lambda: point(out),
+            delay=0.0 if name == "it0" else rng.uniform(0, 0.3),
+        )
         run_online(online_cfg(tiny_model_dir, out), resume=True)
         assert (out / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes(), name
         for it in ("iter_0000", "iter_0001"):
@@ -296,14 +319,23 @@ def test_online_resume_after_a_kill_between_metrics_and_done(tiny_model_dir, ref
 
 # -- ablate: the unit is the cell (its online run, then its final evaluation) ------------------
 
+
 @pytest.fixture(scope="module")
 def grid_record(tiny_model_dir):
     from serl_cli.ablate import grid as ab
     from serl_cli.ablate import grid_record as ab_record
 
-    overrides = [f"model={tiny_model_dir}", "env.settings.catalog=synthetic", "env.max_turns=3", "rollout.tasks=2",
-                 "rollout.group_size=2", "rollout.sampling.max_new_tokens=8", "rollout.threads=1", "train.threads=1",
-                 "train.optim.lr=0.001"]
+    overrides = [
+        f"model={tiny_model_dir}",
+        "env.settings.catalog=synthetic",
+        "env.max_turns=3",
+        "rollout.tasks=2",
+        "rollout.group_size=2",
+        "rollout.sampling.max_new_tokens=8",
+        "rollout.threads=1",
+        "train.threads=1",
+        "train.optim.lr=0.001",
+    ]
     grid = ab.load_grid(None, overrides=overrides, flags={"algo": "grpo", "iterations": 2, "episodes": 3})
     return ab_record.grid_record(grid, [])
 
@@ -326,7 +358,8 @@ def test_ablate_cell_resumes_identical_after_sigkill(grid_record, reference_cell
     ref = reference_cell
     rng = random.Random(12)
     points = {  # (when, delay): inside training; final checkpoint saved, run not marked done; trained, not evaluated;
-        # and a seeded moment in the evaluation (short here: the kill may come after the cell is done, still a valid case)
+        # and a seeded moment in the evaluation (short here: the kill may come after the cell is done, still a
+        # valid case)
         "train": (lambda d: (d / "train" / "iter_0000" / "rollouts.jsonl").exists(), 0.0),  # see the xfail below
         "checkpoint": (lambda d: (d / "train" / "checkpoint" / "config.json").exists(), 0.0),
         "trained": (lambda d: stage_status(d / "train", "online") == "done", 0.0),
@@ -336,7 +369,9 @@ def test_ablate_cell_resumes_identical_after_sigkill(grid_record, reference_cell
         out = tmp_path / name
         ab_record.write_grid(out, grid_record)
         d = ab_cells.cell_dir(out, grid_record["cells"][0])
-        assert kill_during(lambda: ab_cells.run_cell(grid_record, out, 0, log=lambda m: None), lambda: point(d), delay=delay)
+        assert kill_during(
+            lambda: ab_cells.run_cell(grid_record, out, 0, log=lambda m: None), lambda: point(d), delay=delay
+        )
         assert name == "eval" or not ab_cells.is_done(out, grid_record["cells"][0])
         assert ab_cells.run_cell(grid_record, out, 0, log=lambda m: None) == "done"
         assert (d / "train" / "metrics.jsonl").read_text() == (ref / "train" / "metrics.jsonl").read_text(), name

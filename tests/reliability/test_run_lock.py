@@ -12,7 +12,6 @@ import time
 
 import pytest
 from faults import cli, kill_during, one_line_error, tree_hash
-from fixtures_model import tiny_model_dir  # noqa: F401  (fixture)
 
 from serl_cli.artifacts import runlock
 from serl_cli.errors import SerlError
@@ -27,8 +26,25 @@ def dead_pid() -> int:
 
 
 def expert_rollout(capsys, model, out, *extra):
-    return cli(capsys, "rollout", "--policy", "expert", "--model", str(model), "--tasks", "2", "--group-size", "1",
-               "--max-turns", "4", "--out", str(out), "-q", *SYNTH, *extra)
+    return cli(
+        capsys,
+        "rollout",
+        "--policy",
+        "expert",
+        "--model",
+        str(model),
+        "--tasks",
+        "2",
+        "--group-size",
+        "1",
+        "--max-turns",
+        "4",
+        "--out",
+        str(out),
+        "-q",
+        *SYNTH,
+        *extra,
+    )
 
 
 def test_second_writer_refuses_naming_the_owner(tiny_model_dir, tmp_path, capsys):
@@ -43,8 +59,9 @@ def test_second_writer_refuses_naming_the_owner(tiny_model_dir, tmp_path, capsys
         deadline = time.monotonic() + 30
         while not lock.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        line = one_line_error(expert_rollout(capsys, tiny_model_dir, run), "in use by", f"pid {pid}",
-                              f"host {platform.node()}")
+        line = one_line_error(
+            expert_rollout(capsys, tiny_model_dir, run), "in use by", f"pid {pid}", f"host {platform.node()}"
+        )
         assert "wait for it" in line
         # the other writing stages refuse too, and nothing of the first writer's is touched
         run.mkdir()
@@ -72,12 +89,14 @@ def test_stale_lock_is_taken_over_with_a_warning(tiny_model_dir, tmp_path, capsy
 
 
 def test_lock_of_a_killed_writer_is_taken_over_by_resume(tiny_model_dir, tmp_path):
-    from fixtures_model import rollout_config
+    from support import rollout_config
 
     from serl_cli.stages.rollout import run_rollout
 
     run = tmp_path / "run"
-    assert kill_during(lambda: run_rollout(rollout_config(tiny_model_dir, run)), lambda: (run / "manifest.json").exists())
+    assert kill_during(
+        lambda: run_rollout(rollout_config(tiny_model_dir, run)), lambda: (run / "manifest.json").exists()
+    )
     assert json.loads(runlock.lock_path(run).read_text())["host"] == platform.node()  # SIGKILL left it behind
     run_rollout(rollout_config(tiny_model_dir, run), resume=True)
     assert not runlock.lock_path(run).exists()
@@ -87,8 +106,7 @@ def test_lock_from_another_host_is_never_taken_over(tiny_model_dir, tmp_path, ca
     run = tmp_path / "run"
     lock = runlock.lock_path(run)
     lock.write_text(json.dumps({"pid": 1, "host": "node-017.cluster", "started": 0, "command": ["serl", "rollout"]}))
-    one_line_error(expert_rollout(capsys, tiny_model_dir, run), "pid 1 on host node-017.cluster",
-                   f"delete {lock}")
+    one_line_error(expert_rollout(capsys, tiny_model_dir, run), "pid 1 on host node-017.cluster", f"delete {lock}")
     assert not run.exists()
 
 

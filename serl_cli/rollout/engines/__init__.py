@@ -57,8 +57,9 @@ class Generation:
 class Engine(Protocol):
     tokenizer: object
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
-                 row_seeds: list[int] | None = None) -> list[Generation]: ...
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, row_seeds: list[int] | None = None
+    ) -> list[Generation]: ...
 
 
 class ModelPolicy:
@@ -74,9 +75,15 @@ class ModelPolicy:
         out = []
         for step, ctx in zip(steps, contexts):
             history = [{"observation": t["observation"], "action": t["action"]} for t in ctx["turns"]]
-            messages = build_messages(ctx["rules"], ctx["instruction"], history, step.observation,
-                                      step.admissible_actions, self.prompt,
-                                      ctx.get("action_format") or DEFAULT_ACTION_FORMAT)
+            messages = build_messages(
+                ctx["rules"],
+                ctx["instruction"],
+                history,
+                step.observation,
+                step.admissible_actions,
+                self.prompt,
+                ctx.get("action_format") or DEFAULT_ACTION_FORMAT,
+            )
             out.append(render_prompt_ids(self.engine.tokenizer, messages, self.prompt.chat_template_kwargs))
         return out
 
@@ -85,7 +92,9 @@ class ModelPolicy:
         # one seed per call: a run's sampling is fixed by its seed, and no two calls share draws
         seed = self.seed * 1_000_003 + self.calls
         if self.sampling.coupled and self.sampling.temperature > 0:
-            rows = [row_seed(self.seed, ctx.get("row", ("batch", i)), len(ctx["turns"])) for i, ctx in enumerate(contexts)]
+            rows = [
+                row_seed(self.seed, ctx.get("row", ("batch", i)), len(ctx["turns"])) for i, ctx in enumerate(contexts)
+            ]
             gens = self.engine.generate(prompt_ids, self.sampling, seed=seed, row_seeds=rows)
         else:
             gens = self.engine.generate(prompt_ids, self.sampling, seed=seed)
@@ -94,8 +103,16 @@ class ModelPolicy:
         for ids, gen, ctx in zip(prompt_ids, gens, contexts):
             text = self.engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             action, error = parse_action(text, ctx.get("action_format") or DEFAULT_ACTION_FORMAT)
-            decisions.append(Decision(action=action, text=text, prompt_ids=ids, action_ids=gen.token_ids,
-                                      logprobs=gen.logprobs, parse_error=error))
+            decisions.append(
+                Decision(
+                    action=action,
+                    text=text,
+                    prompt_ids=ids,
+                    action_ids=gen.token_ids,
+                    logprobs=gen.logprobs,
+                    parse_error=error,
+                )
+            )
         return decisions
 
 
@@ -124,8 +141,15 @@ class TokenizedExpertPolicy:
         out = []
         bare = self.prompt.bare_replies
         for ids, d in zip(prompt_ids, self.expert.act(steps, contexts)):
-            out.append(Decision(action=d.action, text=format_reply(d.action, bare), prompt_ids=ids,
-                                action_ids=reply_ids(self.tokenizer, d.action, bare), off_expert=d.off_expert))
+            out.append(
+                Decision(
+                    action=d.action,
+                    text=format_reply(d.action, bare),
+                    prompt_ids=ids,
+                    action_ids=reply_ids(self.tokenizer, d.action, bare),
+                    off_expert=d.off_expert,
+                )
+            )
         return out
 
 
@@ -146,8 +170,17 @@ def check_engine(kind: str) -> None:
         import_vllm()
 
 
-def make_engine(kind: str, model, tokenizer, threads: int | None = None, *, model_dir: str | None = None,
-                vllm=None, seed: int = 0, gpus: list[int] | None = None) -> Engine:
+def make_engine(
+    kind: str,
+    model,
+    tokenizer,
+    threads: int | None = None,
+    *,
+    model_dir: str | None = None,
+    vllm=None,
+    seed: int = 0,
+    gpus: list[int] | None = None,
+) -> Engine:
     """``hf`` generates with ``model`` itself; ``vllm`` loads its own copy of the policy from
     ``model_dir`` (default: the directory ``model`` was loaded from), with ``vllm`` a
     :class:`serl_cli.rollout.engines.vllm.VLLMConfig`, on the CUDA devices ``gpus`` when
@@ -189,10 +222,22 @@ def sleep_engine(engine: Engine) -> None:
         sleep()
 
 
-def model_policy(model_name: str, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                 prompt: PromptConfig | None = None, max_new_tokens: int = 48, threads: int | None = None,
-                 engine: str = "hf", device: str = "auto", dtype: str = "auto", vllm=None,
-                 gpus: list[int] | None = None, coupled: bool = False) -> ModelPolicy:
+def model_policy(
+    model_name: str,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    prompt: PromptConfig | None = None,
+    max_new_tokens: int = 48,
+    threads: int | None = None,
+    engine: str = "hf",
+    device: str = "auto",
+    dtype: str = "auto",
+    vllm=None,
+    gpus: list[int] | None = None,
+    coupled: bool = False,
+) -> ModelPolicy:
     """A policy generating with ``model_name`` on ``engine``: hf on ``device`` in ``dtype``
     (``models.device``), or a vLLM engine of its own (``vllm``: its ``VLLMConfig``; close it
     with :func:`close_engine`)."""
@@ -206,8 +251,9 @@ def model_policy(model_name: str, *, temperature: float = 0.0, top_p: float = 1.
     else:
         model, tokenizer = load_for_inference(model_name, resolve(device, dtype))
         eng = make_engine(engine, model, tokenizer)
-    return ModelPolicy(eng, SamplingConfig(temperature, top_p, max_new_tokens, coupled), prompt or PromptConfig(),
-                       seed=seed)
+    return ModelPolicy(
+        eng, SamplingConfig(temperature, top_p, max_new_tokens, coupled), prompt or PromptConfig(), seed=seed
+    )
 
 
 def close_engine(engine) -> None:

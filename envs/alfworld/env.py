@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from envs.alfworld import authors
 from envs.alfworld import feedback as fb
 from envs.alfworld.games import (
     DOWNLOAD_HINT,
@@ -65,6 +66,7 @@ class AlfWorldWorld:
     rules = RULES
     eval_split = "valid_unseen"
     action_format = ACTION_FORMAT
+    authors_prompt = authors.PROMPT  # prompt.style authors (envs.authors)
 
     def __init__(self, config: AlfWorldConfig | None = None):
         self.config = config or AlfWorldConfig()

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from envs.base import ActionFormat, EnvError, Feedback, Step, state_key
+from envs.sokoban import authors
 from envs.sokoban.rooms import (
     BOX_HITS_BOX,
     BOX_HITS_WALL,
@@ -97,6 +98,7 @@ class SokobanWorld:
     rules = RULES
     eval_split = "test"
     action_format = ACTION_FORMAT
+    authors_prompt = authors.PROMPT  # prompt.style authors (envs.authors)
     model_preset = "micro"  # serl's embedded default model: 0.9M parameters learn a 6x6 room in minutes
 
     def __init__(self, config: SokobanConfig | None = None):

@@ -51,8 +51,8 @@ def webshop_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
         root = os.environ.get(DATA_ENV_VAR)
         if not root:
             raise EnvError(
-                f"{DATA_ENV_VAR} is not set: point it at the folder holding webshop/{DOCUMENTS_FILE}, "
-                "or use catalog=synthetic"
+                f"{DATA_ENV_VAR} is not set: the real WebShop catalog must be at ${DATA_ENV_VAR}/webshop/"
+                f"{DOCUMENTS_FILE} (with {INSTRUCTIONS_FILE} beside it), or use catalog=synthetic"
             )
         data_dir = Path(root) / "webshop"
     path = Path(data_dir)

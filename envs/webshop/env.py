@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 
 from envs.base import EnvError, Feedback, Step, state_key
-from envs.webshop import pages
+from envs.webshop import authors, pages
 from envs.webshop.catalog import DATA_ENV_VAR, Catalog, load_real_catalog
 from envs.webshop.goals import SPLITS, build_goals, split_indices
 from envs.webshop.pages import PageState
@@ -70,6 +70,7 @@ class WebShopWorld:
     name = "webshop"
     rules = RULES
     eval_split = "test"
+    authors_prompt = authors.PROMPT  # prompt.style authors (envs.authors)
 
     def __init__(self, config: WebShopConfig | None = None, catalog: Catalog | None = None):
         self.config = config or WebShopConfig()

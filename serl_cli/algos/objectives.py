@@ -319,10 +319,24 @@ register(Objective("sdpo", _sdpo_prepare, policy_gradient_loss, needs_annotation
 
 
 # -- gigpo: episode advantage + omega x step advantage within anchor states ----------------
+# what makes two turns of a group one anchor state: state = the environment's state_key (ALFWorld: a hash
+# of the world's facts; WebShop, Sokoban: of the observation) | observation = the raw observation text, the
+# authors' key (the 'anchor' observation, env_manager.py:60,76; grouped by identical text, core_gigpo.py:
+# 277-296), which pools every ALFWorld "Nothing happens." of a group into one state
+GIGPO_ANCHORS = ("state", "observation")
+
+
+def gigpo_anchor_key(sample: TurnSample, anchor: str):
+    return sample.state_key if anchor == "state" else sample.observation
+
+
 def _gigpo_prepare(samples, inputs, cfg) -> PerTurn:
     mode = getattr(cfg, "gigpo_mode", "mean_std_norm")
     if mode not in GIGPO_MODES:
         raise SerlError(f"unknown train.gigpo_mode {mode!r}: choose one of {', '.join(GIGPO_MODES)}")
+    anchor = getattr(cfg, "gigpo_anchor", "state")
+    if anchor not in GIGPO_ANCHORS:
+        raise SerlError(f"unknown train.gigpo_anchor {anchor!r}: choose one of {', '.join(GIGPO_ANCHORS)}")
     std_norm = mode == "mean_std_norm"  # verl-agent's "mean_norm" subtracts the mean only, at both levels
     penalty, success_reward = getattr(cfg, "invalid_action_penalty", 0.0), getattr(cfg, "success_reward", 0.0)
     episode_adv = turn_advantages(samples, cfg, std_norm=std_norm)
@@ -341,7 +355,10 @@ def _gigpo_prepare(samples, inputs, cfg) -> PerTurn:
     kept = [i for i, s in enumerate(samples) if not s.faulted]
     anchor_index: dict[tuple, int] = {}
     anchors = torch.tensor(
-        [anchor_index.setdefault((samples[i].group_key, samples[i].state_key), len(anchor_index)) for i in kept],
+        [
+            anchor_index.setdefault((samples[i].group_key, gigpo_anchor_key(samples[i], anchor)), len(anchor_index))
+            for i in kept
+        ],
         dtype=torch.long,
     )
     returns = torch.tensor([ret_of[id(samples[i])] for i in kept], dtype=torch.float64)

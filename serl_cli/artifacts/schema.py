@@ -119,8 +119,16 @@ class TurnSample:
     state_key: str
     turn_reward: float
     off_expert: bool = False  # a noisy expert's exploration move: it reaches a state, it is no SFT target
-    invalid: bool = False  # the environment flagged the action (feedback.error): the invalid-action penalty's target
+    invalid: bool = False  # the action was invalid (turn_invalid): the invalid-action penalty's target
     faulted: bool = False  # the episode was ended by an environment fault (crash, timeout): it teaches nothing
+    observation: str = ""  # the raw observation the turn acted on (GiGPO's anchor key train.gigpo_anchor observation)
+
+
+def turn_invalid(turn: dict) -> bool:
+    """Whether a stored turn's action was invalid: the authors' rule where the policy judged its
+    reply by it (``prompt.style: authors`` records ``invalid``), else the environment's
+    ``feedback.error``."""
+    return bool(turn["invalid"]) if "invalid" in turn else bool((turn.get("feedback") or {}).get("error"))
 
 
 def turn_samples(episodes: list[dict]) -> list[TurnSample]:
@@ -140,8 +148,9 @@ def turn_samples(episodes: list[dict]) -> list[TurnSample]:
                     state_key=t["state_key"],
                     turn_reward=float(t["reward"]),
                     off_expert=bool(t.get("off_expert", False)),
-                    invalid=bool((t.get("feedback") or {}).get("error")),
+                    invalid=turn_invalid(t),
                     faulted=bool(ep.get("error")),
+                    observation=t.get("observation", ""),
                 )
             )
     return out

@@ -29,7 +29,15 @@ from serl_cli.errors import SerlError
 from serl_cli.method import anchors as anchors_mod
 from serl_cli.method import feedback as fb
 from serl_cli.method import placement, teacher_signal
-from serl_cli.method.teacher import TOKEN_SCOPES, UNPARSED, ScoreItem, action_span_mask, score, teacher_prompt
+from serl_cli.method.teacher import (
+    ACTION_SPANS,
+    TOKEN_SCOPES,
+    UNPARSED,
+    ScoreItem,
+    action_span_mask,
+    score,
+    teacher_prompt,
+)
 
 GRANULARITIES = ("step", "anchor")
 
@@ -48,6 +56,10 @@ class AnnotateConfig:
     max_hindsight_tokens: int = 2048
     tokens: str = "action"  # action: the parsed action's tokens (serl) | reply: every reply token (rlsd)
     unparsed: str = "none"  # a reply with no parseable action: none = no weights (the authors') | whole = all of it
+    # which characters are the action: last = the executed one by serl's parse (the last closed <action> tag,
+    # or a bare action) | authors = every tagged span, malformed tags included, else search[...]/click[...]
+    # anywhere, as the authors' serl_action_mask (recipe/serl/serl_ray_trainer.py:23-29, 69-96)
+    action_spans: str = "last"
     teacher: str | None = None  # teacher model; default: the policy that made the rollouts
     # a turn with advantage 0 keeps weight 1 whatever the teacher says: don't score it. false = the teacher's
     # log-probs are wanted for themselves (distillation: sdpo needs false), so lambda = 0 does not skip the teacher
@@ -78,6 +90,8 @@ def validate(cfg: AnnotateConfig) -> list[list[str]]:
         raise SerlError(f"unknown tokens {cfg.tokens!r}: choose one of {', '.join(TOKEN_SCOPES)}")
     if cfg.unparsed not in UNPARSED:
         raise SerlError(f"unknown unparsed {cfg.unparsed!r}: choose one of {', '.join(UNPARSED)}")
+    if cfg.action_spans not in ACTION_SPANS:
+        raise SerlError(f"unknown action_spans {cfg.action_spans!r}: choose one of {', '.join(ACTION_SPANS)}")
     if not (isinstance(cfg.max_hindsight_tokens, int) and cfg.max_hindsight_tokens > 0):
         raise SerlError(f"max_hindsight_tokens must be a positive number of tokens, got {cfg.max_hindsight_tokens!r}")
     from serl_cli.models.device import check_names
@@ -114,19 +128,22 @@ def action_format(env_cfg: dict | None):
     return action_format_of(build_world(EnvConfig(**env_cfg))) if env_cfg else DEFAULT_ACTION_FORMAT
 
 
-def action_masks(tokenizer, episodes: list[dict], unparsed: str, env_cfg: dict | None) -> tuple[list[list[int]], int]:
+def action_masks(
+    tokenizer, episodes: list[dict], unparsed: str, env_cfg: dict | None, spans: str = "last"
+) -> tuple[list[list[int]], int]:
     """The parsed action's tokens of every turn, in turn order, and how many replies had no
     parseable action. The environment is built (for its bare-action format) only if some
-    reply has no ``<action>`` tag."""
+    reply has no ``<action>`` tag and ``spans`` is serl's (the authors' needs no format)."""
     from serl_cli.rollout.prompts import ACTION_TAG_RE
 
     turns = [t for e in episodes for t in e["turns"]]
-    fmt = None if all(ACTION_TAG_RE.search(t.get("action_text") or "") for t in turns) else action_format(env_cfg)
-    masks = [action_span_mask(tokenizer, t["action_ids"], "none", fmt) for t in turns]
+    tagged = all(ACTION_TAG_RE.search(t.get("action_text") or "") for t in turns)
+    fmt = None if spans == "authors" or tagged else action_format(env_cfg)
+    masks = [action_span_mask(tokenizer, t["action_ids"], "none", fmt, spans) for t in turns]
     failed = [k for k, m in enumerate(masks) if not any(m)]
     if unparsed != "none":
         for k in failed:
-            masks[k] = action_span_mask(tokenizer, turns[k]["action_ids"], unparsed, fmt)
+            masks[k] = action_span_mask(tokenizer, turns[k]["action_ids"], unparsed, fmt, spans)
     return masks, len(failed)
 
 
@@ -169,7 +186,7 @@ def annotate_episodes(
         advantages = episode_advantages(samples, 1e-6).tolist()
     elif len(advantages) != len(samples):
         raise SerlError(f"annotate: {len(advantages)} advantages for {len(samples)} turns")
-    masks, parse_failures = action_masks(tokenizer, episodes, cfg.unparsed, env_cfg)
+    masks, parse_failures = action_masks(tokenizer, episodes, cfg.unparsed, env_cfg, cfg.action_spans)
     lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
     # the weights are 1 at lambda = 0: skip the teacher unless its log-probs are wanted for themselves
     use_teacher = lam > 0 or not cfg.skip_zero_advantage

@@ -72,7 +72,10 @@ def reference_step(
 
     # 3. placement: the critical set S, chosen before the teacher is asked anything. A turn is
     # scorable with a block, a nonzero advantage and (serl) a parsed action to weight
-    masks = [action_span_mask(tokenizer, ep["turns"][t]["action_ids"], cfg.unparsed) for ep, t in turns]
+    masks = [
+        action_span_mask(tokenizer, ep["turns"][t]["action_ids"], cfg.unparsed, spans=cfg.action_spans)
+        for ep, t in turns
+    ]
     scorable = [
         text is not None and adv[id(ep)] != 0 and (cfg.tokens == "reply" or any(m))
         for (ep, _), (text, _, _), m in zip(turns, blocks, masks)

@@ -33,8 +33,10 @@ student's prompt and is not scored (PC:449-451). The teacher then scores the stu
 reply tokens, in batches, without gradient: ``log pi_T(a_t | prompt_t + hindsight)``
 (recipe/serl/serl_ray_trainer.py:568).
 
-Differences on purpose: the authors strip the prompt text (PC:244-251) -- serl's user
-messages carry no leading or trailing whitespace to strip; and their ``max_reprompt_len``
+Differences on purpose: the authors strip the prompt text (PC:244-251) -- serl's own user
+messages carry no leading or trailing whitespace to strip, while the authors' templates
+(``prompt.style: authors``) begin and end with a newline, which the spliced teacher prompt keeps
+(one newline more before the student's text and before the block than theirs); and their ``max_reprompt_len``
 truncates the whole templated prompt from the right (serl_ray_trainer.py:36-39, 562), which
 can cut off the closing instruction and the assistant header -- serl caps the block alone
 (``AnnotateConfig.max_hindsight_tokens``), so the instruction always survives. And splicing
@@ -51,13 +53,22 @@ import torch
 
 from serl_cli.algos.batch import make_micro_batches
 from serl_cli.errors import SerlError
-from serl_cli.rollout.prompts import action_span, end_of_turn_id, render_prompt_ids, tokenizer_fact
+from serl_cli.rollout.prompts import (
+    action_span,
+    authors_action_spans,
+    end_of_turn_id,
+    render_prompt_ids,
+    tokenizer_fact,
+)
 from serl_cli.training.step import action_logprobs
 
 # The authors' default template (serl_trainer.yaml:65; the code default at PC:1569-1572).
 REPROMPT_TEMPLATE = "{prompt}\n\n{privileged_context}\n\nCorrectly solve the current task.\n"
 TOKEN_SCOPES = ("action", "reply")  # serl: the parsed action's tokens | rlsd: every reply token
 UNPARSED = ("none", "whole")  # a reply with no parseable action: no weights (the authors') | all of it
+# which characters are the action: last = the action the environment executed by serl's parse (the last
+# closed <action> tag, or a bare action) | authors = every span the authors' serl_action_mask marks
+ACTION_SPANS = ("last", "authors")
 
 
 @dataclass
@@ -178,7 +189,9 @@ def block_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(teacher_suffix(text), add_special_tokens=False)
 
 
-def action_span_mask(tokenizer, action_ids: list[int], unparsed: str = "none", action_format=None) -> list[int]:
+def action_span_mask(
+    tokenizer, action_ids: list[int], unparsed: str = "none", action_format=None, spans: str = "last"
+) -> list[int]:
     """1 for tokens of the parsed action, 0 for reasoning, tags and the end token (METHOD.md 5).
 
     A reply with no parseable action gets no weights (all 0) with ``unparsed="none"``, as in
@@ -189,24 +202,33 @@ def action_span_mask(tokenizer, action_ids: list[int], unparsed: str = "none", a
     tokenizer's own detokenization; a token overlapping the action's span counts (as the
     authors' offset match, serl_ray_trainer.py:98-102). The parsed action is the one the
     environment executed (``rollout.prompts.action_span``: the last ``<action>`` tag or a bare
-    action in ``action_format``, the environment's; WebShop's when None); the authors mark every
-    tagged span and fall back to WebShop verbs anywhere in the reply.
+    action in ``action_format``, the environment's; WebShop's when None). ``spans="authors"`` marks
+    what the authors' mask marks instead (``rollout.prompts.authors_action_spans``): every tagged
+    span, malformed tags included, else a WebShop verb anywhere in the reply. Their tokens come
+    from re-tokenizing the decoded reply and fall back to decoded prefixes (serl_ray_trainer.py:
+    117-150); serl uses the prefixes of the generated tokens themselves, the same where the
+    re-tokenization gives the generated tokens back.
     """
     if unparsed not in UNPARSED:
         raise SerlError(f"unknown unparsed {unparsed!r}: choose one of {', '.join(UNPARSED)}")
+    if spans not in ACTION_SPANS:
+        raise SerlError(f"unknown action_spans {spans!r}: choose one of {', '.join(ACTION_SPANS)}")
     ends, text = [], ""
     for k in range(len(action_ids)):
         text = tokenizer.decode(action_ids[: k + 1], skip_special_tokens=True)
         ends.append(len(text))
-    span = action_span(text, action_format) if action_format is not None else action_span(text)
-    if span is None:
+    if spans == "authors":
+        found = authors_action_spans(text)
+    else:
+        span = action_span(text, action_format) if action_format is not None else action_span(text)
+        found = [span] if span is not None else []
+    if not found:
         if unparsed == "none":
             return [0] * len(action_ids)
-        span = (0, len(text))  # the end-of-turn token still keeps weight 1
-    start, end = span
+        found = [(0, len(text))]  # the end-of-turn token still keeps weight 1
     mask, prev = [], 0
     for e in ends:
-        mask.append(1 if (e > prev and prev < end and e > start) else 0)
+        mask.append(1 if e > prev and any(prev < end and e > start for start, end in found) else 0)
         prev = e
     return mask
 

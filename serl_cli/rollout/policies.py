@@ -22,6 +22,9 @@ class Decision:
     logprobs: list[float] = field(default_factory=list)
     parse_error: str | None = None  # the policy's output held no parseable action
     off_expert: bool = False  # a noisy expert's exploration move: the turn record says so, and SFT skips it
+    # prompt.style authors: whether the reply broke the authors' format rule (the invalid-action penalty's
+    # target, recorded on the turn); None: the environment's feedback.error decides, serl's rule
+    invalid: bool | None = None
 
 
 class ExpertPolicy:

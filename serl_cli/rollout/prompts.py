@@ -7,6 +7,12 @@ with the tokenizer's own chat template, and the rendered token ids are what gets
 
 The policy may think before it acts; the action is the text inside the last
 ``<action>...</action>``, or, with no tags, the whole reply (a bare action).
+
+``prompt.style: authors`` prompts as the paper's authors do instead (``envs.authors``): one user
+message, no system message (the chat template's default system prompt applies, as Qwen's does),
+from the environment's own template with its history block, step count, admissible actions and
+the instruction to reason inside ``<think> </think>`` and act inside ``<action> </action>``; the
+reply is parsed and judged valid by their rule (the environment's ``authors_prompt.project``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 BARE_ACTION_RE = re.compile(r"[a-z][a-z ]*\[.*\]", re.DOTALL)  # WebShop's verb[argument]
 
 
+PROMPT_STYLES = ("serl", "authors")
 DEFAULT_ACTION_FORMAT = ActionFormat(example="click[buy now]", bare=BARE_ACTION_RE)  # WebShop's
 ACTION_FORMAT = DEFAULT_ACTION_FORMAT.instruction()
 
@@ -45,10 +52,13 @@ class PromptConfig:
     the game, and reads either reply.
     """
 
+    # serl: serl's prompt (a system message with the rules, the reply <action>...</action>) | authors: the
+    # paper authors' (envs.authors: one user message, <think> then <action>, their invalid-reply rule)
+    style: str = "serl"
     history_turns: int = 2  # K: how many past turns to show; -1 = all
-    history_obs_chars: int = 400  # each past observation is cut to this many characters
-    max_admissible: int = 40  # list at most this many admissible actions; 0 = no list
-    system: bool = True  # the system message (the environment's rules, the action format); false: none
+    history_obs_chars: int = 400  # serl style: each past observation is cut to this many characters (authors: whole)
+    max_admissible: int = 40  # list at most this many admissible actions; 0 = no list (authors: []); -1 = all
+    system: bool = True  # serl style: the system message (the environment's rules, the action format); false: none
     bare_replies: bool = False  # demonstrations reply with the bare action, not <action>...</action>
     # keyword arguments for the tokenizer's chat template, on every prompt the student and the teacher
     # see, e.g. {enable_thinking: false} for Qwen3 (README, Model families)
@@ -95,14 +105,46 @@ def build_messages(
                 obs = obs[: cfg.history_obs_chars] + " ..."
             lines.append(f"[turn {i}] observation: {obs}\n[turn {i}] action: {t['action']}")
     lines.append(f"Turn {len(history) + 1}. Current observation: {observation}")
-    if admissible and cfg.max_admissible > 0:
-        listed = admissible[: cfg.max_admissible]
+    if admissible and cfg.max_admissible != 0:
+        listed = admissible_shown(admissible, cfg)
         more = f" (and {len(admissible) - len(listed)} more)" if len(admissible) > len(listed) else ""
         lines.append("Admissible actions: " + ", ".join(listed) + more)
     user = {"role": "user", "content": "\n".join(lines)}
     if not cfg.system:
         return [user]
     return [{"role": "system", "content": f"{rules}\n{action_format.instruction()}"}, user]
+
+
+def admissible_shown(admissible: list[str], cfg: PromptConfig) -> list[str]:
+    """The admissible actions a prompt lists: the first ``max_admissible`` (-1: all of them)."""
+    return list(admissible) if cfg.max_admissible < 0 else admissible[: cfg.max_admissible]
+
+
+def check_style(cfg: PromptConfig, world=None) -> None:
+    """A known ``prompt.style``, and with ``world`` one it supplies a prompt for."""
+    if cfg.style not in PROMPT_STYLES:
+        raise SerlError(f"unknown prompt.style {cfg.style!r}: choose one of {', '.join(PROMPT_STYLES)}")
+    if cfg.style == "authors" and world is not None and getattr(world, "authors_prompt", None) is None:
+        raise SerlError(
+            f"prompt.style authors: the {getattr(world, 'name', 'given')} environment has no authors' prompt "
+            "(ALFWorld, WebShop and Sokoban have one): use prompt.style serl"
+        )
+
+
+def authors_messages(recipe, instruction: str, history: list[dict], observation: str, admissible: list[str], cfg):
+    """The authors' prompt (``prompt.style: authors``): one user message from the environment's
+    ``authors_prompt`` (``envs.authors.AuthorsPrompt``), the last K turns (-1: all) in its history
+    block and the admissible actions ``max_admissible`` allows; no system message."""
+    if recipe is None:
+        raise SerlError("prompt.style authors: this environment has no authors' prompt: use prompt.style serl")
+    k = len(history) if cfg.history_turns < 0 else cfg.history_turns
+    past = [(t["observation"], t["action"]) for t in history]
+    return [
+        {
+            "role": "user",
+            "content": recipe.message(instruction, past, observation, admissible_shown(admissible, cfg), k),
+        }
+    ]
 
 
 # apply_chat_template's arguments serl sets itself: not chat template keyword arguments
@@ -224,3 +266,33 @@ def action_span(text: str, action_format: ActionFormat = DEFAULT_ACTION_FORMAT) 
         start = text.index(stripped)
         return start, start + len(stripped)
     return None
+
+
+# The authors' action spans (recipe/serl/serl_ray_trainer.py:23-29, 69-96 at OliverLeeXZ/SERL@5a2a85b):
+# every span inside a tag of these three forms, any case, malformed ones included; else from an unclosed
+# <action ...> to the end; else every WebShop search[...] / click[...] anywhere in the reply.
+AUTHORS_TAGGED_RES = (
+    re.compile(r"<action\b[^>]*>(.*?)</action>", re.IGNORECASE | re.DOTALL),
+    re.compile(r"\[action>(.*?)</action>\]?", re.IGNORECASE | re.DOTALL),
+    re.compile(r"action>(.*?)</action>", re.IGNORECASE | re.DOTALL),
+)
+AUTHORS_UNCLOSED_RE = re.compile(r"<action\b[^>]*>(.*)$", re.IGNORECASE | re.DOTALL)
+AUTHORS_VERB_RE = re.compile(r"(?:search|click)\[[^\]\n]*\]", re.IGNORECASE)
+
+
+def authors_action_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans the authors' ``serl_action_mask`` marks in a reply, sorted, touching or
+    overlapping ones merged (serl_ray_trainer.py:69-96): ``annotate.action_spans: authors``."""
+    spans = [m.span(1) for pattern in AUTHORS_TAGGED_RES for m in pattern.finditer(text) if m.end(1) > m.start(1)]
+    if not spans:
+        m = AUTHORS_UNCLOSED_RE.search(text)
+        spans = [m.span(1)] if m is not None and m.end(1) > m.start(1) else []
+    if not spans:
+        spans = [m.span() for m in AUTHORS_VERB_RE.finditer(text)]
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from envs.base import EnvError, Episode, Step, World
+from serl_cli.artifacts.schema import turn_invalid
 from serl_cli.rollout.policies import Decision
 from serl_cli.rollout.prompts import action_format_of
 
@@ -113,6 +114,7 @@ def run_episodes(
             live.append((i, ep, step, rec))
 
     action_format = action_format_of(world)
+    authors_prompt = getattr(world, "authors_prompt", None)  # prompt.style authors (envs.authors)
     start_more()
     while live:
         contexts = [
@@ -121,6 +123,7 @@ def run_episodes(
                 "turns": rec["turns"],
                 "rules": world.rules,
                 "action_format": action_format,
+                "authors_prompt": authors_prompt,
                 "episode": ep,
                 "row": (rec["group_id"], rec["rollout_index"]),
             }
@@ -157,6 +160,7 @@ def run_episodes(
                     "done": nxt.done,
                     "info": nxt.info,
                     **({"off_expert": True} if d.off_expert else {}),
+                    **({"invalid": d.invalid} if d.invalid is not None else {}),
                 }
             )
             if nxt.done:
@@ -174,7 +178,7 @@ def _finish(rec: dict, last: Step) -> None:
     rec["reward"] = float(last.reward)
     rec["success"] = bool(last.info.get("won", False))
     rec["num_turns"] = len(turns)
-    rec["invalid_actions"] = sum(1 for t in turns if t["feedback"]["error"])
+    rec["invalid_actions"] = sum(1 for t in turns if turn_invalid(t))
     rec["truncated"] = bool(last.info.get("truncated", False))
     rec["error"] = None
 
@@ -186,6 +190,6 @@ def _fail(rec: dict, error: str) -> None:
     rec["reward"] = 0.0
     rec["success"] = False
     rec["num_turns"] = len(turns)
-    rec["invalid_actions"] = sum(1 for t in turns if t["feedback"]["error"])
+    rec["invalid_actions"] = sum(1 for t in turns if turn_invalid(t))
     rec["truncated"] = True
     rec["error"] = error

@@ -14,6 +14,7 @@ from serl_cli.method.annotation import AnnotateConfig
 from serl_cli.rollout.engines import SamplingConfig, check_engine
 from serl_cli.rollout.engines.vllm import check_config as check_vllm_config
 from serl_cli.rollout.engines.vllm import check_gpus, check_sampling
+from serl_cli.rollout.prompts import check_style
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.train_config import TrainConfig, check_train_config
@@ -74,5 +75,6 @@ def check_online_config(cfg: OnlineConfig) -> None:
                 "--engine vllm with vllm.weight_sync=disk needs train.lora.save=merged: it reloads the "
                 "policy's full weights from each saved checkpoint"
             )
+    check_style(cfg.rollout.prompt)
     check_engine(cfg.rollout.engine)  # an unknown engine or a missing extra, before any model loads
     check_train_config(cfg.train)  # the same for the backend, its DeepSpeed config, LoRA, device, dtype

@@ -31,7 +31,7 @@ from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, TokenizedExpertPolicy, make_engine
 from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling
 from serl_cli.rollout.policies import Decision, ExpertPolicy
-from serl_cli.rollout.prompts import PromptConfig, check_chat_template_kwargs
+from serl_cli.rollout.prompts import PromptConfig, check_chat_template_kwargs, check_style
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 from serl_cli.rollout.worlds import EnvConfig, build_world
 
@@ -80,6 +80,7 @@ def validate(cfg: RolloutConfig) -> None:
     if cfg.batch_size < 1:
         raise SerlError(f"batch_size must be at least 1, got {cfg.batch_size}")
     check_chat_template_kwargs(cfg.prompt.chat_template_kwargs)
+    check_style(cfg.prompt)
     for name in ("expert_noise", "expert_blunders"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise SerlError(f"{name} is a probability: it must be in [0, 1], got {getattr(cfg, name)}")
@@ -211,6 +212,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         return finished
     validate(cfg)
     world = build_world(cfg.env)
+    check_style(cfg.prompt, world)
     task_ids = sample_tasks(world.num_tasks(cfg.env.split), cfg.tasks, cfg.seed)
     specs = episode_specs(task_ids, cfg.group_size)
     if model is None and engine is None:

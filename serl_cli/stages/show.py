@@ -201,6 +201,44 @@ def weights_text(action_ids: list[int], weights: list[float], mask: list | None,
     return text
 
 
+def reply_parts(action_ids: list[int], weights: list[float], mask: list | None) -> tuple[list[int], list[int]]:
+    """Token indices of the reply outside the parsed action (reasoning, tags, the end token) and inside it."""
+    inside = [i for i in range(len(weights)) if mask is None or (i < len(mask) and mask[i])]
+    chosen = set(inside)
+    return [i for i in range(len(weights)) if i not in chosen], inside
+
+
+def token_weights_text(action_ids: list[int], weights: list[float], indices: list[int], tokenizer, clip: float) -> Text:
+    """The tokens at ``indices``, each shaded by its weight and followed by it: ``go·1.120 to·1.080``."""
+    text = Text()
+    for n, i in enumerate(indices):
+        piece = tokenizer.decode([action_ids[i]]).replace("\n", "⏎") if tokenizer is not None else f"#{i}"
+        text.append(piece, style=weight_style(weights[i], clip) or None)
+        text.append(f"·{weights[i]:.3f}" + (" " if n < len(indices) - 1 else ""), style="dim")
+    return text
+
+
+def reasoning_text(action_ids: list[int], weights: list[float], indices: list[int], tokenizer, clip: float) -> Text:
+    """The reply outside the parsed action, as written; its weights (1 under ``tokens: action``)."""
+    ws = [weights[i] for i in indices]
+    runs: list[list[int]] = []  # contiguous stretches: the action between them is shown as " … "
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    if tokenizer is not None:
+        pieces = [tokenizer.decode([action_ids[i] for i in run], skip_special_tokens=True) for run in runs]
+    else:
+        pieces = [f"tokens {run[0]}..{run[-1]}" for run in runs]
+    text = Text(" … ".join(pieces).replace("\n", "⏎"))
+    if all(abs(w - 1.0) < 1e-6 for w in ws):
+        text.append(f"  ({len(ws)} tokens, weight 1)", style="dim")
+    else:
+        text = token_weights_text(action_ids, weights, indices, tokenizer, clip)
+    return text
+
+
 def weights_summary(weights: list[float]) -> str:
     up, down = [w for w in weights if w > 1 + 1e-6], [w for w in weights if w < 1 - 1e-6]
     s = f"{len(weights)} tokens: {len(up)} up"
@@ -248,6 +286,13 @@ def turn_view(i: int, turn: dict, rec: dict | None, full: bool, tokenizer, clip:
     _field(grid, "action", turn.get("action", ""), "bold")
     fb = turn["feedback"]
     _field(grid, "error", fb.get("error") or "-", "red" if fb.get("error") else "dim")
+    if "invalid" in turn:  # prompt.style authors: their rule decides, not the environment's error
+        _field(
+            grid,
+            "invalid",
+            "yes (the authors' format rule)" if turn["invalid"] else "no",
+            "red" if turn["invalid"] else "dim",
+        )
     _field(grid, "diff", fb.get("diff") or "-")
     _field(grid, "reward", f"{float(turn['reward']):.3f}   done {bool(turn['done'])}")
     title = Text(f"turn {i}")
@@ -269,6 +314,13 @@ def turn_view(i: int, turn: dict, rec: dict | None, full: bool, tokenizer, clip:
         else:
             _field(grid, "weights", weights_summary(rec["weights"]))
             _field(grid, "", weights_text(turn["action_ids"], rec["weights"], rec["action_mask"], tokenizer, clip))
+            # the reply split where the weights apply: reasoning (weight 1 under tokens: action) and the action
+            ids, w = turn["action_ids"], rec["weights"]
+            outside, inside = reply_parts(ids, w, rec["action_mask"])
+            if outside:
+                _field(grid, "reasoning", reasoning_text(ids, w, outside, tokenizer, clip))
+            if inside:
+                _field(grid, "action w", token_weights_text(ids, w, inside, tokenizer, clip))
     border = "yellow" if rec is not None and rec["selected"] else "dim"
     return Panel(grid, title=title, title_align="left", border_style=border)
 

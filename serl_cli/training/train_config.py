@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from serl_cli.algos.objectives import GIGPO_MODES, GROUP_NORMS, get_objective
+from serl_cli.algos.objectives import GIGPO_ANCHORS, GIGPO_MODES, GROUP_NORMS, get_objective
 from serl_cli.errors import SerlError
 from serl_cli.models.loading import require_peft
 from serl_cli.training import lora as lora_mod
@@ -56,6 +56,9 @@ class TrainConfig:
     gigpo_mode: str = (
         "mean_std_norm"  # gigpo: mean_std_norm (divide by std) | mean_norm (mean only; verl-agent's default)
     )
+    # gigpo: what makes turns one anchor state: state (the environment's state_key; ALFWorld: its facts) |
+    # observation (the raw observation text, the authors' key: every "Nothing happens." pooled)
+    gigpo_anchor: str = "state"
     adv_eps: float = 1e-6
     # how a group's statistics pool: episode (one score per episode, serl's) | cross_steps (every turn a
     # sample, the authors' compute_mean_std_cross_steps=True, core_algos.py:114-175)
@@ -110,6 +113,8 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
         raise SerlError(f"unknown train.group_norm {cfg.group_norm!r}: choose one of {', '.join(GROUP_NORMS)}")
     if cfg.gigpo_mode not in GIGPO_MODES:
         raise SerlError(f"unknown train.gigpo_mode {cfg.gigpo_mode!r}: choose one of {', '.join(GIGPO_MODES)}")
+    if cfg.gigpo_anchor not in GIGPO_ANCHORS:
+        raise SerlError(f"unknown train.gigpo_anchor {cfg.gigpo_anchor!r}: choose one of {', '.join(GIGPO_ANCHORS)}")
 
 
 def recompute_enabled(cfg: TrainConfig, engine: str | None) -> bool:

@@ -19,6 +19,7 @@ from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import (
     DEFAULT_ACTION_FORMAT,
     PromptConfig,
+    authors_messages,
     build_messages,
     format_reply,
     parse_action,
@@ -75,15 +76,25 @@ class ModelPolicy:
         out = []
         for step, ctx in zip(steps, contexts):
             history = [{"observation": t["observation"], "action": t["action"]} for t in ctx["turns"]]
-            messages = build_messages(
-                ctx["rules"],
-                ctx["instruction"],
-                history,
-                step.observation,
-                step.admissible_actions,
-                self.prompt,
-                ctx.get("action_format") or DEFAULT_ACTION_FORMAT,
-            )
+            if self.prompt.style == "authors":
+                messages = authors_messages(
+                    ctx.get("authors_prompt"),
+                    ctx["instruction"],
+                    history,
+                    step.observation,
+                    step.admissible_actions,
+                    self.prompt,
+                )
+            else:
+                messages = build_messages(
+                    ctx["rules"],
+                    ctx["instruction"],
+                    history,
+                    step.observation,
+                    step.admissible_actions,
+                    self.prompt,
+                    ctx.get("action_format") or DEFAULT_ACTION_FORMAT,
+                )
             out.append(render_prompt_ids(self.engine.tokenizer, messages, self.prompt.chat_template_kwargs))
         return out
 
@@ -102,7 +113,12 @@ class ModelPolicy:
         decisions = []
         for ids, gen, ctx in zip(prompt_ids, gens, contexts):
             text = self.engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            action, error = parse_action(text, ctx.get("action_format") or DEFAULT_ACTION_FORMAT)
+            invalid = None
+            if self.prompt.style == "authors":  # their projection: the action, and whether the reply is invalid
+                action, error = ctx["authors_prompt"].project(text)
+                invalid = error is not None
+            else:
+                action, error = parse_action(text, ctx.get("action_format") or DEFAULT_ACTION_FORMAT)
             decisions.append(
                 Decision(
                     action=action,
@@ -111,6 +127,7 @@ class ModelPolicy:
                     action_ids=gen.token_ids,
                     logprobs=gen.logprobs,
                     parse_error=error,
+                    invalid=invalid,
                 )
             )
         return decisions

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from envs.base import ActionFormat
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
 
 ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
@@ -45,14 +46,16 @@ class PromptConfig:
     the game, and reads either reply.
     """
 
-    history_turns: int = 2  # K: how many past turns to show; -1 = all
-    history_obs_chars: int = 400  # each past observation is cut to this many characters
-    max_admissible: int = 40  # list at most this many admissible actions; 0 = no list
-    system: bool = True  # the system message (the environment's rules, the action format); false: none
-    bare_replies: bool = False  # demonstrations reply with the bare action, not <action>...</action>
-    # keyword arguments for the tokenizer's chat template, on every prompt the student and the teacher
-    # see, e.g. {enable_thinking: false} for Qwen3 (README, Model families)
-    chat_template_kwargs: dict = field(default_factory=dict)
+    history_turns: int = setting(2, "K: how many past turns to show; -1: all")
+    history_obs_chars: int = setting(400, "each past observation is cut to this many characters")
+    max_admissible: int = setting(40, "list at most this many admissible actions; 0: no list")
+    system: bool = setting(True, "the system message (the environment's rules, the action format); false: none")
+    bare_replies: bool = setting(False, "demonstrations reply with the bare action, not <action>...</action>")
+    chat_template_kwargs: dict = setting(
+        factory=dict,
+        doc="keyword arguments for the tokenizer's chat template, on every prompt the student and the teacher "
+        "see, e.g. {enable_thinking: false} for Qwen3 (README, Model families)",
+    )
 
 
 PROMPT_FILE = "serl_prompt.json"  # beside a checkpoint: the prompt settings it was trained with

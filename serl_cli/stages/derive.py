@@ -56,13 +56,12 @@ def train_config(run: OnlineConfig) -> TrainConfig:
 
 
 def rollout_config(run: OnlineConfig, iteration: int | None = None, out: str | Path | None = None) -> RolloutConfig:
-    """Iteration ``iteration``'s rollouts, written to ``out`` (None: the rollout section's):
+    """Iteration ``iteration``'s rollouts, written to ``out`` (None: ``serl rollout``'s default):
     the rollout section on the run's environment, model and seed, on the trainer's device."""
     cfg = copy.deepcopy(run.rollout)
     cfg.env, cfg.model, cfg.seed = copy.deepcopy(run.env), run.model, iteration_seed(run, iteration)
     cfg.device, cfg.dtype, cfg.threads = run.train.device, run.train.dtype, run.train.threads
-    if out is not None:
-        cfg.out = str(out)
+    cfg.out = str(out) if out is not None else RolloutConfig().out
     return cfg
 
 

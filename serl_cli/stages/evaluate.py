@@ -25,7 +25,6 @@ from serl_cli.rollout.policies import ExpertPolicy, RandomPolicy
 from serl_cli.rollout.prompts import PromptConfig, trained_prompt
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 from serl_cli.rollout.worlds import EnvConfig, build_world
-from serl_cli.stats.summary import wilson_interval
 
 Policy = Literal["model", "expert", "random"]
 POLICIES = get_args(Policy)
@@ -69,6 +68,8 @@ class EvalConfig:
 
 
 def summarize(records: list[dict], by: str | None = None) -> dict:
+    from serl_cli.stats.summary import wilson_interval  # scipy: when a run is summarized, not when a config loads
+
     n = len(records)
     wins = sum(r["success"] for r in records)
     turns = sum(r["num_turns"] for r in records)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from serl_cli import config as cfgmod
-from serl_cli.algos.registry import GigpoMode, GroupNorm, objective
+from serl_cli.algos.registry import OBJECTIVES, GigpoMode, GroupNorm, objective
 from serl_cli.config import setting
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Attention, Device, Dtype, check_names
@@ -47,7 +47,7 @@ class LoraConfig:
 
 @dataclass
 class TrainConfig:
-    algo: str = setting("grpo", "the algorithm (algos.registry): sft | grpo | gigpo | rlsd | sdpo | serl")
+    algo: str = setting("grpo", f"the algorithm (algos.registry): {' | '.join(sorted(OBJECTIVES))}")
     model: str | None = setting(None, "the policy to update; null: the model that produced the rollouts")
     backend: Backend = setting("torch", "training backend: torch | deepspeed (training.backends)")
     device: Device = setting(

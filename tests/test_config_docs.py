@@ -16,7 +16,7 @@ import yaml
 from support import assert_one_line_error, serl
 
 from serl_cli import config as cfgmod
-from serl_cli.cli.config import COMMANDS, _classes, config_class, reference
+from serl_cli.cli.config import COMMANDS, config_class, reference, settings_classes
 from serl_cli.errors import SerlError
 from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.training.train_config import TrainConfig, check_train_config
@@ -51,7 +51,10 @@ def test_the_literal_words_are_the_registries_names():
 
 def test_every_setting_is_documented():
     undocumented = [
-        f"{cls.__name__}.{f.name}" for cls in _classes() for f in dataclasses.fields(cls) if not f.metadata.get("doc")
+        f"{cls.__name__}.{f.name}"
+        for cls in settings_classes()
+        for f in dataclasses.fields(cls)
+        if not f.metadata.get("doc")
     ]
     assert not undocumented
 

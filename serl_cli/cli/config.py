@@ -139,7 +139,7 @@ def _default_text(f: dataclasses.Field, section) -> str:
     return "" if f.default is dataclasses.MISSING else f"`{_flow(f.default)}`"
 
 
-def _classes() -> list:
+def settings_classes() -> list:
     """Every settings dataclass the commands read, each once, in the order the commands reach them."""
     import importlib
 
@@ -180,7 +180,7 @@ def reference() -> str:
         "`serl rollout|eval|annotate --config RUN_FILE` run their step of a run file (`serl train`'s layout) "
         "as the online loop does (`serl_cli/stages/derive.py`).",
     ]
-    for cls in _classes():
+    for cls in settings_classes():
         title = f"`{cls.__name__}`" + (f": {used_by[cls]}" if cls in used_by else "")
         lines += ["", f"## {title}", "", "| setting | type | default | |", "| --- | --- | --- | --- |"]
         hints = typing.get_type_hints(cls)

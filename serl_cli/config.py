@@ -21,6 +21,52 @@ import yaml
 from serl_cli.errors import SerlError
 
 
+def setting(default: Any = dataclasses.MISSING, doc: str = "", *, factory=None) -> Any:
+    """A config field and its documentation: ``lr: float = setting(1e-6, "the step size")``;
+    a section, list or dict default is a ``factory`` (``setting(factory=OptimConfig, doc=...)``)."""
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"doc": doc})
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+def doc_of(cls, path: str) -> str:
+    """The documentation of the field at ``path`` (``train.optim.lr``) of settings dataclass ``cls``."""
+    f = None
+    for part in path.split("."):
+        f = {x.name: x for x in dataclasses.fields(cls)}[part]
+        cls = typing.get_type_hints(cls)[part]
+    return f.metadata.get("doc", "") if f is not None else ""
+
+
+def choices(tp) -> tuple | None:
+    """The words a ``Literal`` type (or ``Literal[...] | None``) allows; None for any other type."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if typing.get_origin(arg) is typing.Literal:
+                return typing.get_args(arg)
+    return None
+
+
+def check_choices(cfg, where: str = "") -> None:
+    """Every ``Literal`` field of ``cfg`` (and of its sections) holds one of its words: the check
+    a loaded config passed, for one built in code."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, name = getattr(cfg, f.name), f"{where}.{f.name}" if where else f.name
+        if dataclasses.is_dataclass(value):
+            check_choices(value, name)
+        elif (words := choices(hints[f.name])) is not None and value is not None:
+            _one_of(words, value, name)
+
+
+def _one_of(words: tuple, value, where: str):
+    if any(value == w and type(value) is type(w) for w in words):
+        return value
+    raise SerlError(f"unknown {where} {value!r}: choose one of {', '.join(map(str, words))}")
+
+
 def load_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
@@ -112,6 +158,8 @@ def _coerce(tp, value, where: str):
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
+    if origin is typing.Literal:
+        return _one_of(typing.get_args(tp), value, where)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -170,22 +218,34 @@ def resolve(
     """defaults < base (a stage's own defaults) < YAML files, left to right < flags given < --set.
 
     ``reader`` (optional) reads settings laid out as another schema -- a run file given to
-    ``serl eval`` -- as ``cls``'s own: each file, and the ``--set`` keys, for which
-    ``reader.claims(data)`` holds become ``reader.read(data, where)`` before they merge (the
-    ``--set`` keys it claims merge after the flags, before the other ``--set`` keys)."""
-    data = base or {}
+    ``serl eval`` -- for ``cls``: the files, flags and ``--set`` keys for which
+    ``reader.claims(data)`` holds merge, in that order, into one mapping of that schema (each
+    file first seen by ``reader.check(data, where)``), and ``reader.read(mapping)`` -- settings
+    of ``cls`` -- goes above ``base``, under the rest."""
     files = [config_file] if isinstance(config_file, (str, Path)) else list(config_file or [])
+    layers, theirs = [], {}
     for path in files:
         layer = load_yaml(path)
         if reader is not None and reader.claims(layer):
-            layer = reader.read(layer, str(path))
-        data = merge(data, layer)
-    data = merge(data, nest({k: v for k, v in flags.items() if v is not None}))
+            reader.check(layer, str(path))
+            theirs = merge(theirs, layer)
+        else:
+            layers.append(layer)
+    given = nest({k: v for k, v in flags.items() if v is not None})
     if reader is not None:
-        theirs = [text for text in overrides if reader.claims(apply_overrides({}, [text]))]
-        if theirs:
-            data = merge(data, reader.read(apply_overrides({}, theirs), "--set"))
-            overrides = [text for text in overrides if text not in theirs]
+        theirs = merge(theirs, {k: v for k, v in given.items() if reader.claims({k: v})})
+        given = {k: v for k, v in given.items() if not reader.claims({k: v})}
+        claimed = [text for text in overrides if reader.claims(apply_overrides({}, [text]))]
+        if claimed:
+            reader.check(apply_overrides({}, claimed), "--set")
+        theirs = apply_overrides(theirs, claimed)
+        overrides = [text for text in overrides if text not in claimed]
+    data = base or {}
+    if reader is not None:
+        data = merge(data, reader.read(theirs))
+    for layer in layers:
+        data = merge(data, layer)
+    data = merge(data, given)
     data = apply_overrides(data, overrides)
     return from_dict(cls, data)
 

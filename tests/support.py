@@ -18,6 +18,7 @@ this module holds the plain helpers test modules import (conftest.py puts this f
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -117,6 +118,20 @@ def boost_eos(model, tokenizer, corpus: list[str], mean_logit: float = 3.0, cont
     direction = hidden.mean(0) / hidden.mean(0).norm()
     scale = mean_logit / (hidden @ direction).mean()
     model.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids(EOS_TOKEN)] = scale * direction
+
+
+def make_half_successful(run) -> None:
+    """Give half of every group reward 1 (success) in a run's stored rollouts: a random-init model
+    never succeeds, and rewards are data to the stages after the rollout."""
+    from serl_cli.artifacts import io
+
+    path = Path(run) / "rollouts.jsonl"
+    episodes = [json.loads(line) for line in path.read_text().splitlines()]
+    for ep in episodes:
+        if ep["rollout_index"] % 2 == 0:
+            ep["reward"], ep["success"] = 1.0, True
+            ep["turns"][-1]["reward"] = 1.0
+    io.write_jsonl(path, episodes)
 
 
 # -- the CLI, run as a user runs it ---------------------------------------------------------

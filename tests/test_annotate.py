@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from reliability.faults import tree_hash
-from support import assert_one_line_error, rollout_config, serl
+from support import assert_one_line_error, make_half_successful, rollout_config, serl
 
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_annotations, read_rollouts
@@ -23,15 +23,6 @@ from serl_cli.stages.rollout import run_rollout
 from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig
 from serl_cli.training.train_config import TrainConfig
-
-
-def make_half_successful(run) -> None:
-    episodes = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
-    for ep in episodes:
-        if ep["rollout_index"] % 2 == 0:
-            ep["reward"], ep["success"] = 1.0, True
-            ep["turns"][-1]["reward"] = 1.0
-    io.write_jsonl(run / "rollouts.jsonl", episodes)
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,10 @@ from serl_cli.algos.objectives import UpdateInputs, episode_advantages, get_obje
 from serl_cli.artifacts.schema import TurnSample, read_rollouts, turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.loading import load_model
+from serl_cli.stages.derive import eval_config
+from serl_cli.stages.evaluate import eval_sampling
 from serl_cli.stages.online import run_online
-from serl_cli.stages.online_config import OnlineConfig, eval_sampling
+from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.rollout import run_rollout
 from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig, action_logprobs
@@ -134,9 +136,9 @@ def test_settings_are_checked_before_anything_loads():
 
 def test_online_eval_samples_at_its_temperature():
     cfg = OnlineConfig()
-    assert eval_sampling(cfg).temperature == 0.0  # greedy by default, as before
+    assert eval_sampling(eval_config(cfg, "out")).temperature == 0.0  # greedy by default, as before
     cfg.eval.temperature = 0.4
-    s = eval_sampling(cfg)
+    s = eval_sampling(eval_config(cfg, "out"))
     assert (s.temperature, s.top_p, s.max_new_tokens) == (0.4, 1.0, cfg.rollout.sampling.max_new_tokens)
 
 

@@ -127,8 +127,8 @@ def _follow_cell(record: dict, out: str | Path, cell: dict) -> str:
 
 def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str:
     from serl_cli.models.device import release_memory
-    from serl_cli.rollout.worlds import EnvConfig
-    from serl_cli.stages.evaluate import EvalConfig, run_eval
+    from serl_cli.stages.derive import eval_config
+    from serl_cli.stages.evaluate import run_eval
     from serl_cli.stages.online import run_online
 
     d = cell_dir(out, cell)
@@ -169,27 +169,10 @@ def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str
         release_memory()  # the trainer's GPU memory, before the evaluation's engine starts
     fe = record["final_eval"]
     if not (d / "eval.json").is_file():
-        # on the cell's engine (vLLM for the paper grids), device and precision
-        ecfg = EvalConfig(
-            env=EnvConfig(cfg.env.name, fe["split"], cfg.env.max_turns, cfg.env.settings, cfg.env.step_timeout_s),
-            policy="model",
-            model=str(train / "checkpoint"),
-            episodes=fe["episodes"],
-            panel=fe.get("panel", "first"),
-            seed=0,
-            batch_size=cfg.rollout.batch_size,
-            history_turns=cfg.rollout.prompt.history_turns,
-            max_new_tokens=cfg.rollout.sampling.max_new_tokens,
-            threads=cfg.train.threads,
-            out=str(d),
-            temperature=cfg.eval.temperature,  # the base's eval temperature (paper: 0.4; 0 = greedy)
-            coupled=cfg.rollout.sampling.coupled,
-            engine=cfg.rollout.engine,
-            vllm=cfg.rollout.vllm,
-            gpus=cfg.rollout.gpus,
-            device=cfg.train.device,
-            dtype=cfg.train.dtype,
-        )
+        # the run's own evaluation (its engine -- vLLM for the paper grids --, device, precision, decoding
+        # at the base's eval temperature) of its final policy, on the grid's panel with seed 0
+        ecfg = eval_config(cfg, d, model=str(train / "checkpoint"))
+        ecfg.env.split, ecfg.episodes, ecfg.panel, ecfg.seed = fe["split"], fe["episodes"], fe.get("panel", "first"), 0
         run_eval(ecfg, overwrite=True)
     ev = io.read_json(d / "eval.json")
     checkpoint_time()

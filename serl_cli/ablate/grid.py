@@ -43,7 +43,7 @@ Grid file (YAML; unknown keys anywhere are errors)::
 **Arms and cells.** Arms are the product env x algo x sources x granularity x placement, in
 that order, duplicates dropped, then the ``arms:`` entries (named as given; names must be
 unique). The sources, granularity and placement axes apply only to the algorithms that annotate
-(serl, rlsd, sdpo); any other algorithm (grpo, gigpo) gets one
+(serl, rlsd, sdpo: ``algos.registry``, whose needs each arm gets); any other algorithm (grpo, gigpo) gets one
 arm per environment, however many values those axes hold -- no duplicate cells. rlsd
 always uses placement ``all`` (it is SERL's weights on every turn), so it gets one arm per
 source set and granularity. sdpo arms get ``train.distill_coef: 1.0`` where the base leaves
@@ -90,14 +90,17 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from serl_cli import config as cfgmod
+from serl_cli.algos.registry import apply_algorithm, objective
 from serl_cli.artifacts import io
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
+from serl_cli.method.annotate_config import AnnotateConfig, validate
+from serl_cli.training.train_config import TrainConfig
 
-ANNOTATING = ("serl", "rlsd", "sdpo")
 AXES = ("env", "algo", "sources", "granularity", "placement", "seeds")
 TOP_KEYS = ("description", "base_config", "base", "grid", "arms", "baseline", "contrasts", "final_eval", "slurm")
 CONTRAST_KEYS = ("name", "plus", "minus")
@@ -125,15 +128,22 @@ LAUNCHERS = ("auto", "torchrun", "deepspeed", "none")
 
 @dataclass
 class Grid:
-    base: dict
-    axes: dict  # env, algo, sources, granularity, placement: lists; seeds: list of ints
-    final_eval: dict = field(default_factory=lambda: {"episodes": None, "split": None})  # None: the env's eval split
-    slurm: dict = field(default_factory=dict)
-    description: str = ""
-    extra_arms: list = field(default_factory=list)  # the grid file's arms: list, resolved (see _explicit_arms)
-    product: bool = True  # whether the axes' product makes arms (not when only arms: and seeds are given)
-    baseline: str | None = None  # the arm the report pairs the others with (None: the first grpo arm)
-    contrasts: list = field(default_factory=list)  # [{name, plus: [arms], minus: [arms]}] (the report's contrasts)
+    """A grid, resolved (``OUT/grid.json`` holds it): built by :func:`load_grid` from a grid file
+    (the module docstring) and flags, not loaded key by key."""
+
+    base: dict = setting(doc="the OnlineConfig every cell starts from, resolved (out and seed left out)")
+    axes: dict = setting(doc="env, algo, sources, granularity, placement: lists; seeds: a list of ints")
+    final_eval: dict = setting(
+        factory=lambda: {"episodes": None, "split": None},
+        doc="the panel every cell's final policy is scored on: episodes, split (null: the environment's "
+        "evaluation split), panel",
+    )
+    slurm: dict = setting(factory=dict, doc="the job array's settings (ablate.runners.emit_slurm)")
+    description: str = setting("", "free text")
+    extra_arms: list = setting(factory=list, doc="the grid file's arms: list, resolved (see _explicit_arms)")
+    product: bool = setting(True, "whether the axes' product makes arms (not when only arms: and seeds are given)")
+    baseline: str | None = setting(None, "the arm the report pairs the others with; null: the first grpo arm")
+    contrasts: list = setting(factory=list, doc="[{name, plus: [arms], minus: [arms]}]: the report's contrasts")
 
 
 def _fail_unknown(keys, known, where: str) -> None:
@@ -377,21 +387,16 @@ def _base_configs(grid_path: Path, value) -> dict:
 
 
 def _validate_axes(grid: Grid) -> None:
-    from serl_cli.algos.objectives import get_objective
-    from serl_cli.method.annotation import AnnotateConfig, validate
-
     for arm in grid.extra_arms:
-        get_objective(arm["algo"])
-        if arm["algo"] in ANNOTATING:
+        if objective(arm["algo"]).needs_annotations:
             validate(AnnotateConfig(sources=arm["sources"], granularity=arm["granularity"], placement=arm["placement"]))
     for algo in grid.axes["algo"] if grid.product else []:
-        get_objective(algo)  # unknown algorithm: one line naming the known ones
-        if algo == "sft":
+        if not objective(algo).online:  # an unknown algorithm: one line naming the known ones
             raise SerlError(
-                "--algo sft is not an online algorithm: warm-start with `serl train RUN --algo sft` and "
+                f"--algo {algo} is not an online algorithm: warm-start with `serl train RUN --algo {algo}` and "
                 "give its checkpoint as base.model"
             )
-    if any(a in ANNOTATING for a in grid.axes["algo"]):
+    if any(objective(a).needs_annotations for a in grid.axes["algo"]):
         for s, g, p in itertools.product(grid.axes["sources"], grid.axes["granularity"], grid.axes["placement"]):
             validate(AnnotateConfig(sources=s, granularity=g, placement=p))
 
@@ -402,11 +407,12 @@ def _safe(text: str) -> str:
 
 
 def _feedback_axes(algo: str, sources, gran, place) -> dict:
-    """An arm's feedback settings: only the algorithms that annotate have them, and rlsd always
-    weights every turn (placement all)."""
-    if algo not in ANNOTATING:
+    """An arm's feedback settings: only the algorithms that annotate have them, and those their
+    algorithm needs win (rlsd: placement all, every turn)."""
+    if not objective(algo).needs_annotations:
         return {"sources": None, "granularity": None, "placement": None}
-    return {"sources": sources, "granularity": gran, "placement": "all" if algo == "rlsd" else place}
+    _, annotate = apply_algorithm(TrainConfig(algo=algo), AnnotateConfig(placement=place))
+    return {"sources": sources, "granularity": gran, "placement": annotate.placement}
 
 
 def arms(grid: Grid) -> list[dict]:
@@ -421,7 +427,7 @@ def arms(grid: Grid) -> list[dict]:
     )
     for env, algo, sources, gran, place in product:
         arm = {"env": env, "algo": algo, **_feedback_axes(algo, sources, gran, place)}
-        parts = (env, algo) if algo not in ANNOTATING else (env, algo, sources, gran, arm["placement"])
+        parts = (env, algo, sources, gran, arm["placement"]) if objective(algo).needs_annotations else (env, algo)
         name = "-".join(_safe(x) for x in parts)
         if name in seen:
             continue
@@ -435,10 +441,14 @@ def arms(grid: Grid) -> list[dict]:
 def cell_overrides(grid: Grid, arm: dict, seed: int) -> dict:
     """What a cell changes in the base config (out is set at run time)."""
     o: dict = {"env": {"name": arm["env"]}, "train": {"algo": arm["algo"], "seed": seed}, "seed": seed}
-    if arm["algo"] in ANNOTATING:
+    if objective(arm["algo"]).needs_annotations:
         o["annotate"] = {"sources": arm["sources"], "granularity": arm["granularity"], "placement": arm["placement"]}
-        if arm["algo"] == "sdpo" and not cfgmod.merge(grid.base, arm.get("set") or {})["train"].get("distill_coef"):
-            o["train"]["distill_coef"] = 1.0
+    # the train settings the algorithm takes by default where the base leaves them (sdpo: distill_coef 1)
+    given = cfgmod.from_dict(
+        TrainConfig, cfgmod.merge(cfgmod.merge(grid.base, arm.get("set") or {})["train"], o["train"])
+    )
+    applied, _ = apply_algorithm(given)
+    o["train"].update({k: v for k, v in io.to_plain(applied).items() if v != io.to_plain(given)[k]})
     return cfgmod.merge(arm["set"], o) if arm.get("set") else o
 
 

@@ -1,5 +1,5 @@
-"""What each ``--algo`` optimizes: a registry joining the pure math in ``algos/`` to the learner
-(``training.learner``).
+"""What each ``--algo`` optimizes: the math the registry (``algos.registry``) names, joining the
+pure functions in ``algos/`` to the learner (``training.learner``).
 
 An objective first *prepares* a batch (advantages per turn, per-token weights, teacher
 log-probs: everything fixed before the first gradient step) and then gives the loss of a
@@ -8,6 +8,7 @@ micro-batch from the current policy's token log-probs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch
 
 from serl_cli.algos import core, gigpo, sdpo
 from serl_cli.algos.batch import MicroBatch, PerTurn
+from serl_cli.algos.registry import GIGPO_ANCHORS, GIGPO_MODES, GROUP_NORMS, Objective, check_annotations, objective
 from serl_cli.artifacts.schema import TurnSample
 from serl_cli.errors import SerlError
 
@@ -35,32 +37,11 @@ Prepare = Callable[[list[TurnSample], UpdateInputs, object], PerTurn]
 Loss = Callable[..., tuple[torch.Tensor, dict]]
 
 
-@dataclass
-class Objective:
-    name: str
-    prepare: Prepare
-    loss: Loss
-    uses_behaviour_logprobs: bool = True  # False: stored turns need no log-probs (SFT on expert data)
-    needs_annotations: bool = False
-    placement: str | None = None  # the placement its annotations must use (rlsd: all), None = any
-
-
-OBJECTIVES: dict[str, Objective] = {}
-
-
-def register(obj: Objective) -> Objective:
-    OBJECTIVES[obj.name] = obj
-    return obj
-
-
 def get_objective(name: str) -> Objective:
-    if name not in OBJECTIVES:
-        raise SerlError(f"unknown algorithm {name!r}: choose one of {', '.join(sorted(OBJECTIVES))}")
-    return OBJECTIVES[name]
-
-
-GROUP_NORMS = ("episode", "cross_steps")
-GIGPO_MODES = ("mean_std_norm", "mean_norm")
+    """The registry's entry for ``--algo name``, its math resolved to this module's functions."""
+    entry = objective(name)
+    prepare, loss = (globals()[f] if isinstance(f, str) else f for f in (entry.prepare, entry.loss))
+    return dataclasses.replace(entry, prepare=prepare, loss=loss)
 
 
 def _score(s: TurnSample, success_reward: float) -> float:
@@ -132,26 +113,24 @@ def turn_advantages(samples: list[TurnSample], cfg, *, std_norm: bool = True) ->
     """The GRPO advantage of every turn under ``cfg``'s settings (``train.group_norm``,
     ``train.invalid_action_penalty``, ``train.success_reward``); the defaults give exactly
     :func:`episode_advantages`."""
-    kw = {
-        "std_norm": std_norm,
-        "invalid_penalty": getattr(cfg, "invalid_action_penalty", 0.0),
-        "success_reward": getattr(cfg, "success_reward", 0.0),
-    }
-    mode = getattr(cfg, "group_norm", "episode")
-    if mode not in GROUP_NORMS:
-        raise SerlError(f"unknown train.group_norm {mode!r}: choose one of {', '.join(GROUP_NORMS)}")
-    if mode == "cross_steps":
+    kw = {"std_norm": std_norm, "invalid_penalty": cfg.invalid_action_penalty, "success_reward": cfg.success_reward}
+    if cfg.group_norm not in GROUP_NORMS:
+        raise SerlError(f"unknown train.group_norm {cfg.group_norm!r}: choose one of {', '.join(GROUP_NORMS)}")
+    if cfg.group_norm == "cross_steps":
         return cross_step_advantages(samples, cfg.adv_eps, **kw)
     return episode_advantages(samples, cfg.adv_eps, **kw)
 
 
 def default_advantages(cfg) -> bool:
     """Whether ``cfg`` scores turns exactly as serl always did (the annotate stage's advantage)."""
-    return (
-        getattr(cfg, "group_norm", "episode") == "episode"
-        and not getattr(cfg, "invalid_action_penalty", 0.0)
-        and not getattr(cfg, "success_reward", 0.0)
-    )
+    return cfg.group_norm == "episode" and not cfg.invalid_action_penalty and not cfg.success_reward
+
+
+def annotation_advantages(samples: list[TurnSample], cfg) -> list[float] | None:
+    """The advantages an annotation signs its weights by for an update under ``cfg`` (the
+    online loop's and ``serl annotate``'s alike): None -- the annotation's own plain episode
+    advantage -- where ``cfg`` scores turns that way, else :func:`turn_advantages`."""
+    return None if default_advantages(cfg) else turn_advantages(samples, cfg).tolist()
 
 
 def policy_gradient_loss(
@@ -186,62 +165,38 @@ def policy_gradient_loss(
         distill_coef=cfg.distill_coef if distill else 0.0,
         distill_mask=distill_mask,
         distill_num_tokens=distill_tokens,
-        dual_clip=getattr(cfg, "dual_clip", 0.0),
+        dual_clip=cfg.dual_clip,
         entropy=mb.entropy,
-        entropy_coef=getattr(cfg, "entropy_coef", 0.0),
+        entropy_coef=cfg.entropy_coef,
     )
 
 
 # -- sft: behaviour cloning on the reply tokens of reference trajectories ----------------
-def _sft_prepare(samples, inputs, cfg) -> PerTurn:
+def sft_prepare(samples, inputs, cfg) -> PerTurn:
     return PerTurn(advantages=torch.zeros(len(samples)))
 
 
-def _sft_loss(mb, logp, cfg, *, num_tokens, distill_tokens=0.0, logp_ref=None):
+def sft_loss(mb, logp, cfg, *, num_tokens, distill_tokens=0.0, logp_ref=None):
     nll = -core.masked_sum(logp, mb.reply_mask) / num_tokens
     return nll, {"loss": nll.item(), "nll": nll.item()}
 
 
-register(Objective("sft", _sft_prepare, _sft_loss, uses_behaviour_logprobs=False))
-
-
 # -- grpo: group-normalized episode advantage, all weights 1 -------------------------------
-def _grpo_prepare(samples, inputs, cfg) -> PerTurn:
+def grpo_prepare(samples, inputs, cfg) -> PerTurn:
     adv = turn_advantages(samples, cfg)
     return PerTurn(advantages=adv, stats={"mean_abs_advantage": adv.abs().mean().item()})
 
 
-register(Objective("grpo", _grpo_prepare, policy_gradient_loss))
-
-
 # -- serl / rlsd / sdpo: the annotate stage's teacher scores and weights ---------------------
-def _annotated(
-    samples,
-    inputs: UpdateInputs,
-    cfg,
-    *,
-    weights: bool,
-    distill: bool,
-    placement: str | None = None,
-    tokens: str | None = None,
-) -> PerTurn:
-    """serl: the weights on the parsed action's tokens of the annotation's turns (default: every
-    turn with a block); rlsd (``placement="all"``, ``tokens="reply"``): on every reply token."""
+def _annotated(samples, inputs: UpdateInputs, cfg, *, weights: bool, distill: bool) -> PerTurn:
+    """The annotation's weights (serl, rlsd: on the tokens the annotation weighted) and/or teacher
+    log-probs (distillation) of every turn, checked against what ``--algo`` needs of them."""
     ann = inputs.annotations
     if ann is None:
-        raise SerlError(f"--algo {cfg.algo} needs annotations: run `serl annotate RUN` first")
+        raise SerlError(f"--algo {cfg.algo} needs annotations: run `serl annotate RUN --algo {cfg.algo}` first")
     if len(ann) != len(samples):
         raise SerlError(f"annotations hold {len(ann)} turns but the rollouts {len(samples)}: annotate this run again")
-    made = inputs.annotate_config or {}
-    if placement and made.get("placement") and made["placement"] != placement:
-        raise SerlError(
-            f"--algo {cfg.algo} needs annotations with placement {placement!r}, these used {made['placement']!r}"
-        )
-    if tokens and made and made.get("tokens", "action") != tokens:
-        raise SerlError(
-            f"--algo {cfg.algo} weights every reply token: annotate with --set tokens={tokens} "
-            f"(these annotations weighted {made.get('tokens', 'action')!r} tokens)"
-        )
+    check_annotations(cfg, inputs.annotate_config or {})
     adv = turn_advantages(samples, cfg)
     prep = PerTurn(advantages=torch.zeros_like(adv) if distill and not weights else adv)
     if weights:
@@ -287,58 +242,35 @@ def _annotation_stats(ann, adv, acfg: dict, astats: dict) -> dict:
     }
 
 
-def _sdpo_prepare(samples, inputs: UpdateInputs, cfg) -> PerTurn:
+def weighted_prepare(samples, inputs: UpdateInputs, cfg) -> PerTurn:
+    """serl and rlsd: the GRPO advantage times the annotation's weights."""
+    return _annotated(samples, inputs, cfg, weights=True, distill=False)
+
+
+def sdpo_prepare(samples, inputs: UpdateInputs, cfg) -> PerTurn:
     if not cfg.distill_coef:
         raise SerlError("--algo sdpo is the distillation term alone: set train.distill_coef > 0")
-    if (inputs.annotate_config or {}).get("skip_zero_advantage", False):
-        raise SerlError(
-            "--algo sdpo distills on failed rollouts whatever their advantage: annotate with "
-            "--set skip_zero_advantage=false"
-        )
     return _annotated(samples, inputs, cfg, weights=False, distill=True)
 
 
-register(
-    Objective(
-        "serl",
-        lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False),
-        policy_gradient_loss,
-        needs_annotations=True,
-    )
-)
-register(
-    Objective(
-        "rlsd",
-        lambda s, c, cfg: _annotated(s, c, cfg, weights=True, distill=False, placement="all", tokens="reply"),
-        policy_gradient_loss,
-        needs_annotations=True,
-        placement="all",
-    )
-)
-register(Objective("sdpo", _sdpo_prepare, policy_gradient_loss, needs_annotations=True))
-
-
 # -- gigpo: episode advantage + omega x step advantage within anchor states ----------------
-# what makes two turns of a group one anchor state: state = the environment's state_key (ALFWorld: a hash
-# of the world's facts; WebShop, Sokoban: of the observation) | observation = the raw observation text, the
-# authors' key (the 'anchor' observation, env_manager.py:60,76; grouped by identical text, core_gigpo.py:
-# 277-296), which pools every ALFWorld "Nothing happens." of a group into one state
-GIGPO_ANCHORS = ("state", "observation")
-
-
 def gigpo_anchor_key(sample: TurnSample, anchor: str):
+    """What makes two turns of a group one anchor state (``train.gigpo_anchor``): state = the
+    environment's state_key (ALFWorld: a hash of the world's facts; WebShop, Sokoban: of the
+    observation) | observation = the raw observation text, the authors' key (the 'anchor'
+    observation, env_manager.py:60,76; grouped by identical text, core_gigpo.py:277-296), which
+    pools every ALFWorld "Nothing happens." of a group into one state."""
     return sample.state_key if anchor == "state" else sample.observation
 
 
-def _gigpo_prepare(samples, inputs, cfg) -> PerTurn:
-    mode = getattr(cfg, "gigpo_mode", "mean_std_norm")
-    if mode not in GIGPO_MODES:
-        raise SerlError(f"unknown train.gigpo_mode {mode!r}: choose one of {', '.join(GIGPO_MODES)}")
-    anchor = getattr(cfg, "gigpo_anchor", "state")
-    if anchor not in GIGPO_ANCHORS:
-        raise SerlError(f"unknown train.gigpo_anchor {anchor!r}: choose one of {', '.join(GIGPO_ANCHORS)}")
-    std_norm = mode == "mean_std_norm"  # verl-agent's "mean_norm" subtracts the mean only, at both levels
-    penalty, success_reward = getattr(cfg, "invalid_action_penalty", 0.0), getattr(cfg, "success_reward", 0.0)
+def gigpo_prepare(samples, inputs, cfg) -> PerTurn:
+    if cfg.gigpo_mode not in GIGPO_MODES:
+        raise SerlError(f"unknown train.gigpo_mode {cfg.gigpo_mode!r}: choose one of {', '.join(GIGPO_MODES)}")
+    if cfg.gigpo_anchor not in GIGPO_ANCHORS:
+        raise SerlError(f"unknown train.gigpo_anchor {cfg.gigpo_anchor!r}: choose one of {', '.join(GIGPO_ANCHORS)}")
+    anchor = cfg.gigpo_anchor
+    std_norm = cfg.gigpo_mode == "mean_std_norm"  # verl-agent's "mean_norm" subtracts the mean only, at both levels
+    penalty, success_reward = cfg.invalid_action_penalty, cfg.success_reward
     episode_adv = turn_advantages(samples, cfg, std_norm=std_norm)
     returns, by_episode = [], {}
     for s in samples:
@@ -374,6 +306,3 @@ def _gigpo_prepare(samples, inputs, cfg) -> PerTurn:
             "anchor_states": len(anchor_index),
         },
     )
-
-
-register(Objective("gigpo", _gigpo_prepare, policy_gradient_loss))

@@ -20,9 +20,7 @@ from serl_cli.ablate import grid as ab
 from serl_cli.ablate.grid_record import grid_record, load_grid_record, write_grid
 from serl_cli.cli.common import summary_table
 from serl_cli.cli.root import QuietOpt, SetOpt, VerboseOpt, app, console, err_console
-from serl_cli.errors import SerlError
-from serl_cli.stages.online import PREEMPTED_EXIT, Preempted
-from serl_cli.training.backends import is_main_process
+from serl_cli.errors import PREEMPTED_EXIT, SerlError
 
 
 def _report(out: Path, quiet: bool, keep: str | None = None) -> None:
@@ -153,6 +151,8 @@ def ablate_command(
     out_dir = Path(out or "runs/ablate")
     if cell is not None:
         cells.select_cell(record, cell)  # range check before anything is written
+    from serl_cli.training.backends import is_main_process  # the grid is checked: torch may load now
+
     main = is_main_process()  # under torchrun (a cell on several GPUs) rank 0 keeps the books
     if main:
         write_grid(out_dir, record)
@@ -184,6 +184,9 @@ def ablate_command(
 
 
 def _run_one_cell(record: dict, out_dir: Path, cell: int, quiet: bool) -> None:
+    from serl_cli.stages.online import Preempted
+    from serl_cli.training.backends import is_main_process
+
     main = is_main_process()
     log = (lambda msg: None) if quiet or not main else (lambda msg: console.print(msg, highlight=False))
     try:

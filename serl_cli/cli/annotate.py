@@ -5,33 +5,42 @@ from __future__ import annotations
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from serl_cli.algos.registry import apply_algorithm, objective
 from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
-from serl_cli.method.annotation import AnnotateConfig
-from serl_cli.stages.annotate import run_annotate
+from serl_cli.errors import SerlError
+from serl_cli.method.annotate_config import AnnotateConfig, validate
+from serl_cli.stages.derive import train_config
+from serl_cli.stages.run_file import RunFileReader
 
 
 @app.command("annotate")
-@show_defaults(AnnotateConfig, sources="sources", granularity="granularity", placement="placement")
+@show_defaults(
+    AnnotateConfig,
+    sources="sources",
+    granularity="granularity",
+    placement="placement",
+    teacher="teacher",
+    threads="threads",
+    device="device",
+    dtype="dtype",
+)
 def annotate_command(
     run: str = typer.Argument(..., help="A run directory with rollouts."),
-    sources: str | None = typer.Option(
+    algo: str | None = typer.Option(
         None,
-        "--sources",
-        help="Feedback sources: error, diff, obs, future, ref; ',' combines, '|' falls back (e.g. 'ref|error').",
+        "--algo",
+        help="The algorithm the annotations feed (default serl; else the run config's train.algo): its needs "
+        "are applied (rlsd: placement all, tokens reply; distillation: skip_zero_advantage false), and the "
+        "train settings (--config RUN_FILE, --set train.KEY=VALUE) sign the weights, as in the online loop.",
     ),
-    granularity: str | None = typer.Option(None, "--granularity", help="step | anchor."),
-    placement: str | None = typer.Option(None, "--placement", help="feedback | gap | all | random."),
-    teacher: str | None = typer.Option(None, "--teacher", help="Teacher model (default: the rollouts' policy)."),
-    threads: int | None = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
-    device: str | None = typer.Option(
-        None, "--device", help="The teacher's device: auto (CUDA when present) | cpu | cuda."
-    ),
-    dtype: str | None = typer.Option(
-        None,
-        "--dtype",
-        help="The teacher's precision: auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | fp16 (autocast).",
-    ),
+    sources: str | None = typer.Option(None, "--sources"),
+    granularity: str | None = typer.Option(None, "--granularity"),
+    placement: str | None = typer.Option(None, "--placement"),
+    teacher: str | None = typer.Option(None, "--teacher"),
+    threads: int | None = typer.Option(None, "--threads"),
+    device: str | None = typer.Option(None, "--device"),
+    dtype: str | None = typer.Option(None, "--dtype"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing annotations."),
     resume: bool = typer.Option(
         False,
@@ -45,11 +54,14 @@ def annotate_command(
     quiet: bool = QuietOpt,
 ):
     """Annotate every turn: hindsight block, selected or not, teacher log-probs, SERL weights."""
+    # the annotate section and the train settings of a run file (or --set train.*), as the loop reads them
+    reader = RunFileReader("annotate", AnnotateConfig, base={"train": {"algo": "serl"}})
     cfg = resolve(
         AnnotateConfig,
         config_file=config,
         overrides=set_,
         flags={
+            "train.algo": algo,
             "sources": sources,
             "granularity": granularity,
             "placement": placement,
@@ -61,7 +73,15 @@ def annotate_command(
         },
         command="annotate",
         quiet=quiet,
+        reader=reader,
     )
+    train = train_config(reader.run)
+    if not objective(train.algo).needs_annotations:
+        raise SerlError(f"--algo {train.algo} learns from no annotations: annotate for serl, rlsd or sdpo (--algo)")
+    _, cfg = apply_algorithm(train, cfg)  # over the command's own flags too, as the loop does
+    validate(cfg)  # before the teacher loads
+    from serl_cli.stages.annotate import run_annotate
+
     with Progress(
         TextColumn("[bold]teacher"),
         BarColumn(),
@@ -76,6 +96,7 @@ def annotate_command(
         s = run_annotate(
             run,
             cfg,
+            train=train,
             overwrite=overwrite,
             resume=resume,
             progress=lambda done, total: bar.update(task, completed=done, total=total),

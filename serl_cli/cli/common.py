@@ -14,9 +14,9 @@ from serl_cli.cli.root import err_console
 
 
 def show_defaults(cls, **flag_keys: str):
-    """Decorate a command so ``--help`` shows each flag's effective default, read from the
-    settings dataclass ``cls`` at the flag's key path (the flags themselves default to None,
-    so that a config file can set them)."""
+    """Decorate a command so ``--help`` shows each flag's documentation and effective default,
+    read from the settings dataclass ``cls`` at the flag's key path (the flags themselves
+    default to None, so that a config file can set them); a flag's own ``help`` wins."""
     defaults = dataclasses.asdict(cls())
 
     def value_at(path: str):
@@ -30,14 +30,16 @@ def show_defaults(cls, **flag_keys: str):
         for name, path in flag_keys.items():
             info = params[name].default
             value = value_at(path)
-            info.show_default = "the environment's" if value is None else str(value)
+            info.show_default = False if value is None else str(value)  # null: the doc says what it means
+            doc = cfgmod.doc_of(cls, path)
+            info.help = info.help or (f"{doc}." if doc else None)
         return fn
 
     return wrap
 
 
 # The commands that also take a run file (the online loop's layout: `serl train --config`'s) as
-# --config, reading what the loop's corresponding step reads of it (stages.run_file.RUN_FILE_READS).
+# --config, and run its step as the loop does (stages.run_file, stages.derive).
 READS_RUN_FILES = ("rollout", "eval", "annotate")
 
 
@@ -50,16 +52,16 @@ def resolve(
     base: dict | None = None,
     command: str | None = None,
     quiet: bool = False,
+    reader=None,
 ):
     """``cls`` from defaults < ``base`` < ``--config`` files < flags < ``--set``. With ``command``
     (one of :data:`READS_RUN_FILES`) a run file is read too, and the keys of it the command does
-    not use are named in one note on stderr (not under ``-q``)."""
-    reader = None
-    if command in READS_RUN_FILES and config_file:  # a run file only ever comes from --config
-        from serl_cli.stages.online_config import OnlineConfig
+    not use are named in one note on stderr (not under ``-q``); ``reader``: a
+    :class:`~serl_cli.stages.run_file.RunFileReader` of the caller's (which keeps the run config)."""
+    if reader is None and command in READS_RUN_FILES and config_file:  # a run file only ever comes from --config
         from serl_cli.stages.run_file import RunFileReader
 
-        reader = RunFileReader(command, cls, OnlineConfig)
+        reader = RunFileReader(command, cls)
     cfg = cfgmod.resolve(
         cls, config_file=config_file, flags=flags, overrides=list(overrides or []), base=base, reader=reader
     )

@@ -8,7 +8,7 @@ its own process per game, ``--workers`` at a time, killed after ``--timeout`` se
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -16,17 +16,20 @@ import typer
 from serl_cli.artifacts import io
 from serl_cli.cli.common import resolve, save_resolved, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SetOpt, app, console
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
 from serl_cli.rollout.worlds import EnvConfig, build_world
 
 
 @dataclass
 class PrepareConfig:
-    env: EnvConfig = field(default_factory=lambda: EnvConfig(name="alfworld", split="train"))
-    workers: int = 1  # planner processes at once
-    timeout_s: float = 600.0  # per game; the slowest games of the shared data took ~9 minutes
-    games: int | None = None  # only the first N games of the split's panel (None: all)
-    out: str | None = None  # the plan file; None: $SERL_CACHE_DIR/alfworld/expert_plans.jsonl
+    env: EnvConfig = setting(
+        factory=lambda: EnvConfig(name="alfworld", split="train"), doc="the environment and the split to prepare"
+    )
+    workers: int = setting(1, "planner processes at once")
+    timeout_s: float = setting(600.0, "per game; the slowest games of the shared data took ~9 minutes")
+    games: int | None = setting(None, "only the first N games of the split's panel; null: all")
+    out: str | None = setting(None, "the plan file; null: $SERL_CACHE_DIR/alfworld/expert_plans.jsonl")
 
 
 data_app = typer.Typer(no_args_is_help=True, help="Data: prepare what an environment needs before rollouts.")

@@ -14,47 +14,31 @@ from serl_cli.stages.evaluate import EvalConfig, run_eval
 @show_defaults(
     EvalConfig,
     env="env.name",
+    split="env.split",
     policy="policy",
+    model="model",
     episodes="episodes",
     panel="panel",
     max_turns="env.max_turns",
     engine="engine",
     device="device",
     dtype="dtype",
+    threads="threads",
     out="out",
 )
 def eval_command(
-    env: str | None = typer.Option(
-        None,
-        "--env",
-        help="Environment: webshop, alfworld, sokoban, an installed serl.envs entry point, or "
-        "package.module:factory (docs/ENVIRONMENTS.md).",
-    ),
-    split: str | None = typer.Option(
-        None, "--split", help="Split whose panel to run (default: webshop test, alfworld valid_unseen)."
-    ),
-    policy: str | None = typer.Option(None, "--policy", help="expert | random | model (implied by --model)."),
-    model: str | None = typer.Option(None, "--model", help="A Hugging Face model directory or name."),
-    episodes: int | None = typer.Option(None, "--episodes", help="How many tasks of the split (default: all)."),
-    panel: str | None = typer.Option(
-        None, "--panel", help="Which tasks: first (the first N, default) or spread (N evenly spaced)."
-    ),
-    max_turns: int | None = typer.Option(None, "--max-turns", help="Turn limit per episode."),
-    engine: str | None = typer.Option(
-        None,
-        "--engine",
-        help="A model policy generates with: hf | vllm (the vllm extra; settings: --set vllm.tensor_parallel_size=N).",
-    ),
-    device: str | None = typer.Option(None, "--device", help="Engine hf: auto (CUDA when present) | cpu | cuda."),
-    dtype: str | None = typer.Option(
-        None,
-        "--dtype",
-        help="auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | fp16: compute precision, through autocast.",
-    ),
-    threads: int | None = typer.Option(
-        None, "--threads", help="Torch threads for a model policy (default: all cores)."
-    ),
-    out: str | None = typer.Option(None, "--out", help="Output directory (eval.json, episodes.jsonl)."),
+    env: str | None = typer.Option(None, "--env"),
+    split: str | None = typer.Option(None, "--split"),
+    policy: str | None = typer.Option(None, "--policy"),
+    model: str | None = typer.Option(None, "--model"),
+    episodes: int | None = typer.Option(None, "--episodes"),
+    panel: str | None = typer.Option(None, "--panel"),
+    max_turns: int | None = typer.Option(None, "--max-turns"),
+    engine: str | None = typer.Option(None, "--engine"),
+    device: str | None = typer.Option(None, "--device"),
+    dtype: str | None = typer.Option(None, "--dtype"),
+    threads: int | None = typer.Option(None, "--threads"),
+    out: str | None = typer.Option(None, "--out"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing evaluation in --out."),
     config: list[str] | None = ConfigOpt,
     set_: list[str] | None = SetOpt,

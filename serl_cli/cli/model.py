@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import typer
 
 from serl_cli.cli.common import resolve, summary_table
 from serl_cli.cli.root import ConfigOpt, SetOpt, app, console
+from serl_cli.config import setting
 from serl_cli.rollout.worlds import EnvConfig, build_world
 
 
 @dataclass
 class ModelInitConfig:
-    preset: str = "tiny"
-    env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))  # whose text trains the tokenizer
-    seed: int = 0
-    out: str = "runs/model"
+    preset: str = setting("tiny", "tiny (~4M parameters) | small (~25M)")
+    env: EnvConfig = setting(
+        factory=lambda: EnvConfig(split="train"), doc="the environment whose text trains the tokenizer"
+    )
+    seed: int = setting(0, "initialization seed")
+    out: str = setting("runs/model", "the directory to create (a Hugging Face model directory)")
 
 
 model_app = typer.Typer(no_args_is_help=True, help="Models: build a local model for tests and demos.")

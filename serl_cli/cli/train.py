@@ -16,11 +16,11 @@ from serl_cli.artifacts import runlock
 from serl_cli.artifacts.tracking import Tracker, check_backends
 from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console
-from serl_cli.stages.online import PREEMPTED_EXIT, Preempted, run_online
-from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.errors import PREEMPTED_EXIT
+from serl_cli.stages.derive import READS, train_config
+from serl_cli.stages.online_config import OnlineConfig, check_online_config
 from serl_cli.stages.run_file import run_settings
-from serl_cli.stages.train import follow_train_on_run, train_on_run
-from serl_cli.training.backends import is_main_process
+from serl_cli.training.train_config import check_train_config
 
 
 def _fmt(v) -> str:
@@ -31,59 +31,51 @@ def _fmt(v) -> str:
 @show_defaults(
     OnlineConfig,
     algo="train.algo",
+    model="model",
     backend="train.backend",
+    deepspeed_config="train.deepspeed.config",
+    zero_stage="train.deepspeed.zero_stage",
+    offload="train.deepspeed.offload",
     lora_rank="train.lora.rank",
     lora_alpha="train.lora.alpha",
     lora_targets="train.lora.targets",
     lora_save="train.lora.save",
-    iterations="iterations",
-    engine="rollout.engine",
     device="train.device",
     dtype="train.dtype",
+    gradient_checkpointing="train.gradient_checkpointing",
+    iterations="iterations",
+    engine="rollout.engine",
     env="env.name",
     tasks="rollout.tasks",
     group_size="rollout.group_size",
     max_turns="env.max_turns",
+    threads="train.threads",
     out="out",
 )
 def train_command(
     run: str | None = typer.Argument(
         None, help="A run directory with rollouts (one update). Omit for the online loop."
     ),
-    algo: str | None = typer.Option(None, "--algo", help="sft | grpo | gigpo | rlsd | sdpo | serl."),
-    model: str | None = typer.Option(None, "--model", help="Policy to start from (default: the rollouts' model)."),
-    backend: str | None = typer.Option(None, "--backend", help="Training backend: torch | deepspeed."),
-    deepspeed_config: str | None = typer.Option(
-        None, "--deepspeed-config", help="DeepSpeed JSON (default: serl's for the ZeRO stage)."
-    ),
-    zero_stage: int | None = typer.Option(None, "--zero-stage", help="DeepSpeed ZeRO stage: 1, 2 or 3."),
-    offload: bool | None = typer.Option(
-        None, "--offload/--no-offload", help="DeepSpeed: optimizer states (stage 3: parameters too) in CPU memory."
-    ),
-    lora_rank: int | None = typer.Option(None, "--lora-rank", help="Train LoRA adapters of this rank (0 = off)."),
-    lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="LoRA scale numerator (update x alpha/rank)."),
-    lora_targets: str | None = typer.Option(
-        None, "--lora-targets", help="LoRA target modules, comma-separated, or all-linear."
-    ),
-    lora_save: str | None = typer.Option(None, "--lora-save", help="LoRA checkpoints: merged | adapter."),
-    device: str | None = typer.Option(None, "--device", help="auto (CUDA when present) | cpu | cuda."),
-    dtype: str | None = typer.Option(
-        None,
-        "--dtype",
-        help="auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | fp16: compute precision, through autocast.",
-    ),
-    gradient_checkpointing: bool | None = typer.Option(
-        None,
-        "--gradient-checkpointing/--no-gradient-checkpointing",
-        help="Recompute activations in backward (less memory).",
-    ),
+    algo: str | None = typer.Option(None, "--algo"),
+    model: str | None = typer.Option(None, "--model"),
+    backend: str | None = typer.Option(None, "--backend"),
+    deepspeed_config: str | None = typer.Option(None, "--deepspeed-config"),
+    zero_stage: int | None = typer.Option(None, "--zero-stage"),
+    offload: bool | None = typer.Option(None, "--offload/--no-offload"),
+    lora_rank: int | None = typer.Option(None, "--lora-rank"),
+    lora_alpha: float | None = typer.Option(None, "--lora-alpha"),
+    lora_targets: str | None = typer.Option(None, "--lora-targets"),
+    lora_save: str | None = typer.Option(None, "--lora-save"),
+    device: str | None = typer.Option(None, "--device"),
+    dtype: str | None = typer.Option(None, "--dtype"),
+    gradient_checkpointing: bool | None = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing"),
     iterations: int | None = typer.Option(None, "--iterations", help="Online loop: K x (rollout -> update)."),
     engine: str | None = typer.Option(None, "--engine", help="Online loop: generation engine, hf | vllm."),
     env: str | None = typer.Option(None, "--env", help="Environment for the online loop."),
     tasks: int | None = typer.Option(None, "--tasks", help="Online loop: tasks per iteration."),
     group_size: int | None = typer.Option(None, "--group-size", help="Online loop: rollouts per task."),
     max_turns: int | None = typer.Option(None, "--max-turns", help="Online loop: turn limit."),
-    threads: int | None = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    threads: int | None = typer.Option(None, "--threads"),
     out: str | None = typer.Option(
         None,
         "--out",
@@ -125,10 +117,8 @@ def train_command(
             "rollout.group_size": group_size,
             "env.max_turns": max_turns,
             "train.threads": threads,
-            "rollout.threads": threads,
             "out": out or (run if online else None),
             "seed": seed,
-            "train.seed": None if online else seed,  # the online loop seeds its update with the run's seed
             "train.deepspeed.config": deepspeed_config,
             "train.deepspeed.zero_stage": zero_stage,
             "train.deepspeed.offload": offload,
@@ -138,29 +128,37 @@ def train_command(
             "train.lora.save": lora_save,
             "train.device": device,
             "train.dtype": dtype,
-            "rollout.device": device,
-            "rollout.dtype": dtype,
             "train.gradient_checkpointing": gradient_checkpointing,
         },
     )
+    # every setting is checked before torch loads (a typo costs no start-up) and before anything is written
+    train = train_config(cfg)
+    if online:
+        check_online_config(cfg)
+    else:
+        check_train_config(train)
+    from serl_cli.stages.online import Preempted, run_online
+    from serl_cli.stages.train import follow_train_on_run, train_on_run
+    from serl_cli.training.backends import is_main_process
+
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
     trackers = check_backends(report_to) if main else []
     if not online:
         note = single_update_note(config, set_)
         if note and main and not quiet:
             err_console.print(note, highlight=False, markup=False, soft_wrap=True)
-        cfg.train.model = cfg.train.model or model
-        cfg.train.checkpoint = out or cfg.train.checkpoint
+        train.model = train.model or model
+        train.checkpoint = out or train.checkpoint
         if not main:
-            follow_train_on_run(run, cfg.train, resume=resume)
+            follow_train_on_run(run, train, resume=resume)
             return
         with update_bar(console, quiet) as progress:
-            m = train_on_run(run, cfg.train, overwrite=overwrite, resume=resume, progress=progress)
-        tracker = Tracker(trackers, run, Path(run).name, dataclasses.asdict(cfg.train))
+            m = train_on_run(run, train, overwrite=overwrite, resume=resume, progress=progress)
+        tracker = Tracker(trackers, run, Path(run).name, dataclasses.asdict(train))
         tracker.log(m, step=m.get("update", 1))
         tracker.close()
         console.print(
-            summary_table(f"train {cfg.train.algo}: {run}", [(k, _fmt(v)) for k, v in m.items() if k != "timing"])
+            summary_table(f"train {train.algo}: {run}", [(k, _fmt(v)) for k, v in m.items() if k != "timing"])
         )
         warn_if_no_gradient(m)
         return
@@ -261,10 +259,6 @@ def iterations_table(rows: list[dict], total: int) -> Table:
     return table
 
 
-# What a single update (`serl train RUN`) reads of a run file: its `train` section and the run's seed.
-SINGLE_UPDATE_READS = ("train", "seed")
-
-
 def single_update_note(config_files, overrides) -> str | None:
     """One line naming the top-level keys of the --config files and --set keys that a single update
     does not use (the rollouts already exist: env, rollout, annotate, eval, iterations ...)."""
@@ -274,7 +268,7 @@ def single_update_note(config_files, overrides) -> str | None:
     for path in config_files or []:
         keys += [k for k in cfgmod.load_yaml(path) if k not in keys]
     keys += [k for k in (text.split("=", 1)[0].split(".", 1)[0] for text in overrides or []) if k not in keys]
-    ignored = [k for k in keys if k not in SINGLE_UPDATE_READS]
+    ignored = [k for k in keys if k not in READS["train"]]
     if not ignored:
         return None
     return (

@@ -18,7 +18,6 @@ the student the right way (``method.teacher_signal``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -29,75 +28,8 @@ from serl_cli.errors import SerlError
 from serl_cli.method import anchors as anchors_mod
 from serl_cli.method import feedback as fb
 from serl_cli.method import placement, teacher_signal
-from serl_cli.method.teacher import (
-    ACTION_SPANS,
-    TOKEN_SCOPES,
-    UNPARSED,
-    ScoreItem,
-    action_span_mask,
-    score,
-    teacher_prompt,
-)
-
-GRANULARITIES = ("step", "anchor")
-
-
-@dataclass
-class AnnotateConfig:
-    # combine with ",", fall back with "|" (METHOD.md 3). obs = the environment's raw answer, the
-    # authors' default mode immediate_feedback (serl_trainer.yaml:47, run_webshop.sh:22, run_alfworld.sh)
-    sources: str = "obs"
-    granularity: str = "step"  # step | anchor
-    placement: str = "all"  # all (every turn with a block: the authors') | feedback | gap | random (serl's extension)
-    rho: float = 0.25  # `gap`: fraction of turns selected
-    anchor_similarity: float | None = None  # `anchor`: also pool observations at least this similar
-    # the whole block's cap, in tokens of the policy's tokenizer, cut cleanly from the end: 2048, the
-    # authors' ALFWorld max_reprompt_len (run_alfworld.sh:83), here for the block alone (see README)
-    max_hindsight_tokens: int = 2048
-    tokens: str = "action"  # action: the parsed action's tokens (serl) | reply: every reply token (rlsd)
-    unparsed: str = "none"  # a reply with no parseable action: none = no weights (the authors') | whole = all of it
-    # which characters are the action: last = the executed one by serl's parse (the last closed <action> tag,
-    # or a bare action) | authors = every tagged span, malformed tags included, else search[...]/click[...]
-    # anywhere, as the authors' serl_action_mask (recipe/serl/serl_ray_trainer.py:23-29, 69-96)
-    action_spans: str = "last"
-    teacher: str | None = None  # teacher model; default: the policy that made the rollouts
-    # a turn with advantage 0 keeps weight 1 whatever the teacher says: don't score it. false = the teacher's
-    # log-probs are wanted for themselves (distillation: sdpo needs false), so lambda = 0 does not skip the teacher
-    skip_zero_advantage: bool = True
-    teacher_sync_interval: int = (
-        10  # online loop: the teacher is the policy snapshot of every N-th update; 1 = the rollout policy
-    )
-    weight_clip: float = 0.2  # c
-    mixing_lambda: float = 0.5  # lambda at update 0
-    lambda_decay_steps: int = 50  # 0 = no decay
-    update_step: int = 0  # the update these annotations feed (lambda schedule)
-    seed: int = 0  # `random` placement
-    threads: int | None = None
-    # `serl annotate`'s teacher (models.device): auto = CUDA when present | cpu | cuda; auto = bf16 on a GPU
-    # with it, else fp32 (autocast). The online loop's teacher is the trainer's snapshot: train.device/dtype
-    device: str = "auto"
-    dtype: str = "auto"  # auto | fp32 | bf16 | fp16
-    micro_batch_tokens: int = 16384
-    teacher_signal: bool = True  # check the teacher against the expert action, where turns have one
-
-
-def validate(cfg: AnnotateConfig) -> list[list[str]]:
-    spec = fb.parse_sources(cfg.sources)
-    if cfg.granularity not in GRANULARITIES:
-        raise SerlError(f"unknown granularity {cfg.granularity!r}: choose one of {', '.join(GRANULARITIES)}")
-    placement.check_rule(cfg.placement, rho=cfg.rho)
-    if cfg.tokens not in TOKEN_SCOPES:
-        raise SerlError(f"unknown tokens {cfg.tokens!r}: choose one of {', '.join(TOKEN_SCOPES)}")
-    if cfg.unparsed not in UNPARSED:
-        raise SerlError(f"unknown unparsed {cfg.unparsed!r}: choose one of {', '.join(UNPARSED)}")
-    if cfg.action_spans not in ACTION_SPANS:
-        raise SerlError(f"unknown action_spans {cfg.action_spans!r}: choose one of {', '.join(ACTION_SPANS)}")
-    if not (isinstance(cfg.max_hindsight_tokens, int) and cfg.max_hindsight_tokens > 0):
-        raise SerlError(f"max_hindsight_tokens must be a positive number of tokens, got {cfg.max_hindsight_tokens!r}")
-    from serl_cli.models.device import check_names
-
-    check_names(cfg.device, cfg.dtype)
-    return spec
+from serl_cli.method.annotate_config import AnnotateConfig, validate
+from serl_cli.method.teacher import ScoreItem, action_span_mask, score, teacher_prompt
 
 
 def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[dict]]:

@@ -48,11 +48,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
 from serl_cli.algos.batch import make_micro_batches
 from serl_cli.errors import SerlError
+from serl_cli.method.annotate_config import ActionSpans, Tokens, Unparsed
 from serl_cli.rollout.prompts import (
     action_span,
     authors_action_spans,
@@ -64,11 +66,9 @@ from serl_cli.training.step import action_logprobs
 
 # The authors' default template (serl_trainer.yaml:65; the code default at PC:1569-1572).
 REPROMPT_TEMPLATE = "{prompt}\n\n{privileged_context}\n\nCorrectly solve the current task.\n"
-TOKEN_SCOPES = ("action", "reply")  # serl: the parsed action's tokens | rlsd: every reply token
-UNPARSED = ("none", "whole")  # a reply with no parseable action: no weights (the authors') | all of it
-# which characters are the action: last = the action the environment executed by serl's parse (the last
-# closed <action> tag, or a bare action) | authors = every span the authors' serl_action_mask marks
-ACTION_SPANS = ("last", "authors")
+TOKEN_SCOPES = get_args(Tokens)  # serl: the parsed action's tokens | rlsd: every reply token
+UNPARSED = get_args(Unparsed)  # a reply with no parseable action: no weights (the authors') | all of it
+ACTION_SPANS = get_args(ActionSpans)  # last: serl's parse of the executed action | authors: their mask's spans
 
 
 @dataclass

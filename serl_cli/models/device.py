@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from serl_cli.errors import SerlError
+from serl_cli.models.choices import check_names
 
-DEVICES = ("auto", "cpu", "cuda")
+# models.choices' dtype words -> torch dtypes
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items() if v is not None}
-ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
 PRECISION_ATTR = "serl_precision"
 
 
@@ -67,16 +67,6 @@ class Precision:
         if training or self.device.type == "cpu":
             return torch.float32
         return self.dtype
-
-
-def check_names(device: str, dtype: str, attn: str = "auto") -> None:
-    """The settings are known words (no GPU is needed to check that)."""
-    if device not in DEVICES:
-        raise SerlError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
-    if dtype not in DTYPES:
-        raise SerlError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    if attn not in ATTENTION:
-        raise SerlError(f"unknown attn_implementation {attn!r}: choose one of {', '.join(ATTENTION)}")
 
 
 def cuda_available() -> bool:

@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 from envs.base import ActionFormat
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
 
 ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 BARE_ACTION_RE = re.compile(r"[a-z][a-z ]*\[.*\]", re.DOTALL)  # WebShop's verb[argument]
 
 
-PROMPT_STYLES = ("serl", "authors")
+PromptStyle = Literal["serl", "authors"]
+PROMPT_STYLES = get_args(PromptStyle)
 DEFAULT_ACTION_FORMAT = ActionFormat(example="click[buy now]", bare=BARE_ACTION_RE)  # WebShop's
 ACTION_FORMAT = DEFAULT_ACTION_FORMAT.instruction()
 
@@ -52,17 +55,25 @@ class PromptConfig:
     the game, and reads either reply.
     """
 
-    # serl: serl's prompt (a system message with the rules, the reply <action>...</action>) | authors: the
-    # paper authors' (envs.authors: one user message, <think> then <action>, their invalid-reply rule)
-    style: str = "serl"
-    history_turns: int = 2  # K: how many past turns to show; -1 = all
-    history_obs_chars: int = 400  # serl style: each past observation is cut to this many characters (authors: whole)
-    max_admissible: int = 40  # list at most this many admissible actions; 0 = no list (authors: []); -1 = all
-    system: bool = True  # serl style: the system message (the environment's rules, the action format); false: none
-    bare_replies: bool = False  # demonstrations reply with the bare action, not <action>...</action>
-    # keyword arguments for the tokenizer's chat template, on every prompt the student and the teacher
-    # see, e.g. {enable_thinking: false} for Qwen3 (README, Model families)
-    chat_template_kwargs: dict = field(default_factory=dict)
+    style: PromptStyle = setting(
+        "serl",
+        "serl: serl's prompt (a system message with the rules, the reply <action>...</action>) | authors: the "
+        "paper authors' (envs.authors: one user message, <think> then <action>, their invalid-reply rule)",
+    )
+    history_turns: int = setting(2, "K: how many past turns to show; -1: all")
+    history_obs_chars: int = setting(
+        400, "serl style: each past observation is cut to this many characters (authors: whole)"
+    )
+    max_admissible: int = setting(40, "list at most this many admissible actions; 0: no list (authors: []); -1: all")
+    system: bool = setting(
+        True, "serl style: the system message (the environment's rules, the action format); false: none"
+    )
+    bare_replies: bool = setting(False, "demonstrations reply with the bare action, not <action>...</action>")
+    chat_template_kwargs: dict = setting(
+        factory=dict,
+        doc="keyword arguments for the tokenizer's chat template, on every prompt the student and the teacher "
+        "see, e.g. {enable_thinking: false} for Qwen3 (docs/MODELS.md, Model families)",
+    )
 
 
 PROMPT_FILE = "serl_prompt.json"  # beside a checkpoint: the prompt settings it was trained with

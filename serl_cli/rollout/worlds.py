@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import envs
 from envs.base import EnvError, World
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
 
 
 @dataclass
 class EnvConfig:
-    name: str = "webshop"
-    split: str | None = None  # None: the environment's evaluation split (WebShop test, ALFWorld valid_unseen)
-    max_turns: int | None = None  # None: the environment's default (WebShop 15, ALFWorld 50)
-    settings: dict = field(default_factory=dict)  # environment-specific, e.g. {catalog: synthetic}
-    step_timeout_s: float | None = 60.0  # a reset or step taking longer ends its episode with an error; null = no limit
+    name: str = setting(
+        "webshop",
+        "the environment: webshop, alfworld, sokoban, an installed serl.envs entry point, or "
+        "package.module:factory (docs/ENVIRONMENTS.md)",
+    )
+    split: str | None = setting(
+        None, "the split to run; null: the environment's evaluation split (WebShop test, ALFWorld valid_unseen)"
+    )
+    max_turns: int | None = setting(None, "turn limit per episode; null: the environment's (WebShop 15, ALFWorld 50)")
+    settings: dict = setting(factory=dict, doc="environment-specific, e.g. {catalog: synthetic}")
+    step_timeout_s: float | None = setting(
+        60.0, "a reset or step taking longer ends its episode with an error; null: no limit"
+    )
 
 
 _WORLDS: dict[tuple, World] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from serl_cli.algos.objectives import annotation_advantages
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.schema import (
     ANNOTATIONS_FILE,
@@ -19,11 +20,13 @@ from serl_cli.artifacts.schema import (
     SELECTION_REPORT_FILE,
     read_rollouts,
     rollouts_fingerprint,
+    turn_samples,
 )
 from serl_cli.errors import SerlError
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes, validate
 from serl_cli.method.selection_report import selection_report
 from serl_cli.method.teacher import score, score_units
+from serl_cli.training.train_config import TrainConfig
 
 JOURNAL_FILE = "annotations.journal.jsonl"
 
@@ -70,16 +73,25 @@ def _finished(run: Path, manifest: dict) -> dict | None:
 
 
 def run_annotate(
-    run_dir: str, cfg: AnnotateConfig, *, overwrite: bool = False, resume: bool = False, progress=None
+    run_dir: str,
+    cfg: AnnotateConfig,
+    *,
+    train: TrainConfig | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    progress=None,
 ) -> dict:
-    """Annotate a run's rollouts; ``resume`` continues an interrupted pass from its journal
-    (or returns the summary of a finished one)."""
+    """Annotate a run's rollouts for an update under ``train`` (its advantages sign the weights,
+    as in the online loop; None: the default settings'); ``resume`` continues an interrupted
+    pass from its journal (or returns the summary of a finished one)."""
     run = Path(run_dir)
     with runlock.run_lock(run):
-        return _run_annotate(run, cfg, overwrite=overwrite, resume=resume, progress=progress)
+        return _run_annotate(run, cfg, train or TrainConfig(), overwrite=overwrite, resume=resume, progress=progress)
 
 
-def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bool, progress=None) -> dict:
+def _run_annotate(
+    run: Path, cfg: AnnotateConfig, train: TrainConfig, *, overwrite: bool, resume: bool, progress=None
+) -> dict:
     from serl_cli.artifacts.schema import rollout_temperature
     from serl_cli.models.device import resolve
     from serl_cli.models.loading import load_for_inference, set_torch_threads
@@ -129,6 +141,7 @@ def _run_annotate(run: Path, cfg: AnnotateConfig, *, overwrite: bool, resume: bo
         env_cfg=rollout_cfg.get("env"),
         temperature=rollout_temperature(manifest),
         scorer=journaled_scorer(journal, done, progress),
+        advantages=annotation_advantages(turn_samples(episodes), train),
         chat_template_kwargs=(rollout_cfg.get("prompt") or {}).get("chat_template_kwargs"),
         bare_replies=bool((rollout_cfg.get("prompt") or {}).get("bare_replies")),
     )

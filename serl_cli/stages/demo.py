@@ -33,65 +33,67 @@ import os
 import queue
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import SELECTION_REPORT_FILE
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
-from serl_cli.method.annotation import AnnotateConfig
+from serl_cli.method.annotate_config import AnnotateConfig
 from serl_cli.rollout.default_model import default_model_dir
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig, build_world
 from serl_cli.stages.evaluate import EvalConfig, run_eval
-from serl_cli.stages.online import run_online
 from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
-from serl_cli.stages.train import train_on_run
-from serl_cli.training.step import OptimConfig
-from serl_cli.training.train_config import TrainConfig
+from serl_cli.training.train_config import OptimConfig, TrainConfig
 
 
 @dataclass
 class DemoConfig:
-    env: EnvConfig = field(default_factory=lambda: EnvConfig(name="sokoban", split="train"))
-    model: str | None = None  # None: the embedded default model of `preset` for the environment
-    preset: str | None = None  # None: the environment's own (Sokoban: micro, 0.9M parameters; others: tiny)
-    expert_tasks: int = 2000  # noisy-expert episodes for the warm start
-    expert_noise: float = 0.2  # random detours: the states a learner's mistakes lead to
-    expert_blunders: float = 0.1  # deadlocking pushes: the mistakes hindsight SFT teaches the teacher to read
-    # the grid alone, bare replies: a model trained from scratch gains nothing from constant text and
-    # pays for every token of it; with tagged replies it sits at chance for hundreds of steps (PromptConfig)
-    prompt: PromptConfig = field(
-        default_factory=lambda: PromptConfig(history_turns=0, max_admissible=0, system=False, bare_replies=True)
+    env: EnvConfig = setting(
+        factory=lambda: EnvConfig(name="sokoban", split="train"), doc="the environment: sokoban (default) or webshop"
     )
-    # lands in the steep part of the curve, 15-50 % (docs/RESULTS.md, the warm-start curve); no hindsight
-    # SFT: from the start that has it, RL gained half as much (docs/RESULTS.md, the demo)
-    sft: TrainConfig = field(
-        default_factory=lambda: TrainConfig(algo="sft", epochs=2, mini_batches=150, optim=OptimConfig(lr=1e-3))
+    model: str | None = setting(None, "the starting model; null: the embedded default model of `preset`")
+    preset: str | None = setting(
+        None, "the default model's size; null: the environment's own (Sokoban: micro, 0.9M parameters; others: tiny)"
     )
-    # many rooms, small groups: updates from 8 rooms at a time fit those rooms and lose the panel;
-    # cross_steps pools a group's turns, so the long failed episodes do not outweigh the short wins;
-    # four optimizer steps an iteration cost no more compute than one and moved the panel +9 points
-    # in 40 iterations where one step moved it +0.5 (docs/RESULTS.md, the Sokoban demo)
-    online: OnlineConfig = field(
-        default_factory=lambda: OnlineConfig(
+    expert_tasks: int = setting(2000, "noisy-expert episodes for the warm start")
+    expert_noise: float = setting(0.2, "random detours: the states a learner's mistakes lead to")
+    expert_blunders: float = setting(0.1, "deadlocking pushes: the mistakes hindsight SFT teaches the teacher to read")
+    prompt: PromptConfig = setting(
+        factory=lambda: PromptConfig(history_turns=0, max_admissible=0, system=False, bare_replies=True),
+        doc="the grid alone, bare replies: a model trained from scratch gains nothing from constant text and "
+        "pays for every token of it; with tagged replies it sits at chance for hundreds of steps (PromptConfig)",
+    )
+    sft: TrainConfig = setting(
+        factory=lambda: TrainConfig(algo="sft", epochs=2, mini_batches=150, optim=OptimConfig(lr=1e-3)),
+        doc="the warm start: lands in the steep part of the curve, 15-50 % (docs/RESULTS.md, the warm-start "
+        "curve); no hindsight SFT: from the start that has it, RL gained half as much (docs/RESULTS.md, the demo)",
+    )
+    online: OnlineConfig = setting(
+        factory=lambda: OnlineConfig(
             iterations=40,
             rollout=RolloutConfig(tasks=32, group_size=2, sampling=SamplingConfig(1.0, 1.0, 3)),
             train=TrainConfig(optim=OptimConfig(lr=1e-4), group_norm="cross_steps", mini_batches=4),
             # the turns the environment flagged (a bump, a blocked push, a deadlock), shown with what they changed
             annotate=AnnotateConfig(sources="error,diff", placement="feedback"),
-        )
+        ),
+        doc="each online arm: many rooms, small groups (updates from 8 rooms at a time fit those rooms and lose "
+        "the panel); cross_steps pools a group's turns, so the long failed episodes do not outweigh the short "
+        "wins; four optimizer steps an iteration cost no more compute than one and moved the panel +9 points in "
+        "40 iterations where one step moved it +0.5 (docs/RESULTS.md, the Sokoban demo)",
     )
-    algos: list[str] = field(default_factory=lambda: ["grpo", "serl"])  # online arms, each from the warm start
-    parallel_arms: bool = True  # the arms side by side, one process each, the cores shared out between them
-    eval_episodes: int = 200  # first tasks of the test panel
-    eval_temperature: float = 0.4  # 0: greedy
-    eval_max_new_tokens: int = 3  # a bare move and the end of the turn, with one token to spare
-    seed: int = 0
-    threads: int | None = None
-    out: str = "runs/demo"
+    algos: list[str] = setting(factory=lambda: ["grpo", "serl"], doc="online arms, each from the warm start")
+    parallel_arms: bool = setting(True, "the arms side by side, one process each, the cores shared out between them")
+    eval_episodes: int = setting(200, "first tasks of the test panel")
+    eval_temperature: float = setting(0.4, "0: greedy")
+    eval_max_new_tokens: int = setting(3, "a bare move and the end of the turn, with one token to spare")
+    seed: int = setting(0, "every stage's seed")
+    threads: int | None = setting(None, "torch threads; null: all cores")
+    out: str = setting("runs/demo", "the directory for every artifact of the demo")
 
 
 def demo_defaults(env_name: str) -> DemoConfig:
@@ -134,6 +136,9 @@ def quick(cfg: DemoConfig) -> DemoConfig:
 
 
 def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
+    from serl_cli.stages.online import run_online  # torch loads now, not while the config is read
+    from serl_cli.stages.train import train_on_run
+
     out = Path(cfg.out)
     if not cfg.algos:
         raise SerlError("the demo needs at least one online algorithm in `algos`")
@@ -231,6 +236,8 @@ def _run_side_by_side(arms: list[OnlineConfig], log) -> None:
 
 
 def _run_arm(arm: OnlineConfig, lines) -> None:
+    from serl_cli.stages.online import run_online
+
     run_online(arm, overwrite=True, on_iteration=lambda h: lines.put(_progress(arm.train.algo, h)))
 
 

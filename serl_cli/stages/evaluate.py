@@ -9,19 +9,25 @@ success with a 95 % Wilson interval, mean score, invalid-action rate, mean turns
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 from serl_cli.artifacts import io
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
+from serl_cli.models.choices import Device, Dtype, check_names
+from serl_cli.rollout.engines import EngineName, ModelPolicy, SamplingConfig, check_engine
 from serl_cli.rollout.engines.vllm import VLLMConfig
 from serl_cli.rollout.policies import ExpertPolicy, RandomPolicy
+from serl_cli.rollout.prompts import PromptConfig, trained_prompt
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 from serl_cli.rollout.worlds import EnvConfig, build_world
-from serl_cli.stats.summary import wilson_interval
 
-POLICIES = ("model", "expert", "random")
+Policy = Literal["model", "expert", "random"]
+POLICIES = get_args(Policy)
 
 # Which `n` of a split's `total` tasks a panel scores. ALFWorld's splits are sorted by task
 # type, so its first 10 games are all one type; `spread` takes every type in proportion.
@@ -29,31 +35,41 @@ PANELS = {
     "first": lambda n, total: list(range(n)),
     "spread": lambda n, total: [i * total // n for i in range(n)],
 }
+Panel = Literal["first", "spread"]
 
 
 @dataclass
 class EvalConfig:
-    env: EnvConfig = field(default_factory=EnvConfig)
-    policy: str = "expert"  # model | expert | random; `--model` implies model
-    model: str | None = None
-    episodes: int | None = None  # None: the whole split
-    panel: str = "first"  # first | spread: which tasks of the split (PANELS)
-    seed: int = 0
-    batch_size: int = 64
-    temperature: float = 0.0  # 0 = greedy decoding for model policies
-    coupled: bool = False  # sampled: each episode's turns from their own stream (SamplingConfig.coupled)
-    history_turns: int | None = None  # None: what the checkpoint was trained with, else 2
-    max_new_tokens: int = 48
-    threads: int | None = None
-    engine: str = "hf"  # hf | vllm: what a model policy generates with
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # engine vllm: tensor parallelism, memory, dtype
-    gpus: list[int] | None = None  # engine vllm: its CUDA devices (one per shard); None: vLLM's choice
-    device: str = "auto"  # engine hf: auto (CUDA when present) | cpu | cuda
-    dtype: str = "auto"  # engine hf: auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | fp16 (autocast)
-    out: str = "runs/eval"
+    env: EnvConfig = setting(factory=EnvConfig, doc="the environment; split null: its evaluation split")
+    policy: Policy = setting("expert", "model | expert | random; --model implies model")
+    model: str | None = setting(None, "a Hugging Face model directory or name")
+    episodes: int | None = setting(None, "how many tasks of the split's panel; null: the whole split")
+    panel: Panel = setting("first", "which tasks: first (the first N) | spread (N evenly spaced)")
+    seed: int = setting(0, "sampling (and the random policy)")
+    batch_size: int = setting(64, "episodes live at once")
+    temperature: float = setting(0.0, "0: greedy decoding for model policies")
+    coupled: bool = setting(False, "sampled: each episode's turns from their own stream (sampling.coupled)")
+    prompt: PromptConfig | None = setting(
+        None, "what a turn's prompt shows; null: what the checkpoint was trained with, else the defaults"
+    )
+    history_turns: int | None = setting(None, "K past turns in the prompt; null: the prompt's")
+    max_new_tokens: int = setting(48, "the reply's token budget")
+    threads: int | None = setting(None, "torch threads for a model policy; null: all cores")
+    engine: EngineName = setting(
+        "hf", "a model policy generates with: hf | vllm (the vllm extra; settings: --set vllm.tensor_parallel_size=N)"
+    )
+    vllm: VLLMConfig = setting(factory=VLLMConfig, doc="engine vllm: tensor parallelism, memory, dtype")
+    gpus: list[int] | None = setting(None, "engine vllm: its CUDA devices (one per shard); null: vLLM's choice")
+    device: Device = setting("auto", "engine hf: auto (CUDA when present) | cpu | cuda")
+    dtype: Dtype = setting(
+        "auto", "auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | fp16: compute precision, through autocast"
+    )
+    out: str = setting("runs/eval", "output directory (eval.json, episodes.jsonl)")
 
 
 def summarize(records: list[dict], by: str | None = None) -> dict:
+    from serl_cli.stats.summary import wilson_interval  # scipy: when a run is summarized, not when a config loads
+
     n = len(records)
     wins = sum(r["success"] for r in records)
     turns = sum(r["num_turns"] for r in records)
@@ -73,6 +89,26 @@ def summarize(records: list[dict], by: str | None = None) -> dict:
     return summary
 
 
+def eval_prompt(cfg: EvalConfig) -> PromptConfig:
+    """How a model is prompted: ``cfg.prompt``; else as the checkpoint was trained (its
+    serl_prompt.json), else the defaults; ``history_turns`` (when set) overrides K."""
+    prompt = copy.deepcopy(cfg.prompt) if cfg.prompt is not None else trained_prompt(cfg.model) or PromptConfig()
+    if cfg.history_turns is not None:
+        prompt.history_turns = cfg.history_turns
+    return prompt
+
+
+def eval_sampling(cfg: EvalConfig) -> SamplingConfig:
+    """Greedy (temperature 0) or at ``cfg.temperature`` with top_p 1, in the token budget, coupled or not."""
+    return SamplingConfig(cfg.temperature, 1.0, cfg.max_new_tokens, cfg.coupled)
+
+
+def model_eval_policy(cfg: EvalConfig, engine) -> ModelPolicy:
+    """The model policy an evaluation runs on ``engine``: the online loop's periodic one (its
+    engine serves the updated policy) and ``serl eval --model`` alike."""
+    return ModelPolicy(engine, eval_sampling(cfg), eval_prompt(cfg), seed=cfg.seed)
+
+
 def make_policy(cfg: EvalConfig):
     if cfg.policy not in POLICIES:
         raise SerlError(f"unknown policy {cfg.policy!r}: choose one of {', '.join(POLICIES)}")
@@ -80,34 +116,24 @@ def make_policy(cfg: EvalConfig):
         return ExpertPolicy()
     if cfg.policy == "random":
         return RandomPolicy(cfg.seed)
-    from serl_cli.rollout.engines import model_policy  # torch and transformers load only when a model is used
-    from serl_cli.rollout.prompts import PromptConfig, trained_prompt
+    from serl_cli.rollout.engines import model_engine  # torch and transformers load only when a model is used
 
-    prompt = trained_prompt(cfg.model) or PromptConfig()  # prompt the model as it was trained
-    if cfg.history_turns is not None:
-        prompt.history_turns = cfg.history_turns
-    cfg.history_turns = prompt.history_turns  # recorded in eval_config.yaml
-    return model_policy(
+    cfg.history_turns = eval_prompt(cfg).history_turns  # recorded in eval_config.yaml
+    engine = model_engine(
         cfg.model,
-        temperature=cfg.temperature,
         seed=cfg.seed,
-        prompt=prompt,
-        max_new_tokens=cfg.max_new_tokens,
         threads=cfg.threads,
         engine=cfg.engine,
         device=cfg.device,
         dtype=cfg.dtype,
         vllm=cfg.vllm,
         gpus=cfg.gpus,
-        coupled=cfg.coupled,
     )
+    return model_eval_policy(cfg, engine)
 
 
 def check_model_settings(cfg: EvalConfig) -> None:
     """An unknown engine, vLLM without its extra, bad device/dtype words: before anything loads."""
-    from serl_cli.models.device import check_names
-    from serl_cli.rollout.engines import check_engine
-
     check_names(cfg.device, cfg.dtype)
     check_engine(cfg.engine)
 

@@ -32,8 +32,6 @@ the same command with ``--resume`` continues where it stopped.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import os
 import shutil
 import signal
@@ -44,23 +42,17 @@ from pathlib import Path
 
 import torch
 
-from serl_cli.algos.objectives import default_advantages, get_objective, turn_advantages
+from serl_cli.algos.objectives import annotation_advantages, get_objective
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts, turn_samples
-from serl_cli.errors import SerlError
+from serl_cli.errors import PREEMPTED_EXIT, SerlError
 from serl_cli.method.annotation import annotate_episodes
 from serl_cli.method.teacher import TeacherSnapshot
-from serl_cli.rollout.engines import (
-    ModelPolicy,
-    close_engine,
-    holds_own_weights,
-    make_engine,
-    refresh_weights,
-    sleep_engine,
-)
-from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.rollout.engines import close_engine, holds_own_weights, make_engine, refresh_weights, sleep_engine
+from serl_cli.rollout.worlds import build_world
 from serl_cli.stages.annotate import write_annotations
-from serl_cli.stages.evaluate import EvalConfig, run_eval
+from serl_cli.stages.derive import annotate_config, eval_config, rollout_config, train_config
+from serl_cli.stages.evaluate import model_eval_policy, run_eval
 from serl_cli.stages.online_checkpoints import (
     _iter_dir,
     _keep_iterations_before,
@@ -70,14 +62,13 @@ from serl_cli.stages.online_checkpoints import (
     prune_checkpoints,
     resume_point,
 )
-from serl_cli.stages.online_config import OnlineConfig, check_online_config, eval_sampling
-from serl_cli.stages.rollout import RolloutConfig, resolve_model, run_rollout
+from serl_cli.stages.online_config import OnlineConfig, check_online_config
+from serl_cli.stages.rollout import resolve_model, run_rollout
 from serl_cli.stages.run_file import run_settings
 from serl_cli.training.backends import is_main_process
 from serl_cli.training.learner import Learner
 from serl_cli.training.train_config import recompute_enabled
 
-PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: stopped on a signal, checkpointed; --resume continues
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -169,7 +160,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
     # the run directory: rank 0 writes there only after the learner's process group is up and
     # a barrier has passed.
     main = is_main_process()
-    train_cfg = dataclasses.replace(cfg.train, seed=cfg.seed)  # the update is seeded by the run's seed (LOOP_SETS)
+    train_cfg = train_config(cfg)  # the update is seeded by the run's seed (stages.derive)
     start = 0
     if resume and (run / "manifest.json").exists():
         manifest = io.load_manifest(run)
@@ -179,7 +170,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
             f"run directory {run} already exists: pass --resume to continue it or --overwrite to replace it"
         )
     if start == 0:
-        cfg.model = resolve_model(RolloutConfig(env=cfg.env, model=cfg.model), world)
+        cfg.model = resolve_model(rollout_config(cfg), world)
         learner = Learner(cfg.model, train_cfg)
     else:
         last = _iter_dir(run, start - 1) / "checkpoint"
@@ -199,13 +190,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
     objective = get_objective(cfg.train.algo)
     # pi_old by the trainer before anything reads it (the teacher's weights and the PPO ratio)
     recompute = objective.uses_behaviour_logprobs and recompute_enabled(cfg.train, cfg.rollout.engine)
-    acfg = copy.deepcopy(cfg.annotate)
-    if objective.placement:
-        acfg.placement = objective.placement  # rlsd is SERL's weights on every turn
-    if cfg.train.algo == "rlsd":
-        acfg.tokens = "reply"  # ... and on every reply token, reasoning included (METHOD.md 7)
-    if cfg.train.algo == "sdpo" or cfg.train.distill_coef:
-        acfg.skip_zero_advantage = False  # the distillation term needs the teacher on failed rollouts too
+    acfg = annotate_config(cfg)  # with what the algorithm needs of it (rlsd: every turn and reply token...)
     teacher = None
     if objective.needs_annotations:
         teacher = TeacherSnapshot(learner)  # a frozen copy, or under LoRA a copy of the adapter only
@@ -280,8 +265,7 @@ def _iterations(
     for k in range(start, cfg.iterations):
         t0 = time.perf_counter()
         it = _iter_dir(run, k)
-        rcfg = copy.deepcopy(cfg.rollout)
-        rcfg.env, rcfg.model, rcfg.seed, rcfg.out = cfg.env, cfg.model, cfg.seed * 1000 + k, str(it)
+        rcfg = rollout_config(cfg, k, it)
         temperature = rcfg.sampling.temperature if rcfg.sampling.temperature > 0 else 1.0
         summary = episodes = annotations = meta = recomputed = None
         abandon = False
@@ -305,13 +289,9 @@ def _iterations(
                     if recompute:
                         recomputed = learner.recompute_logp_old(episodes, temperature)
                     if objective.needs_annotations:
-                        acfg.update_step, acfg.seed = learner.updates, cfg.seed * 1000 + k
+                        acfg = annotate_config(cfg, k, learner.updates)
                         # the weights are signed by the update's own advantages (group_norm, penalty, reward scale)
-                        adv = (
-                            None
-                            if default_advantages(cfg.train)
-                            else turn_advantages(turn_samples(episodes), cfg.train).tolist()
-                        )
+                        adv = annotation_advantages(turn_samples(episodes), train_config(cfg))
                         with teacher.scoring() as teacher_model:
                             annotations, stats = annotate_episodes(
                                 episodes,
@@ -349,7 +329,7 @@ def _iterations(
         if cfg.eval.episodes and (k + 1) % cfg.eval.every == 0:
             with learner.full_model():
                 if main:
-                    metrics.update(_evaluate(cfg, rcfg, engine, it))
+                    metrics.update(_evaluate(cfg, engine, it))
         if not main:  # the rest is the main process's bookkeeping
             history.append(metrics)
             if signum is not None:
@@ -379,23 +359,12 @@ def _iterations(
     return history
 
 
-def _evaluate(cfg: OnlineConfig, rcfg: RolloutConfig, engine, it: Path) -> dict:
-    """The periodic evaluation after iteration ``it``: ``eval.episodes`` tasks of the evaluation
-    split's fixed panel, sampled at ``eval.temperature`` (0: greedy) with the run's seed, by the
-    engine that serves the updated policy; ``it/eval.json`` and the metrics' ``eval_*``."""
-    ecfg = EvalConfig(
-        env=EnvConfig(cfg.env.name, cfg.eval.split, cfg.env.max_turns, cfg.env.settings, cfg.env.step_timeout_s),
-        policy="model",
-        episodes=cfg.eval.episodes,
-        out=str(it),
-        seed=cfg.seed,
-        batch_size=rcfg.batch_size,
-        history_turns=rcfg.prompt.history_turns,
-        temperature=cfg.eval.temperature,
-        max_new_tokens=rcfg.sampling.max_new_tokens,
-        coupled=rcfg.sampling.coupled,
-    )
-    ev = run_eval(ecfg, overwrite=True, policy=ModelPolicy(engine, eval_sampling(cfg), rcfg.prompt, seed=cfg.seed))
+def _evaluate(cfg: OnlineConfig, engine, it: Path) -> dict:
+    """The periodic evaluation after iteration ``it`` (``stages.derive.eval_config``: as ``serl eval
+    --config`` runs it on the run file), by the engine that serves the updated policy;
+    ``it/eval.json`` and the metrics' ``eval_*``."""
+    ecfg = eval_config(cfg, it)
+    ev = run_eval(ecfg, overwrite=True, policy=model_eval_policy(ecfg, engine))
     return {
         "eval_success_rate": ev["success_rate"],
         "eval_score": ev["score"],

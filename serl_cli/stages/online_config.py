@@ -7,11 +7,12 @@ checked -- ``serl config``, ``serl ablate``'s grids, a run file -- without the l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
-from serl_cli.method.annotation import AnnotateConfig
-from serl_cli.rollout.engines import SamplingConfig, check_engine
+from serl_cli.method.annotate_config import AnnotateConfig
+from serl_cli.rollout.engines import check_engine
 from serl_cli.rollout.engines.vllm import check_config as check_vllm_config
 from serl_cli.rollout.engines.vllm import check_gpus, check_sampling
 from serl_cli.rollout.prompts import check_style
@@ -22,35 +23,41 @@ from serl_cli.training.train_config import TrainConfig, check_train_config
 
 @dataclass
 class OnlineEvalConfig:
-    episodes: int = 0  # test-panel episodes evaluated after every `every` iterations; 0 = none
-    every: int = 1
-    split: str | None = None  # None: the environment's evaluation split (WebShop test, ALFWorld valid_unseen)
-    # 0 = greedy; > 0 samples at this temperature with the run's seed (paper: 0.4, do_sample, top_p 1:
-    # recipe/serl/run_webshop.sh:106-107). ablate's final evaluation uses it too.
-    temperature: float = 0.0
+    episodes: int = setting(0, "test-panel episodes evaluated after every `every` iterations; 0: none")
+    every: int = setting(1, "evaluate after every this many iterations")
+    split: str | None = setting(
+        None, "the split to evaluate; null: the environment's evaluation split (WebShop test, ALFWorld valid_unseen)"
+    )
+    temperature: float = setting(
+        0.0,
+        "0: greedy; > 0 samples at this temperature with the run's seed (paper: 0.4, do_sample, top_p 1: "
+        "recipe/serl/run_webshop.sh:106-107). ablate's final evaluation uses it too",
+    )
 
 
 @dataclass
 class OnlineConfig:
-    env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))
-    model: str | None = None  # the starting policy; None = the embedded default tiny model
-    iterations: int = 1
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    annotate: AnnotateConfig = field(default_factory=AnnotateConfig)  # serl, rlsd, sdpo: between rollout and update
-    eval: OnlineEvalConfig = field(default_factory=OnlineEvalConfig)
-    save_every: int = (
-        1  # iteration k writes iter_k/checkpoint when (k + 1) % save_every == 0 (and at the end, and on a stop)
+    env: EnvConfig = setting(factory=lambda: EnvConfig(split="train"), doc="the environment and its training split")
+    model: str | None = setting(None, "the starting policy; null: the embedded default tiny model")
+    iterations: int = setting(1, "K: the loop's rollout -> (annotate) -> update iterations")
+    rollout: RolloutConfig = setting(
+        factory=RolloutConfig,
+        doc="each iteration's rollouts (env, model, seed, out, device, dtype, threads: the loop sets them)",
     )
-    keep_last: int = 1  # iteration checkpoints kept, newest first; 0 = all of them
-    seed: int = 0
-    out: str = "runs/online"
-
-
-def eval_sampling(cfg: OnlineConfig) -> SamplingConfig:
-    """How the periodic evaluation samples: greedy (``eval.temperature`` 0) or at that
-    temperature, top_p 1, with the rollouts' token budget, coupled as the rollouts are."""
-    return SamplingConfig(cfg.eval.temperature, 1.0, cfg.rollout.sampling.max_new_tokens, cfg.rollout.sampling.coupled)
+    train: TrainConfig = setting(
+        factory=TrainConfig, doc="each iteration's update (model, seed, checkpoint: the loop's)"
+    )
+    annotate: AnnotateConfig = setting(
+        factory=AnnotateConfig,
+        doc="serl, rlsd, sdpo: between rollout and update (seed, update_step, device, dtype, threads: the loop's)",
+    )
+    eval: OnlineEvalConfig = setting(factory=OnlineEvalConfig, doc="the periodic evaluation")
+    save_every: int = setting(
+        1, "iteration k writes iter_k/checkpoint when (k + 1) % save_every == 0 (and at the end, and on a stop)"
+    )
+    keep_last: int = setting(1, "iteration checkpoints kept, newest first; 0: all of them")
+    seed: int = setting(0, "the run's seed: iteration k's rollouts use seed * 1000 + k, the update seed")
+    out: str = setting("runs/online", "the run directory")
 
 
 def check_online_config(cfg: OnlineConfig) -> None:

@@ -22,48 +22,62 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.schema import ROLLOUTS_FILE
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
-from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, TokenizedExpertPolicy, make_engine
+from serl_cli.models.choices import Device, Dtype, check_names
+from serl_cli.rollout.engines import EngineName, ModelPolicy, SamplingConfig, TokenizedExpertPolicy, make_engine
 from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling
 from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import PromptConfig, check_chat_template_kwargs, check_style
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 from serl_cli.rollout.worlds import EnvConfig, build_world
 
-POLICIES = ("model", "expert")
+Policy = Literal["model", "expert"]
+POLICIES = get_args(Policy)
 JOURNAL_FILE = "rollouts.journal.jsonl"
 
 
 @dataclass
 class RolloutConfig:
-    env: EnvConfig = field(default_factory=lambda: EnvConfig(split="train"))
-    model: str | None = None  # None: the embedded default tiny model for the environment
-    policy: str = "model"  # model | expert (SFT data)
-    # policy expert: chance per turn of a random detour (kept solvable where the env can tell), marked off_expert
-    expert_noise: float = 0.0
-    expert_blunders: float = (
-        0.0  # policy expert: chance per turn of a move that makes the task unsolvable, where one exists
+    env: EnvConfig = setting(factory=lambda: EnvConfig(split="train"), doc="the environment and its split")
+    model: str | None = setting(None, "HF model directory or name; null: the embedded tiny model for the environment")
+    policy: Policy = setting("model", "model | expert (expert: SFT data)")
+    expert_noise: float = setting(
+        0.0,
+        "policy expert: chance per turn of a random detour (kept solvable where the env can tell), marked off_expert",
     )
-    engine: str = "hf"  # hf | vllm
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # --engine vllm: tensor parallelism, memory, dtype
-    # engine hf (models.device): auto = CUDA when present | cpu | cuda; auto = bf16 on a GPU with it, else fp32.
-    # In the online loop the hf engine generates with the trainer's own model: train.device / train.dtype
-    device: str = "auto"
-    dtype: str = "auto"  # auto | fp32 | bf16 | fp16
-    gpus: list[int] | None = None  # engine vllm: CUDA devices of its own (one per tensor-parallel shard); None: shared
-    tasks: int = 8  # how many tasks to sample from the split
-    group_size: int = 8  # G rollouts per task
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prompt: PromptConfig = field(default_factory=PromptConfig)
-    batch_size: int = 64  # episodes live at once (one generate call per turn across them)
-    seed: int = 0
-    threads: int | None = None  # torch threads; None = all cores
-    out: str = "runs/rollout"
+    expert_blunders: float = setting(
+        0.0, "policy expert: chance per turn of a move that makes the task unsolvable, where one exists"
+    )
+    engine: EngineName = setting("hf", "generation engine: hf | vllm (the vllm extra)")
+    vllm: VLLMConfig = setting(factory=VLLMConfig, doc="engine vllm: tensor parallelism, memory, dtype")
+    device: Device = setting(
+        "auto",
+        "engine hf (models.device): auto (CUDA when present) | cpu | cuda. In the online loop the hf engine "
+        "generates with the trainer's own model: train.device",
+    )
+    dtype: Dtype = setting(
+        "auto",
+        "auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | fp16: compute precision, through autocast. "
+        "In the online loop: train.dtype",
+    )
+    gpus: list[int] | None = setting(
+        None, "engine vllm: CUDA devices of its own (one per tensor-parallel shard); null: shared"
+    )
+    tasks: int = setting(8, "how many tasks to sample from the split")
+    group_size: int = setting(8, "G: rollouts per task")
+    sampling: SamplingConfig = setting(factory=SamplingConfig, doc="temperature, top_p, token budget")
+    prompt: PromptConfig = setting(factory=PromptConfig, doc="what a turn's prompt shows")
+    batch_size: int = setting(64, "episodes live at once (one generate call per turn across them)")
+    seed: int = setting(0, "task order and sampling")
+    threads: int | None = setting(None, "torch threads; null: all cores. In the online loop: train.threads")
+    out: str = setting("runs/rollout", "the run directory to write")
 
 
 def validate(cfg: RolloutConfig) -> None:
@@ -86,8 +100,6 @@ def validate(cfg: RolloutConfig) -> None:
             raise SerlError(f"{name} is a probability: it must be in [0, 1], got {getattr(cfg, name)}")
     if cfg.policy == "model" and cfg.engine == "vllm":
         check_sampling(cfg.sampling)  # before vLLM starts (a minute), not at its first call
-    from serl_cli.models.device import check_names
-
     check_names(cfg.device, cfg.dtype)
 
 

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
 
 ZERO_STAGES = (1, 2, 3)
@@ -23,9 +24,11 @@ MISSING = "--backend deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install 'serl
 
 @dataclass
 class DeepSpeedConfig:
-    config: str | None = None  # a DeepSpeed JSON file; default: serl's for the stage
-    zero_stage: int | None = None  # overrides the file's zero_optimization.stage; 2 when neither sets it
-    offload: bool = False  # optimizer states (and, at stage 3, parameters) in CPU memory
+    config: str | None = setting(None, "a DeepSpeed JSON file; null: serl's for the stage")
+    zero_stage: int | None = setting(
+        None, "ZeRO stage 1, 2 or 3: overrides the file's zero_optimization.stage; 2 when neither sets it"
+    )
+    offload: bool = setting(False, "optimizer states (and, at stage 3, parameters) in CPU memory")
 
 
 def default_config(stage: int) -> dict:

@@ -22,38 +22,16 @@ peft is an optional extra, imported only when LoRA is on.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from serl_cli.errors import SerlError
 from serl_cli.models.loading import import_peft
-
-SAVE_MODES = ("merged", "adapter")
-
-
-@dataclass
-class LoraConfig:
-    rank: int = 0  # 0 = full fine-tuning; > 0 = LoRA of this rank
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    targets: str = "all-linear"  # comma-separated module names (q_proj,v_proj,...) or all-linear (not lm_head)
-    dropout: float = 0.0
-    save: str = "merged"  # merged | adapter
+from serl_cli.training.train_config import LoraConfig
 
 
 def enabled(cfg: LoraConfig) -> bool:
     return cfg.rank > 0
-
-
-def validate(cfg: LoraConfig) -> None:
-    if cfg.rank < 0:
-        raise SerlError(f"train.lora.rank must be 0 (off) or positive, got {cfg.rank}")
-    if cfg.save not in SAVE_MODES:
-        raise SerlError(f"unknown train.lora.save {cfg.save!r}: choose one of {', '.join(SAVE_MODES)}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise SerlError(f"train.lora.dropout must be in [0, 1), got {cfg.dropout}")
-    if enabled(cfg) and not cfg.targets.strip():
-        raise SerlError("train.lora.targets is empty: name the modules to adapt, or all-linear")
 
 
 def _target_modules(targets: str):

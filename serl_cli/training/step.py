@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from serl_cli.algos.batch import MicroBatch
 from serl_cli.models.device import autocast, model_device
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-6  # the paper's setting for 7B models; tiny-model configs raise it
-    weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.999)
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 16384  # padded tokens per forward pass: bounds memory
+from serl_cli.training.train_config import OptimConfig
 
 
 def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0, entropy: bool = False):

@@ -1,104 +1,165 @@
-"""``TrainConfig``, the ``train`` settings of every run, and the checks made of them before any model loads.
+"""``TrainConfig``, the ``train`` settings of every run (with its ``optim`` and ``lora`` sections),
+and the checks made of them before any model loads.
 
-Apart from the :class:`~serl_cli.training.learner.Learner` that carries them out: the online
-loop's configuration (``stages.online_config``) and ``serl train``'s one-line errors need the
-settings and their checks, not the update.
+Apart from the :class:`~serl_cli.training.learner.Learner` that carries them out, and free of
+torch: the online loop's configuration (``stages.online_config``) and ``serl train``'s one-line
+errors need the settings and their checks, not the update.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib.util
+from dataclasses import dataclass
+from typing import Literal, get_args
 
-from serl_cli.algos.objectives import GIGPO_ANCHORS, GIGPO_MODES, GROUP_NORMS, get_objective
+from serl_cli import config as cfgmod
+from serl_cli.algos.registry import OBJECTIVES, GigpoAnchor, GigpoMode, GroupNorm, objective
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
-from serl_cli.models.loading import require_peft
-from serl_cli.training import lora as lora_mod
-from serl_cli.training.backends import BACKENDS as BACKEND_REGISTRY
+from serl_cli.models.choices import Attention, Device, Dtype, check_names
 from serl_cli.training.deepspeed_config import DeepSpeedConfig
-from serl_cli.training.lora import LoraConfig
-from serl_cli.training.step import OptimConfig
 
-BACKENDS = tuple(BACKEND_REGISTRY)
+Backend = Literal["torch", "deepspeed"]  # training.backends.BACKENDS
+BACKENDS = get_args(Backend)
+LoraSave = Literal["merged", "adapter"]
+SAVE_MODES = get_args(LoraSave)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = setting(1e-6, "the learning rate: the paper's setting for 7B models; tiny-model configs raise it")
+    weight_decay: float = setting(0.0, "AdamW's decoupled weight decay")
+    betas: tuple = setting((0.9, 0.999), "AdamW's betas")
+    grad_clip: float = setting(1.0, "the gradient's norm is clipped to this")
+    micro_batch_tokens: int = setting(16384, "padded tokens per forward pass: bounds memory")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = setting(0, "0: full fine-tuning; > 0: train LoRA adapters of this rank only")
+    alpha: float = setting(16.0, "LoRA scale numerator: the update is scaled by alpha / rank")
+    targets: str = setting(
+        "all-linear", "target modules, comma-separated (q_proj,v_proj,...), or all-linear (not lm_head)"
+    )
+    dropout: float = setting(0.0, "dropout on the adapters' input")
+    save: LoraSave = setting("merged", "checkpoints: merged (a plain HF model) | adapter (the adapter alone)")
 
 
 @dataclass
 class TrainConfig:
-    algo: str = "grpo"
-    model: str | None = None  # the policy to update; default: the model that produced the rollouts
-    backend: str = "torch"  # torch | deepspeed (serl_cli.training.backends)
-    # where and in which precision (serl_cli.models.device): auto = CUDA when present; auto = bf16 on a GPU
-    # with it, fp32 elsewhere. Half precision is autocast over fp32 master weights (DeepSpeed: its bf16/fp16)
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto | fp32 | bf16 | fp16
-    attn_implementation: str = (
-        "auto"  # auto (flash_attention_2 when installed, on CUDA, in bf16/fp16; else sdpa) | sdpa | eager
+    algo: str = setting("grpo", f"the algorithm (algos.registry): {' | '.join(sorted(OBJECTIVES))}")
+    model: str | None = setting(None, "the policy to update; null: the model that produced the rollouts")
+    backend: Backend = setting("torch", "training backend: torch | deepspeed (training.backends)")
+    device: Device = setting(
+        "auto",
+        "where the update runs (models.device): auto (CUDA when present) | cpu | cuda. The online loop's "
+        "rollouts, teacher and periodic evaluation run on the trainer's model: here too",
     )
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % more compute
-    gpus: list[int] | None = None  # CUDA devices of the trainer's processes, one each (LOCAL_RANK r takes gpus[r]);
-    # None: LOCAL_RANK's. With rollout.gpus: vLLM on its own GPUs
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # with backend deepspeed
-    lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train LoRA adapters only
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    epochs: int = 1  # passes over the batch per update
-    mini_batches: int = 1  # optimizer steps per pass
-    # > 0: optimizer steps per pass = ceil(turns / mini_batch_turns) instead of mini_batches, the authors'
-    # ppo_mini_batch_size in step-rows (paper: 64 WebShop, 256 ALFWorld; recipe/serl/run_webshop.sh:81)
-    mini_batch_turns: int = 0
-    clip_eps: float = 0.2
-    # dual-clip PPO's c (> 1): the loss of a token with w*A < 0 is capped at -c*w*A. 0 = off
-    # (paper: 3.0, verl's clip_ratio_c, always on there: core_algos.py:583-587)
-    dual_clip: float = 0.0
-    entropy_coef: float = 0.0  # entropy bonus, token-mean over reply tokens (paper: 0.001, ppo_trainer.yaml:57)
-    kl_coef: float = 0.0  # k3 KL to the frozen starting policy
-    distill_coef: float = 0.0  # KL(pi || teacher) on selected turns of failed rollouts (off in serl, on in sdpo)
-    omega: float = 1.0  # gigpo: weight of the step advantage
-    gamma: float = 0.95  # gigpo: discount of the per-turn return
-    gigpo_mode: str = (
-        "mean_std_norm"  # gigpo: mean_std_norm (divide by std) | mean_norm (mean only; verl-agent's default)
+    dtype: Dtype = setting(
+        "auto",
+        "compute precision: auto (bf16 on a GPU with it, else fp32) | fp32 | bf16 | fp16. Half precision is "
+        "autocast over fp32 master weights (DeepSpeed: its bf16/fp16)",
     )
-    # gigpo: what makes turns one anchor state: state (the environment's state_key; ALFWorld: its facts) |
-    # observation (the raw observation text, the authors' key: every "Nothing happens." pooled)
-    gigpo_anchor: str = "state"
-    adv_eps: float = 1e-6
-    # how a group's statistics pool: episode (one score per episode, serl's) | cross_steps (every turn a
-    # sample, the authors' compute_mean_std_cross_steps=True, core_algos.py:114-175)
-    group_norm: str = "episode"
-    # subtracted from a turn's score when the environment flagged its action (feedback.error), before the
-    # advantage (paper: 0.1, ray_trainer.py:198-222); under group_norm episode: per invalid turn of the episode
-    invalid_action_penalty: float = 0.0
-    # > 0: an episode's training reward is this on a success and 0 otherwise, in place of the environment's
-    # reward (paper: 10.0, env_package/webshop/envs.py:47-53); 0 = the environment's reward
-    success_reward: float = 0.0
-    # recompute the behaviour log-probs (pi_old) with the trainer's model before the update: null = when the
-    # rollouts came from an engine other than hf (vLLM's numerics differ from the trainer's), true, false
-    recompute_logp_old: bool | None = None
-    sft_successful_only: bool = False  # sft: clone successful episodes only (filtered behaviour cloning)
-    seed: int = 0
-    threads: int | None = None
-    checkpoint: str | None = None  # default RUN/checkpoint
-    hindsight_sft: str | None = (
-        None  # sft: also teacher prompts built by these feedback sources, e.g. "ref|error" (method.hindsight_sft)
+    attn_implementation: Attention = setting(
+        "auto", "auto (flash_attention_2 when installed, on CUDA, in bf16/fp16; else sdpa) | sdpa | eager"
+    )
+    gradient_checkpointing: bool = setting(False, "recompute activations in backward: less memory, ~30 % more compute")
+    gpus: list[int] | None = setting(
+        None,
+        "CUDA devices of the trainer's processes, one each (LOCAL_RANK r takes gpus[r]); null: LOCAL_RANK's. "
+        "With rollout.gpus: vLLM on its own GPUs",
+    )
+    deepspeed: DeepSpeedConfig = setting(factory=DeepSpeedConfig, doc="with backend deepspeed")
+    lora: LoraConfig = setting(factory=LoraConfig, doc="rank > 0: train LoRA adapters only")
+    optim: OptimConfig = setting(factory=OptimConfig, doc="the optimizer (AdamW)")
+    epochs: int = setting(1, "passes over the batch per update")
+    mini_batches: int = setting(1, "optimizer steps per pass")
+    mini_batch_turns: int = setting(
+        0,
+        "> 0: optimizer steps per pass = ceil(turns / mini_batch_turns) instead of mini_batches, the authors' "
+        "ppo_mini_batch_size in step-rows (paper: 64 WebShop, 256 ALFWorld; recipe/serl/run_webshop.sh:81)",
+    )
+    clip_eps: float = setting(0.2, "PPO's clip range")
+    dual_clip: float = setting(
+        0.0,
+        "dual-clip PPO's c (> 1): the loss of a token with w*A < 0 is capped at -c*w*A. 0 = off (paper: 3.0, "
+        "verl's clip_ratio_c, always on there: core_algos.py:583-587)",
+    )
+    entropy_coef: float = setting(
+        0.0, "entropy bonus, token-mean over reply tokens (paper: 0.001, ppo_trainer.yaml:57)"
+    )
+    kl_coef: float = setting(0.0, "k3 KL to the frozen starting policy")
+    distill_coef: float = setting(
+        0.0, "KL(pi || teacher) on selected turns of failed rollouts (off in serl; sdpo: 1 unless set)"
+    )
+    omega: float = setting(1.0, "gigpo: weight of the step advantage")
+    gamma: float = setting(0.95, "gigpo: discount of the per-turn return")
+    gigpo_mode: GigpoMode = setting(
+        "mean_std_norm", "gigpo: mean_std_norm (divide by std) | mean_norm (mean only; verl-agent's default)"
+    )
+    gigpo_anchor: GigpoAnchor = setting(
+        "state",
+        "gigpo: what makes turns one anchor state: state (the environment's state_key; ALFWorld: its facts) | "
+        'observation (the raw observation text, the authors\' key: every "Nothing happens." pooled)',
+    )
+    adv_eps: float = setting(1e-6, "added to a group's std before dividing by it")
+    group_norm: GroupNorm = setting(
+        "episode",
+        "how a group's statistics pool: episode (one score per episode, serl's) | cross_steps (every turn a "
+        "sample, the authors' compute_mean_std_cross_steps=True, core_algos.py:114-175)",
+    )
+    invalid_action_penalty: float = setting(
+        0.0,
+        "subtracted from a turn's score when the environment flagged its action (feedback.error), before the "
+        "advantage (paper: 0.1, ray_trainer.py:198-222); under group_norm episode: per invalid turn of the episode",
+    )
+    success_reward: float = setting(
+        0.0,
+        "> 0: an episode's training reward is this on a success and 0 otherwise, in place of the environment's "
+        "reward (paper: 10.0, env_package/webshop/envs.py:47-53); 0 = the environment's reward",
+    )
+    recompute_logp_old: bool | None = setting(
+        None,
+        "recompute the behaviour log-probs (pi_old) with the trainer's model before the update: null = when the "
+        "rollouts came from an engine other than hf (vLLM's numerics differ from the trainer's), true, false",
+    )
+    sft_successful_only: bool = setting(False, "sft: clone successful episodes only (filtered behaviour cloning)")
+    seed: int = setting(0, "the update's seed (the online loop: the run's seed)")
+    threads: int | None = setting(None, "torch threads; null: all cores (the online loop: every stage's)")
+    checkpoint: str | None = setting(None, "where the updated policy goes; null: RUN/checkpoint")
+    hindsight_sft: str | None = setting(
+        None, 'sft: also teacher prompts built by these feedback sources, e.g. "ref|error" (method.hindsight_sft)'
     )
 
 
 def check_train_config(cfg: TrainConfig) -> None:
     """Everything about ``cfg`` that can be wrong, checked before any model loads or any
-    file is written: the algorithm, the backend and its config, LoRA, the extras they need."""
-    from serl_cli.models.device import check_names, resolve_device
-
-    get_objective(cfg.algo)
-    _check_loss_settings(cfg)
+    file is written (and without importing torch): the algorithm, the words of its settings,
+    the backend and its config, LoRA, the extras they need."""
+    objective(cfg.algo)
     check_names(cfg.device, cfg.dtype, cfg.attn_implementation)
-    resolve_device(cfg.device, cfg.gpus)  # --device cuda without a GPU: one line, before anything loads
-    lora_mod.validate(cfg.lora)
-    if cfg.backend not in BACKENDS:
-        raise SerlError(f"unknown backend {cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
+    cfgmod.check_choices(cfg, "train")
+    _check_loss_settings(cfg)
+    check_lora(cfg.lora)
+    if cfg.device == "cuda" or cfg.gpus:  # --device cuda without a GPU, a missing GPU: one line, before anything loads
+        from serl_cli.models.device import resolve_device
+
+        resolve_device(cfg.device, cfg.gpus)
     if cfg.backend == "deepspeed":
         from serl_cli.training.deepspeed_config import check_config
 
         check_config(cfg)
-    if lora_mod.enabled(cfg.lora):
-        require_peft()
+
+
+def check_lora(cfg: LoraConfig) -> None:
+    if cfg.rank < 0:
+        raise SerlError(f"train.lora.rank must be 0 (off) or positive, got {cfg.rank}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise SerlError(f"train.lora.dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.rank > 0 and not cfg.targets.strip():
+        raise SerlError("train.lora.targets is empty: name the modules to adapt, or all-linear")
+    if cfg.rank > 0 and importlib.util.find_spec("peft") is None:
+        raise SerlError("LoRA (--lora-rank > 0) needs peft: pip install 'serl[lora]'")
 
 
 def _check_loss_settings(cfg: TrainConfig) -> None:
@@ -109,12 +170,6 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
             raise SerlError(f"train.{name} must be 0 or positive, got {getattr(cfg, name)}")
     if cfg.mini_batches < 1:
         raise SerlError(f"train.mini_batches must be at least 1, got {cfg.mini_batches}")
-    if cfg.group_norm not in GROUP_NORMS:
-        raise SerlError(f"unknown train.group_norm {cfg.group_norm!r}: choose one of {', '.join(GROUP_NORMS)}")
-    if cfg.gigpo_mode not in GIGPO_MODES:
-        raise SerlError(f"unknown train.gigpo_mode {cfg.gigpo_mode!r}: choose one of {', '.join(GIGPO_MODES)}")
-    if cfg.gigpo_anchor not in GIGPO_ANCHORS:
-        raise SerlError(f"unknown train.gigpo_anchor {cfg.gigpo_anchor!r}: choose one of {', '.join(GIGPO_ANCHORS)}")
 
 
 def recompute_enabled(cfg: TrainConfig, engine: str | None) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from support import rollout_config, synthetic_env
 
-from serl_cli.algos import objectives
+from serl_cli.algos import objectives, registry
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.stages.rollout import run_rollout
 from serl_cli.training.learner import Learner
@@ -44,9 +44,9 @@ def test_nonfinite_steps_are_skipped_and_logged(tiny_model_dir, episodes, monkey
         return (loss * POISON[step] if step in POISON else loss), stats
 
     monkeypatch.setitem(
-        objectives.OBJECTIVES,
+        registry.OBJECTIVES,
         cfg.algo,
-        objectives.Objective(cfg.algo, sft.prepare, poisoned_loss, uses_behaviour_logprobs=False),
+        registry.Objective(cfg.algo, sft.prepare, poisoned_loss, uses_behaviour_logprobs=False),
     )
     metrics = learner.update(episodes, 1.0)
     after = {k: v.detach().clone() for k, v in learner.model.named_parameters()}

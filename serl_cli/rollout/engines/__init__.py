@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 from envs.base import Step
+from serl_cli.config import setting
 from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import (
     DEFAULT_ACTION_FORMAT,
@@ -27,19 +28,22 @@ from serl_cli.rollout.prompts import (
     reply_ids,
 )
 
-ENGINES = ("hf", "vllm")
+EngineName = Literal["hf", "vllm"]
+ENGINES = get_args(EngineName)
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    max_new_tokens: int = 48
-    # common random numbers: each episode's turn draws from its own stream, keyed by the run's seed, the
-    # room's group, the rollout and the turn (:func:`row_seed`), not from one stream per batch. Two runs
-    # with the same seed then draw the same reply for the same turn wherever their policies agree closely
-    # (Gumbel-max on hf, per-request seeds on vLLM), so arms paired by seed stay paired after they diverge
-    coupled: bool = False
+    temperature: float = setting(1.0, "0: greedy")
+    top_p: float = setting(1.0, "nucleus sampling mass")
+    max_new_tokens: int = setting(48, "the reply's token budget")
+    coupled: bool = setting(
+        False,
+        "common random numbers: each episode's turn draws from its own stream, keyed by the run's seed, the "
+        "room's group, the rollout and the turn (row_seed), not from one stream per batch. Two runs with the "
+        "same seed then draw the same reply for the same turn wherever their policies agree closely "
+        "(Gumbel-max on hf, per-request seeds on vLLM), so arms paired by seed stay paired after they diverge",
+    )
 
 
 def row_seed(seed: int, row: tuple, turn: int) -> int:
@@ -239,6 +243,30 @@ def sleep_engine(engine: Engine) -> None:
         sleep()
 
 
+def model_engine(
+    model_name: str,
+    *,
+    seed: int = 0,
+    threads: int | None = None,
+    engine: str = "hf",
+    device: str = "auto",
+    dtype: str = "auto",
+    vllm=None,
+    gpus: list[int] | None = None,
+):
+    """An engine generating with ``model_name``: hf on ``device`` in ``dtype`` (``models.device``),
+    or a vLLM engine of its own (``vllm``: its ``VLLMConfig``; close it with :func:`close_engine`)."""
+    from serl_cli.models.device import resolve
+    from serl_cli.models.loading import load_for_inference, set_torch_threads
+
+    check_engine(engine)
+    set_torch_threads(threads)
+    if engine == "vllm":
+        return make_engine("vllm", None, None, model_dir=model_name, vllm=vllm, seed=seed, gpus=gpus)
+    model, tokenizer = load_for_inference(model_name, resolve(device, dtype))
+    return make_engine(engine, model, tokenizer)
+
+
 def model_policy(
     model_name: str,
     *,
@@ -247,27 +275,11 @@ def model_policy(
     seed: int = 0,
     prompt: PromptConfig | None = None,
     max_new_tokens: int = 48,
-    threads: int | None = None,
-    engine: str = "hf",
-    device: str = "auto",
-    dtype: str = "auto",
-    vllm=None,
-    gpus: list[int] | None = None,
     coupled: bool = False,
+    **engine,
 ) -> ModelPolicy:
-    """A policy generating with ``model_name`` on ``engine``: hf on ``device`` in ``dtype``
-    (``models.device``), or a vLLM engine of its own (``vllm``: its ``VLLMConfig``; close it
-    with :func:`close_engine`)."""
-    from serl_cli.models.device import resolve
-    from serl_cli.models.loading import load_for_inference, set_torch_threads
-
-    check_engine(engine)
-    set_torch_threads(threads)
-    if engine == "vllm":
-        eng = make_engine("vllm", None, None, model_dir=model_name, vllm=vllm, seed=seed, gpus=gpus)
-    else:
-        model, tokenizer = load_for_inference(model_name, resolve(device, dtype))
-        eng = make_engine(engine, model, tokenizer)
+    """A policy generating with ``model_name`` on :func:`model_engine` (``engine``: its settings)."""
+    eng = model_engine(model_name, seed=seed, **engine)
     return ModelPolicy(
         eng, SamplingConfig(temperature, top_p, max_new_tokens, coupled), prompt or PromptConfig(), seed=seed
     )

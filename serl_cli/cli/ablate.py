@@ -21,7 +21,7 @@ from serl_cli.ablate.grid_record import grid_record, load_grid_record, write_gri
 from serl_cli.cli.common import summary_table
 from serl_cli.cli.root import QuietOpt, SetOpt, VerboseOpt, app, console, err_console
 from serl_cli.errors import SerlError
-from serl_cli.stages.online import PREEMPTED_EXIT, Preempted
+from serl_cli.stages.online_stop import PREEMPTED_EXIT, Preempted
 from serl_cli.training.backends import is_main_process
 
 

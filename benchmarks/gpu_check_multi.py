@@ -18,7 +18,8 @@ Layouts, on N GPUs (every one ZeRO-3, ``serl train`` under torchrun, one process
 
 Each runs one iteration on Sokoban with the model :func:`benchmarks.gpu_check.build_model`
 builds (Qwen2.5 shapes, random weights, serl's tokenizer): SERL with the teacher scoring
-every turn with a block (``annotate.skip_zero_advantage: false``), π_old recomputed. Each
+every turn with a block (``annotate.skip_zero_advantage: false``), π_old recomputed, the
+paper's entropy bonus (so every turn trains, whatever the random model's rewards). Each
 rank's figures come from the run's ``timings.jsonl`` (``ranks``): its peak memory -- its
 trainer process's: allocated on its GPU (vLLM's own processes are not in it), or its resident
 set on a CPU -- and its seconds in rollout, recompute, teacher, update and sync. The
@@ -107,6 +108,7 @@ def run_config(layout: dict, model_dir: Path, out: Path, args) -> dict:
             "dtype": "bf16" if gpu else "fp32",
             "gpus": layout["train_gpus"],
             "recompute_logp_old": True,
+            "entropy_coef": 0.001,  # the paper's: every turn trains, whatever the random model's rewards
             "gradient_checkpointing": args.gradient_checkpointing,
             "optim": {"lr": 1e-6, "micro_batch_tokens": args.micro_batch_tokens},
             "threads": args.threads,

@@ -68,7 +68,9 @@ def _comparable(cfg: TrainConfig) -> dict:
     return plain
 
 
-def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool, progress=None, main=True) -> dict:
+def _train_on_run(
+    run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool, progress=None, main: bool = True
+) -> dict:
     manifest = io.load_manifest(run)
     get_objective(cfg.algo)
     check_hindsight_sft(cfg)

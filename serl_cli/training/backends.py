@@ -9,7 +9,7 @@ batch is cut into optimizer steps -- and asks its backend for a forward module, 
 optimizer step over a list of micro-batches, the full weights on demand (:meth:`full_model`:
 under ZeRO-3 they are partitioned across processes), the values a process keeps of each
 parameter (:meth:`local_values`: the whole tensor, or under ZeRO-3 its partition), its resume
-state, and the process group's basics (rank, broadcast, all-gather, barrier).
+state, and the process group's basics (rank, all-gather, barrier).
 """
 
 from __future__ import annotations
@@ -118,9 +118,6 @@ class TorchBackend:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
-
-    def broadcast(self, obj):
-        return obj
 
     def all_gather(self, obj) -> list:
         """``obj`` of every process, in rank order."""

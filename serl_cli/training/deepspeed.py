@@ -336,13 +336,6 @@ class DeepSpeedBackend:
         if path is None:
             raise SerlError(f"DeepSpeed could not load its checkpoint from {engine_dir}")
 
-    def broadcast(self, obj):
-        if self.world == 1:
-            return obj
-        box = [obj if self.is_main else None]
-        self._dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def all_gather(self, obj) -> list:
         """``obj`` of every process, in rank order."""
         if self.world == 1:

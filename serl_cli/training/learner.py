@@ -157,10 +157,6 @@ class Learner:
         its share of the items, every one gets all the results."""
         return partial(score, ranks=self.backend)
 
-    def broadcast(self, obj):
-        """``obj`` as the main process has it, on every process."""
-        return self.backend.broadcast(obj)
-
     def all_gather(self, obj) -> list:
         """``obj`` of every process, in rank order."""
         return self.backend.all_gather(obj)

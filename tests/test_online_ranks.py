@@ -3,8 +3,9 @@
 Acceptance (CPU, gloo): ``torchrun --nproc_per_node 2 -m serl_cli train`` with a tiny SERL
 config (the teacher scoring every turn, pi_old recomputed) on ``--backend deepspeed``
 (ZeRO-3) for 2 iterations. Each rank's log shows it rolled out, recomputed and scored its
-own share of the groups; the rollouts are the one-process run's (the same tokens), and the
-update -- the weights after each iteration, and the metrics -- equals it within 1e-5.
+own share of the groups; the rollouts are the one-process run's (the same tokens), so is the
+periodic evaluation (each rank a share of the panel), and the update -- the weights after each
+iteration, and the metrics -- equals it within 1e-5.
 The division's pure parts (which process owns what, the merge, the sampling rule) are
 tested by hand.
 """
@@ -77,6 +78,8 @@ ARGS = [
     "--set", "train.distill_coef=0.1",  # the teacher's log-probs reach the loss: it scores every turn
     "--set", "annotate.teacher_sync_interval=1",
     "--set", "keep_last=0",
+    "--set", "eval.episodes=3",  # the periodic evaluation after iteration 1, divided too
+    "--set", "eval.every=2",
 ]  # fmt: skip
 
 
@@ -115,6 +118,7 @@ def test_two_processes_share_the_work_and_equal_one(tiny_model_dir, tmp_path):
         assert len(rollouts) == len(recomputes) == len(scorings) == 2, lines
         for m in recomputes + scorings:
             assert 0 < int(m[1]) < int(m[2]), lines  # a share, not all of them
+        assert any(f": eval {2 - rank} episode(s) of 3" in ln for ln in lines), lines  # panel tasks r, r + 2
     assert "serl: rank" not in p1.stderr  # one process: no per-rank lines
     for line in (two / "timings.jsonl").read_text().splitlines():
         ranks = json.loads(line)["ranks"]
@@ -133,6 +137,10 @@ def test_two_processes_share_the_work_and_equal_one(tiny_model_dir, tmp_path):
         for ea, eb in zip(a, b):
             for ta, tb in zip(ea["turns"], eb["turns"]):
                 assert max(abs(x - y) for x, y in zip(ta["behaviour_logprobs"], tb["behaviour_logprobs"])) < TOL
+
+    # the same evaluation, written by rank 0 alone
+    assert (one / "iter_0001" / "episodes.jsonl").read_text() == (two / "iter_0001" / "episodes.jsonl").read_text()
+    assert not (two / "iter_0000" / "eval.json").exists()
 
     # the same update: the metrics and the weights after each iteration
     ma = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]

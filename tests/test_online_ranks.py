@@ -113,7 +113,7 @@ def test_two_processes_share_the_work_and_equal_one(tiny_model_dir, tmp_path):
         lines = [ln for ln in p2.stderr.splitlines() if ln.startswith(f"serl: rank {rank}/2: ")]
         rollouts = [ln for ln in lines if re.search(rf": rollout 1 group\(s\) \[{rank}\], 2 episode\(s\)", ln)]
         recomputes = [re.search(r": recompute (\d+) turn\(s\) of (\d+)", ln) for ln in lines]
-        scorings = [re.search(r": teacher (\d+) turn\(s\) of (\d+)", ln) for ln in lines]
+        scorings = [re.search(r": teacher (\d+) item\(s\) of (\d+)", ln) for ln in lines]
         recomputes, scorings = [m for m in recomputes if m], [m for m in scorings if m]
         assert len(rollouts) == len(recomputes) == len(scorings) == 2, lines
         for m in recomputes + scorings:

@@ -341,7 +341,7 @@ class Loop:
                 bare_replies=rcfg.prompt.bare_replies,
                 scorer=scorer,
             )
-        log.phase("teacher", scorer.seconds, f"{scorer.own} turn(s) of {scorer.total}", turns=scorer.own)
+        log.phase("teacher", scorer.seconds, f"{scorer.own} item(s) of {scorer.total}", items=scorer.own)
         if self.main:
             write_annotations(it, annotations, episodes, acfg, stats)
         return annotations, {"config": io.to_plain(acfg), "stats": stats}

@@ -63,7 +63,8 @@ def in_spec_order(specs: list[EpisodeSpec], parts: list[list[dict]]) -> list[dic
 
 class CountingScorer:
     """A scorer (``training.scoring.score``'s signature) that counts how many of the items it
-    was given are this process's own share, and the seconds it took."""
+    was given (the turns the teacher weighs, and the teacher signal's probes) are this
+    process's own share, and the seconds it took."""
 
     def __init__(self, scorer, rank: int, world: int):
         self.scorer, self.rank, self.world = scorer, rank, world

@@ -2,6 +2,7 @@
 
     bash benchmarks/gpu_check.sh                 # about 8 minutes on one H100/H200
     bash benchmarks/gpu_check.sh --smoke         # CPU, tiny shapes, well under a minute (CI runs it)
+    bash benchmarks/gpu_check.sh --multi         # 2-4 GPUs, every rank's memory and phases (gpu_check_multi)
     python -m benchmarks.gpu_check --shapes qwen2.5-0.5b --out results/gpu_check.json
 
 For each shape -- Qwen2.5-0.5B and Qwen2.5-1.5B as written in :data:`SHAPES` (hidden size,
@@ -305,8 +306,7 @@ def sync_and_verify(engine, learner, model_dir: Path, args) -> dict:
     out = {}
     if hasattr(engine, "update_weights"):
         _sync(learner.backend.device)
-        with learner.full_model() as module:
-            out.update(engine.update_weights(learner.export_weights(module)))
+        out.update(engine.update_weights(learner.stream_weights(), largest=learner.largest_weight()))
     tok = engine.tokenizer
     prompts = _prompts(16, 64, len(tok), seed=5)
     gens = engine.generate(prompts, SamplingConfig(1.0, 1.0, 16), seed=9)

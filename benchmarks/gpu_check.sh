@@ -6,6 +6,10 @@
 #   bash benchmarks/gpu_check.sh                       # the whole check, results/gpu_check.json
 #   bash benchmarks/gpu_check.sh --smoke               # CPU, tiny shapes, under a minute (tests/test_gpu_check.py)
 #   bash benchmarks/gpu_check.sh --shapes qwen2.5-1.5b --out /tmp/x.json
+#   bash benchmarks/gpu_check.sh --multi               # 2-4 GPUs (benchmarks/gpu_check_multi.py): one SERL
+#                                                      # iteration per layout (ZeRO-3; vLLM tensor parallel 2 on
+#                                                      # GPUs of its own; colocated), each rank's memory and phases
+#   bash benchmarks/gpu_check.sh --multi --smoke       # the same phases on 2 gloo ranks on the CPU (CI)
 #
 # Exit 0 when every stage ran, 1 when one failed (the JSON and the table say which and why).
 set -euo pipefail
@@ -13,6 +17,8 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 args=("$@")
-case " $* " in *" --out "* | *" --out="*) ;; *) args+=(--out "benchmarks/results/gpu_check$([[ " $* " == *" --smoke "* ]] && echo _smoke).json") ;; esac
+name=gpu_check
+[[ " $* " == *" --multi "* ]] && name=gpu_check_multi
+case " $* " in *" --out "* | *" --out="*) ;; *) args+=(--out "benchmarks/results/${name}$([[ " $* " == *" --smoke "* ]] && echo _smoke).json") ;; esac
 # the whole check stays within its budget: 15 minutes at most, whatever hangs
-exec timeout --signal=TERM --kill-after=30 "${SERL_GPU_CHECK_TIMEOUT:-900}" "${PYTHON:-python}" -m benchmarks.gpu_check "${args[@]}"
+exec timeout --signal=TERM --kill-after=30 "${SERL_GPU_CHECK_TIMEOUT:-900}" "${PYTHON:-python}" -m "benchmarks.${name}" "${args[@]}"

@@ -41,8 +41,8 @@ BACKENDS = ("torch", "zero1", "zero2", "zero3")
 def make_episodes(model_dir: str, args) -> list[dict]:
     import random
 
-    from serl_cli.method.teacher import ScoreItem, score
     from serl_cli.models.loading import load_model
+    from serl_cli.training.scoring import ScoreItem, score
 
     model, tokenizer = load_model(model_dir)
     model.eval()

@@ -192,7 +192,7 @@ class ScriptedPolicy:
         self._episode: dict[int, int] = {}  # id of the record's turn list -> spec index
 
     def act(self, steps, contexts) -> list[Decision]:
-        from serl_cli.method.teacher import ScoreItem, score
+        from serl_cli.training.scoring import ScoreItem, score
 
         prompt_ids = self._prompter.prompts(steps, contexts)
         out = []

@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serl_cli.method.teacher import ScoreItem, score  # noqa: E402
 from serl_cli.training.deepspeed_config import DeepSpeedConfig  # noqa: E402
 from serl_cli.training.learner import Learner  # noqa: E402
 from serl_cli.training.lora import LoraConfig  # noqa: E402
+from serl_cli.training.scoring import ScoreItem, score  # noqa: E402
 from serl_cli.training.step import OptimConfig  # noqa: E402
 from serl_cli.training.train_config import TrainConfig  # noqa: E402
 

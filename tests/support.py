@@ -120,18 +120,22 @@ def boost_eos(model, tokenizer, corpus: list[str], mean_logit: float = 3.0, cont
     model.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids(EOS_TOKEN)] = scale * direction
 
 
-def make_half_successful(run) -> None:
-    """Give half of every group reward 1 (success) in a run's stored rollouts: a random-init model
-    never succeeds, and rewards are data to the stages after the rollout."""
-    from serl_cli.artifacts import io
-
-    path = Path(run) / "rollouts.jsonl"
-    episodes = [json.loads(line) for line in path.read_text().splitlines()]
+def half_successful(episodes: list[dict]) -> list[dict]:
+    """Half of every group rewarded 1 (success), in place: a random-init model never succeeds,
+    and rewards are data to the stages after the rollout."""
     for ep in episodes:
         if ep["rollout_index"] % 2 == 0:
             ep["reward"], ep["success"] = 1.0, True
             ep["turns"][-1]["reward"] = 1.0
-    io.write_jsonl(path, episodes)
+    return episodes
+
+
+def make_half_successful(run) -> None:
+    """:func:`half_successful` on a run's stored rollouts."""
+    from serl_cli.artifacts import io
+
+    path = Path(run) / "rollouts.jsonl"
+    io.write_jsonl(path, half_successful([json.loads(line) for line in path.read_text().splitlines()]))
 
 
 # -- the CLI, run as a user runs it ---------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import assert_one_line_error, make_half_successful, rollout_config, serl
+from support import assert_one_line_error, half_successful, make_half_successful, rollout_config, serl
 
 from serl_cli import config as cfgmod
 from serl_cli.algos.registry import apply_algorithm, check_annotations
@@ -127,14 +127,10 @@ def loop_run(stopping_model_dir, tmp_path_factory) -> Path:
             f"out={run}",
         ],
     )
-    read = online.read_rollouts
-
-    def half_successful(it):
-        make_half_successful(it)
-        return read(it)
+    gathered = online.as_stored  # the loop's batch, as every process holds it and rank 0 writes it
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(online, "read_rollouts", half_successful)
+        mp.setattr(online, "as_stored", lambda records: half_successful(gathered(records)))
         online.run_online(cfg)
     (run / "online.yaml").write_text(yaml.safe_dump(run_settings(cfg), sort_keys=False))
     return run

@@ -4,6 +4,9 @@ The same script, on tiny shapes: model build, the engine (vLLM where installed, 
 a Sokoban rollout, one DeepSpeed ZeRO-2 update in bf16 (the torch backend without
 DeepSpeed) with the engine-trainer mismatch, the in-memory weight sync and one online
 iteration. The GPU figures themselves (MFU, vLLM throughput) exist only on a GPU.
+
+Its multi-GPU mode (``--multi``, ``benchmarks/gpu_check_multi.py``) runs one SERL iteration
+per layout under torchrun; ``--multi --smoke`` runs the same phases on 2 gloo ranks on the CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from benchmarks.gpu_check import BF16_PEAK, SHAPES, bf16_peak
+from benchmarks.gpu_check_multi import layouts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,3 +84,40 @@ def test_smoke_runs_every_stage_on_cpu(tmp_path):
     assert r["trainer_peak_memory_bytes"] > 0 and r["mfu"] is None  # no bf16 peak for a CPU
     assert r["online"]["iteration_s"] > 0
     assert "MFU %" in p.stdout and "smoke" in p.stdout  # the table
+
+
+def test_multi_gpu_layouts_by_gpu_count():
+    split, colocated = layouts(4, smoke=False, have_vllm=True)
+    assert (split["processes"], split["train_gpus"], split["rollout_gpus"], split["tp"]) == (2, [0, 1], [2, 3], 2)
+    assert not split["sleep"] and colocated["sleep"] and (colocated["processes"], colocated["tp"]) == (4, 2)
+    split, colocated = layouts(3, smoke=False, have_vllm=True)
+    assert (split["processes"], split["rollout_gpus"], split["tp"], colocated["tp"]) == (1, [1, 2], 2, 2)
+    split, colocated = layouts(2, smoke=False, have_vllm=True)  # no room for tensor parallel 2 beside a trainer
+    assert (split["processes"], split["rollout_gpus"], split["tp"], colocated["processes"]) == (1, [1], 1, 2)
+    (smoke,) = layouts(0, smoke=True, have_vllm=False)
+    assert (smoke["processes"], smoke["engine"], smoke["train_gpus"]) == (2, "hf", None)
+
+
+@pytest.mark.slow
+def test_multi_smoke_times_every_phase_on_two_cpu_ranks(tmp_path):
+    out = tmp_path / "gpu_check_multi.json"
+    env = {**os.environ, "SERL_THREADS": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--multi", "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=ROOT,
+        check=False,
+    )
+    data = json.loads(out.read_text()) if out.exists() else {}
+    assert p.returncode == 0, f"{[r.get('error') for r in data.get('results', [])]}\n{p.stderr[-4000:]}"
+    assert data["ok"] and data["smoke"]
+    (res,) = data["results"]
+    assert res["layout"]["name"] == "smoke" and [r["rank"] for r in res["ranks"]] == [0, 1]
+    for r in res["ranks"]:
+        assert r["peak_memory_bytes"] > 0 and r["plan_estimate_bytes"] is None
+        assert all(r[f"{p}_s"] >= 0 for p in ("rollout", "recompute", "teacher", "update"))
+    assert any(line.startswith("serl: rank 1/2: teacher") for line in res["log"])  # rank 1 scored its share
+    assert "plan GiB" in p.stdout and "smoke" in p.stdout  # the table

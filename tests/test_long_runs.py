@@ -21,9 +21,10 @@ from support import synthetic_env
 from serl_cli.ablate.runners import SELF_CMD
 from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import SamplingConfig
-from serl_cli.stages.online import PREEMPTED_EXIT, Preempted, run_online
+from serl_cli.stages.online import run_online
 from serl_cli.stages.online_checkpoints import checkpoint_due, prune_checkpoints, resume_point
 from serl_cli.stages.online_config import OnlineConfig, OnlineEvalConfig
+from serl_cli.stages.online_stop import PREEMPTED_EXIT, Preempted
 from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig

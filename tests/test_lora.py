@@ -12,9 +12,10 @@ pytest.importorskip("peft")
 from deepspeed_worker import make_episodes, train_config  # noqa: E402
 
 from serl_cli.errors import SerlError  # noqa: E402
-from serl_cli.method.teacher import ScoreItem, TeacherSnapshot, score  # noqa: E402
+from serl_cli.method.teacher import TeacherSnapshot  # noqa: E402
 from serl_cli.models.loading import load_model  # noqa: E402
 from serl_cli.training.learner import Learner  # noqa: E402
+from serl_cli.training.scoring import ScoreItem, score  # noqa: E402
 
 BACKENDS = [
     "torch",

@@ -31,7 +31,7 @@ from serl_cli.models.loading import load_model
 from serl_cli.rollout.engines import SamplingConfig, make_engine
 from serl_cli.rollout.engines.hf import HFEngine
 from serl_cli.rollout.engines.vllm import VLLMConfig, check_gpus, check_sampling, request_seeds, visible_devices
-from serl_cli.rollout.engines.vllm_sync import unpack_chunk, weight_chunks
+from serl_cli.rollout.engines.vllm_sync import sendable, unpack_chunk, weight_chunks
 from serl_cli.rollout.prompts import PromptConfig, build_messages, render_prompt_ids
 
 torch.set_num_threads(1)
@@ -168,7 +168,7 @@ def test_weight_chunks_round_trip_in_the_engines_dtype_and_send_a_tied_head_once
     state = model.state_dict()
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # tied
     for dtype in (torch.float32, torch.bfloat16):
-        chunks = list(weight_chunks(state.items(), dtype, limit=200_000))
+        chunks = list(weight_chunks(sendable(state.items(), dtype), dtype, limit=200_000))
         assert len(chunks) > 1 and all(sum(len(r[3]) for r in c) <= 200_000 or len(c) == 1 for c in chunks)
         back = dict(pair for c in chunks for pair in unpack_chunk(c))
         assert "lm_head.weight" not in back and set(back) == set(state) - {"lm_head.weight"}
@@ -181,7 +181,7 @@ def test_shared_memory_chunks_round_trip(tiny_model_dir):
     block, a chunk at a time, read back by the worker's side as the same tensors."""
     from multiprocessing import shared_memory
 
-    from serl_cli.rollout.engines.vllm_sync import read_shared, sendable, shared_chunks
+    from serl_cli.rollout.engines.vllm_sync import read_shared, shared_chunks
 
     model, _ = load_model(str(tiny_model_dir))
     pairs = sendable(model.state_dict().items(), torch.bfloat16)

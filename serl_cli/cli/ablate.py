@@ -184,7 +184,7 @@ def ablate_command(
 
 
 def _run_one_cell(record: dict, out_dir: Path, cell: int, quiet: bool) -> None:
-    from serl_cli.stages.online import Preempted
+    from serl_cli.stages.online_stop import Preempted
     from serl_cli.training.backends import is_main_process
 
     main = is_main_process()

@@ -137,8 +137,9 @@ def train_command(
         check_online_config(cfg)
     else:
         check_train_config(train)
-    from serl_cli.stages.online import Preempted, run_online
-    from serl_cli.stages.train import follow_train_on_run, train_on_run
+    from serl_cli.stages.online import run_online
+    from serl_cli.stages.online_stop import Preempted
+    from serl_cli.stages.train import train_on_run
     from serl_cli.training.backends import is_main_process
 
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
@@ -149,8 +150,8 @@ def train_command(
             err_console.print(note, highlight=False, markup=False, soft_wrap=True)
         train.model = train.model or model
         train.checkpoint = out or train.checkpoint
-        if not main:
-            follow_train_on_run(run, train, resume=resume)
+        if not main:  # its part of the update; the main process keeps the books and reports
+            train_on_run(run, train, overwrite=overwrite, resume=resume)
             return
         with update_bar(console, quiet) as progress:
             m = train_on_run(run, train, overwrite=overwrite, resume=resume, progress=progress)

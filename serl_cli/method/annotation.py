@@ -29,7 +29,8 @@ from serl_cli.method import anchors as anchors_mod
 from serl_cli.method import feedback as fb
 from serl_cli.method import placement, teacher_signal
 from serl_cli.method.annotate_config import AnnotateConfig, validate
-from serl_cli.method.teacher import ScoreItem, action_span_mask, score, teacher_prompt
+from serl_cli.method.teacher import action_span_mask, teacher_prompt
+from serl_cli.training.scoring import ScoreItem, score
 
 
 def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[dict]]:
@@ -93,8 +94,11 @@ def annotate_episodes(
     bare_replies: bool = False,
 ) -> tuple[list[dict], dict]:
     """Annotation records for every turn, and statistics of the pass (teacher work).
-    ``scorer`` has :func:`serl_cli.method.teacher.score`'s signature (e.g.
-    :func:`serl_cli.stages.annotate.journaled_scorer`).
+    ``scorer`` has :func:`serl_cli.training.scoring.score`'s signature (e.g.
+    :func:`serl_cli.stages.annotate.journaled_scorer`, or the online loop's, divided over its
+    processes); every teacher forward pass goes through it, the teacher signal's included.
+    Everything else is a pure function of the batch, so processes that each run it on the
+    whole batch with such a scorer agree with one process.
     ``advantages``: the update's advantage per turn, in turn order, whose sign sets each weight
     (the authors sign by the final advantage, invalid-action penalty included:
     verl/trainer/ppo/core_algos.py:466); default: the plain episode GRPO advantage.
@@ -183,6 +187,7 @@ def annotate_episodes(
         ScoreItem(
             teacher_prompt(tokenizer, samples[k].prompt_ids, records[k]["hindsight"], chat_template_kwargs),
             samples[k].action_ids,
+            records[k]["group_id"],
         )
         for k in to_score
     ]
@@ -235,6 +240,7 @@ def annotate_episodes(
             chat_template_kwargs,
             bare_replies,
             action_format(env_cfg) if bare_replies else None,
+            scorer=scorer,
         )
         if cfg.teacher_signal
         else None

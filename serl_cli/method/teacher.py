@@ -47,12 +47,11 @@ re-rendered prompt could merge it (``]`` + ``\\n\\n`` under a Qwen or Llama 3 to
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from pathlib import Path
 from typing import get_args
 
 import torch
 
-from serl_cli.algos.batch import make_micro_batches
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import ActionSpans, Tokens, Unparsed
 from serl_cli.rollout.prompts import (
@@ -62,19 +61,13 @@ from serl_cli.rollout.prompts import (
     render_prompt_ids,
     tokenizer_fact,
 )
-from serl_cli.training.step import action_logprobs
 
 # The authors' default template (serl_trainer.yaml:65; the code default at PC:1569-1572).
 REPROMPT_TEMPLATE = "{prompt}\n\n{privileged_context}\n\nCorrectly solve the current task.\n"
 TOKEN_SCOPES = get_args(Tokens)  # serl: the parsed action's tokens | rlsd: every reply token
 UNPARSED = get_args(Unparsed)  # a reply with no parseable action: no weights (the authors') | all of it
 ACTION_SPANS = get_args(ActionSpans)  # last: serl's parse of the executed action | authors: their mask's spans
-
-
-@dataclass
-class ScoreItem:
-    prompt_ids: list[int]
-    action_ids: list[int]
+TEACHER_STATE = "teacher_state.pt"  # in an online run's checkpoint: the snapshot, so a resumed run matches
 
 
 def teacher_prompt_ids(prompt_ids: list[int], block_ids: list[int], end_of_turn_id: int) -> list[int]:
@@ -233,87 +226,83 @@ def action_span_mask(
     return mask
 
 
-@torch.no_grad()
-def score(
-    model, tokenizer, items: list[ScoreItem], temperature: float = 1.0, micro_batch_tokens: int = 16384
-) -> list[list[float]]:
-    """log-probs of each item's action tokens under ``model``, batched by length."""
-    if not items:
-        return []
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].action_ids))
-    out: list[list[float]] = [[] for _ in items]
-    was_training = model.training
-    model.eval()
-    for mb in make_micro_batches(items, order, micro_batch_tokens, pad):
-        logp = action_logprobs(model, mb, temperature)
-        k = logp.shape[1]
-        for row, i in enumerate(mb.index):
-            n = len(items[i].action_ids)
-            out[i] = logp[row, k - n :].tolist()
-    model.train(was_training)
-    return out
-
-
 class TeacherSnapshot:
-    """The hindsight teacher between syncs: the policy as it was at the last ``sync``.
+    """The hindsight teacher between syncs: the policy as it was at the last :meth:`sync`.
 
-    Full fine-tuning keeps a frozen copy of the network; under LoRA only the adapter
-    weights are copied, and the live network scores with them swapped in (one adapter's
-    memory instead of one model's). Only the main process keeps it (it annotates); under
-    ZeRO-3 ``sync`` and ``scoring`` run inside ``learner.full_model()`` on every process.
+    The teacher is the live network with the snapshot's weights copied in while it scores
+    (:meth:`scoring`), then the live weights copied back: no second model is built. The
+    snapshot holds the tensors an update changes (every weight; under LoRA the adapter's
+    only), as each process keeps them:
+
+    * under ZeRO-3, each process's own partitions (``ds_tensor``), on their device: the
+      teacher is sharded like the policy, and scores with ZeRO's per-layer gathers;
+    * otherwise (the torch backend, ZeRO-1/2) each process keeps a whole copy in CPU memory
+      between scorings; it is copied onto the device only while it scores (on a CPU that
+      is where it stays).
+
+    Every process keeps its snapshot: each scores its own share of the turns
+    (:func:`serl_cli.training.scoring.score`). :meth:`save` / :meth:`load` put it in a checkpoint
+    (``teacher_state.pt``; under ZeRO-3 one file per process, ``teacher_state.rank{r}.pt``).
     """
 
     def __init__(self, learner):
-        self.learner = learner
-        self.frozen = None  # a frozen model, or under LoRA the adapter's weights
+        self.learner, self.backend = learner, learner.backend
+        self.params = learner.trained_parameters()
+        self.saved: dict[str, torch.Tensor] = {}
         self.sync()
 
-    def sync(self) -> None:
-        from serl_cli.training import lora
-        from serl_cli.training.checkpoint import frozen_copy
+    def _keep(self, values: torch.Tensor) -> torch.Tensor:
+        return values.clone() if self.backend.sharded else values.to("cpu", copy=True)
 
-        with self.learner.full_model() as module:
-            if not self.learner.is_main:
-                return
-            if self.learner.uses_lora:
-                self.frozen = lora.adapter_state(module)
-            elif self.frozen is None:
-                self.frozen = frozen_copy(module)
-            else:
-                self.frozen.load_state_dict(module.state_dict())
+    @torch.no_grad()
+    def sync(self) -> None:
+        """The teacher becomes the policy as it is now (every process, no communication)."""
+        self.saved = {name: self._keep(self.backend.local_values(p)) for name, p in self.params}
 
     @contextmanager
     def scoring(self):
-        """The network to score with (main process only)."""
-        if not self.learner.uses_lora:
-            yield self.frozen
-            return
-        from serl_cli.training import lora
-
-        with self.learner.full_model() as module:
-            live = lora.adapter_state(module)
-            lora.load_adapter_state(module, self.frozen)
-            try:
-                yield module
-            finally:
-                lora.load_adapter_state(module, live)
+        """The network to score with: the live one holding the teacher's weights until the
+        block ends (every process enters: under ZeRO-3 every gathered copy is dropped first
+        and last, so its forwards gather the teacher's partitions, then the policy's)."""
+        self.backend.release_gathered()
+        live = {}
+        with torch.no_grad():
+            for name, p in self.params:
+                values = self.backend.local_values(p)
+                live[name] = self._keep(values)
+                values.copy_(self.saved[name])
+        try:
+            yield self.learner.model
+        finally:
+            self.backend.release_gathered()
+            with torch.no_grad():
+                for name, p in self.params:
+                    self.backend.local_values(p).copy_(live[name])
 
     def state_dict(self) -> dict:
-        return dict(self.frozen) if self.learner.uses_lora else self.frozen.state_dict()
+        return dict(self.saved)
 
     def load_state_dict(self, state: dict) -> None:
-        if self.learner.uses_lora:
-            self.frozen = {k: v.clone() for k, v in state.items()}
-        else:
-            self.frozen.load_state_dict(state)
+        # an older serl saved a LoRA teacher in peft's names (no ".default."): read those too
+        found = {name: state.get(name, state.get(name.replace(".default.", "."))) for name, _ in self.params}
+        missing = [name for name, value in found.items() if value is None]
+        if missing:
+            raise SerlError(f"the saved teacher has no {missing[0]}: it was saved by another serl or another model")
+        self.saved = {name: self._keep(value.to(self.saved[name].dtype)) for name, value in found.items()}
 
+    def state_file(self, directory: Path) -> Path:
+        name = f"teacher_state.rank{self.backend.rank}.pt" if self.backend.sharded else TEACHER_STATE
+        return Path(directory) / name
 
-def score_units(tokenizer, items: list[ScoreItem], micro_batch_tokens: int) -> list[list[int]]:
-    """The teacher micro-batches :func:`score` makes for ``items``, as lists of item indices.
-    Scoring one unit's items alone packs them into that same single micro-batch."""
-    from serl_cli.algos.batch import make_micro_batches
+    def save(self, directory: Path) -> None:
+        """The snapshot into a checkpoint directory (every process calls it)."""
+        if self.backend.sharded or self.backend.is_main:
+            torch.save(self.state_dict(), self.state_file(directory))
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].action_ids))
-    return [mb.index for mb in make_micro_batches(items, order, micro_batch_tokens, pad)]
+    def load(self, directory: Path) -> bool:
+        """The snapshot a checkpoint holds, if it holds one (every process calls it)."""
+        path = self.state_file(directory)
+        if not path.is_file():
+            return False
+        self.load_state_dict(torch.load(path, map_location="cpu"))
+        return True

@@ -25,9 +25,9 @@ only flattens the distribution does) scores well off the expert and badly on it.
 Cost: two teacher forwards per scored turn with an expert action (the expert's reply with
 the block and without it), each as long as the annotation's own forward for that turn: on
 Sokoban, where the prompt dominates, about 1.7 times the annotation's teacher time
-(``teacher_signal: false`` skips it). They go through :func:`serl_cli.method.teacher.score`
-itself, not the annotation's journaled scorer, whose units would no longer line up on
-resume: they are deterministic, so a resumed ``serl annotate`` simply scores them again.
+(``teacher_signal: false`` skips it). They go through the annotation's scorer
+(:func:`serl_cli.training.scoring.score`'s signature: under the online loop divided over its
+processes; under ``serl annotate`` journaled, its units numbered after the weights' own).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from __future__ import annotations
 import math
 
 from serl_cli.method.feedback import _same
-from serl_cli.method.teacher import ScoreItem, action_span_mask, score, teacher_prompt
+from serl_cli.method.teacher import action_span_mask, teacher_prompt
 from serl_cli.rollout.prompts import reply_ids
+from serl_cli.training.scoring import ScoreItem, score
 
 
 def expert_reply_ids(tokenizer, action: str, bare_replies: bool = False) -> list[int]:
@@ -103,8 +104,10 @@ def measure(
     chat_template_kwargs: dict | None = None,
     bare_replies: bool = False,
     action_format=None,
+    scorer=score,
 ) -> dict | None:
-    """Score the expert's reply with and without each turn's block, and summarize (:func:`teacher_signal`)."""
+    """Score the expert's reply with and without each turn's block (with ``scorer``), and
+    summarize (:func:`teacher_signal`)."""
     turns = signal_turns(records, episodes)
     if not turns:
         return None
@@ -123,7 +126,7 @@ def measure(
         prompt = _turn(records, episodes, k)["prompt_ids"]
         with_block = teacher_prompt(tokenizer, prompt, records[k]["hindsight"], chat_template_kwargs)
         items += [ScoreItem(with_block, reply[a]), ScoreItem(prompt, reply[a])]
-    scored = score(teacher_model, tokenizer, items, temperature, micro_batch_tokens)
+    scored = scorer(teacher_model, tokenizer, items, temperature, micro_batch_tokens)
 
     def on_span(logprobs: list[float], a: str) -> list[float]:
         return [x for x, m in zip(logprobs, span[a]) if m]

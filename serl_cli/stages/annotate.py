@@ -4,8 +4,9 @@ as ``annotations.jsonl`` and ``selection_report.json``.
 **Resume.** The teacher's work is the expensive part. ``serl annotate`` scores it one
 teacher micro-batch at a time -- exactly the micro-batches a single ``score`` call would
 make, so the numbers are bit-identical -- and appends each batch's log-probs to
-``annotations.journal.jsonl``. ``--resume`` after a kill reuses the journaled batches and
-scores only the rest; everything else is recomputed (it is cheap and deterministic).
+``annotations.journal.jsonl``, numbered across the pass's scoring calls (the weights', then
+the teacher signal's). ``--resume`` after a kill reuses the journaled batches and scores
+only the rest; everything else is recomputed (it is cheap and deterministic).
 """
 
 from __future__ import annotations
@@ -25,20 +26,24 @@ from serl_cli.artifacts.schema import (
 from serl_cli.errors import SerlError
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes, validate
 from serl_cli.method.selection_report import selection_report
-from serl_cli.method.teacher import score, score_units
+from serl_cli.training.scoring import score, score_units
 from serl_cli.training.train_config import TrainConfig
 
 JOURNAL_FILE = "annotations.journal.jsonl"
 
 
 def journaled_scorer(journal: Path, done: list[dict], progress=None):
-    """A :func:`score` that reuses the units in ``done`` and journals each one it scores;
-    ``progress(turns scored, turns to score)`` after each unit (a progress bar)."""
+    """A :func:`score` that reuses the units in ``done`` and journals each one it scores,
+    numbering them on from one call to the next; ``progress(turns scored, turns to score)``
+    after each unit (a progress bar)."""
+    first = [0]  # the journal number of the next call's first unit
 
     def scorer(model, tokenizer, items, temperature, micro_batch_tokens):
         out: list[list[float]] = [[] for _ in items]
         finished = 0
-        for u, index in enumerate(score_units(tokenizer, items, micro_batch_tokens)):
+        units = score_units(tokenizer, items, micro_batch_tokens)
+        start, first[0] = first[0], first[0] + len(units)
+        for u, index in enumerate(units, start):
             if u < len(done):
                 if done[u].get("items") != index:
                     raise SerlError(

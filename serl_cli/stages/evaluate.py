@@ -152,18 +152,14 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
     out = Path(cfg.out)
     io.prepare_output(out / "eval.json", overwrite=overwrite, what="an evaluation")
     world = build_world(cfg.env)
-    total = world.num_tasks(cfg.env.split)
-    n = total if cfg.episodes is None else cfg.episodes
-    if not 0 < n <= total:
-        raise SerlError(f"--episodes {n} out of range: the {cfg.env.name} {cfg.env.split} panel has {total} tasks")
+    specs = panel_specs(cfg, world)
     policy = policy or make_policy(cfg)
     started = time.time()
-    task_ids = PANELS[cfg.panel](n, total)
     try:
         records = run_episodes(
             world,
             cfg.env.split,
-            [EpisodeSpec(task_id=i) for i in task_ids],
+            specs,
             policy,
             max_turns=cfg.env.max_turns,
             batch_size=cfg.batch_size,
@@ -175,6 +171,21 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
             from serl_cli.rollout.engines import close_engine
 
             close_engine(policy.engine)
+    return write_eval(cfg, world, records, time.time() - started)
+
+
+def panel_specs(cfg: EvalConfig, world) -> list[EpisodeSpec]:
+    """The panel's episodes: ``cfg.episodes`` tasks of the split (all by default), one each."""
+    total = world.num_tasks(cfg.env.split)
+    n = total if cfg.episodes is None else cfg.episodes
+    if not 0 < n <= total:
+        raise SerlError(f"--episodes {n} out of range: the {cfg.env.name} {cfg.env.split} panel has {total} tasks")
+    return [EpisodeSpec(task_id=i) for i in PANELS[cfg.panel](n, total)]
+
+
+def write_eval(cfg: EvalConfig, world, records: list[dict], wall: float) -> dict:
+    """The panel's records, summarized, into ``cfg.out``: ``episodes.jsonl`` and ``eval.json``."""
+    out = Path(cfg.out)
     if hasattr(world, "task_type"):  # ALFWorld: success by task type in eval.json
         for r in records:
             r["task_type"] = world.task_type(cfg.env.split, r["task_id"])
@@ -185,7 +196,7 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
         "model": cfg.model,
         "panel": cfg.panel,
         **summarize(records, by="task_type" if records and "task_type" in records[0] else None),
-        "wall_time_s": round(time.time() - started, 3),
+        "wall_time_s": round(wall, 3),
     }
     io.write_jsonl(out / "episodes.jsonl", [_episode_row(r) for r in records])
     io.write_json(out / "eval.json", summary)

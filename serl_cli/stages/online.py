@@ -8,7 +8,7 @@ Layout of ``RUN``::
     RUN/iter_0000/checkpoint/      the policy after this iteration's update (every ``save_every``
                                    iterations, the newest ``keep_last`` kept)
     RUN/metrics.jsonl              one record per iteration (deterministic on CPU)
-    RUN/timings.jsonl              wall times and throughput (machine-dependent, kept apart)
+    RUN/timings.jsonl              wall times and throughput, each process's phases (machine-dependent)
     RUN/checkpoint/                the final policy
 
 An iteration counts as finished once the manifest says so; ``--resume`` restarts after
@@ -16,131 +16,100 @@ the newest iteration with a checkpoint (model, optimizer, update counter, teache
 any finished iterations after it, so a resumed run's artifacts equal an uninterrupted run's.
 Iteration k's rollouts use seed ``seed * 1000 + k``; the update is seeded by ``seed``.
 
+**Every process works.** Under torchrun / the deepspeed launcher (W processes; W = 1 is the
+same code) an iteration runs on all of them (:mod:`serl_cli.stages.online_ranks`):
+
+1. *Rollout.* The iteration's task groups are drawn as in ``serl rollout`` (the same on
+   every process); group g is process ``g % W``'s. With the hf engine each process generates
+   its own groups on its own device with its own model (under ZeRO-3 gathered whole while it
+   generates); with vLLM, rank 0's engine serves every group (vLLM batches them over its own
+   GPUs) and the other processes wait for it. The episodes are gathered and put in the order
+   one process writes them, so every process holds the same batch; rank 0 writes ``iter_k``.
+   A row's draws must not depend on the process or batch it ran in: with hf and W > 1,
+   ``rollout.sampling.coupled`` is required (it keys each row's draws by seed, row and turn),
+   and then 1 and W processes give the same rollouts.
+2. *π_old recompute and teacher scoring* go through one function
+   (:func:`serl_cli.training.scoring.score`): each process scores the turns of its own groups
+   and the results are gathered. Under ZeRO-3 nothing is gathered whole for it: the forwards
+   gather layer by layer, every process running as many (stand-in passes for fewer). The
+   annotation's cheap, deterministic parts (blocks, placement over the whole batch, weights)
+   run on the whole batch on every process, so its result equals one process's; rank 0
+   writes it.
+3. *The teacher* (:class:`serl_cli.method.teacher.TeacherSnapshot`) is never a second model:
+   under ZeRO-3 each process keeps a copy of its own partitions, swapped in while it scores;
+   otherwise a copy held in CPU memory between scorings (under LoRA the adapter's only).
+4. *The periodic evaluation* is divided the same way (panel task i is process ``i % W``'s;
+   rank 0's engine serves all of them under vLLM), gathered, and rank 0 writes ``eval.json``.
+5. *The update* is data parallel over micro-batches (``training.deepspeed``).
+6. *Memory.* Nothing is gathered whole while vLLM generates or evaluates; the in-memory
+   weight sync streams the weights (under ZeRO-3 one gathered at a time; under LoRA merged
+   one layer at a time); colocated (``rollout.vllm.sleep``), vLLM starts before the trainer's
+   state is on the GPU, and every process empties its allocator's cache before it wakes;
+   ``weight_sync: disk`` writes only the weights vLLM reads when no checkpoint is due.
+7. Each process logs one stderr line per phase with its counts and seconds when W > 1
+   (``serl: rank 1/2: rollout 2 group(s), 4 episode(s), 9 turn(s), 3.1 s``), and every
+   process's phases and peak memory go to ``timings.jsonl`` (``ranks``).
+
 **Checkpoints.** Iteration k writes ``iter_k/checkpoint`` when ``(k + 1) % save_every == 0``,
 at the last iteration, and when the run is stopped; then only the newest ``keep_last`` of
 them stay (0: all). ``save_every: 1`` (the default) resumes from the last finished iteration.
+The first one's size is printed, and each one's is in ``timings.jsonl``.
 
-**Preemption** (a SLURM job near its time limit, a requeue): SIGTERM or SIGUSR1 asks the
-loop to stop (a second SIGTERM ends the process at once, as it would without serl). Before an
-iteration's update has started (during its rollouts or its annotation) the iteration is abandoned --
-its rollouts would be collected again the same
-way; once the update has started the iteration is finished (update, checkpoint, periodic
-evaluation). Either way the last finished iteration then has a checkpoint, and the loop
-raises :class:`Preempted`; the CLI exits with :data:`PREEMPTED_EXIT` (75, EX_TEMPFAIL), and
-the same command with ``--resume`` continues where it stopped.
+**Preemption** (a SLURM job near its time limit, a requeue; :mod:`serl_cli.stages.online_stop`):
+SIGTERM or SIGUSR1 asks the loop to stop (a second SIGTERM ends the process at once). Before
+an iteration's update has started the iteration is abandoned -- its rollouts would be
+collected again the same way; once it has started the iteration is finished (update,
+checkpoint, periodic evaluation). Either way the last finished iteration then has a
+checkpoint, and the loop raises :class:`Preempted`; the CLI exits with 75 (EX_TEMPFAIL), and
+the same command with ``--resume`` continues. A stop any process got stops them all.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import sys
-import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
-
-import torch
 
 from serl_cli.algos.objectives import annotation_advantages, get_objective
 from serl_cli.artifacts import io
-from serl_cli.artifacts.schema import read_rollouts, turn_samples
-from serl_cli.errors import PREEMPTED_EXIT, SerlError
+from serl_cli.artifacts.schema import turn_samples
+from serl_cli.errors import SerlError
 from serl_cli.method.annotation import annotate_episodes
 from serl_cli.method.teacher import TeacherSnapshot
-from serl_cli.rollout.engines import close_engine, holds_own_weights, make_engine, refresh_weights, sleep_engine
+from serl_cli.models.loading import set_torch_threads
+from serl_cli.rollout.engines import ModelPolicy, close_engine, make_engine, sleep_engine
+from serl_cli.rollout.runner import run_episodes
 from serl_cli.rollout.worlds import build_world
 from serl_cli.stages.annotate import write_annotations
 from serl_cli.stages.derive import annotate_config, eval_config, rollout_config, train_config
-from serl_cli.stages.evaluate import model_eval_policy, run_eval
+from serl_cli.stages.evaluate import model_eval_policy, panel_specs, write_eval
 from serl_cli.stages.online_checkpoints import (
-    _iter_dir,
-    _keep_iterations_before,
-    _resumable,
     checkpoint_due,
     finished_iterations,
+    iter_dir,
+    keep_iterations_before,
     prune_checkpoints,
+    resumable,
     resume_point,
 )
 from serl_cli.stages.online_config import OnlineConfig, check_online_config
-from serl_cli.stages.rollout import resolve_model, run_rollout
+from serl_cli.stages.online_ranks import (
+    CountingScorer,
+    PhaseLog,
+    as_stored,
+    check_shares,
+    in_spec_order,
+    own_specs,
+    world_size,
+)
+from serl_cli.stages.online_stop import Abandon, Preempted, StoppableEngine, StopSignal
+from serl_cli.stages.online_sync import PolicyOut
+from serl_cli.stages.rollout import RolloutConfig, collect, resolve_model, rollout_specs, validate, write_rollout
 from serl_cli.stages.run_file import run_settings
 from serl_cli.training.backends import is_main_process
 from serl_cli.training.learner import Learner
 from serl_cli.training.train_config import recompute_enabled
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class Preempted(Exception):
-    """The loop stopped on SIGTERM/SIGUSR1 with a checkpoint of its last finished iteration."""
-
-    exit_code = PREEMPTED_EXIT
-
-    def __init__(self, run: Path, finished: int, signum: int):
-        self.run, self.finished, self.signum = run, finished, signum
-        name = signal.Signals(signum).name
-        super().__init__(
-            f"stopped on {name} after {finished} finished iteration(s), checkpointed: "
-            f"continue with --resume (exit code {PREEMPTED_EXIT})"
-        )
-
-
-class StopSignal:
-    """SIGTERM / SIGUSR1 -> a request to stop at the next safe point (the handlers are
-    installed in the main thread only, and restored on exit)."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._old: dict = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None and signum == signal.SIGTERM:  # a second SIGTERM: stop now, as without serl
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        if self.signum is None:
-            print(
-                f"serl: {signal.Signals(signum).name}: stopping at the next safe point (checkpoint, then exit "
-                f"{PREEMPTED_EXIT}; a second SIGTERM stops at once)",
-                file=sys.stderr,
-                flush=True,
-            )
-        self.signum = signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-
-class _Abandon(Exception):
-    """Raised inside the rollout phase once a stop was requested."""
-
-
-class StoppableEngine:
-    """The loop's engine during the rollout phase: a generation round does not start once a
-    stop is requested (the iteration is abandoned; it is redone, identically, on resume)."""
-
-    def __init__(self, engine, stop: StopSignal):
-        self.engine, self.stop = engine, stop
-
-    def generate(self, prompts, sampling, seed, **rows):
-        if self.stop.requested:
-            raise _Abandon()
-        return self.engine.generate(prompts, sampling, seed, **rows)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = False, on_iteration=None) -> list[dict]:
@@ -152,13 +121,12 @@ def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = Fal
 def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite: bool, on_iteration) -> list[dict]:
     run = Path(cfg.out)
     check_online_config(cfg)
+    validate(cfg.rollout)
+    sampled = cfg.rollout.sampling.temperature > 0 or (cfg.eval.episodes > 0 and cfg.eval.temperature > 0)
+    check_shares(cfg.rollout.engine, sampled, cfg.rollout.sampling.coupled, world_size())
     world = build_world(cfg.env)
-    # Under torchrun / the deepspeed launcher every process runs this loop: the main one
-    # (rank 0) writes the run's files, collects the rollouts and annotates them, then hands
-    # them to the others; all of them take part in the update and in saving it.
-    # Every process decides where to start from the files alone, before any of them changes
-    # the run directory: rank 0 writes there only after the learner's process group is up and
-    # a barrier has passed.
+    # Every process decides where to start from the files alone, before rank 0 changes the run
+    # directory (only once the learner's process group is up and a barrier has passed).
     main = is_main_process()
     train_cfg = train_config(cfg)  # the update is seeded by the run's seed (stages.derive)
     start = 0
@@ -171,203 +139,242 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
         )
     if start == 0:
         cfg.model = resolve_model(rollout_config(cfg), world)
-        learner = Learner(cfg.model, train_cfg)
-    else:
-        last = _iter_dir(run, start - 1) / "checkpoint"
-        learner = Learner(str(last), train_cfg, state_file=last / "trainer_state.pt")
-    learner.barrier()
-    if main and start == 0:
-        if run.exists() and any(run.iterdir()) and not (resume and (run / "manifest.json").exists()):
-            shutil.rmtree(run)  # --overwrite
-        run.mkdir(parents=True, exist_ok=True)
-        io.write_json(run / "manifest.json", io.new_manifest("online", run_settings(cfg), cfg.seed))
-    if resume and main:
-        # a kill between appending an iteration's metrics and marking it done leaves a line
-        # for an unfinished iteration, and iterations past the newest checkpoint are redone:
-        # drop everything from the resume point on
-        for name in ("metrics.jsonl", "timings.jsonl"):
-            _keep_iterations_before(run / name, start)
-    objective = get_objective(cfg.train.algo)
-    # pi_old by the trainer before anything reads it (the teacher's weights and the PPO ratio)
-    recompute = objective.uses_behaviour_logprobs and recompute_enabled(cfg.train, cfg.rollout.engine)
-    acfg = annotate_config(cfg)  # with what the algorithm needs of it (rlsd: every turn and reply token...)
-    teacher = None
-    if objective.needs_annotations:
-        teacher = TeacherSnapshot(learner)  # a frozen copy, or under LoRA a copy of the adapter only
-        saved = _iter_dir(run, start - 1) / "checkpoint" / "teacher_state.pt" if start > 0 else None
-        if main and saved is not None and saved.is_file():
-            teacher.load_state_dict(torch.load(saved, map_location="cpu"))
-    # one engine for the whole run: hf generates with learner.model itself; vLLM loads its own
-    # copy from the policy's directory and gets each update pushed into it (below)
-    policy_dir = cfg.model if start == 0 else str(_iter_dir(run, start - 1) / "checkpoint")
-    engine = (
-        make_engine(
-            cfg.rollout.engine,
-            learner.model,
-            learner.tokenizer,
-            model_dir=policy_dir,
-            vllm=cfg.rollout.vllm,
-            seed=cfg.seed,
-            gpus=cfg.rollout.gpus,
+    last = iter_dir(run, start - 1) / "checkpoint" if start > 0 else None
+    policy_dir = cfg.model if last is None else str(last)
+    # vLLM (rank 0's, serving every process) loads its own copy of the policy; it starts before
+    # the trainer's state is on the GPU, so a colocated engine finds the memory it asks for
+    vllm = cfg.rollout.engine == "vllm"
+    engine = None
+    if vllm and main:
+        engine = make_engine(
+            "vllm", None, None, model_dir=policy_dir, vllm=cfg.rollout.vllm, seed=cfg.seed, gpus=cfg.rollout.gpus
         )
-        if main
-        else None
-    )
     try:
-        return _iterations(
-            cfg, run, start, learner, objective, recompute, acfg, teacher, engine, stop, main, on_iteration
-        )
+        learner = Learner(policy_dir, train_cfg, state_file=None if last is None else last / "trainer_state.pt")
+        if not vllm:  # hf generates with each process's own learner.model
+            engine = make_engine(cfg.rollout.engine, learner.model, learner.tokenizer)
+        learner.barrier()
+        if main and start == 0:
+            if run.exists() and any(run.iterdir()) and not (resume and (run / "manifest.json").exists()):
+                shutil.rmtree(run)  # --overwrite
+            run.mkdir(parents=True, exist_ok=True)
+            io.write_json(run / "manifest.json", io.new_manifest("online", run_settings(cfg), cfg.seed))
+        if resume and main:
+            # a kill between appending an iteration's metrics and marking it done leaves a line
+            # for an unfinished iteration, and iterations past the newest checkpoint are redone:
+            # drop everything from the resume point on
+            for name in ("metrics.jsonl", "timings.jsonl"):
+                keep_iterations_before(run / name, start)
+        objective = get_objective(cfg.train.algo)
+        acfg = annotate_config(cfg)  # with what the algorithm needs of it (rlsd: every turn and reply token...)
+        teacher = None
+        if objective.needs_annotations:
+            teacher = TeacherSnapshot(learner)  # a copy of what the update changes (sharded under ZeRO-3)
+            if last is not None:
+                teacher.load(last)
+        loop = Loop(cfg, run, learner, objective, acfg, teacher, engine, stop, world)
+        return loop.iterations(start, on_iteration)
     finally:
         if main:
             close_engine(engine)  # vLLM's engine process and its GPU memory go now, not at exit
 
 
-def _save(learner: Learner, teacher, checkpoint: Path, prompt, main: bool) -> None:
-    """An iteration's checkpoint (every process): the policy, its resume state, and the teacher
-    snapshot (so a resumed run matches)."""
-    learner.save(checkpoint, prompt=prompt)
-    if main and teacher is not None:
-        torch.save(teacher.state_dict(), checkpoint / "teacher_state.pt")
+class Loop:
+    """The iterations of one run, on one process (every process runs the same)."""
 
+    def __init__(self, cfg: OnlineConfig, run: Path, learner: Learner, objective, acfg, teacher, engine, stop, world):
+        self.cfg, self.run, self.learner, self.objective = cfg, run, learner, objective
+        self.acfg, self.teacher, self.engine, self.stop, self.world = acfg, teacher, engine, stop, world
+        self.rank, self.size, self.main = learner.backend.rank, learner.backend.world, learner.is_main
+        # pi_old by the trainer before anything reads it (the teacher's weights and the PPO ratio)
+        self.recompute = objective.uses_behaviour_logprobs and recompute_enabled(cfg.train, cfg.rollout.engine)
+        self.vllm = cfg.rollout.engine == "vllm"
+        self.out = PolicyOut(learner, teacher, engine, cfg.rollout.vllm if self.vllm else None)
 
-def _sync_engine(engine, learner: Learner, cfg: OnlineConfig, checkpoint: Path, main: bool) -> dict:
-    """After an update, an engine with its own weights (vLLM) serves the new policy: pushed in
-    memory (``vllm.weight_sync: memory``; gathered first under ZeRO-3, so every process
-    enters) or reloaded from the checkpoint just saved (``disk``)."""
-    if cfg.rollout.engine == "hf" or (main and not holds_own_weights(engine)):
-        return {}
-    if cfg.rollout.vllm.weight_sync == "disk":
-        if main:
-            refresh_weights(engine, checkpoint)
-        return {}
-    with learner.full_model() as module:
-        if main:
-            return engine.update_weights(learner.export_weights(module))
-    return {}
-
-
-def _iterations(
-    cfg: OnlineConfig,
-    run: Path,
-    start: int,
-    learner: Learner,
-    objective,
-    recompute: bool,
-    acfg,
-    teacher,
-    engine,
-    stop: StopSignal,
-    main: bool,
-    on_iteration,
-) -> list[dict]:
-    history = []
-    disk_sync = cfg.rollout.engine != "hf" and cfg.rollout.vllm.weight_sync == "disk"
-    for k in range(start, cfg.iterations):
-        t0 = time.perf_counter()
-        it = _iter_dir(run, k)
-        rcfg = rollout_config(cfg, k, it)
-        temperature = rcfg.sampling.temperature if rcfg.sampling.temperature > 0 else 1.0
-        summary = episodes = annotations = meta = recomputed = None
-        abandon = False
-        with learner.full_model():  # whole weights while generating and scoring (ZeRO-3 gathers them)
-            if objective.needs_annotations and learner.updates % max(acfg.teacher_sync_interval, 1) == 0:
-                teacher.sync()  # the teacher becomes this rollout policy
-            if main:
-                try:
-                    summary = run_rollout(
-                        rcfg,
-                        overwrite=True,
-                        model=learner.model,
-                        tokenizer=learner.tokenizer,
-                        engine=StoppableEngine(engine, stop),
-                    )
-                except _Abandon:
-                    abandon = True
-                if not abandon:
-                    sleep_engine(engine)  # vLLM with sleep: true frees its GPU memory for the trainer
-                    episodes = read_rollouts(it)
-                    if recompute:
-                        recomputed = learner.recompute_logp_old(episodes, temperature)
-                    if objective.needs_annotations:
-                        acfg = annotate_config(cfg, k, learner.updates)
-                        # the weights are signed by the update's own advantages (group_norm, penalty, reward scale)
-                        adv = annotation_advantages(turn_samples(episodes), train_config(cfg))
-                        with teacher.scoring() as teacher_model:
-                            annotations, stats = annotate_episodes(
-                                episodes,
-                                acfg,
-                                teacher_model,
-                                learner.tokenizer,
-                                env_cfg=io.to_plain(cfg.env),
-                                temperature=temperature,
-                                advantages=adv,
-                                chat_template_kwargs=rcfg.prompt.chat_template_kwargs,
-                                bare_replies=rcfg.prompt.bare_replies,
-                            )
-                        write_annotations(it, annotations, episodes, acfg, stats)
-                        meta = {"config": io.to_plain(acfg), "stats": stats}
-                abandon = abandon or stop.requested  # a stop before the update: abandon this iteration
-        summary, episodes, annotations, meta, recomputed, abandon, signum = learner.broadcast(
-            (summary, episodes, annotations, meta, recomputed, abandon, stop.signum)
-        )
-        if abandon:  # iteration k is redone on resume; k - 1 must have its checkpoint
-            if k > 0 and not _resumable(run, k - 1):
-                _save(learner, teacher, _iter_dir(run, k - 1) / "checkpoint", cfg.rollout.prompt, main)
-            if main:
-                prune_checkpoints(run, cfg.keep_last)
-            raise Preempted(run, k, signum)
-        metrics = learner.update(episodes, temperature, annotations, meta, engine=cfg.rollout.engine)
-        metrics.update(recomputed or {})
-        timing = metrics.pop("timing")
-        if meta:
-            timing["teacher_s"] = meta["stats"]["teacher_s"]
-        metrics.update(iteration=k, env_steps=summary["turns"])
-        signum = learner.broadcast(stop.signum)  # the main process's word: every process stops together
-        if checkpoint_due(cfg, k) or signum is not None or disk_sync:
-            _save(learner, teacher, it / "checkpoint", rcfg.prompt, main)
-        timing.update(_sync_engine(engine, learner, cfg, it / "checkpoint", main))
-        if cfg.eval.episodes and (k + 1) % cfg.eval.every == 0:
-            with learner.full_model():
+    def iterations(self, start: int, on_iteration) -> list[dict]:
+        cfg, run, learner, main = self.cfg, self.run, self.learner, self.main
+        history = []
+        for k in range(start, cfg.iterations):
+            t0 = time.perf_counter()
+            it = iter_dir(run, k)
+            rcfg = rollout_config(cfg, k, it)
+            temperature = rcfg.sampling.temperature if rcfg.sampling.temperature > 0 else 1.0
+            log = PhaseLog(self.rank, self.size, learner.backend.device)
+            if self.teacher is not None and learner.updates % max(self.acfg.teacher_sync_interval, 1) == 0:
+                self.teacher.sync()  # the teacher becomes this rollout policy
+            episodes, rollout_wall, abandon = self.rollout(rcfg, log)
+            recomputed, annotations, meta = {}, None, None
+            if not abandon:
                 if main:
-                    metrics.update(_evaluate(cfg, engine, it))
-        if not main:  # the rest is the main process's bookkeeping
+                    sleep_engine(self.engine)  # vLLM with sleep: true frees its GPU memory for the trainer
+                if self.recompute:
+                    recomputed = self.recompute_logp_old(episodes, temperature, log)
+                if self.teacher is not None:
+                    annotations, meta = self.annotate(episodes, rcfg, it, k, temperature, log)
+            signum = self.agreed_signal()  # a stop any process was asked for, before the update: abandon
+            if abandon or signum is not None:  # iteration k is redone on resume; k - 1 must have its checkpoint
+                if k > 0 and not resumable(run, k - 1):
+                    self.out.save(iter_dir(run, k - 1) / "checkpoint", cfg.rollout.prompt)
+                if main:
+                    prune_checkpoints(run, cfg.keep_last)
+                raise Preempted(run, k, signum)
+            metrics = learner.update(episodes, temperature, annotations, meta, engine=cfg.rollout.engine)
+            metrics.update(recomputed)
+            timing = metrics.pop("timing")
+            log.phase("update", timing["update_s"])
+            if meta:
+                timing["teacher_s"] = meta["stats"]["teacher_s"]
+            metrics.update(iteration=k, env_steps=sum(e["num_turns"] for e in episodes))
+            signum = self.agreed_signal()  # every process stops together
+            saved = checkpoint_due(cfg, k) or signum is not None
+            if saved:
+                timing["checkpoint_bytes"] = self.out.save(it / "checkpoint", rcfg.prompt)
+            timing.update(self.out.sync_engine(it, saved, log))
+            if cfg.eval.episodes and (k + 1) % cfg.eval.every == 0:
+                metrics.update(self.evaluate(rcfg, it, log))
+            ranks = learner.all_gather(log.finish())
             history.append(metrics)
+            if main:  # the run's bookkeeping
+                io.append_jsonl(run / "metrics.jsonl", metrics)
+                io.append_jsonl(
+                    run / "timings.jsonl",
+                    {
+                        "iteration": k,
+                        "update": timing,
+                        "rollout_s": round(rollout_wall, 3),
+                        "rollout_tokens_per_s": sum(len(t["action_ids"]) for e in episodes for t in e["turns"])
+                        / max(rollout_wall, 1e-9),
+                        "iteration_s": round(time.perf_counter() - t0, 3),
+                        "ranks": ranks,
+                    },
+                )
+                io.mark_stage(run, it.name, "done")
+                prune_checkpoints(run, cfg.keep_last)
+                if on_iteration:
+                    on_iteration(metrics)
             if signum is not None:
                 raise Preempted(run, k + 1, signum)
-            continue
-        io.append_jsonl(run / "metrics.jsonl", metrics)
-        io.append_jsonl(
-            run / "timings.jsonl",
-            {
-                "iteration": k,
-                "update": timing,
-                "rollout_s": summary["wall_time_s"],
-                "rollout_tokens_per_s": summary["tokens_per_s"],
-                "iteration_s": round(time.perf_counter() - t0, 3),
-            },
+        learner.save(run / "checkpoint", prompt=cfg.rollout.prompt)
+        if main:
+            io.mark_stage(run, "online", "done", iterations=cfg.iterations)
+        return history
+
+    # -- the phases ------------------------------------------------------------------------------
+    def generating(self):
+        """The policy whole while this process's hf engine generates with it (under ZeRO-3 a
+        collective: every process enters); nothing for vLLM, which holds its own copy."""
+        return nullcontext() if self.vllm else self.learner.full_model()
+
+    def own_share(self, specs: list, by_group: bool = True) -> list:
+        """This process's share of ``specs``: its task groups (or panel tasks); under vLLM rank
+        0's engine serves them all."""
+        if self.vllm:
+            return specs if self.main else []
+        return own_specs(specs, self.rank, self.size) if by_group else specs[self.rank :: self.size]
+
+    def rollout(self, rcfg: RolloutConfig, log: PhaseLog) -> tuple[list[dict], float, bool]:
+        """Every process's episodes, gathered in one process's order (rank 0 writes them);
+        whether a process abandoned its rollouts on a stop request."""
+        t0 = time.perf_counter()
+        specs = rollout_specs(rcfg, self.world)
+        mine = self.own_share(specs)
+        set_torch_threads(rcfg.threads)
+        records, abandoned = [], False
+        with self.generating():
+            self.learner.model.eval()
+            policy = ModelPolicy(StoppableEngine(self.engine, self.stop), rcfg.sampling, rcfg.prompt, seed=rcfg.seed)
+            try:
+                records = collect(rcfg, self.world, mine, policy) if mine else []
+            except Abandon:
+                abandoned = True
+        groups = sorted({s.group_id for s in mine})
+        log.phase(
+            "rollout",
+            time.perf_counter() - t0,
+            f"{len(groups)} group(s) {groups}, {len(mine)} episode(s), {sum(r['num_turns'] for r in records)} turn(s)"
+            + (" (rank 0's vLLM engine serves every group)" if self.vllm and not self.main else ""),
+            groups=len(groups),
+            episodes=len(mine),
         )
-        io.mark_stage(run, it.name, "done")
-        prune_checkpoints(run, cfg.keep_last)
-        history.append(metrics)
-        if on_iteration:
-            on_iteration(metrics)
-        if signum is not None:
-            raise Preempted(run, k + 1, signum)
-    learner.save(run / "checkpoint", prompt=cfg.rollout.prompt)
-    if main:
-        io.mark_stage(run, "online", "done", iterations=cfg.iterations)
-    return history
+        parts = self.learner.all_gather((records, abandoned))
+        if any(a for _, a in parts):
+            return [], 0.0, True
+        episodes = as_stored(in_spec_order(specs, [p for p, _ in parts]))
+        wall = time.perf_counter() - t0
+        if self.main:
+            write_rollout(rcfg, episodes, wall)
+        return episodes, wall, False
 
+    def recompute_logp_old(self, episodes: list[dict], temperature: float, log: PhaseLog) -> dict:
+        t0 = time.perf_counter()
+        recomputed = self.learner.recompute_logp_old(episodes, temperature)
+        own = sum(len(e["turns"]) for e in episodes if e["group_id"] % self.size == self.rank)
+        total = sum(len(e["turns"]) for e in episodes)
+        log.phase("recompute", time.perf_counter() - t0, f"{own} turn(s) of {total}", turns=own)
+        return recomputed
 
-def _evaluate(cfg: OnlineConfig, engine, it: Path) -> dict:
-    """The periodic evaluation after iteration ``it`` (``stages.derive.eval_config``: as ``serl eval
-    --config`` runs it on the run file), by the engine that serves the updated policy;
-    ``it/eval.json`` and the metrics' ``eval_*``."""
-    ecfg = eval_config(cfg, it)
-    ev = run_eval(ecfg, overwrite=True, policy=model_eval_policy(ecfg, engine))
-    return {
-        "eval_success_rate": ev["success_rate"],
-        "eval_score": ev["score"],
-        "eval_invalid_action_rate": ev["invalid_action_rate"],
-        "eval_mean_turns": ev["mean_turns"],
-    }
+    def annotate(self, episodes, rcfg: RolloutConfig, it: Path, k: int, temperature: float, log: PhaseLog):
+        """The annotation of the whole batch on every process, the teacher's forwards divided."""
+        cfg, learner = self.cfg, self.learner
+        acfg = annotate_config(cfg, k, learner.updates)
+        # the weights are signed by the update's own advantages (group_norm, penalty, reward scale)
+        adv = annotation_advantages(turn_samples(episodes), train_config(cfg))
+        scorer = CountingScorer(learner.scorer, self.rank, self.size)
+        with self.teacher.scoring() as teacher_model:
+            annotations, stats = annotate_episodes(
+                episodes,
+                acfg,
+                teacher_model,
+                learner.tokenizer,
+                env_cfg=io.to_plain(cfg.env),
+                temperature=temperature,
+                advantages=adv,
+                chat_template_kwargs=rcfg.prompt.chat_template_kwargs,
+                bare_replies=rcfg.prompt.bare_replies,
+                scorer=scorer,
+            )
+        log.phase("teacher", scorer.seconds, f"{scorer.own} item(s) of {scorer.total}", items=scorer.own)
+        if self.main:
+            write_annotations(it, annotations, episodes, acfg, stats)
+        return annotations, {"config": io.to_plain(acfg), "stats": stats}
+
+    def agreed_signal(self) -> int | None:
+        """The stop signal the first process that got one got (None: no process got one)."""
+        return next((s for s in self.learner.all_gather(self.stop.signum) if s is not None), None)
+
+    def evaluate(self, rcfg: RolloutConfig, it: Path, log: PhaseLog) -> dict:
+        """The periodic evaluation after iteration ``it``: ``eval.episodes`` tasks of the
+        evaluation split's fixed panel, sampled at ``eval.temperature`` (0: greedy) with the
+        run's seed, by the engine that serves the updated policy, divided over the processes;
+        ``it/eval.json`` and the metrics' ``eval_*`` (the main process's)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        ecfg = eval_config(cfg, it)  # as `serl eval --config` runs it on the run file (stages.derive)
+        world = build_world(ecfg.env)
+        specs = panel_specs(ecfg, world)
+        index = self.own_share(list(range(len(specs))), by_group=False)
+        records = []
+        with self.generating():
+            self.learner.model.eval()
+            policy = model_eval_policy(ecfg, self.engine)
+            if index:
+                records = run_episodes(
+                    world,
+                    ecfg.env.split,
+                    [specs[i] for i in index],
+                    policy,
+                    max_turns=ecfg.env.max_turns,
+                    batch_size=ecfg.batch_size,
+                    step_timeout_s=ecfg.env.step_timeout_s,
+                )
+        log.phase("eval", time.perf_counter() - t0, f"{len(index)} episode(s) of {len(specs)}", episodes=len(index))
+        found = dict(kv for part in self.learner.all_gather(list(zip(index, records))) for kv in part)
+        if not self.main:
+            return {}
+        ev = write_eval(ecfg, world, [found[i] for i in range(len(specs))], time.perf_counter() - t0)
+        return {
+            "eval_success_rate": ev["success_rate"],
+            "eval_score": ev["score"],
+            "eval_invalid_action_rate": ev["invalid_action_rate"],
+            "eval_mean_turns": ev["mean_turns"],
+        }

@@ -15,11 +15,13 @@ from serl_cli.models.loading import ADAPTER_CONFIG
 from serl_cli.stages.online_config import OnlineConfig
 
 
-def _iter_dir(run: Path, k: int) -> Path:
+def iter_dir(run: Path, k: int) -> Path:
+    """Iteration k's directory in the run."""
     return run / f"iter_{k:04d}"
 
 
-def _keep_iterations_before(path: Path, start: int) -> None:
+def keep_iterations_before(path: Path, start: int) -> None:
+    """Drop a JSONL journal's records of iteration ``start`` and later (a resumed run redoes them)."""
     if path.exists():
         io.write_jsonl(path, [r for r in io.iter_jsonl(path) if r.get("iteration", -1) < start])
 
@@ -38,8 +40,9 @@ def checkpoint_due(cfg: OnlineConfig, k: int) -> bool:
     return (k + 1) % max(cfg.save_every, 1) == 0 or k == cfg.iterations - 1
 
 
-def _resumable(run: Path, k: int) -> bool:
-    last = _iter_dir(run, k) / "checkpoint"
+def resumable(run: Path, k: int) -> bool:
+    """Whether iteration k's checkpoint is whole: a model and its resume state."""
+    last = iter_dir(run, k) / "checkpoint"
     return ((last / "config.json").is_file() or (last / ADAPTER_CONFIG).is_file()) and (
         last / "trainer_state.pt"
     ).is_file()
@@ -50,11 +53,11 @@ def resume_point(run: Path, cfg: OnlineConfig, finished: int) -> int:
     checkpoint (the finished ones after it are redone). A checkpoint that was due and is
     missing is an error, not a silent restart from further back."""
     for k in range(finished - 1, -1, -1):
-        if _resumable(run, k):
+        if resumable(run, k):
             return k + 1
         if checkpoint_due(cfg, k):
             raise SerlError(
-                f"cannot resume {run}: iteration {k} is marked done but {_iter_dir(run, k) / 'checkpoint'} is missing"
+                f"cannot resume {run}: iteration {k} is marked done but {iter_dir(run, k) / 'checkpoint'} is missing"
             )
     return 0
 

@@ -117,6 +117,56 @@ def episode_specs(task_ids: list[int], group_size: int) -> list[EpisodeSpec]:
     ]
 
 
+def rollout_specs(cfg: RolloutConfig, world) -> list[EpisodeSpec]:
+    """The episodes a rollout runs: ``cfg.tasks`` tasks drawn with ``cfg.seed``, ``group_size`` each."""
+    return episode_specs(sample_tasks(world.num_tasks(cfg.env.split), cfg.tasks, cfg.seed), cfg.group_size)
+
+
+def collect(cfg: RolloutConfig, world, specs: list[EpisodeSpec], policy, progress=None) -> list[dict]:
+    """Run ``specs`` with ``policy``, ``cfg.batch_size`` at a time; one record per spec, in order."""
+    return run_episodes(
+        world,
+        cfg.env.split,
+        specs,
+        policy,
+        max_turns=cfg.env.max_turns,
+        batch_size=cfg.batch_size,
+        on_episode_done=progress,
+        step_timeout_s=cfg.env.step_timeout_s,
+    )
+
+
+def rollout_summary(records: list[dict], wall: float) -> dict:
+    """What a rollout's manifest says of it (the online loop's metrics read it too)."""
+    gen_tokens = sum(len(t["action_ids"]) for r in records for t in r["turns"])
+    turns = sum(r["num_turns"] for r in records)
+    return {
+        "episodes": len(records),
+        "tasks": len({r["task_id"] for r in records}),
+        "turns": turns,
+        "mean_reward": sum(r["reward"] for r in records) / len(records),
+        "success_rate": sum(r["success"] for r in records) / len(records),
+        "invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(turns, 1),
+        "env_errors": sum(1 for r in records if r.get("error")),
+        "generated_tokens": gen_tokens,
+        "wall_time_s": round(wall, 3),
+        "tokens_per_s": gen_tokens / wall if wall > 0 else 0.0,
+        "turns_per_s": turns / wall if wall > 0 else 0.0,
+    }
+
+
+def write_rollout(cfg: RolloutConfig, records: list[dict], wall: float) -> dict:
+    """A finished rollout into ``cfg.out`` at once (the online loop's: its episodes were
+    collected in memory, perhaps by several processes): the manifest, ``rollouts.jsonl``."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed))
+    io.write_jsonl(out / ROLLOUTS_FILE, records)
+    summary = rollout_summary(records, wall)
+    io.mark_stage(out, "rollout", "done", summary=summary)
+    return summary
+
+
 def resolve_model(cfg: RolloutConfig, world) -> str:
     if cfg.model:
         return cfg.model
@@ -225,8 +275,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
     validate(cfg)
     world = build_world(cfg.env)
     check_style(cfg.prompt, world)
-    task_ids = sample_tasks(world.num_tasks(cfg.env.split), cfg.tasks, cfg.seed)
-    specs = episode_specs(task_ids, cfg.group_size)
+    specs = rollout_specs(cfg, world)
     if model is None and engine is None:
         cfg.model = resolve_model(cfg, world)
     header = journal_header(cfg, len(specs))
@@ -260,33 +309,10 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed))
         io.start_journal(journal, header)
     started = time.time()
-    records = run_episodes(
-        world,
-        cfg.env.split,
-        specs,
-        JournaledPolicy(policy, journal, replay),
-        max_turns=cfg.env.max_turns,
-        batch_size=cfg.batch_size,
-        on_episode_done=progress,
-        step_timeout_s=cfg.env.step_timeout_s,
-    )
+    records = collect(cfg, world, specs, JournaledPolicy(policy, journal, replay), progress)
     wall = time.time() - started
     io.write_jsonl(out / ROLLOUTS_FILE, records)
-    gen_tokens = sum(len(t["action_ids"]) for r in records for t in r["turns"])
-    turns = sum(r["num_turns"] for r in records)
-    summary = {
-        "episodes": len(records),
-        "tasks": len(task_ids),
-        "turns": turns,
-        "mean_reward": sum(r["reward"] for r in records) / len(records),
-        "success_rate": sum(r["success"] for r in records) / len(records),
-        "invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(turns, 1),
-        "env_errors": sum(1 for r in records if r.get("error")),
-        "generated_tokens": gen_tokens,
-        "wall_time_s": round(wall, 3),
-        "tokens_per_s": gen_tokens / wall if wall > 0 else 0.0,
-        "turns_per_s": turns / wall if wall > 0 else 0.0,
-    }
+    summary = rollout_summary(records, wall)
     io.mark_stage(out, "rollout", "done", summary=summary)
     journal.unlink(missing_ok=True)
     return summary

@@ -16,39 +16,9 @@ from serl_cli.errors import SerlError
 from serl_cli.method.feedback import parse_sources
 from serl_cli.method.hindsight_sft import examples_for_run
 from serl_cli.rollout.prompts import PromptConfig
+from serl_cli.training.backends import is_main_process
 from serl_cli.training.learner import Learner, training_episodes
 from serl_cli.training.train_config import TrainConfig
-
-
-def follow_train_on_run(run_dir: str, cfg: TrainConfig, *, resume: bool = False) -> None:
-    """``train_on_run`` on a process other than the main one of a launched job: the same
-    update and save (their collectives need every process), none of the run's bookkeeping,
-    which the main process does."""
-    run = Path(run_dir)
-    manifest = io.load_manifest(run)
-    stage = manifest["stages"].get(f"train:{cfg.algo}", {})
-    checkpoint = Path(cfg.checkpoint) if cfg.checkpoint else run / "checkpoint"
-    if resume and stage.get("status") == "done" and (checkpoint / "config.json").is_file():
-        return  # the main process returns the finished update's metrics without training
-    rollout_cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
-    model_name = cfg.model or rollout_cfg.get("model")
-    annotations, meta = None, None
-    if get_objective(cfg.algo).needs_annotations:
-        from serl_cli.artifacts.schema import read_annotations
-
-        annotations = read_annotations(run)
-        meta = manifest["stages"]["annotate"]
-    learner = Learner(model_name, cfg)
-    episodes = training_episodes(read_rollouts(run), cfg, run)
-    episodes += hindsight_sft_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
-    learner.update(
-        episodes,
-        1.0 if cfg.algo == "sft" else rollout_temperature(manifest),
-        annotations,
-        meta,
-        engine=rollout_cfg.get("engine", "hf"),
-    )
-    learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
 
 
 def train_on_run(
@@ -58,8 +28,12 @@ def train_on_run(
     a killed one reruns from the start (the checkpoint is written atomically and the
     metrics lines of an unfinished attempt are dropped); ``resume`` returns a finished
     update's metrics without redoing it. ``progress(done, total)``: the update's micro-batches
-    (:meth:`Learner.update`)."""
+    (:meth:`Learner.update`). Under torchrun / the deepspeed launcher every process calls it:
+    all of them run the update and the save (their collectives need every process), and the
+    main one alone keeps the run's books (the lock, the manifest, the metrics journals)."""
     run = Path(run_dir)
+    if not is_main_process():
+        return _train_on_run(run, cfg, overwrite=overwrite, resume=resume, main=False)
     with runlock.run_lock(run):
         return _train_on_run(run, cfg, overwrite=overwrite, resume=resume, progress=progress)
 
@@ -94,7 +68,9 @@ def _comparable(cfg: TrainConfig) -> dict:
     return plain
 
 
-def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool, progress=None) -> dict:
+def _train_on_run(
+    run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool, progress=None, main: bool = True
+) -> dict:
     manifest = io.load_manifest(run)
     get_objective(cfg.algo)
     check_hindsight_sft(cfg)
@@ -123,11 +99,12 @@ def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool,
 
         annotations = read_annotations(run)
         meta = manifest["stages"]["annotate"]
-    if stage.get("status") == "running":  # an earlier attempt was killed: forget what it may have written
+    if main and stage.get("status") == "running":  # an earlier attempt was killed: forget what it may have written
         io.truncate_jsonl(metrics_path, stage.get("metrics_line", 0))
         io.truncate_jsonl(timings_path, stage.get("timings_line", 0))
     line, timings_line = io.count_jsonl(metrics_path), io.count_jsonl(timings_path)
-    io.mark_stage(run, stage_name, "running", metrics_line=line, timings_line=timings_line)
+    if main:
+        io.mark_stage(run, stage_name, "running", metrics_line=line, timings_line=timings_line)
     learner = Learner(model_name, cfg)
     examples = hindsight_sft_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
     # the engine that generated the rollouts: on vLLM's, pi_old is recomputed by default (recompute_logp_old: null)
@@ -147,8 +124,11 @@ def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool,
     try:
         learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
     except (OSError, SafetensorError) as e:  # disk full: the old checkpoint, if any, is still in place
-        io.clear_debris(checkpoint.parent)  # and the half-written new one goes
+        if main:
+            io.clear_debris(checkpoint.parent)  # and the half-written new one goes
         raise io.write_failed(checkpoint, e) from None
+    if not main:
+        return metrics
     io.append_jsonl(metrics_path, metrics)
     io.append_jsonl(timings_path, {"update": line, "algo": cfg.algo, **timing})
     io.mark_stage(run, stage_name, "done", config=io.to_plain(cfg), checkpoint=str(checkpoint), metrics_line=line)

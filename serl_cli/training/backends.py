@@ -5,16 +5,17 @@
   processes the launcher started (``serl_cli.training.deepspeed``, imported only when chosen).
 
 The learner (``serl_cli.training.learner``) keeps the algorithm -- what the loss is, how a
-batch is cut into optimizer steps -- and asks its backend for five things: a forward module,
-one optimizer step over a list of micro-batches, the full weights on demand
-(:meth:`full_model`: under ZeRO-3 they are partitioned across processes), its resume
-state, and the process group's basics (rank, broadcast, barrier).
+batch is cut into optimizer steps -- and asks its backend for a forward module, one
+optimizer step over a list of micro-batches, the full weights on demand (:meth:`full_model`:
+under ZeRO-3 they are partitioned across processes), the values a process keeps of each
+parameter (:meth:`local_values`: the whole tensor, or under ZeRO-3 its partition), its resume
+state, and the process group's basics (rank, all-gather, barrier).
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -38,6 +39,8 @@ class TorchBackend:
 
     name = "torch"
     rank, world, is_main = 0, 1, True
+    collective_forward = False  # a forward pass needs no other process
+    sharded = False  # every weight whole in this process
     load_dtype = torch.float32  # master weights: the update of a small lr survives only in fp32
 
     def __init__(self, cfg):
@@ -91,6 +94,17 @@ class TorchBackend:
     def full_model(self):
         yield self.model
 
+    def gathered(self, params):
+        """Context: ``params`` whole while it lasts (they always are here)."""
+        return nullcontext()
+
+    def local_values(self, param) -> torch.Tensor:
+        """The tensor holding this process's values of ``param``: here the whole weight."""
+        return param.data
+
+    def release_gathered(self) -> None:
+        """Drop every gathered copy of a partitioned weight (none here)."""
+
     def resume_state(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.scaler is not None:
@@ -105,8 +119,9 @@ class TorchBackend:
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
 
-    def broadcast(self, obj):
-        return obj
+    def all_gather(self, obj) -> list:
+        """``obj`` of every process, in rank order."""
+        return [obj]
 
     def barrier(self) -> None:
         pass

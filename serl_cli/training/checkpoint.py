@@ -77,3 +77,32 @@ def commit_dir(tmp: Path, path: Path) -> None:
     tmp.rename(path)
     if old is not None:
         shutil.rmtree(old)
+
+
+def write_policy(module, tokenizer, directory: Path, lora=None, state: dict | None = None, files=None) -> None:
+    """A policy's checkpoint files: the model (``lora``: its ``LoraConfig``, saved merged --
+    the adapter kept in ``adapter/`` -- or adapter-only), the tokenizer, ``state`` as
+    ``trainer_state.pt`` (None: none) and ``files`` (name -> text)."""
+    files = files or {}
+    if lora is None:
+        write_model_files(module, tokenizer, directory, extra_state=state, extra_files=files)
+    elif lora.save == "merged":
+        from serl_cli.models.loading import ADAPTER_SUBDIR
+        from serl_cli.training.lora import merged_state_dict
+
+        write_model_files(
+            module.get_base_model(),
+            tokenizer,
+            directory,
+            state_dict=merged_state_dict(module),
+            extra_state=state,
+            extra_files=files,
+        )
+        module.save_pretrained(directory / ADAPTER_SUBDIR)
+    else:  # adapter only: peft's layout, plus the tokenizer and serl's files
+        module.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        if state is not None:
+            torch.save(state, directory / "trainer_state.pt")
+        for name, text in files.items():
+            (directory / name).write_text(text, encoding="utf-8")

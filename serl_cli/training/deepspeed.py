@@ -36,7 +36,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -271,6 +271,39 @@ class DeepSpeedBackend:
         finally:
             self._gathered -= 1
 
+    @property
+    def sharded(self) -> bool:
+        """Whether each process keeps only a partition of every weight (ZeRO-3)."""
+        return self.stage == 3
+
+    @property
+    def collective_forward(self) -> bool:
+        """Whether a forward pass needs every process (ZeRO-3 gathers each layer's weights
+        inside it): then every process must run as many forward passes as the others."""
+        return self.stage == 3 and self.world > 1
+
+    def gathered(self, params):
+        """Context: ``params`` whole on every process while it lasts (a collective under
+        ZeRO-3: every process enters with the same list); changes made inside are dropped."""
+        if self.stage < 3:
+            return nullcontext()
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        return GatheredParameters(list(params))
+
+    def local_values(self, param) -> torch.Tensor:
+        """The tensor holding this process's values of ``param``: under ZeRO-3 its partition
+        (``ds_tensor``, what every gather reads from and the optimizer step writes to), else
+        the whole weight."""
+        return param.ds_tensor.data if self.stage == 3 else param.data
+
+    def release_gathered(self) -> None:
+        """Under ZeRO-3 drop every gathered copy, the persistent small weights' included
+        (DeepSpeed's ``empty_partition_cache``), so the next forward gathers from the
+        partitions as they are now."""
+        if self.stage == 3:
+            self.engine.empty_partition_cache()
+
     def resume_state(self) -> dict:
         return {}  # the optimizer lives in the engine's own checkpoint
 
@@ -303,12 +336,13 @@ class DeepSpeedBackend:
         if path is None:
             raise SerlError(f"DeepSpeed could not load its checkpoint from {engine_dir}")
 
-    def broadcast(self, obj):
+    def all_gather(self, obj) -> list:
+        """``obj`` of every process, in rank order."""
         if self.world == 1:
-            return obj
-        box = [obj if self.is_main else None]
-        self._dist.broadcast_object_list(box, src=0)
-        return box[0]
+            return [obj]
+        out = [None] * self.world
+        self._dist.all_gather_object(out, obj)
+        return out
 
     def barrier(self) -> None:
         if self.world > 1:

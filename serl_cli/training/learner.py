@@ -13,8 +13,8 @@ from __future__ import annotations
 import random
 import shutil
 import time
+from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -23,13 +23,15 @@ from serl_cli.algos.objectives import UpdateInputs, default_advantages, get_obje
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.device import tag
-from serl_cli.models.loading import ADAPTER_SUBDIR, adapter_dir, base_model_name, load_adapters
+from serl_cli.models.loading import adapter_dir, base_model_name, load_adapters
 from serl_cli.rollout.prompts import PROMPT_FILE, PromptConfig, prompt_file_text
 from serl_cli.training import lora as lora_mod
 from serl_cli.training.backends import make_backend
-from serl_cli.training.checkpoint import commit_dir, frozen_copy, write_model_files
+from serl_cli.training.checkpoint import commit_dir, frozen_copy, write_policy
+from serl_cli.training.scoring import ScoreItem, score
 from serl_cli.training.step import action_logprobs
 from serl_cli.training.train_config import TrainConfig, check_train_config, recompute_enabled
+from serl_cli.training.update_report import Ticker, episode_stats, mean_step_stats
 
 
 def training_episodes(episodes: list[dict], cfg: TrainConfig, run: Path) -> list[dict]:
@@ -128,17 +130,36 @@ class Learner:
         (a collective under ZeRO-3: every process enters)."""
         return self.backend.full_model()
 
-    def export_weights(self, module):
-        """The policy's weights as ``(Hugging Face name, tensor)`` pairs, what a checkpoint of
-        it holds (under LoRA: merged), for an engine with its own copy (``module``: from
-        :meth:`full_model`)."""
-        if self.uses_lora:
-            return lora_mod.merged_state_dict(module).items()
-        return module.state_dict().items()
+    def trained_parameters(self) -> list[tuple]:
+        """``(name, parameter)`` of every weight an update changes: all of them, or under LoRA
+        the adapters'."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
-    def broadcast(self, obj):
-        """``obj`` as the main process has it, on every process."""
-        return self.backend.broadcast(obj)
+    def stream_weights(self):
+        """The policy's weights as ``(Hugging Face name, tensor)`` pairs, what a checkpoint of
+        it holds (under LoRA merged, one layer at a time), for an engine with its own copy.
+        One tensor at a time, valid until the next is asked for: under ZeRO-3 each is gathered
+        alone, a collective, so every process iterates the whole stream."""
+        if self.uses_lora:
+            yield from lora_mod.merged_weights(self.model, self.backend.gathered)
+            return
+        for name, p in self.model.named_parameters():
+            with self.backend.gathered([p]):
+                yield name, p.data
+
+    def largest_weight(self) -> int:
+        """The element count of the policy's largest weight (under ZeRO-3 as gathered)."""
+        return max(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
+
+    @property
+    def scorer(self):
+        """:func:`~serl_cli.training.scoring.score` over this learner's processes: each scores
+        its share of the items, every one gets all the results."""
+        return partial(score, ranks=self.backend)
+
+    def all_gather(self, obj) -> list:
+        """``obj`` of every process, in rank order."""
+        return self.backend.all_gather(obj)
 
     def barrier(self) -> None:
         self.backend.barrier()
@@ -156,29 +177,24 @@ class Learner:
     def recompute_logp_old(self, episodes: list[dict], temperature: float) -> dict:
         """Replace every turn's ``behaviour_logprobs`` (pi_old) by the trainer's own log-probs
         of the same tokens, in place, before anything reads them (the annotate stage's
-        weights and the PPO ratio); the engine's stay in ``engine_logprobs``. Returns the
-        engine-trainer mismatch over all reply tokens, mean and max |delta log p| (verl logs
-        the same comparison in probabilities, ray_trainer.py:1170-1192). Turns already
-        recomputed are left alone, so calling it twice costs nothing."""
-        turns = [
-            t for ep in episodes for t in ep["turns"] if t.get("behaviour_logprobs") and "engine_logprobs" not in t
+        weights and the PPO ratio); the engine's stay in ``engine_logprobs``. Under several
+        processes each scores the turns of its own task groups and all get every result
+        (:func:`~serl_cli.training.scoring.score`; under ZeRO-3 no process gathers the whole
+        model for it). Returns the engine-trainer mismatch over all reply tokens, mean and
+        max |delta log p| (verl logs the same comparison in probabilities,
+        ray_trainer.py:1170-1192). Turns already recomputed are left alone, so calling it
+        twice costs nothing."""
+        owned = [
+            (ep.get("group_id"), t)
+            for ep in episodes
+            for t in ep["turns"]
+            if t.get("behaviour_logprobs") and "engine_logprobs" not in t
         ]
-        if not turns:
+        if not owned:
             return {}
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        items = [SimpleNamespace(prompt_ids=t["prompt_ids"], action_ids=t["action_ids"]) for t in turns]
-        order = sorted(range(len(items)), key=lambda i: len(items[i].prompt_ids) + len(items[i].action_ids))
-        new: list[list[float] | None] = [None] * len(items)
-        was_training = self.model.training
-        self.model.eval()
-        with torch.no_grad(), self.full_model() as module:
-            for mb in make_micro_batches(items, order, self.cfg.optim.micro_batch_tokens, pad):
-                logp = action_logprobs(module, mb, temperature)
-                k = logp.shape[1]
-                for row, i in enumerate(mb.index):
-                    new[i] = logp[row, k - len(items[i].action_ids) :].tolist()
-        if was_training:
-            self.model.train()
+        turns = [t for _, t in owned]
+        items = [ScoreItem(t["prompt_ids"], t["action_ids"], group) for group, t in owned]
+        new = self.scorer(self.model, self.tokenizer, items, temperature, self.cfg.optim.micro_batch_tokens)
         total, worst, count = 0.0, 0.0, 0
         for t, lp in zip(turns, new):
             deltas = [abs(a - b) for a, b in zip(lp, t["behaviour_logprobs"])]
@@ -252,7 +268,7 @@ class Learner:
                 if chunk:
                     chunk.sort(key=lambda i: len(samples[i].prompt_ids) + len(samples[i].action_ids))
                     steps.append(chunk)
-        tick = _Ticker(progress, sum(len(micro_batch_groups(samples, c, cfg.optim.micro_batch_tokens)) for c in steps))
+        tick = Ticker(progress, sum(len(micro_batch_groups(samples, c, cfg.optim.micro_batch_tokens)) for c in steps))
         for chunk in steps:
             mbs = make_micro_batches(samples, chunk, cfg.optim.micro_batch_tokens, pad, prepared)
 
@@ -282,9 +298,9 @@ class Learner:
             "action_tokens": int(num_tokens),
             "turns_with_gradient": len(active),
         }
-        metrics.update(_mean_stats(step_stats))
+        metrics.update(mean_step_stats(step_stats))
         metrics.update(prepared.stats)
-        metrics.update(_episode_stats(episodes))
+        metrics.update(episode_stats(episodes))
         metrics.update(recomputed)
         metrics["timing"] = {
             "update_s": round(wall, 4),
@@ -304,12 +320,17 @@ class Learner:
         return [i for i in range(len(samples)) if prepared.advantages[i] != 0 or distill[i]]
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save(self, path: str | Path, prompt: PromptConfig | None = None) -> Path:
+    def save(
+        self, path: str | Path, prompt: PromptConfig | None = None, extra=None, weights_only: bool = False
+    ) -> Path:
         """The policy as a Hugging Face directory (gathered from the ZeRO-3 partitions; with
         LoRA merged or adapter-only, ``train.lora.save``), the resume state, and the prompt
         settings it was trained on (so `serl eval` prompts it the same way). Every process
         calls it; the main one writes the model files into a staging sibling that replaces
-        ``path`` only when complete."""
+        ``path`` only when complete. ``extra(directory)``: what every process adds to the
+        staging directory (the teacher snapshot). ``weights_only``: only what an engine reads
+        to serve the policy (``vllm.weight_sync: disk``): the model files and tokenizer, no
+        resume state."""
         path = Path(path)
         staging = path.with_name(f".{path.name}.partial")  # one name every process of a job agrees on
         if self.is_main:
@@ -317,87 +338,23 @@ class Learner:
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
         self.barrier()
-        self.backend.save_engine_state(staging)
-        state = {"updates": self.updates, **self.backend.resume_state()}
-        if self.reference is not None:
-            state["reference"] = self.reference.state_dict()
-        files = {PROMPT_FILE: prompt_file_text(prompt)} if prompt is not None else {}
+        state, files = None, {}
+        if not weights_only:
+            self.backend.save_engine_state(staging)
+            state = {"updates": self.updates, **self.backend.resume_state()}
+            if self.reference is not None:
+                state["reference"] = self.reference.state_dict()
+            files = {PROMPT_FILE: prompt_file_text(prompt)} if prompt is not None else {}
+        if extra is not None:
+            extra(staging)
         with self.full_model() as module:
             if self.is_main:
-                self._write_model(module, staging, state, files)
+                write_policy(module, self.tokenizer, staging, self.cfg.lora if self.uses_lora else None, state, files)
         self.barrier()
         if self.is_main:
             commit_dir(staging, path)
         self.barrier()
         return path
-
-    def _write_model(self, module, directory: Path, state: dict, files: dict) -> None:
-        if not self.uses_lora:
-            write_model_files(module, self.tokenizer, directory, extra_state=state, extra_files=files)
-        elif self.cfg.lora.save == "merged":
-            write_model_files(
-                module.get_base_model(),
-                self.tokenizer,
-                directory,
-                state_dict=lora_mod.merged_state_dict(module),
-                extra_state=state,
-                extra_files=files,
-            )
-            module.save_pretrained(directory / ADAPTER_SUBDIR)
-        else:  # adapter only: peft's layout, plus the tokenizer and serl's files
-            module.save_pretrained(directory)
-            self.tokenizer.save_pretrained(directory)
-            torch.save(state, directory / "trainer_state.pt")
-            for name, text in files.items():
-                (directory / name).write_text(text, encoding="utf-8")
-
-
-class _Ticker:
-    """An update's progress in micro-batches for ``progress(done, total)``: one per forward pass,
-    and at each optimizer step's end all of the step's (a step that stopped early on a non-finite
-    loss, or a DeepSpeed process that ran only its share of the micro-batches, catches up there)."""
-
-    def __init__(self, progress, total: int):
-        self.progress, self.total, self.done, self.base = progress, total, 0, 0
-        if progress is not None:
-            progress(0, total)
-
-    def one(self) -> None:
-        if self.progress is not None and self.done < self.total:
-            self.done += 1
-            self.progress(self.done, self.total)
-
-    def step(self, micro_batches: int) -> None:
-        self.base += micro_batches
-        if self.progress is not None and self.done < self.base:
-            self.done = self.base
-            self.progress(self.done, self.total)
-
-
-def _mean_stats(steps: list[dict]) -> dict:
-    if not steps:  # no turn had a gradient (every group's rewards were equal): nothing was applied
-        return {"loss": 0.0, "skipped_steps": 0, "optimizer_steps": 0}
-    # a skipped step (non-finite loss or gradient) applied nothing: the means are over the applied ones
-    applied = [s for s in steps if not s.get("skipped")]
-    keys = sorted({k for s in applied for k in s})
-    out = {k: sum(s.get(k, 0.0) for s in applied) / len(applied) for k in keys if k != "skipped"}
-    if not applied:
-        out["loss"] = float("nan")  # every step was skipped: there is no applied loss to report
-    out["skipped_steps"] = len(steps) - len(applied)
-    out["optimizer_steps"] = len(steps)
-    return out
-
-
-def _episode_stats(episodes: list[dict]) -> dict:
-    n = len(episodes)
-    faulted = [e for e in episodes if e.get("error")]  # crashed, timed out, or failed at reset
-    return {
-        "mean_reward": sum(e["reward"] for e in episodes) / n,
-        "success_rate": sum(e["success"] for e in episodes) / n,
-        "episodes": n,
-        "faulted_episodes": len(faulted),
-        "faulted_turns": sum(len(e["turns"]) for e in faulted),
-    }
 
 
 def _check_annotated_advantages(

@@ -16,6 +16,9 @@ Checkpoints (``train.lora.save``):
 * ``adapter``: the directory holds only the adapter (peft's layout, which names its base
   model) and the tokenizer; ``models.loading.load_adapter_model`` puts them back together.
 
+An engine with its own copy of the weights (vLLM) gets the merged weights streamed, one
+layer at a time (:func:`merged_weights`), never a merged copy of the whole model.
+
 peft is an optional extra, imported only when LoRA is on.
 """
 
@@ -98,3 +101,24 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
             value = value + deltas[key].to(value.dtype)
         out[key.replace(".base_layer.", ".")] = value.clone()
     return out
+
+
+def merged_weights(model, gathered):
+    """:func:`merged_state_dict`'s weights one at a time, each layer's adapter folded in as its
+    turn comes (a new tensor for that layer only), the base model's parameter names.
+    ``gathered(params)``: the backend's context that makes ``params`` whole (under ZeRO-3 a
+    collective: every process iterates the whole stream)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    layers = {f"{name}.base_layer.weight": m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for key, param in base.named_parameters():
+        if ".lora_" in key:
+            continue
+        layer = layers.get(key)
+        with gathered(list(layer.parameters()) if layer is not None else [param]):
+            value = param.data
+            if layer is not None:
+                with torch.no_grad():
+                    value = value + layer.get_delta_weight(layer.active_adapters[0]).to(value.dtype)
+            yield key.replace(".base_layer.", "."), value

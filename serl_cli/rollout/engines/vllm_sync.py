@@ -32,14 +32,15 @@ def _host(t, dtype):
     return t.detach().to(dtype=dtype if t.is_floating_point() else t.dtype).to("cpu").contiguous()
 
 
-def weight_chunks(named_tensors, dtype, limit: int = SYNC_CHUNK_BYTES):
+def weight_chunks(pairs, dtype, limit: int = SYNC_CHUNK_BYTES):
     """The fallback transport: chunks of ``(name, dtype, shape, bytes)`` rows of at most
     ``limit`` bytes (a bigger tensor is a chunk of its own), carried by ``collective_rpc``
-    itself."""
+    itself. ``pairs``: :func:`sendable`'s, or a stream of distinct tensors, each converted
+    before the next is asked for."""
     import torch
 
     chunk, size = [], 0
-    for name, t in sendable(named_tensors, dtype):
+    for name, t in pairs:
         t = _host(t, dtype)
         row = (name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes())
         if chunk and size + len(row[3]) > limit:
@@ -149,17 +150,20 @@ class WorkerReload:
             head.quant_method.process_weights_after_loading(head)
 
 
-def _shared_block(pairs, dtype, limit: int = SYNC_CHUNK_BYTES):
-    """A shared-memory block for :func:`shared_chunks`: ``limit`` bytes, or the largest tensor's;
-    None where the system refuses one."""
-    from multiprocessing import shared_memory
-
+def largest_bytes(pairs, dtype) -> int:
+    """The size of the largest of ``pairs`` as sent (floating-point ones in ``dtype``)."""
     import torch
 
-    size = max(
-        [limit]
-        + [t.numel() * (torch.finfo(dtype).bits // 8 if t.is_floating_point() else t.element_size()) for _, t in pairs]
-    )
+    width = torch.finfo(dtype).bits // 8
+    return max([0] + [t.numel() * (width if t.is_floating_point() else t.element_size()) for _, t in pairs])
+
+
+def shared_block(largest: int, limit: int = SYNC_CHUNK_BYTES):
+    """A shared-memory block for :func:`shared_chunks`: ``limit`` bytes, or ``largest`` (the
+    biggest tensor's); None where the system refuses one."""
+    from multiprocessing import shared_memory
+
+    size = max(limit, largest)
     try:  # tmpfs grants a block bigger than its free space and faults on the write: look first
         free = os.statvfs("/dev/shm")
         if free.f_bavail * free.f_frsize < 2 * size:

@@ -1,0 +1,161 @@
+"""The online loop on several processes: every rank works, and the run equals a one-process run.
+
+Acceptance (CPU, gloo): ``torchrun --nproc_per_node 2 -m serl_cli train`` with a tiny SERL
+config (the teacher scoring every turn, pi_old recomputed) on ``--backend deepspeed``
+(ZeRO-3) for 2 iterations. Each rank's log shows it rolled out, recomputed and scored its
+own share of the groups; the rollouts are the one-process run's (the same tokens), so is the
+periodic evaluation (each rank a share of the panel), and the update -- the weights after each
+iteration, and the metrics -- equals it within 1e-5.
+The division's pure parts (which process owns what, the merge, the sampling rule) are
+tested by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import assert_one_line_error, serl
+
+from serl_cli.errors import SerlError
+from serl_cli.rollout.runner import EpisodeSpec
+from serl_cli.stages.online_ranks import check_shares, in_spec_order, own_specs
+from serl_cli.training.scoring import ScoreItem, owner
+
+TOL = 1e-5
+needs_deepspeed = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
+)
+
+
+# -- by hand --------------------------------------------------------------------------------------
+def test_whole_groups_per_process_and_the_one_process_order():
+    specs = [EpisodeSpec(task_id=t, group_id=g, rollout_index=r) for g, t in enumerate([7, 3, 5]) for r in range(2)]
+    assert [(s.group_id, s.rollout_index) for s in own_specs(specs, 0, 2)] == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert [(s.group_id, s.rollout_index) for s in own_specs(specs, 1, 2)] == [(1, 0), (1, 1)]
+    assert own_specs(specs, 0, 1) == specs
+    rec = {(s.group_id, s.rollout_index): {"group_id": s.group_id, "rollout_index": s.rollout_index} for s in specs}
+    parts = [[rec[(1, 0)], rec[(1, 1)]], [rec[(0, 0)], rec[(0, 1)], rec[(2, 0)], rec[(2, 1)]]]
+    assert in_spec_order(specs, parts) == [rec[(s.group_id, s.rollout_index)] for s in specs]
+
+
+def test_a_scored_item_belongs_to_its_groups_process():
+    assert [owner(ScoreItem([1], [2], g), i, 3) for i, g in enumerate([0, 4, 2, 2])] == [0, 1, 2, 2]
+    assert [owner(ScoreItem([1], [2]), i, 2) for i in range(4)] == [0, 1, 0, 1]  # no group: round robin
+
+
+def test_sampled_hf_rollouts_on_several_processes_need_coupled_draws():
+    with pytest.raises(SerlError, match="set rollout.sampling.coupled=true"):
+        check_shares("hf", sampled=True, coupled=False, world=2)
+    check_shares("hf", sampled=True, coupled=True, world=2)
+    check_shares("hf", sampled=False, coupled=False, world=2)  # greedy: nothing to key
+    check_shares("vllm", sampled=True, coupled=False, world=2)  # rank 0's engine serves every group
+    check_shares("hf", sampled=True, coupled=False, world=1)
+
+
+def test_the_cli_refuses_uncoupled_hf_sampling_on_two_processes(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}  # what torchrun sets: refused before any process group
+    p = serl("train", "--model", str(tiny_model_dir), "--out", str(out), "--backend", "deepspeed", env=env)
+    assert_one_line_error(p, "set rollout.sampling.coupled=true")
+    assert not out.exists()
+
+
+# -- end to end: 2 processes against 1 ------------------------------------------------------------
+ARGS = [
+    "--iterations", "2", "--tasks", "2", "--group-size", "2", "--max-turns", "2",
+    "--algo", "serl", "--backend", "deepspeed", "--zero-stage", "3", "--threads", "1",
+    "--set", "env.settings.catalog=synthetic",
+    "--set", "rollout.sampling.max_new_tokens=8",
+    "--set", "rollout.sampling.coupled=true",  # a row's draws are its own: the same on 1 or 2 processes
+    "--set", "train.recompute_logp_old=true",
+    "--set", "train.optim.lr=1e-5",
+    "--set", "train.distill_coef=0.1",  # the teacher's log-probs reach the loss: it scores every turn
+    "--set", "annotate.teacher_sync_interval=1",
+    "--set", "keep_last=0",
+    "--set", "eval.episodes=3",  # the periodic evaluation after iteration 1, divided too
+    "--set", "eval.every=2",
+]  # fmt: skip
+
+
+def _train(model_dir, out: Path, processes: int) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "serl_cli"]
+    if processes > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+        launch += ["-m", "serl_cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SERL_THREADS": "1", "COLUMNS": "200"}
+    cmd = [*launch, "train", "--model", str(model_dir), "--out", str(out), *ARGS]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+
+
+def _weights(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v.float() for k, v in load_file(str(directory / "model.safetensors")).items()}
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_two_processes_share_the_work_and_equal_one(tiny_model_dir, tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    p2 = _train(tiny_model_dir, two, 2)
+    assert p2.returncode == 0, p2.stderr[-4000:]
+    p1 = _train(tiny_model_dir, one, 1)
+    assert p1.returncode == 0, p1.stderr[-4000:]
+
+    # each rank's log: its own group rolled out, its share of the turns recomputed and scored
+    for rank in (0, 1):
+        lines = [ln for ln in p2.stderr.splitlines() if ln.startswith(f"serl: rank {rank}/2: ")]
+        rollouts = [ln for ln in lines if re.search(rf": rollout 1 group\(s\) \[{rank}\], 2 episode\(s\)", ln)]
+        recomputes = [re.search(r": recompute (\d+) turn\(s\) of (\d+)", ln) for ln in lines]
+        scorings = [re.search(r": teacher (\d+) item\(s\) of (\d+)", ln) for ln in lines]
+        recomputes, scorings = [m for m in recomputes if m], [m for m in scorings if m]
+        assert len(rollouts) == len(recomputes) == len(scorings) == 2, lines
+        for m in recomputes + scorings:
+            assert 0 < int(m[1]) < int(m[2]), lines  # a share, not all of them
+        assert any(f": eval {2 - rank} episode(s) of 3" in ln for ln in lines), lines  # panel tasks r, r + 2
+    assert "serl: rank" not in p1.stderr  # one process: no per-rank lines
+    for line in (two / "timings.jsonl").read_text().splitlines():
+        ranks = json.loads(line)["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1] and all(r["rollout_groups"] == 1 for r in ranks)
+        assert sum(r["recompute_turns"] for r in ranks) == sum(
+            len(e["turns"])
+            for e in map(json.loads, (two / f"iter_{json.loads(line)['iteration']:04d}" / "rollouts.jsonl").open())
+        )
+    assert (two / "iter_0001" / "checkpoint" / "teacher_state.rank1.pt").is_file()  # sharded like the policy
+
+    # the same rollouts: the same tokens (the log-probs up to the batch's float noise)
+    for it in ("iter_0000", "iter_0001"):
+        a = [json.loads(x) for x in (one / it / "rollouts.jsonl").read_text().splitlines()]
+        b = [json.loads(x) for x in (two / it / "rollouts.jsonl").read_text().splitlines()]
+        assert [[t["action_ids"] for t in e["turns"]] for e in a] == [[t["action_ids"] for t in e["turns"]] for e in b]
+        for ea, eb in zip(a, b):
+            for ta, tb in zip(ea["turns"], eb["turns"]):
+                assert max(abs(x - y) for x, y in zip(ta["behaviour_logprobs"], tb["behaviour_logprobs"])) < TOL
+
+    # the same evaluation, written by rank 0 alone
+    assert (one / "iter_0001" / "episodes.jsonl").read_text() == (two / "iter_0001" / "episodes.jsonl").read_text()
+    assert not (two / "iter_0000" / "eval.json").exists()
+
+    # the same update: the metrics and the weights after each iteration
+    ma = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert len(ma) == len(mb) == 2 and all(a.keys() == b.keys() for a, b in zip(ma, mb))
+    for a, b in zip(ma, mb):
+        for key, value in a.items():
+            if isinstance(value, float):
+                assert abs(value - b[key]) <= TOL, (key, value, b[key])
+            else:
+                assert value == b[key], key
+    assert ma[0]["distill_kl"] > 0 and ma[0]["logp_old_recomputed_turns"] == ma[0]["turns"]
+    start = _weights(tiny_model_dir)
+    for it in ("iter_0000", "iter_0001"):
+        wa, wb = _weights(one / it / "checkpoint"), _weights(two / it / "checkpoint")
+        assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= TOL, it
+    moved = max((wa[k] - start[k]).abs().max().item() for k in wa)
+    assert moved > TOL  # the updates moved the weights by more than the tolerance

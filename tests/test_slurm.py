@@ -175,6 +175,9 @@ def test_a_deepspeed_cell_runs_under_torchrun_from_the_sbatch(tmp_path, tiny_mod
     both train the cell, rank 0 keeps the books and runs the final evaluation."""
     base = {"train": {"backend": "deepspeed", "threads": 1}}
     grid = _grid(tmp_path, tiny_model_dir, {"gpus_per_node": 2}, base, algos=("grpo",), seeds=1, iterations=1)
+    data = yaml.safe_load(grid.read_text())
+    data["base"]["rollout"]["sampling"]["coupled"] = True  # hf on two processes: a row's draws are its own
+    grid.write_text(yaml.safe_dump(data))
     out = tmp_path / "abl"
     assert run(str(grid), "--out", str(out), "--emit", "slurm").returncode == 0
     text = (out / "ablate.sbatch").read_text()

@@ -47,6 +47,7 @@ def follow_train_on_run(run_dir: str, cfg: TrainConfig, *, resume: bool = False)
         annotations,
         meta,
         engine=rollout_cfg.get("engine", "hf"),
+        rollout_half=rollout_in_half(rollout_cfg),
     )
     learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
 
@@ -62,6 +63,18 @@ def train_on_run(
     run = Path(run_dir)
     with runlock.run_lock(run):
         return _train_on_run(run, cfg, overwrite=overwrite, resume=resume, progress=progress)
+
+
+def rollout_in_half(rollout_cfg: dict) -> bool:
+    """Whether the hf engine of a ``serl rollout`` ran in half precision: its ``device``/``dtype``
+    resolved on this machine; a GPU setting this machine cannot resolve counts as half (pi_old is
+    then recomputed, which costs one forward pass and is never wrong)."""
+    from serl_cli.models.device import resolve
+
+    try:
+        return resolve(rollout_cfg.get("device", "auto"), rollout_cfg.get("dtype", "auto")).half
+    except SerlError:
+        return True
 
 
 def check_hindsight_sft(cfg: TrainConfig) -> None:
@@ -138,6 +151,7 @@ def _train_on_run(run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool,
         meta,
         engine=rollout_cfg.get("engine", "hf"),
         progress=progress,
+        rollout_half=rollout_in_half(rollout_cfg),
     )
     if cfg.hindsight_sft is not None:
         metrics["hindsight_examples"] = sum(len(e["turns"]) for e in examples)

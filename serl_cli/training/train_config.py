@@ -67,7 +67,8 @@ class TrainConfig:
     # reward (paper: 10.0, env_package/webshop/envs.py:47-53); 0 = the environment's reward
     success_reward: float = 0.0
     # recompute the behaviour log-probs (pi_old) with the trainer's model before the update: null = when the
-    # rollouts came from an engine other than hf (vLLM's numerics differ from the trainer's), true, false
+    # rollouts came from an engine other than hf (vLLM's numerics differ from the trainer's) or from hf in
+    # half precision (a KV-cached bf16 decode rounds otherwise than the trainer's forward), true, false
     recompute_logp_old: bool | None = None
     sft_successful_only: bool = False  # sft: clone successful episodes only (filtered behaviour cloning)
     seed: int = 0
@@ -112,9 +113,33 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
         raise SerlError(f"unknown train.gigpo_mode {cfg.gigpo_mode!r}: choose one of {', '.join(GIGPO_MODES)}")
 
 
-def recompute_enabled(cfg: TrainConfig, engine: str | None) -> bool:
-    """Whether pi_old is recomputed by the trainer: the setting, or (null) when the rollouts
-    came from an engine other than hf, whose log-probs are not the trainer's numerics."""
+def recompute_enabled(cfg: TrainConfig, engine: str | None, rollout_half: bool | None = None) -> bool:
+    """Whether pi_old is recomputed by the trainer: the setting, or (null) whenever the rollouts'
+    log-probs are not the trainer's numerics -- from an engine other than hf, or from hf in half
+    precision (a KV-cached bf16 decode and the trainer's full forward round differently).
+    ``rollout_half``: whether the rollouts ran in half precision; None: they ran with the
+    trainer's own model in its precision (the online loop's hf engine). ``engine`` None: the
+    log-probs' source is unknown, and they stand."""
     if cfg.recompute_logp_old is not None:
         return bool(cfg.recompute_logp_old)
-    return engine not in (None, "hf")
+    if engine is None:
+        return False
+    if engine != "hf":
+        return True
+    return trains_in_half(cfg) if rollout_half is None else rollout_half
+
+
+def trains_in_half(cfg: TrainConfig) -> bool:
+    """Whether the trainer computes in bf16/fp16 (``train.dtype``, and under DeepSpeed its config's
+    ``bf16``/``fp16`` sections), resolved on this machine."""
+    import torch
+
+    from serl_cli.models.device import resolve
+
+    precision = resolve(cfg.device, cfg.dtype, cfg.attn_implementation, cfg.gpus)
+    if cfg.backend != "deepspeed":
+        return precision.half
+    from serl_cli.training.deepspeed_config import resolve_config, uses_bf16, uses_fp16
+
+    ds = resolve_config(cfg.deepspeed, cfg.optim, bf16_available=precision.dtype == torch.bfloat16, dtype=cfg.dtype)
+    return uses_bf16(ds) or uses_fp16(ds)

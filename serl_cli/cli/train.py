@@ -83,7 +83,9 @@ def train_command(
     tasks: int | None = typer.Option(None, "--tasks", help="Online loop: tasks per iteration."),
     group_size: int | None = typer.Option(None, "--group-size", help="Online loop: rollouts per task."),
     max_turns: int | None = typer.Option(None, "--max-turns", help="Online loop: turn limit."),
-    threads: int | None = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    threads: int | None = typer.Option(
+        None, "--threads", help="Torch threads (default: the CPUs this process may use / ranks on the node)."
+    ),
     out: str | None = typer.Option(
         None,
         "--out",

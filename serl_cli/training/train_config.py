@@ -37,6 +37,9 @@ class TrainConfig:
     gpus: list[int] | None = None  # CUDA devices of the trainer's processes, one each (LOCAL_RANK r takes gpus[r]);
     # None: LOCAL_RANK's. With rollout.gpus: vLLM on its own GPUs
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # with backend deepspeed
+    # seconds a collective waits for the other processes before the job fails (NCCL's default is 10
+    # minutes; a rank's share of an iteration's rollouts, or rank 0 writing a 7B checkpoint, can take longer)
+    dist_timeout_s: int = 7200
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train LoRA adapters only
     optim: OptimConfig = field(default_factory=OptimConfig)
     epochs: int = 1  # passes over the batch per update
@@ -105,6 +108,8 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
     for name in ("entropy_coef", "invalid_action_penalty", "success_reward", "mini_batch_turns"):
         if getattr(cfg, name) < 0:
             raise SerlError(f"train.{name} must be 0 or positive, got {getattr(cfg, name)}")
+    if cfg.dist_timeout_s <= 0:
+        raise SerlError(f"train.dist_timeout_s must be positive (seconds), got {cfg.dist_timeout_s}")
     if cfg.mini_batches < 1:
         raise SerlError(f"train.mini_batches must be at least 1, got {cfg.mini_batches}")
     if cfg.group_norm not in GROUP_NORMS:

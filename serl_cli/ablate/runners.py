@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from serl_cli.ablate.cells import is_done, run_cell
+from serl_cli.ablate.cells import cell_config, is_done, run_cell
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
 from serl_cli.stages.online import PREEMPTED_EXIT
@@ -31,6 +31,7 @@ def run_cells(record: dict, out: str | Path, *, parallel: int = 1, log=print) ->
     if parallel <= 1:
         results = {i: run_cell(record, out, i, log=log) for i in range(n)}
         return results
+    check_parallel(record, out, parallel)
     todo = [i for i in range(n) if not is_done(out, record["cells"][i])]
     running: dict[int, subprocess.Popen] = {}
     results, failed = {i: "skipped" for i in range(n) if i not in todo}, []
@@ -59,6 +60,22 @@ def run_cells(record: dict, out: str | Path, *, parallel: int = 1, log=print) ->
     if failed:
         raise SerlError(f"{len(failed)} cell(s) failed: {', '.join(map(str, failed))} (see {logs}/cell_<i>.log)")
     return results
+
+
+def check_parallel(record: dict, out: str | Path, parallel: int, cuda_available: bool | None = None) -> None:
+    """``--parallel N`` starts N cells at once on this machine: N trainers and engines on the
+    same GPUs, each sized for all of them. Refused where a cell trains or generates on CUDA."""
+    import torch
+
+    from serl_cli.stages.plan import uses_cuda
+
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    gpu = [c["name"] for c in record["cells"] if uses_cuda(cell_config(record, out, c), cuda)]
+    if gpu:
+        raise SerlError(
+            f"--parallel {parallel} would start {parallel} cells at once on the same GPUs ({gpu[0]} and "
+            f"{len(gpu) - 1} more use CUDA): run them one at a time (--parallel 1) or one per node (--emit slurm)"
+        )
 
 
 DEFAULT_SBATCH = """#!/bin/bash

@@ -98,6 +98,9 @@ def train_command(
         "one update: skip it if it finished, else run it again.",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing checkpoint or run."),
+    no_plan_check: bool = typer.Option(
+        False, "--no-plan-check", help="Start even where `serl plan` finds the layout does not fit this machine."
+    ),
     report_to: list[str] | None = typer.Option(
         None,
         "--report-to",
@@ -145,6 +148,10 @@ def train_command(
             "train.gradient_checkpointing": gradient_checkpointing,
         },
     )
+    if not no_plan_check:  # before anything loads: a layout that cannot fit is one line, not an OOM an hour in
+        from serl_cli.stages.plan import preflight, run_model
+
+        preflight(cfg, online=online, model=cfg.model if online else cfg.train.model or model or run_model(run))
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
     trackers = check_backends(report_to) if main else []
     if not online:

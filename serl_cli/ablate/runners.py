@@ -183,8 +183,10 @@ def launch_command(record: dict, out: Path, *, grace: int) -> tuple[str, str]:
     if nodes == 1:
         return "", f"${{TORCHRUN:-torchrun}} --standalone {common} -m serl_cli {args}"
     rdzv = '--rdzv_backend c10d --rdzv_endpoint "$head:$port" --rdzv_id "$SLURM_JOB_ID"'
+    # srun of Slurm 22.05-23.02 does not inherit the job's --cpus-per-task: each node's task would get one CPU
+    cpus = "${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}"
     return MULTI_NODE, (
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 ${{TORCHRUN:-torchrun}} --nnodes {nodes} "
+        f"srun {cpus} --ntasks-per-node=1 --kill-on-bad-exit=1 ${{TORCHRUN:-torchrun}} --nnodes {nodes} "
         f"{rdzv} {common} -m serl_cli {args}"
     )
 

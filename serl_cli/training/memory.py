@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serl_cli.models.shapes import ModelShape
-from serl_cli.training.token_logprobs import CHUNK_ELEMENTS
 
 GiB = 1024**3
+LOGIT_SLICE_ELEMENTS = 1 << 23  # logits training.token_logprobs works on at a time: 32 MB in fp32
 SLICE_COPIES = 4  # fp32 copies of one slice of logits training.token_logprobs works on at once
 ZERO3_PERSISTENCE = 100_000  # stage3_param_persistence_threshold of serl's ZeRO-3 config
 ZERO3_PREFETCH = 50_000_000  # stage3_prefetch_bucket_size of serl's ZeRO-3 config
@@ -187,7 +187,7 @@ def logit_bytes(shape: ModelShape, layout: Layout, backward: bool) -> float:
     work of one slice of positions (``training.token_logprobs``)."""
     positions = logit_positions(layout)
     one = positions * shape.vocab * layout.compute_bytes
-    slice_positions = min(positions, max(1, CHUNK_ELEMENTS // shape.vocab))
+    slice_positions = min(positions, max(1, LOGIT_SLICE_ELEMENTS // shape.vocab))
     return (2 if backward else 1) * one + SLICE_COPIES * 4 * slice_positions * shape.vocab
 
 

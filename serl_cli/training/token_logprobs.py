@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 23  # logits per slice: 32 MB in fp32 (about 55 positions of a 152k vocabulary)
+from serl_cli.training.memory import LOGIT_SLICE_ELEMENTS
+
+CHUNK_ELEMENTS = LOGIT_SLICE_ELEMENTS  # logits per slice: 32 MB in fp32 (about 55 positions of a 152k vocabulary)
 
 
 def positions_per_chunk(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:

@@ -79,7 +79,7 @@ def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, devic
         engine=r.engine if online else "none",
         rollout_rows=min(r.batch_size, groups_per_rank * r.group_size),
         vllm_gpus=len(r.gpus or []) if r.engine == "vllm" else 0,
-        vllm_tp=r.vllm.tensor_parallel_size,
+        vllm_tp=max(1, r.vllm.tensor_parallel_size),
         vllm_utilization=r.vllm.gpu_memory_utilization,
         vllm_sleep=r.vllm.sleep,
         gpu_bytes=machine.gpu_memory_gb * GiB,
@@ -116,6 +116,13 @@ def preflight(cfg: OnlineConfig, *, online: bool, model: str | None, argv: list[
     (then nothing is refused)."""
     import torch
 
+    from serl_cli.stages.online_config import check_online_config
+    from serl_cli.training.train_config import check_train_config
+
+    if online:  # their one-line errors come first
+        check_online_config(cfg)
+    else:
+        check_train_config(cfg.train)
     cuda = uses_cuda(cfg, torch.cuda.is_available())
     if cuda:
         check_launch(cfg.train.gpus, os.environ, argv or sys.argv)

@@ -11,7 +11,7 @@ import torch
 
 from serl_cli.algos.batch import make_micro_batches
 from serl_cli.training.step import action_logprobs
-from serl_cli.training.token_logprobs import TokenLogprobs, positions_per_chunk, token_logprobs
+from serl_cli.training.token_logprobs import TokenLogprobs, positions_per_chunk, slices, token_logprobs
 
 
 def whole_batch(logits, targets, temperature):
@@ -21,7 +21,7 @@ def whole_batch(logits, targets, temperature):
     return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(lp.exp() * lp).sum(-1)
 
 
-@pytest.mark.parametrize("step", [1, 3, 100])
+@pytest.mark.parametrize("step", [1, 3, 5, 11, 100])  # one position; parts of a row; one row; 2 rows; all
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_values_and_gradients_equal_the_whole_batch_formula(step, temperature):
     torch.manual_seed(0)
@@ -64,6 +64,11 @@ def test_log_probs_alone_and_entropy_alone_have_their_gradients():
 def test_slices_are_sized_by_the_vocabulary():
     assert positions_per_chunk(151_936) == 55 and positions_per_chunk(8) == 1 << 20
     assert positions_per_chunk(10**9) == 1  # never zero
+    # every position once: 3 rows of 5 in parts of rows, in whole rows, in pairs of rows
+    for step in (2, 5, 11):
+        seen = sorted((b, j) for rows, cols in slices(3, 5, step) for b in range(3)[rows] for j in range(5)[cols])
+        assert seen == [(b, j) for b in range(3) for j in range(5)]
+    assert [(r.start, r.stop) for r, _ in slices(3, 5, 11)] == [(0, 2), (2, 3)]
 
 
 def test_action_logprobs_equal_the_whole_batch_formula_on_the_model(tiny_model_dir):

@@ -26,10 +26,17 @@ def positions_per_chunk(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int
 
 
 def slices(batch: int, length: int, step: int):
-    """(row, start, stop) over ``length`` positions of each of ``batch`` rows, ``step`` at a time."""
-    for b in range(batch):
-        for j in range(0, length, step):
-            yield b, j, min(j + step, length)
+    """(rows, positions) slices of ``batch`` rows x ``length`` positions holding at most ``step``
+    positions each: several whole rows at a time where a row is shorter than ``step``, else
+    ``step`` positions of one row."""
+    if length >= step:
+        for b in range(batch):
+            for j in range(0, length, step):
+                yield slice(b, b + 1), slice(j, min(j + step, length))
+        return
+    rows = max(1, step // max(length, 1))
+    for b in range(0, batch, rows):
+        yield slice(b, min(b + rows, batch)), slice(0, length)
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -42,11 +49,11 @@ class TokenLogprobs(torch.autograd.Function):
         batch, length = targets.shape
         logp = torch.empty((batch, length), dtype=torch.float32, device=logits.device)
         ent = torch.empty_like(logp) if with_entropy else None
-        for b, j, k in slices(batch, length, step):
-            lp = torch.log_softmax(logits[b, j:k].float() / temperature, dim=-1)
-            logp[b, j:k] = lp.gather(-1, targets[b, j:k].unsqueeze(-1)).squeeze(-1)
+        for rows, cols in slices(batch, length, step):
+            lp = torch.log_softmax(logits[rows, cols].float() / temperature, dim=-1)
+            logp[rows, cols] = lp.gather(-1, targets[rows, cols].unsqueeze(-1)).squeeze(-1)
             if ent is not None:
-                ent[b, j:k] = -(lp.exp() * lp).sum(-1)
+                ent[rows, cols] = -(lp.exp() * lp).sum(-1)
         ctx.save_for_backward(logits, targets, ent)
         ctx.temperature, ctx.step = temperature, step
         return logp, ent
@@ -59,15 +66,15 @@ class TokenLogprobs(torch.autograd.Function):
             grad_logp = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits)
         grad[:, length:] = 0  # positions past the K scored ones (the model's last) feed nothing
-        for b, j, k in slices(batch, length, ctx.step):
-            lp = torch.log_softmax(logits[b, j:k].float() / ctx.temperature, dim=-1)
+        for rows, cols in slices(batch, length, ctx.step):
+            lp = torch.log_softmax(logits[rows, cols].float() / ctx.temperature, dim=-1)
             p = lp.exp()
-            g = grad_logp[b, j:k].unsqueeze(-1)
+            g = grad_logp[rows, cols].unsqueeze(-1)
             gz = -p * g
-            gz.scatter_add_(-1, targets[b, j:k].unsqueeze(-1), g)
+            gz.scatter_add_(-1, targets[rows, cols].unsqueeze(-1), g)
             if ent is not None and grad_ent is not None:
-                gz -= p * (lp + ent[b, j:k].unsqueeze(-1)) * grad_ent[b, j:k].unsqueeze(-1)
-            grad[b, j:k] = gz / ctx.temperature
+                gz -= p * (lp + ent[rows, cols].unsqueeze(-1)) * grad_ent[rows, cols].unsqueeze(-1)
+            grad[rows, cols] = gz / ctx.temperature
         return grad, None, None, None, None
 
 

@@ -162,6 +162,8 @@ def test_a_multi_gpu_config_started_as_one_process_gets_the_torchrun_line():
     check_launch([2, 3, 4, 5, 6, 7], {"WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "6"}, argv)  # 2 nodes x 6: right
     check_launch([0, 1], {"WORLD_SIZE": "2", "LOCAL_SIZE": "2"}, argv)  # the deepspeed launcher's variable
     check_launch([3], {}, argv)  # one GPU, one process
+    with pytest.raises(SerlError, match="the torch backend trains on one"):
+        check_launch([0, 1], {}, argv, backend="torch")
 
 
 def test_which_runs_use_cuda():

@@ -125,7 +125,7 @@ def preflight(cfg: OnlineConfig, *, online: bool, model: str | None, argv: list[
         check_train_config(cfg.train)
     cuda = uses_cuda(cfg, torch.cuda.is_available())
     if cuda:
-        check_launch(cfg.train.gpus, os.environ, argv or sys.argv)
+        check_launch(cfg.train.gpus, os.environ, argv or sys.argv, cfg.train.backend)
     name = model or cfg.model
     try:
         shape = model_shape(name) if name else None

@@ -25,13 +25,20 @@ def torchrun_line(argv: Sequence[str], nproc: int) -> str:
     return shlex.join(["torchrun", "--standalone", "--nproc_per_node", str(nproc), "-m", "serl_cli", *argv[1:]])
 
 
-def check_launch(gpus: list[int] | None, environ: Mapping[str, str], argv: Sequence[str]) -> None:
+def check_launch(
+    gpus: list[int] | None, environ: Mapping[str, str], argv: Sequence[str], backend: str = "deepspeed"
+) -> None:
     """``train.gpus`` against the processes started: a multi-GPU list run as one process is a
     ZeRO group of one on the first GPU (a 7B model's whole optimizer state on it); a node with
     more or fewer processes than GPUs listed trains on the wrong ones."""
     if not gpus:
         return
     world, local = processes(environ)
+    if backend == "torch" and len(gpus) > 1:
+        raise SerlError(
+            f"train.gpus lists {len(gpus)} GPUs but the torch backend trains on one: list one, or train on "
+            f"all of them with --backend deepspeed: {torchrun_line(argv, len(gpus))}"
+        )
     if world == 1 and len(gpus) > 1:
         raise SerlError(
             f"train.gpus lists {len(gpus)} GPUs ({', '.join(map(str, gpus))}) but serl runs as one process: "

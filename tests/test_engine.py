@@ -234,6 +234,34 @@ def test_same_seed_same_generations_other_seed_differs(runs, hf_models):
     assert [g.token_ids for g in first] != [g.token_ids for g in other]
 
 
+@pytest.mark.parametrize("coupled", [False, True])
+def test_a_checkpoints_generation_config_does_not_change_sampling(runs, stopping_model_dir, tmp_path, coupled):
+    """transformers fills every generation setting a call leaves unset from the checkpoint's
+    generation_config.json (Qwen2.5-Instruct's: repetition_penalty 1.05, top_k 20, top_p 0.8);
+    the engine draws from softmax(logits / T) alone, the distribution whose log-probs it stores."""
+    import json
+    import shutil
+
+    loaded = tmp_path / "with-generation-config"
+    shutil.copytree(stopping_model_dir, loaded)
+    path = loaded / "generation_config.json"
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    settings.update(
+        repetition_penalty=1.5, top_k=2, top_p=0.5, temperature=0.3, min_new_tokens=4, no_repeat_ngram_size=2
+    )
+    path.write_text(json.dumps(settings))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, coupled=coupled)
+    gens = {}
+    for name, directory in (("plain", stopping_model_dir), ("loaded", loaded)):
+        model, tok = load_model(str(directory))
+        prompts = _prompts_of_many_lengths(runs["greedy"], tok)
+        rows = list(range(2 * len(prompts))) if coupled else None
+        gens[name] = HFEngine(model.eval(), tok).generate(prompts + prompts, sampling, seed=5, row_seeds=rows)
+    assert model.generation_config.repetition_penalty == 1.5 and model.generation_config.top_k == 2  # it was read
+    assert [g.token_ids for g in gens["loaded"]] == [g.token_ids for g in gens["plain"]]
+    assert [g.logprobs for g in gens["loaded"]] == [g.logprobs for g in gens["plain"]]
+
+
 # ---------------------------------------------------------------- coupled sampling
 
 

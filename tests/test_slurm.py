@@ -92,7 +92,8 @@ def test_multi_node_and_deepspeed_launchers(tmp_path, tiny_model_dir):
     assert p.returncode == 0, p.stderr
     text = (tmp_path / "a" / "ablate.sbatch").read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --account=lab" in text
-    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 ${TORCHRUN:-torchrun} --nnodes 2" in text
+    srun = "srun ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} --ntasks-per-node=1 --kill-on-bad-exit=1"
+    assert f"{srun} ${{TORCHRUN:-torchrun}} --nnodes 2" in text  # the job's CPUs passed on (Slurm 22.05-23.02)
     assert '--rdzv_endpoint "$head:$port"' in text and "--nproc_per_node 4" in text and "%" not in text.split("\n")[2]
     assert bash_ok(tmp_path / "a" / "ablate.sbatch")
     grid = _grid(

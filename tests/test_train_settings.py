@@ -128,10 +128,17 @@ def test_settings_are_checked_before_anything_loads():
     ]:
         with pytest.raises(SerlError, match=match):
             check_train_config(TrainConfig(**bad))
-    assert recompute_enabled(TrainConfig(), "vllm") and not recompute_enabled(TrainConfig(), "hf")
-    assert not recompute_enabled(TrainConfig(), None)
+    cpu = TrainConfig(device="cpu")
+    assert recompute_enabled(cpu, "vllm") and not recompute_enabled(cpu, "hf")
+    assert not recompute_enabled(cpu, None)
     assert recompute_enabled(TrainConfig(recompute_logp_old=True), "hf")
     assert not recompute_enabled(TrainConfig(recompute_logp_old=False), "vllm")
+    # hf in half precision: the trainer's own (the online loop's engine is its model), or the rollout's
+    assert recompute_enabled(TrainConfig(device="cpu", dtype="bf16"), "hf")
+    assert recompute_enabled(TrainConfig(device="cpu", dtype="fp16", backend="deepspeed"), "hf")
+    assert not recompute_enabled(TrainConfig(device="cpu", backend="deepspeed"), "hf")  # auto: fp32 on a CPU
+    assert recompute_enabled(cpu, "hf", rollout_half=True) and not recompute_enabled(cpu, "hf", rollout_half=False)
+    assert not recompute_enabled(TrainConfig(device="cpu", dtype="bf16", recompute_logp_old=False), "hf")
 
 
 def test_online_eval_samples_at_its_temperature():
@@ -489,21 +496,23 @@ def test_serl_trains_on_the_configured_advantages():
     assert prepared.advantages.tolist() == pytest.approx(turn_advantages(s, cfg).tolist())
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("engine", ["hf", "vllm", "hf-bf16"])
 def test_single_update_recomputes_pi_old_for_the_engine_that_rolled_out(stopping_model_dir, tmp_path, engine):
-    """`serl train RUN` reads which engine generated the run: on vLLM's rollouts pi_old is the
-    trainer's by default (recompute_logp_old: null), as in the online loop; on hf's it is not."""
+    """`serl train RUN` reads which engine generated the run, in which precision: on vLLM's
+    rollouts and on hf's in bf16 pi_old is the trainer's by default (recompute_logp_old: null),
+    as in the online loop; on hf's in fp32 it is not."""
     from serl_cli.artifacts import io
     from serl_cli.stages.train import train_on_run
 
     run = tmp_path / "run"
     run_rollout(rollout_config(stopping_model_dir, run, max_new_tokens=10))
-    if engine == "vllm":  # the manifest says who generated the rollouts; the stored log-probs stand in for vLLM's
+    if engine != "hf":  # the manifest says who generated the rollouts; the stored log-probs stand in for theirs
         manifest = io.load_manifest(run)
-        manifest["stages"]["rollout"]["config"]["engine"] = "vllm"
+        settings = {"engine": "vllm"} if engine == "vllm" else {"device": "cpu", "dtype": "bf16"}
+        manifest["stages"]["rollout"]["config"].update(settings)
         io.write_json(run / "manifest.json", manifest)
     cfg = TrainConfig(algo="grpo", optim=OptimConfig(lr=0.0), threads=1, checkpoint=str(tmp_path / "ckpt"))
     metrics = train_on_run(str(run), cfg)
-    assert ("logp_old_recomputed_turns" in metrics) == (engine == "vllm")
-    if engine == "vllm":
+    assert ("logp_old_recomputed_turns" in metrics) == (engine != "hf")
+    if engine != "hf":
         assert metrics["logp_old_recomputed_turns"] > 0 and metrics["logp_mismatch_max"] < 1e-4

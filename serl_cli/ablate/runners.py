@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from serl_cli.ablate.cells import is_done, run_cell
+from serl_cli.ablate.cells import cell_config, is_done, run_cell
 from serl_cli.artifacts import io
 from serl_cli.errors import PREEMPTED_EXIT, SerlError
 
@@ -30,6 +30,7 @@ def run_cells(record: dict, out: str | Path, *, parallel: int = 1, log=print) ->
     if parallel <= 1:
         results = {i: run_cell(record, out, i, log=log) for i in range(n)}
         return results
+    check_parallel(record, out, parallel)
     todo = [i for i in range(n) if not is_done(out, record["cells"][i])]
     running: dict[int, subprocess.Popen] = {}
     results, failed = {i: "skipped" for i in range(n) if i not in todo}, []
@@ -58,6 +59,22 @@ def run_cells(record: dict, out: str | Path, *, parallel: int = 1, log=print) ->
     if failed:
         raise SerlError(f"{len(failed)} cell(s) failed: {', '.join(map(str, failed))} (see {logs}/cell_<i>.log)")
     return results
+
+
+def check_parallel(record: dict, out: str | Path, parallel: int, cuda_available: bool | None = None) -> None:
+    """``--parallel N`` starts N cells at once on this machine: N trainers and engines on the
+    same GPUs, each sized for all of them. Refused where a cell trains or generates on CUDA."""
+    import torch
+
+    from serl_cli.stages.plan import uses_cuda
+
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    gpu = [c["name"] for c in record["cells"] if uses_cuda(cell_config(record, out, c), cuda)]
+    if gpu:
+        raise SerlError(
+            f"--parallel {parallel} would start {parallel} cells at once on the same GPUs ({gpu[0]} and "
+            f"{len(gpu) - 1} more use CUDA): run them one at a time (--parallel 1) or one per node (--emit slurm)"
+        )
 
 
 DEFAULT_SBATCH = """#!/bin/bash
@@ -165,8 +182,10 @@ def launch_command(record: dict, out: Path, *, grace: int) -> tuple[str, str]:
     if nodes == 1:
         return "", f"${{TORCHRUN:-torchrun}} --standalone {common} -m serl_cli {args}"
     rdzv = '--rdzv_backend c10d --rdzv_endpoint "$head:$port" --rdzv_id "$SLURM_JOB_ID"'
+    # srun of Slurm 22.05-23.02 does not inherit the job's --cpus-per-task: each node's task would get one CPU
+    cpus = "${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}"
     return MULTI_NODE, (
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 ${{TORCHRUN:-torchrun}} --nnodes {nodes} "
+        f"srun {cpus} --ntasks-per-node=1 --kill-on-bad-exit=1 ${{TORCHRUN:-torchrun}} --nnodes {nodes} "
         f"{rdzv} {common} -m serl_cli {args}"
     )
 

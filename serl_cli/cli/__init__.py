@@ -19,6 +19,7 @@ COMMAND_MODULES = {
     "env": "env_play",
     "eval": "eval",
     "model": "model",
+    "plan": "plan",
     "plot": "plot",
     "rollout": "rollout",
     "show": "show",

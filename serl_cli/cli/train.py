@@ -75,7 +75,9 @@ def train_command(
     tasks: int | None = typer.Option(None, "--tasks", help="Online loop: tasks per iteration."),
     group_size: int | None = typer.Option(None, "--group-size", help="Online loop: rollouts per task."),
     max_turns: int | None = typer.Option(None, "--max-turns", help="Online loop: turn limit."),
-    threads: int | None = typer.Option(None, "--threads"),
+    threads: int | None = typer.Option(
+        None, "--threads", help="Torch threads (default: the CPUs this process may use / ranks on the node)."
+    ),
     out: str | None = typer.Option(
         None,
         "--out",
@@ -88,6 +90,9 @@ def train_command(
         "one update: skip it if it finished, else run it again.",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing checkpoint or run."),
+    no_plan_check: bool = typer.Option(
+        False, "--no-plan-check", help="Start even where `serl plan` finds the layout does not fit this machine."
+    ),
     report_to: list[str] | None = typer.Option(
         None,
         "--report-to",
@@ -142,6 +147,11 @@ def train_command(
     from serl_cli.stages.train import train_on_run
     from serl_cli.training.backends import is_main_process
 
+    if not no_plan_check:  # before anything loads: a layout that cannot fit is one line, not an OOM an hour in
+        from serl_cli.stages.plan import preflight, run_model
+
+        planned = cfg if online else dataclasses.replace(cfg, train=train)
+        preflight(planned, online=online, model=cfg.model if online else train.model or model or run_model(run))
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
     trackers = check_backends(report_to) if main else []
     if not online:

@@ -131,8 +131,21 @@ def _check_hub_reachable(name: str, timeout_s: float = 3.0) -> None:
 
 
 def set_torch_threads(n: int | None) -> None:
-    """``n`` threads; unset: ``$SERL_THREADS`` if set (the tests set 1), else every core."""
-    torch.set_num_threads(n or int(os.environ.get("SERL_THREADS") or 0) or os.cpu_count() or 1)
+    """``n`` threads; unset: ``$SERL_THREADS`` if set (the tests set 1), else :func:`default_threads`."""
+    torch.set_num_threads(n or int(os.environ.get("SERL_THREADS") or 0) or default_threads())
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on (its affinity: a Slurm allocation, ``taskset``), not the
+    machine's count, shared evenly by the processes a launcher started on this node
+    (``LOCAL_WORLD_SIZE`` from torchrun, ``LOCAL_SIZE`` from the deepspeed launcher): eight ranks
+    each taking every core would oversubscribe the node eight times."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    return max(1, cpus // max(local, 1))
 
 
 ADAPTER_CONFIG = "adapter_config.json"

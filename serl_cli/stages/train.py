@@ -38,6 +38,18 @@ def train_on_run(
         return _train_on_run(run, cfg, overwrite=overwrite, resume=resume, progress=progress)
 
 
+def rollout_in_half(rollout_cfg: dict) -> bool:
+    """Whether the hf engine of a ``serl rollout`` ran in half precision: its ``device``/``dtype``
+    resolved on this machine; a GPU setting this machine cannot resolve counts as half (pi_old is
+    then recomputed, which costs one forward pass and is never wrong)."""
+    from serl_cli.models.device import resolve
+
+    try:
+        return resolve(rollout_cfg.get("device", "auto"), rollout_cfg.get("dtype", "auto")).half
+    except SerlError:
+        return True
+
+
 def check_hindsight_sft(cfg: TrainConfig) -> None:
     """``train.hindsight_sft``, checked before any model loads: SFT only, known sources."""
     if cfg.hindsight_sft is None:
@@ -115,6 +127,7 @@ def _train_on_run(
         meta,
         engine=rollout_cfg.get("engine", "hf"),
         progress=progress,
+        rollout_half=rollout_in_half(rollout_cfg),
     )
     if cfg.hindsight_sft is not None:
         metrics["hindsight_examples"] = sum(len(e["turns"]) for e in examples)

@@ -37,6 +37,7 @@ import importlib.util
 import os
 import socket
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,8 +83,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(deepspeed) -> None:
-    """Join the launcher's process group, or make a one-process group for plain ``serl train``."""
+def process_group_options(device: torch.device, world_size: int, timeout_s: float) -> dict | None:
+    """``torch.distributed.init_process_group``'s arguments where serl starts the group itself:
+    on CUDA, NCCL bound to ``device``, the GPU this process trains on (``train.gpus[LOCAL_RANK]``;
+    DeepSpeed would bind it to ``cuda:LOCAL_RANK``, comm/torch.py:280-281), with ``timeout_s``.
+    None elsewhere: DeepSpeed starts its own (gloo or oneCCL on a CPU), given the timeout too.
+    A group of one is not bound (DeepSpeed's reason, comm/torch.py:273-275: nothing to reach)."""
+    if device.type != "cuda":
+        return None
+    options = {"backend": "nccl", "timeout": timedelta(seconds=timeout_s)}
+    if world_size > 1:
+        options["device_id"] = device
+    return options
+
+
+def init_distributed(deepspeed, device: torch.device | None = None, timeout_s: float = 7200) -> None:
+    """Join the launcher's process group, or make a one-process group for plain ``serl train``;
+    on CUDA bound to ``device``. ``timeout_s``: how long a collective waits for the other
+    processes before the group gives up (``train.dist_timeout_s``; NCCL's default is 10 minutes)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -102,9 +119,12 @@ def init_distributed(deepspeed) -> None:
     # the first initialize on a CPU compiles a small shared-memory op; cache it with serl's cache
     cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(cache) / "torch_extensions"))
+    options = process_group_options(device or torch.device("cpu"), int(os.environ["WORLD_SIZE"]), timeout_s)
     for attempt in range(3):
         try:
-            deepspeed.init_distributed(verbose=False)
+            if options is not None:  # DeepSpeed adopts a group that is already up (comm/comm.py:878-881)
+                dist.init_process_group(**options)
+            deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=timeout_s))
             return
         except RuntimeError as e:  # DistNetworkError: a free port picked, then taken by another process
             if not alone or "EADDRINUSE" not in str(e) or attempt == 2:
@@ -172,7 +192,7 @@ class DeepSpeedBackend:
         self._deepspeed = _import_deepspeed()
         if wanted.device.type == "cuda":
             torch.cuda.set_device(wanted.device)  # before NCCL starts: each process on its own GPU
-        init_distributed(self._deepspeed)
+        init_distributed(self._deepspeed, wanted.device, cfg.dist_timeout_s)
         import torch.distributed as dist
 
         self._dist = dist

@@ -215,15 +215,17 @@ class Learner:
         annotate_meta: dict | None = None,
         engine: str | None = None,
         progress=None,
+        rollout_half: bool | None = None,
     ) -> dict:
         """Train on a batch of episodes; returns the update's metrics. ``engine``: what
-        generated the rollouts (hf, vllm), for ``train.recompute_logp_old: null``.
+        generated the rollouts (hf, vllm), and ``rollout_half`` whether in half precision (None:
+        with this learner's model, in its precision), for ``train.recompute_logp_old: null``.
         ``progress(done, total)``: micro-batches run of the update's, once before the first
         and after each one (a progress bar; its last call has ``done == total``)."""
         cfg = self.cfg
         objective = get_objective(cfg.algo)
         recomputed = {}
-        if objective.uses_behaviour_logprobs and recompute_enabled(cfg, engine):
+        if objective.uses_behaviour_logprobs and recompute_enabled(cfg, engine, rollout_half):
             recomputed = self.recompute_logp_old(episodes, temperature)
         samples = turn_samples(episodes)
         # an episode the environment broke (a crash, a timeout) says nothing about the policy:

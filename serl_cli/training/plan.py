@@ -1,0 +1,263 @@
+"""How much memory one rank needs for an iteration, item by item, before anything is loaded.
+
+``serl plan`` prints the result and ``serl train`` refuses a layout that cannot fit. The pieces
+(model states, activations, logits, KV cache) are :mod:`serl_cli.training.memory`'s; here they
+are added up per phase of an iteration, per rank:
+
+* **start**: loading and wrapping the model;
+* **generate**: the resident states plus the hf engine's KV cache and prefill (under ZeRO-3
+  with the weights gathered), or vLLM's ``gpu_memory_utilization`` share of a GPU it shares;
+* **score**: pi_old and the teacher, forward passes without gradients. The teacher is, under
+  ZeRO-3, sharded like the policy (1/N of its 16-bit weights, always on the GPU); under ZeRO-1/2
+  and torch held in CPU memory and on the GPU (whole, 16-bit) only while it scores;
+* **update**: the resident states plus one micro-batch's activations and logits;
+
+each with the CUDA runtime (context, NCCL buffers). The peak is the largest phase; a layout
+fits with headroom when it is at most 90 % of the GPU's memory. Also: one GPU of vLLM's own
+(its weights' shard, workspace and KV cache), the disk of one checkpoint, the CPU memory of a
+node. ``device="cpu"`` describes the CPU runs that ``benchmarks/plan_check.py`` measures to
+validate the estimate (there DeepSpeed's buffers are touched, not reserved, and the model
+file's pages count while it loads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serl_cli.models.shapes import ModelShape
+from serl_cli.training.memory import (
+    GiB,
+    Item,
+    Layout,
+    activation_bytes,
+    forward_bytes,
+    kv_bytes_per_token,
+    logit_bytes,
+    logit_positions,
+    model_states,
+    trainable_params,
+)
+
+HEADROOM = 0.10  # a layout "fits" when its peak leaves this much of the GPU free
+CUDA_RUNTIME = 1.25 * GiB  # CUDA context (~0.5-0.8 GB) and NCCL's communicator buffers, per GPU
+VLLM_WORKSPACE = 2.0 * GiB  # vLLM's profiled activations, sampler and CUDA graphs, per GPU
+
+
+@dataclass
+class Phase:
+    name: str
+    items: list[Item]
+
+    @property
+    def bytes(self) -> float:
+        return sum(i.bytes for i in self.items)
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    layout: Layout
+    phases: list[Phase]
+    vllm: list[Item] = field(default_factory=list)  # one GPU of vLLM's own (split layout)
+    disk: list[Item] = field(default_factory=list)  # one checkpoint
+    host: list[Item] = field(default_factory=list)  # CPU memory of one node
+    problems: list[str] = field(default_factory=list)  # why the layout cannot run, one line each
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.bytes)
+
+    @property
+    def headroom(self) -> float:
+        return 1 - self.peak.bytes / self.layout.gpu_bytes
+
+    @property
+    def verdict(self) -> str:
+        if self.problems:
+            return "does not fit"
+        return "fits" if self.headroom >= HEADROOM else "tight"
+
+
+def runtime(layout: Layout) -> list[Item]:
+    return [Item("CUDA runtime", CUDA_RUNTIME, "context, NCCL buffers")] if layout.device == "cuda" else []
+
+
+# -- the phases -----------------------------------------------------------------------------------
+def teacher_resident(shape: ModelShape, layout: Layout) -> list[Item]:
+    if not layout.teacher or layout.lora_rank > 0:
+        return []
+    if layout.backend == "deepspeed" and layout.zero_stage == 3:
+        return [Item("teacher", 2 * shape.params / layout.ranks, f"sharded like the policy: 1/{layout.ranks}")]
+    return []
+
+
+def reference_resident(shape: ModelShape, layout: Layout) -> list[Item]:
+    if not layout.reference:
+        return []
+    return [Item("KL reference", layout.module_bytes * shape.params, "a frozen copy")]
+
+
+def phases(shape: ModelShape, layout: Layout) -> list[Phase]:
+    resident = model_states(shape, layout) + teacher_resident(shape, layout) + reference_resident(shape, layout)
+    resident += runtime(layout)
+    out = [Phase("start", start_items(shape, layout) + runtime(layout))]
+    if layout.engine != "none":
+        out.append(Phase("generate", resident + generation_items(shape, layout)))
+    scoring = [Item("forward pass", forward_bytes(shape, layout), "pi_old, teacher: no gradients")]
+    if layout.teacher and layout.lora_rank == 0 and not (layout.backend == "deepspeed" and layout.zero_stage == 3):
+        scoring.append(Item("teacher on the GPU", 2 * shape.params, "moved in from CPU memory while it scores"))
+    out.append(Phase("score", resident + scoring + vllm_asleep(layout)))
+    update = [
+        Item(
+            "activations",
+            activation_bytes(shape, layout, layout.gradient_checkpointing),
+            "checkpointed" if layout.gradient_checkpointing else "no checkpointing",
+        ),
+        Item("logits", logit_bytes(shape, layout, backward=True), f"{logit_positions(layout)} positions + gradient"),
+    ]
+    out.append(Phase("update", resident + update + vllm_asleep(layout)))
+    return out
+
+
+def start_items(shape: ModelShape, layout: Layout) -> list[Item]:
+    """Loading and wrapping. On a CPU the model and its file's pages, plus DeepSpeed's flat copy
+    at stages 1-2; on a GPU the module moved there and, at stages 1-2, flattened into a copy
+    (twice its size for a moment); at stage 3 each tensor is partitioned as it arrives."""
+    p, w = shape.params, layout.module_bytes
+    flat = layout.backend == "deepspeed" and layout.zero_stage < 3
+    if layout.device == "cpu":
+        return [Item("model load", 2 * w * p + (w * p if flat else 0), "weights + the file's pages (+ flat copy)")]
+    if layout.backend == "deepspeed" and layout.zero_stage == 3:
+        return [Item("model load", w * shape.largest_tensor, "one tensor at a time")]
+    return [Item("model load", (2 if flat else 1) * w * p, "the module (+ its flat copy)" if flat else "the module")]
+
+
+def generation_items(shape: ModelShape, layout: Layout) -> list[Item]:
+    if layout.engine == "vllm":
+        if not layout.colocated:
+            return []
+        return [Item("vLLM (colocated)", layout.vllm_utilization * layout.gpu_bytes, "gpu_memory_utilization")]
+    rows, prompt = layout.rollout_rows, layout.prompt_tokens
+    items = []
+    if layout.backend == "deepspeed" and layout.zero_stage == 3:
+        items.append(Item("gathered weights", 2 * shape.params, "the hf engine runs the whole model"))
+    kv = kv_bytes_per_token(shape, layout.compute_bytes) * rows * (prompt + layout.reply_tokens)
+    items.append(Item("KV cache", kv, f"{rows} rows x {prompt + layout.reply_tokens} tokens"))
+    items.append(Item("prefill", layout.compute_bytes * rows * prompt * 3 * shape.intermediate, "the prompts' MLP"))
+    return items
+
+
+def vllm_asleep(layout: Layout) -> list[Item]:
+    """vLLM colocated and awake holds its share through the trainer's phases too."""
+    if layout.colocated and not layout.vllm_sleep:
+        return [
+            Item("vLLM (colocated, awake)", layout.vllm_utilization * layout.gpu_bytes, "rollout.vllm.sleep is off")
+        ]
+    return []
+
+
+def vllm_gpu(shape: ModelShape, layout: Layout) -> list[Item]:
+    """How vLLM spends its share of one GPU (``gpu_memory_utilization``): the weights' shard, its
+    workspace, and what is left for the KV cache."""
+    budget = layout.vllm_utilization * layout.gpu_bytes
+    weights = 2 * shape.params / layout.vllm_tp
+    kv = budget - weights - VLLM_WORKSPACE
+    tokens = max(0, int(kv // (kv_bytes_per_token(shape) / layout.vllm_tp)))
+    seq = layout.prompt_tokens + layout.reply_tokens
+    return [
+        Item("weights", weights, f"16-bit, 1/{layout.vllm_tp} (tensor parallel)"),
+        Item("workspace", VLLM_WORKSPACE, "activations, sampler, CUDA graphs"),
+        Item("KV cache", kv, f"{tokens} tokens: {tokens // max(seq, 1)} sequences of {seq}"),
+    ]
+
+
+def checkpoint_disk(shape: ModelShape, layout: Layout) -> list[Item]:
+    """One resumable checkpoint: the Hugging Face weights, the optimizer state, the teacher."""
+    p, pt = shape.params, trainable_params(shape, layout)
+    w = layout.module_bytes
+    items = [Item("model", w * p, "Hugging Face safetensors")]
+    if layout.backend == "deepspeed":
+        items.append(Item("DeepSpeed state", 12 * pt, "fp32 master weights + Adam, all partitions"))
+    else:
+        items.append(Item("optimizer", 8 * pt, "trainer_state.pt: AdamW's moments"))
+    if layout.teacher:
+        items.append(Item("teacher", 4 * pt if layout.lora_rank > 0 else w * p, "teacher_state.pt"))
+    if layout.reference:
+        items.append(Item("KL reference", w * p, "trainer_state.pt"))
+    return items
+
+
+def host_memory(shape: ModelShape, layout: Layout) -> list[Item]:
+    """CPU memory of one node: each rank loads the model there before it moves to its GPU; the
+    offloaded states and a teacher held off the GPU stay there."""
+    k, p, pt = layout.ranks_per_node, shape.params, trainable_params(shape, layout)
+    items = [Item("model loading", k * layout.module_bytes * p, f"{k} rank(s) x the loaded model")]
+    if layout.offload and layout.backend == "deepspeed":
+        items.append(Item("offloaded states", k * 16 * pt / layout.ranks, "fp32 master, Adam, fp32 gradients"))
+    if layout.teacher and layout.lora_rank == 0 and not (layout.backend == "deepspeed" and layout.zero_stage == 3):
+        items.append(Item("teacher", k * 2 * p, "held off the GPU between scorings"))
+    return items
+
+
+def estimate(shape: ModelShape, layout: Layout) -> Plan:
+    plan = Plan(shape, layout, phases(shape, layout))
+    if layout.engine == "vllm" and not layout.colocated:
+        plan.vllm = vllm_gpu(shape, layout)
+    plan.disk = checkpoint_disk(shape, layout)
+    plan.host = host_memory(shape, layout)
+    plan.problems = problems(plan)
+    return plan
+
+
+def problems(plan: Plan) -> list[str]:
+    """Why the layout cannot run, each in one line with what to change (empty: it can)."""
+    shape, layout, out = plan.shape, plan.layout, []
+    gb = layout.gpu_bytes / GiB
+    peak = plan.peak
+    states = sum(i.bytes for i in model_states(shape, layout))
+    if layout.backend == "torch" and states > layout.gpu_bytes:  # the plainest case: say it plainly
+        out.append(
+            f"the torch backend holds the whole model's weights, gradients and AdamW state on one GPU: "
+            f"{states / GiB:.0f} GiB of {gb:.0f} GiB; use --backend deepspeed --zero-stage 3 over several GPUs"
+        )
+    elif peak.bytes > layout.gpu_bytes:
+        worst = max(peak.items, key=lambda i: i.bytes)
+        hint = advice(plan, worst, peak)
+        out.append(
+            f"the {peak.name} phase needs {peak.bytes / GiB:.1f} GiB per GPU of {gb:.0f} GiB "
+            f"(largest: {worst.name} {worst.bytes / GiB:.1f} GiB){hint}"
+        )
+    vllm = plan.vllm or ([] if not layout.colocated else vllm_gpu(shape, layout))
+    if layout.engine == "vllm":
+        kv = next(i for i in vllm if i.name == "KV cache").bytes  # negative: not even the weights fit
+        seq = (layout.prompt_tokens + layout.reply_tokens) * kv_bytes_per_token(shape) / layout.vllm_tp
+        if kv < seq:
+            out.append(
+                f"vLLM's share ({layout.vllm_utilization:g} x {gb:.0f} GiB) leaves {kv / GiB:.1f} GiB for the KV "
+                f"cache after its weights (1/{layout.vllm_tp}): not one {layout.prompt_tokens + layout.reply_tokens}"
+                f"-token sequence; raise rollout.vllm.gpu_memory_utilization or tensor_parallel_size"
+            )
+    return out
+
+
+def advice(plan: Plan, worst: Item, peak: Phase) -> str:
+    """What to change, for the largest item of the phase that does not fit."""
+    layout = plan.layout
+    if worst.name.startswith("vLLM"):
+        rest = peak.bytes - worst.bytes
+        most = (layout.gpu_bytes * (1 - HEADROOM) - rest) / layout.gpu_bytes
+        if most <= 0.05:
+            return f": the trainer alone needs {rest / GiB:.1f} GiB here; give vLLM GPUs of its own (rollout.gpus)"
+        sleep = "" if layout.vllm_sleep or worst.name == "vLLM (colocated)" else ", turn on rollout.vllm.sleep"
+        return (
+            f": vLLM's share and the trainer's {rest / GiB:.1f} GiB do not fit together; set "
+            f"rollout.vllm.gpu_memory_utilization at most {most:.2f} (10 % free){sleep}, or give vLLM GPUs of "
+            f"its own (rollout.gpus)"
+        )
+    if worst.name == "activations" and not layout.gradient_checkpointing:
+        return ": turn on train.gradient_checkpointing or lower train.optim.micro_batch_tokens"
+    if worst.name in ("activations", "logits"):
+        return ": lower train.optim.micro_batch_tokens"
+    if layout.backend == "deepspeed" and layout.zero_stage < 3:
+        return ": use --zero-stage 3, more GPUs, or --offload"
+    return ": use more GPUs or --offload"

@@ -1,0 +1,220 @@
+"""``serl plan`` and the checks ``serl train`` makes before it loads anything: model sizes from a
+config.json, the per-rank memory by hand and against DeepSpeed's estimators, the paper layouts,
+the launch and ``--parallel`` guards, and one measured CPU peak against the plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import assert_one_line_error, serl
+
+from serl_cli import config as cfgmod
+from serl_cli.errors import SerlError
+from serl_cli.models.shapes import KNOWN_SHAPES, ModelShape, model_shape
+from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.stages.plan import Machine, layout_of, plan_run, uses_cuda
+from serl_cli.training.launch import check_launch
+from serl_cli.training.memory import GiB, Layout, activation_bytes, layer_activation_bytes, model_states
+from serl_cli.training.plan import HEADROOM
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = sorted((ROOT / "experiments").glob("*/paper/*.yaml"))
+Q7B = KNOWN_SHAPES["Qwen/Qwen2.5-7B"]
+
+
+def paper(path: Path, **overrides) -> OnlineConfig:
+    cfg = cfgmod.from_dict(OnlineConfig, cfgmod.load_yaml(path), path.stem)
+    for key, value in overrides.items():
+        *path, name = key.split(".")
+        target = cfg
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, name, value)
+    return cfg
+
+
+# -- model sizes ----------------------------------------------------------------------------------
+def test_sizes_from_config_json_equal_the_models_own_count(tiny_model_dir):
+    from serl_cli.models.loading import load_model
+
+    model, _ = load_model(str(tiny_model_dir))
+    assert model_shape(str(tiny_model_dir)).params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "name, total, non_embedding",  # the Qwen2.5 model cards' figures, in billions
+    [
+        ("Qwen/Qwen2.5-0.5B-Instruct", 0.49, 0.36),
+        ("Qwen/Qwen2.5-1.5B-Instruct", 1.54, 1.31),
+        ("Qwen/Qwen2.5-7B", 7.61, 6.53),
+    ],
+)
+def test_known_hub_sizes_are_the_published_ones(name, total, non_embedding):
+    shape = model_shape(name)  # not cached here (HF_HUB_OFFLINE): the known table
+    embeddings = shape.embedding_params * (1 if shape.tied else 2)
+    assert abs(shape.params / 1e9 - total) < 0.01 and abs((shape.params - embeddings) / 1e9 - non_embedding) < 0.01
+
+
+def test_an_adapter_checkpoint_is_sized_by_its_base(tmp_path, tiny_model_dir):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model_dir)}))
+    assert model_shape(str(tmp_path)) == model_shape(str(tiny_model_dir))
+    with pytest.raises(SerlError, match="cannot size model 'org/unknown'"):
+        model_shape("org/unknown")
+
+
+# -- the estimate by hand -------------------------------------------------------------------------
+def test_model_states_are_deepspeeds_per_parameter_counts():
+    """ZeRO-2: 2 bytes of 16-bit weights per parameter + 18 over N (stage_1_and_2.py:4029-4031);
+    ZeRO-3: 18 over N (stage3.py:4046) but for the tensors it keeps whole; torch: 16 + autocast's 2."""
+    p, n = Q7B.params, 8
+
+    def states(**kw):
+        return {i.name: i.bytes for i in model_states(Q7B, Layout(half=True, ranks=n, **kw))}
+
+    zero2 = states(backend="deepspeed", zero_stage=2)
+    assert zero2["weights"] + zero2["gradients"] + zero2["optimizer"] == pytest.approx(2 * p + 18 * p / n)
+    assert zero2["gradient bucket"] == 2 * 500_000_000  # reduce_bucket_size in bf16, reserved on a GPU
+    zero3 = states(backend="deepspeed", zero_stage=3)
+    assert zero3["weights"] + zero3["gradients"] + zero3["optimizer"] == pytest.approx(18 * p / n, rel=2e-3)
+    torch_states = {i.name: i.bytes for i in model_states(Q7B, Layout(half=True))}
+    assert torch_states["weights"] + torch_states["gradients"] + torch_states["optimizer"] == 16 * p
+    offload = states(backend="deepspeed", zero_stage=3, offload=True)
+    assert offload["weights"] == offload["optimizer"] == offload["gradients"] == 0  # all in CPU memory
+
+
+def test_activations_by_hand():
+    # h 8, q 8 (2 heads x 4), kv 4, i 16, 2 layers; fp32: norms 2 x (4 + 4) x 8 = 128,
+    # attention 4 x (7 x 8 + 2 x 4) = 256, MLP 4 x 4 x 16 = 256 -> 640 bytes per token per layer
+    shape = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, intermediate=16, vocab=10)
+    lay = Layout(half=False, device="cpu", micro_batch_tokens=100)
+    assert layer_activation_bytes(shape, lay) == 640
+    assert activation_bytes(shape, lay, checkpointing=False) == 2 * 640 * 100
+    # checkpointed: each layer's fp32 input (8 x 4 bytes) + one layer recomputed
+    assert activation_bytes(shape, lay, checkpointing=True) == 2 * 32 * 100 + 640 * 100
+
+
+# -- the paper layouts on one node of 8 x 80 GiB --------------------------------------------------
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: f"{p.parent.parent.name}-{p.stem}")
+def test_the_paper_layouts_fit_one_node_with_headroom(path):
+    plan = plan_run(paper(path), Machine(gpus=8, gpu_memory_gb=80))
+    assert plan.layout.ranks == 6 and plan.layout.zero_stage == 3 and plan.layout.vllm_gpus == 2
+    assert not plan.problems and plan.headroom >= HEADROOM, (plan.peak.name, plan.peak.bytes / GiB)
+    kv = next(i for i in plan.vllm if i.name == "KV cache")
+    assert kv.bytes > 10 * GiB  # vLLM's own GPUs hold the weights' half and a large KV cache
+    disk = sum(i.bytes for i in plan.disk) / GiB
+    assert 95 < disk < 120  # 16-bit model, fp32 master + Adam, (serl) the teacher: ~16 bytes per parameter
+
+
+def test_a_colocated_7b_layout_fits_or_is_refused_with_its_reason():
+    colocated = {"rollout.gpus": None, "train.gpus": None, "rollout.vllm.sleep": True}
+    machine = Machine(gpus=8, gpu_memory_gb=80)
+    alfworld = plan_run(paper(ROOT / "experiments/alfworld/paper/serl.yaml", **colocated), machine)  # 0.6 of each GPU
+    assert alfworld.layout.ranks == 8 and alfworld.layout.colocated and not alfworld.problems
+    webshop = plan_run(paper(ROOT / "experiments/webshop/paper/serl.yaml", **colocated), machine)  # 0.75
+    (reason,) = webshop.problems
+    assert "generate phase" in reason and "gpu_memory_utilization at most 0.6" in reason
+
+
+def test_the_torch_backend_refuses_a_7b_model():
+    cfg = paper(ROOT / "experiments/webshop/paper/grpo.yaml", **{"train.backend": "torch"})
+    plan = plan_run(cfg, Machine(gpus=8, gpu_memory_gb=80))
+    assert plan.layout.ranks == 1 and "--backend deepspeed --zero-stage 3" in plan.problems[0]
+    small = plan_run(cfg, Machine(gpus=8, gpu_memory_gb=80), model="Qwen/Qwen2.5-0.5B-Instruct")
+    assert not small.problems  # 0.5B: 8 GiB of model states
+
+
+def test_layout_reads_the_run_settings():
+    cfg = paper(ROOT / "experiments/webshop/paper/serl.yaml")
+    lay = layout_of(cfg, Machine(gpus=8, gpu_memory_gb=80, nodes=2))
+    assert (lay.ranks, lay.ranks_per_node, lay.half, lay.teacher, lay.engine) == (12, 6, True, True, "vllm")
+    assert lay.rollout_rows == 16  # 16 groups over 12 ranks: 2 groups of 8 on a rank
+    assert layout_of(cfg, Machine(), online=False).engine == "none"
+
+
+# -- the command ----------------------------------------------------------------------------------
+def test_serl_plan_prints_the_items_and_exits_1_when_it_does_not_fit():
+    path = str(ROOT / "experiments/alfworld/paper/serl.yaml")
+    ok = serl("plan", path)
+    assert ok.returncode == 0, ok.stderr
+    for needle in ("optimizer", "activations", "logits", "teacher", "fits, with", "disk per checkpoint", "vLLM GPU"):
+        assert needle in ok.stdout, needle
+    bad = serl("plan", path, "--set", "train.backend=torch", "--gpu-memory", "40")
+    assert bad.returncode == 1 and "torch backend" in bad.stderr
+    assert_one_line_error(serl("plan", path, "--gpus", "0"), "--gpus and --nodes must be at least 1")
+
+
+# -- serl train's guards --------------------------------------------------------------------------
+def test_a_multi_gpu_config_started_as_one_process_gets_the_torchrun_line():
+    argv = ["/venv/bin/serl", "train", "--config", "experiments/webshop/paper/serl.yaml"]
+    with pytest.raises(SerlError) as e:
+        check_launch([0, 1, 2, 3, 4, 5], {}, argv)
+    assert (
+        "torchrun --standalone --nproc_per_node 6 -m serl_cli train --config experiments/webshop/paper/serl.yaml"
+        in str(e.value)
+    )
+    with pytest.raises(SerlError, match="8 processes were started on this node: start them with --nproc_per_node 6"):
+        check_launch([0, 1, 2, 3, 4, 5], {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, argv)
+    check_launch([2, 3, 4, 5, 6, 7], {"WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "6"}, argv)  # 2 nodes x 6: right
+    check_launch([0, 1], {"WORLD_SIZE": "2", "LOCAL_SIZE": "2"}, argv)  # the deepspeed launcher's variable
+    check_launch([3], {}, argv)  # one GPU, one process
+    with pytest.raises(SerlError, match="the torch backend trains on one"):
+        check_launch([0, 1], {}, argv, backend="torch")
+
+
+def test_which_runs_use_cuda():
+    cfg = OnlineConfig()
+    assert not uses_cuda(cfg, cuda_available=False) and uses_cuda(cfg, cuda_available=True)
+    cfg.train.device = "cpu"
+    assert not uses_cuda(cfg, cuda_available=True)
+    cfg.rollout.engine = "vllm"
+    assert uses_cuda(cfg, cuda_available=False)
+
+
+def test_serl_train_refuses_an_impossible_layout_before_loading(tmp_path):
+    """A 70B-sized model on the torch backend, on this CPU: refused in one line from its
+    config.json alone; --no-plan-check goes on to load it (and fails there: it has no weights)."""
+    model = tmp_path / "big"
+    model.mkdir()
+    big = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)
+    big |= dict(intermediate_size=28672, vocab_size=128256, model_type="llama")
+    (model / "config.json").write_text(json.dumps(big))
+    args = ["train", "--model", str(model), "--iterations", "1", "--out", str(tmp_path / "run"), "--device", "cpu"]
+    assert_one_line_error(serl(*args), "weights, gradients and AdamW state", "--no-plan-check skips this")
+    assert not (tmp_path / "run").exists()
+    forced = serl(*args, "--no-plan-check")
+    assert forced.returncode != 0 and "AdamW state" not in forced.stderr
+
+
+def test_ablate_parallel_refuses_cells_on_gpus(tmp_path):
+    from serl_cli.ablate.runners import check_parallel
+
+    record = {"base": {"rollout": {"engine": "vllm"}}, "cells": [{"name": "a", "overrides": {}}]}
+    record["cells"].append({"name": "b", "overrides": {}})
+    with pytest.raises(SerlError, match="--parallel 2 would start 2 cells at once on the same GPUs"):
+        check_parallel(record, tmp_path, 2, cuda_available=False)
+    record["base"] = {"train": {"device": "cpu"}}
+    check_parallel(record, tmp_path, 2, cuda_available=True)  # CPU cells may share the machine
+
+
+# -- the plan against a measured CPU peak ---------------------------------------------------------
+@pytest.mark.slow
+def test_the_plan_is_within_25_percent_of_a_measured_peak(tiny_model_dir, tmp_path):
+    """The tiny preset, torch backend, one GRPO update of 4096-token micro-batches in a fresh
+    process (benchmarks.plan_check's measurement, as docs/SCALING.md's table has it)."""
+    model = repr(str(tiny_model_dir))
+    code = (
+        "import json, sys; from benchmarks.plan_check import Check, one, planned; c = Check('t', 'tiny');"
+        f"print(json.dumps([one(c, {model})['peak_mb'], planned(c, {model})['plan_mb']]))"
+    )
+    from benchmarks.peak import MALLOC_ENV
+
+    env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured, planned = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0.75 <= measured / planned <= 1.25, (measured, planned)

@@ -218,6 +218,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         resume=resume,
         what="rollout",
         finished=lambda: _finished_summary(out),
+        records_of=lambda summary: summary.get("episodes"),
     )
     if finished is not None:
         return finished

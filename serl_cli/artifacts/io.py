@@ -183,8 +183,10 @@ def git_commit() -> str | None:
         return None
 
 
-def new_manifest(stage: str, config: dict, seed: int | None) -> dict:
-    return {
+def new_manifest(stage: str, config: dict, seed: int | None, environment: dict | None = None) -> dict:
+    """A run's manifest; ``environment`` is what its environment says of the data it loaded
+    (``rollout.worlds.world_info``: e.g. which WebShop catalog, the real one or serl's synthetic)."""
+    manifest = {
         "serl_version": __version__,
         "schema_version": SCHEMA_VERSION,
         "git_commit": git_commit(),
@@ -192,8 +194,11 @@ def new_manifest(stage: str, config: dict, seed: int | None) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "seed": seed,
-        "stages": {stage: {"status": "running", "started": time.time(), "config": config}},
     }
+    if environment is not None:
+        manifest["environment"] = environment
+    manifest["stages"] = {stage: {"status": "running", "started": time.time(), "config": config}}
+    return manifest
 
 
 def load_manifest(run_dir: str | Path) -> dict:

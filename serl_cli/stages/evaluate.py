@@ -19,7 +19,7 @@ from serl_cli.errors import SerlError
 from serl_cli.rollout.engines.vllm import VLLMConfig
 from serl_cli.rollout.policies import ExpertPolicy, RandomPolicy
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
-from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.rollout.worlds import EnvConfig, build_world, world_info
 from serl_cli.stats.summary import wilson_interval
 
 POLICIES = ("model", "expert", "random")
@@ -173,6 +173,7 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
         "policy": cfg.policy,
         "model": cfg.model,
         "panel": cfg.panel,
+        "environment": world_info(world),  # e.g. which WebShop catalog ran: the real 1k or serl's synthetic
         **summarize(records, by="task_type" if records and "task_type" in records[0] else None),
         "wall_time_s": round(time.time() - started, 3),
     }

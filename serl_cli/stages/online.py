@@ -58,7 +58,7 @@ from serl_cli.rollout.engines import (
     refresh_weights,
     sleep_engine,
 )
-from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.rollout.worlds import EnvConfig, build_world, world_info
 from serl_cli.stages.annotate import write_annotations
 from serl_cli.stages.evaluate import EvalConfig, run_eval
 from serl_cli.stages.online_checkpoints import (
@@ -189,7 +189,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
         if run.exists() and any(run.iterdir()) and not (resume and (run / "manifest.json").exists()):
             shutil.rmtree(run)  # --overwrite
         run.mkdir(parents=True, exist_ok=True)
-        io.write_json(run / "manifest.json", io.new_manifest("online", run_settings(cfg), cfg.seed))
+        io.write_json(run / "manifest.json", io.new_manifest("online", run_settings(cfg), cfg.seed, world_info(world)))
     if resume and main:
         # a kill between appending an iteration's metrics and marking it done leaves a line
         # for an unfinished iteration, and iterations past the newest checkpoint are redone:

@@ -34,7 +34,7 @@ from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling
 from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import PromptConfig, check_chat_template_kwargs
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
-from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.rollout.worlds import EnvConfig, build_world, world_info
 
 POLICIES = ("model", "expert")
 JOURNAL_FILE = "rollouts.journal.jsonl"
@@ -256,7 +256,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         io.mark_stage(out, "rollout", "running", resumed_from_round=len(replay))
     else:
         out.mkdir(parents=True, exist_ok=True)
-        io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed))
+        io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed, world_info(world)))
         io.start_journal(journal, header)
     started = time.time()
     records = run_episodes(

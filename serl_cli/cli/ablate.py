@@ -170,6 +170,15 @@ def ablate_command(
     if emit == "slurm":
         cap = max_parallel or (parallel if parallel > 1 else 0)
         path = runners.emit_slurm(record, out_dir, template=slurm_template, parallel=cap)
+        filled = runners.default_resources(record)
+        if filled and not (slurm_template or (record.get("slurm") or {}).get("template")):
+            asked = ", ".join(f"--{k.replace('_', '-')}={v}" for k, v in filled.items())
+            err_console.print(
+                f"note: the grid's slurm: section sets no {', '.join(filled)}: each task asks for {asked} "
+                f"(set slurm.{next(iter(filled))} and the others in the grid to change them)",
+                highlight=False,
+                soft_wrap=True,
+            )
         console.print(
             f"{len(record['cells'])} cells; job array written to {path}; submit it with its report job: "
             f"bash {out_dir.resolve() / 'submit.sh'} (or sbatch {path} alone)",

@@ -130,8 +130,8 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
 
 def _check_optim(optim: OptimConfig) -> None:
     """AdamW's settings, refused here in one line rather than by torch in a traceback."""
-    if not (_number(optim.lr) and optim.lr > 0):
-        raise SerlError(f"train.optim.lr must be a positive number, got {optim.lr}")
+    if not (_number(optim.lr) and optim.lr >= 0):  # 0: an update that measures and changes nothing
+        raise SerlError(f"train.optim.lr must be a positive number (or 0), got {optim.lr}")
     for name in ("weight_decay", "grad_clip"):  # grad_clip 0: no clipping
         if not (_number(getattr(optim, name)) and getattr(optim, name) >= 0):
             raise SerlError(f"train.optim.{name} must be 0 or positive, got {getattr(optim, name)}")

@@ -579,6 +579,38 @@ def test_emit_slurm_is_valid_bash_and_task_k_runs_cell_k(tmp_path, tiny_model_di
     assert json.loads((out / "cells" / rec["cells"][2]["name"] / "cell.json").read_text())["status"] == "done"
 
 
+def test_a_cell_runs_from_grid_json_after_the_grid_file_is_edited(tmp_path, tiny_model_dir):
+    """`serl ablate GRID --out OUT --cell i` (how a cell runs by hand, or on a cluster of your
+    own) once the ablation has started: the cell runs as OUT/grid.json records the grid, so an
+    edit of the grid file meanwhile (here: 2 iterations instead of 1) breaks no later cell;
+    a note says so. Before, every later cell failed: "holds a different ablation grid"."""
+    grid = tiny_grid(tmp_path, tiny_model_dir, algos=("grpo",), seeds=2, iterations=1)
+    out = tmp_path / "abl"
+    assert run(str(grid), "--out", str(out), "--emit", "slurm").returncode == 0  # the ablation starts: grid.json
+    recorded = (out / "grid.json").read_bytes()
+    data = yaml.safe_load(grid.read_text())
+    data["base"]["iterations"] = 2
+    grid.write_text(yaml.safe_dump(data))
+    p = run(str(grid), "--out", str(out), "--cell", "1")
+    assert p.returncode == 0, p.stderr
+    assert "has changed since the ablation started" in p.stderr and "runs as" in p.stderr
+    rec = json.loads(recorded)
+    cell = out / "cells" / rec["cells"][1]["name"]
+    assert json.loads((cell / "cell.json").read_text())["status"] == "done"
+    assert len((cell / "train" / "metrics.jsonl").read_text().splitlines()) == 1  # the recorded grid's 1 iteration
+    assert (out / "grid.json").read_bytes() == recorded
+    # a grid file broken or gone since: the same
+    grid.write_text("grid: {algo: [grpo]\n")
+    p = run(str(grid), "--out", str(out), "--cell", "1")
+    assert p.returncode == 0 and "cannot be read now" in p.stderr, p.stderr
+    grid.unlink()
+    p = run(str(grid), "--out", str(out), "--cell", "1")
+    assert p.returncode == 0 and "is gone" in p.stderr, p.stderr
+    # a new ablation directory still reads the grid file as it is now
+    p = run(str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "other"), "--cell", "0")
+    assert p.returncode == 2 and "grid file not found" in p.stderr
+
+
 def test_user_template(tmp_path):
     tpl = tmp_path / "tpl.sh"
     tpl.write_text("#!/bin/bash\n#SBATCH --array={array}\n#SBATCH --qos=low\nmodule load cuda\n{command}\n")

@@ -61,7 +61,7 @@ def test_paper_grid_sbatch_runs_torchrun_on_the_cells_gpus(tmp_path):
         "#SBATCH --requeue",
     ):
         assert line in text.splitlines(), line
-    assert "${TORCHRUN:-torchrun} --standalone --nproc_per_node 6 " in text  # train.gpus: 6 DeepSpeed ranks
+    assert f"${{TORCHRUN:-{sys.executable} -m torch.distributed.run}} --standalone --nproc_per_node 6 " in text
     assert "--signals-to-handle SIGTERM,SIGINT,SIGUSR1" in text and "-m serl_cli ablate" in text
     assert '--cell "$SLURM_ARRAY_TASK_ID"' in text and 'source "${SERL_VENV:?' in text  # the grid's setup line
     assert 'scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in text
@@ -92,8 +92,9 @@ def test_multi_node_and_deepspeed_launchers(tmp_path, tiny_model_dir):
     assert p.returncode == 0, p.stderr
     text = (tmp_path / "a" / "ablate.sbatch").read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --account=lab" in text
-    srun = "srun ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} --ntasks-per-node=1 --kill-on-bad-exit=1"
-    assert f"{srun} ${{TORCHRUN:-torchrun}} --nnodes 2" in text  # the job's CPUs passed on (Slurm 22.05-23.02)
+    # srun of Slurm 22.05-23.02 does not inherit sbatch's --cpus-per-task: the line asks for it again
+    srun = "srun --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} --kill-on-bad-exit=1"
+    assert f"{srun} ${{TORCHRUN:-{sys.executable} -m torch.distributed.run}} --nnodes 2" in text
     assert '--rdzv_endpoint "$head:$port"' in text and "--nproc_per_node 4" in text and "%" not in text.split("\n")[2]
     assert bash_ok(tmp_path / "a" / "ablate.sbatch")
     grid = _grid(
@@ -101,7 +102,7 @@ def test_multi_node_and_deepspeed_launchers(tmp_path, tiny_model_dir):
     )
     assert run(str(grid), "--out", str(tmp_path / "b"), "--emit", "slurm").returncode == 0
     text = (tmp_path / "b" / "ablate.sbatch").read_text()
-    assert "${DEEPSPEED:-deepspeed} --num_nodes 1 --num_gpus 2 --module serl_cli ablate" in text
+    assert f"${{DEEPSPEED:-{sys.executable} -m deepspeed.launcher.runner}} --num_nodes 1 --num_gpus 2" in text
     assert "--requeue" not in text and "--signal" not in text
     with pytest.raises(SerlError, match="unknown slurm.launcher 'mpirun'"):
         ab._check_slurm({"launcher": "mpirun"})
@@ -237,3 +238,32 @@ def test_final_evaluation_runs_on_the_cells_engine_device_and_dtype(tmp_path, ti
     monkeypatch.setattr(evaluate, "run_eval", fake_eval)
     assert ab_cells.run_cell(rec, out, 0, log=lambda m: None) == "done"
     assert seen == {"engine": "vllm", "tp": 2, "gpus": [6, 7], "dtype": "bf16", "device": "cpu"}
+
+
+def test_a_grid_without_resources_gets_defaults_and_this_interpreter(tmp_path, tiny_model_dir):
+    """No time, CPUs or memory in the grid: the array asks for the documented defaults (and says
+    so). The scripts run serl with the interpreter that wrote them, so a task runs with no
+    `serl` on the job's PATH and no SERL override."""
+    grid = _grid(tmp_path, tiny_model_dir, {}, algos=("grpo",), seeds=1, iterations=1)
+    out = tmp_path / "abl"
+    p = run(str(grid), "--out", str(out), "--emit", "slurm")
+    assert p.returncode == 0, p.stderr
+    assert "sets no time, cpus_per_task, mem" in p.stderr and "--time=24:00:00" in p.stderr
+    lines = (out / "ablate.sbatch").read_text().splitlines()
+    for line in ("#SBATCH --time=24:00:00", "#SBATCH --cpus-per-task=4", "#SBATCH --mem=32G"):
+        assert line in lines, line
+    text = (out / "ablate.sbatch").read_text() + (out / "report.sbatch").read_text()
+    assert "${SERL:-serl}" not in text and f"${{SERL:-{sys.executable} -m serl_cli}} ablate" in text
+    # 8 GPUs per cell: 4 CPUs and 32G each
+    grid8 = _grid(tmp_path, tiny_model_dir, {"gpus_per_node": 8, "time": "2:00:00"}, name="g8.yaml")
+    p = run(str(grid8), "--out", str(tmp_path / "g8"), "--emit", "slurm")
+    lines = (tmp_path / "g8" / "ablate.sbatch").read_text().splitlines()
+    assert "#SBATCH --cpus-per-task=32" in lines and "#SBATCH --mem=256G" in lines and "#SBATCH --time=2:00:00" in lines
+    assert "sets no cpus_per_task, mem" in p.stderr
+    # the task itself, on a PATH without serl (nor this environment's bin folder)
+    env = {k: v for k, v in _fake_slurm(tmp_path).items() if k != "SERL"}
+    env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    q = subprocess.run(["bash", str(out / "ablate.sbatch")], capture_output=True, text=True, env=env, timeout=300)
+    assert q.returncode == 0, q.stderr[-2000:]
+    rec = json.loads((out / "grid.json").read_text())
+    assert json.loads((out / "cells" / rec["cells"][0]["name"] / "cell.json").read_text())["status"] == "done"

@@ -182,6 +182,28 @@ def test_show_prints_the_signal(sokoban_run):
     assert f"right way on {s['right_direction']:.1%}" in res.output and f"{s['expert_prob_gain']:+.3g}" in res.output
 
 
+def test_an_annotated_update_logs_the_signal_and_plot_draws_its_panel(sokoban_run, tmp_path):
+    """The update carries the annotation's teacher signal into its metrics, where `serl plot`'s
+    teacher-signal panel reads it (before: a promised panel that never appeared)."""
+    import shutil
+
+    from serl_cli.stages.plot import drawn_panels
+    from serl_cli.stages.train import train_on_run
+    from serl_cli.training.step import OptimConfig
+    from serl_cli.training.train_config import TrainConfig
+
+    run = tmp_path / "run"
+    shutil.copytree(sokoban_run, run)
+    s = io.read_json(run / "selection_report.json")["teacher"]["teacher_signal"]
+    m = train_on_run(str(run), TrainConfig(algo="serl", optim=OptimConfig(lr=1e-3), threads=1))
+    assert m["teacher_right_direction"] == s["right_direction"]
+    assert m["teacher_expert_prob_gain"] == s["expert_prob_gain"]
+    records = list(io.iter_jsonl(run / "metrics.jsonl"))
+    panels = dict(drawn_panels(records, "iteration"))
+    assert [key for key, _ in panels["teacher signal"]] == ["teacher_right_direction", "teacher_expert_prob_gain"]
+    assert panels["teacher signal"][0][1] == ([1.0], [s["right_direction"]])  # single update: x is its count
+
+
 # -- the ablation report ---------------------------------------------------------------------
 
 SERL_ARM = "webshop-serl-error-step-all"  # serl's default placement

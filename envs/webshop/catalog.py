@@ -34,6 +34,20 @@ class Catalog:
     def __len__(self) -> int:
         return len(self.products)
 
+    @property
+    def kind(self) -> str:
+        """``real`` (the benchmark's 1k catalog) or ``synthetic`` (serl's generated one): what runs record."""
+        return "real" if self.source.startswith("webshop-1k:") else "synthetic"
+
+
+def auto_synthetic_note(products: int) -> str:
+    """The one line ``catalog: auto`` prints when no data folder is named and it takes the synthetic catalog."""
+    return (
+        f"{DATA_ENV_VAR} is not set, so WebShop runs on serl's synthetic catalog ({products} products), not the "
+        f"benchmark's 1k catalog: export {DATA_ENV_VAR}=<the folder holding webshop/{DOCUMENTS_FILE}> for the "
+        "benchmark, or set env.settings.catalog=synthetic to choose it"
+    )
+
 
 def document_text(product: dict) -> str:
     """The per-product text upstream indexed: title, description, first bullet, options, lower-cased.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from envs.base import EnvError, Feedback, Step, state_key
 from envs.webshop import authors, pages
-from envs.webshop.catalog import DATA_ENV_VAR, Catalog, load_real_catalog
+from envs.webshop.catalog import DATA_ENV_VAR, Catalog, auto_synthetic_note, load_real_catalog
 from envs.webshop.goals import SPLITS, build_goals, split_indices
 from envs.webshop.pages import PageState
 from envs.webshop.reward import total_reward
@@ -87,6 +87,17 @@ class WebShopWorld:
         self._search_cache: dict[str, list[int]] = {}
         self._expert_queries: dict[str, str] = {}
         self._index_of = {p["asin"]: i for i, p in enumerate(self.catalog.products)}
+
+    def info(self) -> dict:
+        """What a run records of this world's data: which catalog ran (real or synthetic) and its size."""
+        return {"catalog": self.catalog.kind, "catalog_source": self.catalog.source, "products": len(self.catalog)}
+
+    @property
+    def notice(self) -> str | None:
+        """A line for stderr where ``catalog: auto`` took the synthetic catalog (no data folder named)."""
+        if self.config.catalog == "auto" and self.catalog.kind == "synthetic":
+            return auto_synthetic_note(len(self.catalog))
+        return None
 
     def splits(self) -> list[str]:
         return list(SPLITS)

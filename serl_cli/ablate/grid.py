@@ -29,6 +29,7 @@ Grid file (YAML; unknown keys anywhere are errors)::
                                             # panel: spread takes N tasks evenly spaced, not the first N)
     slurm:                                  # the job array (serl_cli.ablate.runners.emit_slurm), all optional
       partition: gpu                        # account, time, cpus_per_task, mem: the same #SBATCH options
+                                            # (unset: time 24:00:00, 4 CPUs and 32G per GPU of the cell)
       nodes: 1                              # nodes per cell
       gpus_per_node: 8                      # GPUs per node per cell (gpus: its older name)
       setup: ["module load cuda", "source /path/venv/bin/activate"]   # lines run before the cell

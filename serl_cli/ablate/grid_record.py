@@ -46,7 +46,7 @@ def write_grid(out: Path, record: dict) -> None:
         old = io.read_json(path)
         if old.get("kind") != "serl-ablation":
             raise SerlError(f"{path} is not an ablation grid")
-        if any(_identity(old, k) != _identity(json.loads(json.dumps(record)), k) for k in _IDENTITY):
+        if not same_grid(old, record):
             raise SerlError(f"{out} holds a different ablation grid: use another --out (or delete {path})")
         # the same cells: a baseline or contrasts added to the grid file later reach the report
         fresh = {k: record.get(k) for k in _REPORT_KEYS if k in record}
@@ -54,6 +54,13 @@ def write_grid(out: Path, record: dict) -> None:
             io.write_json(path, {**old, **fresh})
         return
     io.write_json(path, record)
+
+
+def same_grid(recorded: dict, record: dict) -> bool:
+    """Whether ``record`` (the grid loaded now) has the same cells as ``recorded`` (a grid.json):
+    the report's keys (description, baseline, contrasts) aside."""
+    fresh = json.loads(json.dumps(record))
+    return all(_identity(recorded, k) == _identity(fresh, k) for k in _IDENTITY)
 
 
 def _identity(record: dict, key: str):

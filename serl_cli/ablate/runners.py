@@ -6,6 +6,7 @@ cell runs the same way everywhere; a finished cell is skipped and a killed one r
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -17,6 +18,21 @@ from serl_cli.artifacts import io
 from serl_cli.errors import PREEMPTED_EXIT, SerlError
 
 SELF_CMD = [sys.executable, "-m", "serl_cli"]  # how a subprocess runs serl itself
+
+# What the emitted scripts run by default: this interpreter (its virtual environment's python, by
+# its absolute path, not resolved), never a `serl` found on the job's PATH. SERL=..., TORCHRUN=...
+# and DEEPSPEED=... still override them.
+PYTHON = os.path.abspath(sys.executable)
+SERL_DEFAULT = f"{PYTHON} -m serl_cli"
+TORCHRUN_DEFAULT = f"{PYTHON} -m torch.distributed.run"
+DEEPSPEED_DEFAULT = f"{PYTHON} -m deepspeed.launcher.runner"
+
+# A grid without these in its `slurm:` section gets them, per cell (docs: serl_cli.ablate.grid):
+# a day of wall time, and per GPU of the cell (at least one) 4 CPUs and 32 GB of host memory --
+# one paper cell on an 8-GPU node: 32 CPUs, 256G. The emit message names the ones it filled in.
+DEFAULT_TIME = "24:00:00"
+CPUS_PER_GPU = 4
+MEM_GB_PER_GPU = 32
 
 
 def cell_command(record: dict, out: str | Path, cell: str, program: list[str] | None = None) -> list[str]:
@@ -84,8 +100,9 @@ DEFAULT_SBATCH = """#!/bin/bash
 #SBATCH --open-mode=append
 {resources}
 # serl ablate job array: task i trains and evaluates cell i of {grid}
-# (a finished cell is skipped, a killed one resumes). Override the program with SERL=/path/to/serl
-# (torchrun, deepspeed: TORCHRUN=..., DEEPSPEED=...). Submit it with its report job: bash {submit}
+# (a finished cell is skipped, a killed one resumes). serl runs with the interpreter that wrote
+# this script ({python}); override it with SERL="/path/to/python -m serl_cli" (torchrun, deepspeed:
+# TORCHRUN=..., DEEPSPEED=...). Submit it with its report job: bash {submit}
 set -euo pipefail
 {setup}
 {launch}
@@ -123,7 +140,7 @@ REPORT_SBATCH = """#!/bin/bash
 # --dependency=afterany:<array job id>): report.md, report.csv, curves.png in {out}.
 set -euo pipefail
 {setup}
-${{SERL:-serl}} ablate --report {out}
+${{SERL:-{serl}}} ablate --report {out}
 """
 
 SUBMIT = """#!/bin/bash
@@ -167,12 +184,13 @@ def launch_command(record: dict, out: Path, *, grace: int) -> tuple[str, str]:
     nodes, per_node = cell_processes(record)
     launcher = choose_launcher(record)
     if launcher == "none":
-        return "", f"${{SERL:-serl}} {args}"
+        return "", f"${{SERL:-{SERL_DEFAULT}}} {args}"
     if launcher == "deepspeed":
         hosts = "" if nodes == 1 else ' --hostfile "$SERL_HOSTFILE"'
         return (
             "",
-            f"${{DEEPSPEED:-deepspeed}}{hosts} --num_nodes {nodes} --num_gpus {per_node} --module serl_cli {args}",
+            f"${{DEEPSPEED:-{DEEPSPEED_DEFAULT}}}{hosts} --num_nodes {nodes} --num_gpus {per_node} "
+            f"--module serl_cli {args}",
         )
     # torchrun passes SIGUSR1/SIGTERM on to its workers and gives them the grace period to stop
     common = (
@@ -180,14 +198,24 @@ def launch_command(record: dict, out: Path, *, grace: int) -> tuple[str, str]:
         f"--shutdown-timeout {max(grace - 60, 30)}"
     )
     if nodes == 1:
-        return "", f"${{TORCHRUN:-torchrun}} --standalone {common} -m serl_cli {args}"
+        return "", f"${{TORCHRUN:-{TORCHRUN_DEFAULT}}} --standalone {common} -m serl_cli {args}"
     rdzv = '--rdzv_backend c10d --rdzv_endpoint "$head:$port" --rdzv_id "$SLURM_JOB_ID"'
-    # srun of Slurm 22.05-23.02 does not inherit the job's --cpus-per-task: each node's task would get one CPU
+    # srun of Slurm 22.05-23.02 does not inherit sbatch's --cpus-per-task (nor read
+    # SLURM_CPUS_PER_TASK): without it each node's launcher would get one CPU
     cpus = "${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}"
     return MULTI_NODE, (
-        f"srun {cpus} --ntasks-per-node=1 --kill-on-bad-exit=1 ${{TORCHRUN:-torchrun}} --nnodes {nodes} "
+        f"srun --ntasks-per-node=1 {cpus} --kill-on-bad-exit=1 ${{TORCHRUN:-{TORCHRUN_DEFAULT}}} --nnodes {nodes} "
         f"{rdzv} {common} -m serl_cli {args}"
     )
+
+
+def default_resources(record: dict) -> dict:
+    """The ``slurm:`` resources a grid leaves unset, as this module fills them in (time, and per
+    GPU of the cell -- at least one -- CPUs and host memory): {key: value}."""
+    s = record.get("slurm") or {}
+    gpus = max(int(s.get("gpus_per_node", s.get("gpus")) or 0), cell_processes(record)[1], 1)
+    defaults = {"time": DEFAULT_TIME, "cpus_per_task": CPUS_PER_GPU * gpus, "mem": f"{MEM_GB_PER_GPU * gpus}G"}
+    return {k: v for k, v in defaults.items() if s.get(k) is None}
 
 
 def _resources(s: dict, *, gpus: bool) -> list[str]:
@@ -214,10 +242,11 @@ def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, pa
     """Write ``OUT/ablate.sbatch`` (the job array: task i runs cell i, on the cell's GPUs),
     ``OUT/report.sbatch`` (``serl ablate --report``) and ``OUT/submit.sh`` (the array, then
     the report with ``--dependency=afterany``). ``parallel`` (or ``slurm.max_parallel``) caps
-    the tasks that run at once (``%N``)."""
+    the tasks that run at once (``%N``). Time, CPUs and memory the grid leaves unset get
+    :func:`default_resources` (not with a template, which asks for its own)."""
     out = Path(out).resolve()
     n = len(record["cells"])
-    s = record.get("slurm") or {}
+    s = {**default_resources(record), **(record.get("slurm") or {})}
     cap = parallel if parallel and parallel > 0 else int(s.get("max_parallel") or 0)
     array = f"0-{n - 1}" + (f"%{cap}" if cap else "")
     grace = int(s.get("signal_grace_s") or 900)
@@ -247,6 +276,7 @@ def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, pa
         if requeue:
             resources += [f"#SBATCH --signal=B:USR1@{grace}", "#SBATCH --requeue"]
         script = DEFAULT_SBATCH.format(
+            python=PYTHON,
             array=array,
             logs=shlex.quote(str(out / "logs")),
             resources="\n".join(resources),
@@ -257,10 +287,11 @@ def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, pa
         )
     report = REPORT_SBATCH.format(
         logs=shlex.quote(str(out / "logs")),
-        resources="\n".join(_resources(s, gpus=False)),
+        resources="\n".join(_resources(record.get("slurm") or {}, gpus=False)),
         submit=submit,
         setup=setup,
         out=shlex.quote(str(out)),
+        serl=SERL_DEFAULT,
     )
     (out / "logs").mkdir(parents=True, exist_ok=True)
     path = out / "ablate.sbatch"

@@ -224,6 +224,13 @@ def _annotation_stats(ann, adv, acfg: dict, astats: dict) -> dict:
         for x, m in zip(weights, a["action_mask"]):
             if m:
                 moved, total = moved + abs(turn_adv) * abs(x - 1.0), total + abs(turn_adv)
+    # the teacher signal (method.teacher_signal), where the annotation measured one: `serl plot`'s panel
+    signal = astats.get("teacher_signal") or {}
+    teacher = {
+        f"teacher_{key}": signal[key]
+        for key in ("right_direction", "expert_prob_gain")
+        if isinstance(signal.get(key), (int, float))
+    }
     lam, c = astats.get("lambda", 0.0), acfg.get("weight_clip", 0.2)
     # a blended weight sits at (1 - lam) + lam * (1 +- c) exactly when the clip bound was hit
     at_clip = [x for x in w if lam > 0 and abs(x - 1.0) >= lam * c * (1 - 1e-6)]
@@ -239,6 +246,7 @@ def _annotation_stats(ann, adv, acfg: dict, astats: dict) -> dict:
         "mean_abs_log_ratio": sum(gaps) / len(gaps) if gaps else 0.0,
         "teacher_turns_scored": sum(a["teacher_logprobs"] is not None for a in ann),
         "teacher_action_tokens": sum(len(a["teacher_logprobs"]) for a in ann if a["teacher_logprobs"] is not None),
+        **teacher,
     }
 
 

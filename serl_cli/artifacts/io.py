@@ -183,8 +183,10 @@ def git_commit() -> str | None:
         return None
 
 
-def new_manifest(stage: str, config: dict, seed: int | None) -> dict:
-    return {
+def new_manifest(stage: str, config: dict, seed: int | None, environment: dict | None = None) -> dict:
+    """A run's manifest; ``environment`` is what its environment says of the data it loaded
+    (``rollout.worlds.world_info``: e.g. which WebShop catalog, the real one or serl's synthetic)."""
+    manifest = {
         "serl_version": __version__,
         "schema_version": SCHEMA_VERSION,
         "git_commit": git_commit(),
@@ -192,8 +194,11 @@ def new_manifest(stage: str, config: dict, seed: int | None) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "seed": seed,
-        "stages": {stage: {"status": "running", "started": time.time(), "config": config}},
     }
+    if environment is not None:
+        manifest["environment"] = environment
+    manifest["stages"] = {stage: {"status": "running", "started": time.time(), "config": config}}
+    return manifest
 
 
 def load_manifest(run_dir: str | Path) -> dict:
@@ -224,13 +229,13 @@ def mark_stage(run_dir: str | Path, stage: str, status: str, **extra) -> None:
     write_json(path, manifest)
 
 
-def prepare_output(path: str | Path, *, overwrite: bool, what: str) -> Path:
-    """Refuse to write over finished output unless told ``--overwrite``."""
+def prepare_output(path: str | Path, *, overwrite: bool, what: str, resumable: bool = False) -> Path:
+    """Refuse to write over finished output unless told ``--overwrite`` (``resumable``: the
+    command also has ``--resume``, and the refusal names it)."""
     path = Path(path)
     if path.exists() and not overwrite:
-        raise SerlError(
-            f"{what} already exists at {path}: pass --overwrite to replace it (or --resume where supported)"
-        )
+        also = " (or --resume to keep it)" if resumable else ""
+        raise SerlError(f"{what} already exists at {path}: pass --overwrite to replace it{also}")
     return path
 
 
@@ -251,24 +256,44 @@ def append_jsonl(path: str | Path, record: dict) -> None:
 # -- journals: the finished units of an interrupted stage ---------------------------------------
 
 
-def begin_resumable(target: Path, journal: Path, *, overwrite: bool, resume: bool, what: str, finished) -> dict | None:
+def begin_resumable(
+    target: Path, journal: Path, *, overwrite: bool, resume: bool, what: str, finished, records_of=None
+) -> dict | None:
     """Start a stage that writes ``target`` and journals its units in ``journal``.
 
-    With ``resume``: the finished stage's summary (``finished()``), or None to go on from the
+    With ``resume``: the finished stage's summary (``finished()``), once ``target`` is checked
+    whole (``records_of(summary)``: how many records it must hold), or None to go on from the
     journal. Without: ``target`` must be new unless ``overwrite``, and a journal left by an
     interrupted pass is refused rather than silently thrown away."""
     if resume and not overwrite:
         summary = finished()
         if summary is not None:
+            check_finished_output(target, what, records_of(summary) if records_of else None)
             journal.unlink(missing_ok=True)  # left by a kill between marking done and cleaning up
         return summary
-    prepare_output(target, overwrite=overwrite, what=what)
+    prepare_output(target, overwrite=overwrite, what=what, resumable=True)
     if journal.exists() and not overwrite:
         raise SerlError(
             f"{target.parent} holds an interrupted {what} pass ({journal.name}): pass --resume to "
             f"continue it or --overwrite to start again"
         )
     return None
+
+
+def check_finished_output(target: Path, what: str, records: int | None = None) -> None:
+    """A finished stage's JSONL output is whole before ``--resume`` vouches for it: every line
+    a record and, where the stage counted them, as many as it wrote. Its journal is gone, so
+    what was cut off cannot be rebuilt: the refusal says how to run the stage again."""
+    again = f"pass --overwrite to run the {what} again"
+    try:
+        found = count_jsonl(target)
+    except SerlError as e:
+        raise SerlError(f"{e}; the finished {what} there is damaged: {again}") from None
+    if records is not None and found != records:
+        raise SerlError(
+            f"{target} holds {found} records but the finished {what} wrote {records}: "
+            f"the file was cut or edited; {again}"
+        )
 
 
 def start_journal(path: str | Path, header: dict) -> None:

@@ -17,7 +17,7 @@ import typer
 
 from serl_cli.ablate import cells, reuse, runners
 from serl_cli.ablate import grid as ab
-from serl_cli.ablate.grid_record import grid_record, load_grid_record, write_grid
+from serl_cli.ablate.grid_record import grid_record, load_grid_record, same_grid, write_grid
 from serl_cli.cli.common import summary_table
 from serl_cli.cli.root import QuietOpt, SetOpt, VerboseOpt, app, console, err_console
 from serl_cli.errors import PREEMPTED_EXIT, SerlError
@@ -130,7 +130,14 @@ def ablate_command(
         out_dir = Path(out or "runs/ablate")
         _run_one_cell(load_grid_record(out_dir), out_dir, cell, quiet)
         return
+    out_dir = Path(out or "runs/ablate")
+    # a cell of an ablation that has started runs from OUT/grid.json, as the runners' cells do: an
+    # edit of the grid file since (or a broken or deleted one) changes none of its cells
+    started = cell is not None and emit is None and (out_dir / "grid.json").is_file()
     if grid_file is not None and not Path(grid_file).is_file():
+        if started:
+            _run_recorded_cell(out_dir, cell, quiet, f"grid file {grid_file} is gone")
+            return
         raise SerlError(f"grid file not found: {grid_file}")
     if emit is not None and emit != "slurm":
         raise SerlError(f"unknown --emit {emit!r}: choose slurm")
@@ -138,7 +145,13 @@ def ablate_command(
         raise SerlError(f"--parallel must be at least 1, got {parallel}")
     if max_parallel is not None and max_parallel < 1:
         raise SerlError(f"--max-parallel must be at least 1, got {max_parallel}")
-    grid = ab.load_grid(grid_file, config_file=config, overrides=list(set_ or []), flags=flags)
+    try:
+        grid = ab.load_grid(grid_file, config_file=config, overrides=list(set_ or []), flags=flags)
+    except SerlError as e:
+        if not started:
+            raise
+        _run_recorded_cell(out_dir, cell, quiet, f"{grid_file or 'the grid'} cannot be read now ({e})")
+        return
     source_args: list[str] = [str(Path(grid_file).resolve())] if grid_file else []
     for name, value in flags.items():
         if value is not None:
@@ -148,7 +161,9 @@ def ablate_command(
     for s in set_ or []:
         source_args += ["--set", s]
     record = grid_record(grid, source_args)
-    out_dir = Path(out or "runs/ablate")
+    if started and not same_grid(load_grid_record(out_dir), record):
+        _run_recorded_cell(out_dir, cell, quiet, f"{grid_file or 'the grid'} has changed since the ablation started")
+        return
     if cell is not None:
         cells.select_cell(record, cell)  # range check before anything is written
     from serl_cli.training.backends import is_main_process  # the grid is checked: torch may load now
@@ -170,6 +185,15 @@ def ablate_command(
     if emit == "slurm":
         cap = max_parallel or (parallel if parallel > 1 else 0)
         path = runners.emit_slurm(record, out_dir, template=slurm_template, parallel=cap)
+        filled = runners.default_resources(record)
+        if filled and not (slurm_template or (record.get("slurm") or {}).get("template")):
+            asked = ", ".join(f"--{k.replace('_', '-')}={v}" for k, v in filled.items())
+            err_console.print(
+                f"note: the grid's slurm: section sets no {', '.join(filled)}: each task asks for {asked} "
+                f"(set slurm.{next(iter(filled))} and the others in the grid to change them)",
+                highlight=False,
+                soft_wrap=True,
+            )
         console.print(
             f"{len(record['cells'])} cells; job array written to {path}; submit it with its report job: "
             f"bash {out_dir.resolve() / 'submit.sh'} (or sbatch {path} alone)",
@@ -181,6 +205,19 @@ def ablate_command(
         return
     runners.run_cells(record, out_dir, parallel=parallel, log=log)
     _report(out_dir, quiet)
+
+
+def _run_recorded_cell(out_dir: Path, cell: int, quiet: bool, why: str) -> None:
+    from serl_cli.training.backends import is_main_process  # torch loads: the cell runs
+
+    if is_main_process():
+        err_console.print(
+            f"note: {why}: cell {cell} runs as {out_dir / 'grid.json'} records it (to run an edited grid, "
+            f"give it another --out)",
+            highlight=False,
+            soft_wrap=True,
+        )
+    _run_one_cell(load_grid_record(out_dir), out_dir, cell, quiet)
 
 
 def _run_one_cell(record: dict, out_dir: Path, cell: int, quiet: bool) -> None:

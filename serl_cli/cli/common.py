@@ -11,6 +11,7 @@ from rich.table import Table
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
 from serl_cli.cli.root import err_console
+from serl_cli.errors import SerlError
 
 
 def show_defaults(cls, **flag_keys: str):
@@ -100,3 +101,14 @@ def eval_rows(s: dict) -> list[tuple[str, str]]:
     for group, sub in s.get("by_task_type", {}).items():
         rows.append((f"  success: {group}", f"{sub['success_rate']:.3f} (n={sub['episodes']})"))
     return rows
+
+
+def require_run_to_resume(out: str | Path, what: str) -> None:
+    """``--resume`` continues a run that is there: a misspelt ``--out`` is refused in one line
+    instead of silently starting a fresh run somewhere else."""
+    if not (Path(out) / "manifest.json").is_file():
+        where = "does not exist" if not Path(out).exists() else "holds no serl run (no manifest.json)"
+        raise SerlError(
+            f"--resume: {out} {where}, so there is no {what} to continue: "
+            "check --out, or leave out --resume to start one"
+        )

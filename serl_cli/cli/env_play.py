@@ -52,6 +52,10 @@ def _show(step: Step, turn: int, action: str | None, as_json: bool) -> None:
         console.print(f"[dim]expert: {escape(str(step.expert_action))}[/]", highlight=False)
 
 
+QUIT_WORDS = ("quit", "exit", ":q")
+QUIT_HINT = "quit, exit, Ctrl-D or Ctrl-C stops"
+
+
 @env_app.command("play")
 def play(
     env: str = typer.Option(
@@ -72,7 +76,8 @@ def play(
     config: list[str] | None = ConfigOpt,
     set_: list[str] | None = SetOpt,
 ):
-    """Play one task: print each observation, its feedback and reward. Interactive without --actions."""
+    """Play one task: print each observation, its feedback and reward. Interactive without --actions:
+    type quit (or exit, Ctrl-D, Ctrl-C) to stop."""
     cfg = resolve(
         EnvConfig, config_file=config, overrides=set_, flags={"name": env, "split": split, "max_turns": max_turns}
     )
@@ -83,6 +88,8 @@ def play(
     script = [a.strip() for a in actions.split(";") if a.strip()] if actions is not None else None
     if script is not None and not script:
         raise SerlError("--actions holds no action: give actions separated by ';'")
+    if script is None and not as_json:
+        console.print(f"[dim]type an action and press Enter; {QUIT_HINT}[/]", highlight=False)
     turn = 0
     while not step.done:
         if script is not None:
@@ -92,7 +99,10 @@ def play(
         else:
             try:
                 action = console.input("[bold]action>[/] ").strip()
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C: the player is done
+                console.print()
+                break
+            if action.lower() in QUIT_WORDS:  # never sent to the environment as an action
                 break
             if not action:
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 
@@ -28,7 +29,11 @@ app.add_typer(model_app, name="model")
 
 @model_app.command("init")
 def init(
-    preset: str | None = typer.Option(None, "--preset", help="tiny (~4M parameters) | small (~25M)."),
+    preset: str | None = typer.Option(
+        None,
+        "--preset",
+        help="micro (~0.9M parameters: the Sokoban demo's) | tiny (~4M, the default) | small (~25M).",
+    ),
     out: str | None = typer.Option(None, "--out", help="Directory to create (a Hugging Face model directory)."),
     env: str | None = typer.Option(None, "--env", help="Environment whose text trains the tokenizer."),
     seed: int | None = typer.Option(None, "--seed", help="Initialization seed."),
@@ -49,6 +54,9 @@ def init(
     )
     if cfg.preset not in PRESETS:
         raise ModelError(f"unknown preset {cfg.preset!r}: choose one of {', '.join(PRESETS)}")
+    target = Path(cfg.out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+        raise ModelError(f"{target} already exists and is not empty: pass --overwrite to replace it")
     world = build_world(cfg.env)
     path = init_model(cfg.preset, cfg.out, tokenizer_corpus(world), seed=cfg.seed, overwrite=overwrite)
     model, tokenizer = load_model(str(path))

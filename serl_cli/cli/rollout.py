@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
-from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
+from serl_cli.cli.common import require_run_to_resume, resolve, save_resolved, show_defaults, summary_table
+from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, resumable_at
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 
 
@@ -81,6 +81,9 @@ def rollout_command(
         command="rollout",
         quiet=quiet,
     )
+    if resume and not overwrite:
+        require_run_to_resume(cfg.out, "rollout")
+    resumable_at(cfg.out)  # what Ctrl-C says
     with Progress(
         TextColumn("[bold]rollout"),
         BarColumn(),

@@ -63,11 +63,76 @@ def quiet_libraries() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # --engine vllm: its start-up log runs to ~100 lines
 
 
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+# How to go on after Ctrl-C, by command: the commands that resume by rerunning (their
+# --resume flag, or a rerun that skips what is done). `train` and `rollout` say it only once
+# their run directory holds something to resume (:func:`resumable_at`).
+RERUN_RESUMES = {"annotate": "--resume", "ablate": "rerun", "data": "rerun"}
+_resume_check: dict = {}
+
+
+def resumable_at(out: str, flag: str = "--resume") -> None:
+    """Tell the Ctrl-C handler that this command resumes with ``flag`` once ``out`` holds a
+    run (its manifest.json); before that, a plain rerun starts it."""
+    _resume_check.update(out=out, flag=flag)
+
+
+def command_to_resume(argv: list[str], flag: str) -> str:
+    """The command line that continues ``argv`` (the arguments after ``serl``): the same
+    arguments with ``--resume`` (never ``--overwrite``, which would start again)."""
+    import shlex
+
+    args = [a for a in argv if a != "--overwrite"]
+    if flag == "--resume" and "--resume" not in args:
+        args.append("--resume")
+    return "serl " + shlex.join(args)
+
+
+def interrupted_line(argv: list[str]) -> str:
+    """What Ctrl-C prints: that the command stopped and, where it can resume, the exact command."""
+    command = argv[0] if argv else ""
+    flag = RERUN_RESUMES.get(command)
+    if _resume_check:
+        from pathlib import Path
+
+        if not (Path(_resume_check["out"]) / "manifest.json").is_file():
+            return "interrupted (Ctrl-C) before the run wrote anything: the same command starts it again"
+        flag = _resume_check["flag"]
+    if flag is None:
+        return "interrupted (Ctrl-C)"
+    how = "rerun it" if flag == "rerun" else "continue with"
+    return f"interrupted (Ctrl-C): what finished is kept; {how}: {command_to_resume(argv, flag)}"
+
+
 def run() -> None:
-    """Run the app; a :class:`SerlError` or :class:`EnvError` becomes one line and exit code 2."""
+    """Run the app; a :class:`SerlError` or :class:`EnvError` becomes one line and exit code 2,
+    Ctrl-C one line that says how to resume, and exit code 130."""
+    _resume_check.clear()  # set again by the command that runs (in-process callers run several)
     try:
         app()
     except (SerlError, EnvError) as e:
         # escaped: messages quote actions like click[buy now] and extras like serl[vllm]
         err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        _say_interrupted()
+    except SystemExit as e:  # typer turns Ctrl-C into a silent exit 130
+        if e.code == INTERRUPTED_EXIT and _caused_by_ctrl_c(e):
+            _say_interrupted()
+        raise
+
+
+def _caused_by_ctrl_c(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _say_interrupted() -> None:
+    err_console.print(f"[yellow]{escape(interrupted_line(sys.argv[1:]))}[/]", highlight=False, soft_wrap=True)
+    sys.exit(INTERRUPTED_EXIT)

@@ -14,8 +14,8 @@ from rich.table import Table
 
 from serl_cli.artifacts import runlock
 from serl_cli.artifacts.tracking import Tracker, check_backends
-from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
-from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console
+from serl_cli.cli.common import require_run_to_resume, resolve, save_resolved, show_defaults, summary_table
+from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console, resumable_at
 from serl_cli.errors import PREEMPTED_EXIT
 from serl_cli.stages.derive import READS, train_config
 from serl_cli.stages.online_config import OnlineConfig, check_online_config
@@ -153,6 +153,9 @@ def train_command(
         planned = cfg if online else dataclasses.replace(cfg, train=train)
         preflight(planned, online=online, model=cfg.model if online else train.model or model or run_model(run))
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
+    if online and resume:
+        require_run_to_resume(cfg.out, "online run")
+    resumable_at(cfg.out if online else run)  # what Ctrl-C says
     trackers = check_backends(report_to) if main else []
     if not online:
         note = single_update_note(config, set_)

@@ -90,4 +90,20 @@ def validate(cfg: AnnotateConfig) -> list[list[str]]:
     placement.check_rule(cfg.placement, rho=cfg.rho)
     if not (isinstance(cfg.max_hindsight_tokens, int) and cfg.max_hindsight_tokens > 0):
         raise SerlError(f"max_hindsight_tokens must be a positive number of tokens, got {cfg.max_hindsight_tokens!r}")
+    _check_numbers(cfg)
     return spec
+
+
+def _check_numbers(cfg: AnnotateConfig) -> None:
+    """The weights' numbers: each a value it can take (NaN never), refused before any model loads."""
+    if not (0 <= cfg.weight_clip < 1):  # a weight is 1 +- c: c >= 1 could turn an advantage's sign
+        raise SerlError(f"weight_clip must be in [0, 1), got {cfg.weight_clip}")
+    if not (0 <= cfg.mixing_lambda <= 1):
+        raise SerlError(f"mixing_lambda must be in [0, 1], got {cfg.mixing_lambda}")
+    if cfg.anchor_similarity is not None and not (0 <= cfg.anchor_similarity <= 1):
+        raise SerlError(f"anchor_similarity must be in [0, 1] (or unset), got {cfg.anchor_similarity}")
+    for name, least in (("lambda_decay_steps", 0), ("teacher_sync_interval", 1), ("micro_batch_tokens", 1)):
+        if getattr(cfg, name) < least:
+            raise SerlError(f"{name} must be at least {least}, got {getattr(cfg, name)}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise SerlError(f"threads must be at least 1 (or unset: every core), got {cfg.threads}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 import envs
@@ -42,6 +44,7 @@ def build_world(cfg: EnvConfig) -> World:
     try:
         if key not in _WORLDS:
             _WORLDS[key] = envs.make_world(cfg.name, **cfg.settings)
+            _say_notice(_WORLDS[key])
         world = _WORLDS[key]
         if cfg.split is None:
             cfg.split = world.eval_split
@@ -55,3 +58,18 @@ def build_world(cfg: EnvConfig) -> World:
         )
         raise SerlError(f"cannot load the {cfg.name} environment's data ({what})") from None
     return world
+
+
+def _say_notice(world: World) -> None:
+    """A world's ``notice`` (WebShop's ``catalog: auto`` without a data folder), once per process
+    on stderr: by rank 0 alone under torchrun."""
+    notice = getattr(world, "notice", None)
+    if notice and os.environ.get("RANK", "0") == "0":
+        print(f"note: {notice}", file=sys.stderr, flush=True)
+
+
+def world_info(world: World) -> dict:
+    """What a manifest and ``eval.json`` record of the environment's data: its name and what the
+    world's own ``info()`` says (WebShop: which catalog ran, the real one or serl's synthetic)."""
+    info = getattr(world, "info", None)
+    return {"name": world.name, **(info() if callable(info) else {})}

@@ -10,6 +10,7 @@ success with a 95 % Wilson interval, mean score, invalid-action rate, mean turns
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from serl_cli.rollout.engines.vllm import VLLMConfig
 from serl_cli.rollout.policies import ExpertPolicy, RandomPolicy
 from serl_cli.rollout.prompts import PromptConfig, trained_prompt
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
-from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.rollout.worlds import EnvConfig, build_world, world_info
 
 Policy = Literal["model", "expert", "random"]
 POLICIES = get_args(Policy)
@@ -138,6 +139,19 @@ def check_model_settings(cfg: EvalConfig) -> None:
     check_engine(cfg.engine)
 
 
+def check_eval_config(cfg: EvalConfig) -> None:
+    """The evaluation's numbers, each a value it can take: refused in one line before anything loads."""
+    if not (math.isfinite(cfg.temperature) and cfg.temperature >= 0):
+        raise SerlError(f"temperature must be 0 (greedy) or positive, got {cfg.temperature}")
+    for name in ("batch_size", "max_new_tokens"):
+        if getattr(cfg, name) < 1:
+            raise SerlError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise SerlError(f"threads must be at least 1 (or unset: every core), got {cfg.threads}")
+    if cfg.history_turns is not None and cfg.history_turns < -1:
+        raise SerlError(f"history_turns must be -1 (all), 0 or more, got {cfg.history_turns}")
+
+
 def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=None) -> dict:
     """Evaluate and write ``eval.json``; ``policy`` may be passed in (the online loop's in-memory model)."""
     if cfg.model and cfg.policy == "expert":
@@ -146,6 +160,7 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
         raise SerlError("policy 'model' needs --model DIR (a Hugging Face model directory or name)")
     if cfg.panel not in PANELS:
         raise SerlError(f"unknown panel {cfg.panel!r}: choose one of {', '.join(PANELS)}")
+    check_eval_config(cfg)
     own = policy is None and cfg.policy == "model"  # an engine this call starts, and closes
     if own:
         check_model_settings(cfg)
@@ -195,6 +210,7 @@ def write_eval(cfg: EvalConfig, world, records: list[dict], wall: float) -> dict
         "policy": cfg.policy,
         "model": cfg.model,
         "panel": cfg.panel,
+        "environment": world_info(world),  # e.g. which WebShop catalog ran: the real 1k or serl's synthetic
         **summarize(records, by="task_type" if records and "task_type" in records[0] else None),
         "wall_time_s": round(wall, 3),
     }

@@ -80,7 +80,7 @@ from serl_cli.method.teacher import TeacherSnapshot
 from serl_cli.models.loading import set_torch_threads
 from serl_cli.rollout.engines import ModelPolicy, close_engine, make_engine, sleep_engine
 from serl_cli.rollout.runner import run_episodes
-from serl_cli.rollout.worlds import build_world
+from serl_cli.rollout.worlds import build_world, world_info
 from serl_cli.stages.annotate import write_annotations
 from serl_cli.stages.derive import annotate_config, eval_config, rollout_config, train_config
 from serl_cli.stages.evaluate import model_eval_policy, panel_specs, write_eval
@@ -158,7 +158,9 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
             if run.exists() and any(run.iterdir()) and not (resume and (run / "manifest.json").exists()):
                 shutil.rmtree(run)  # --overwrite
             run.mkdir(parents=True, exist_ok=True)
-            io.write_json(run / "manifest.json", io.new_manifest("online", run_settings(cfg), cfg.seed))
+            io.write_json(
+                run / "manifest.json", io.new_manifest("online", run_settings(cfg), cfg.seed, world_info(world))
+            )
         if resume and main:
             # a kill between appending an iteration's metrics and marking it done leaves a line
             # for an unfinished iteration, and iterations past the newest checkpoint are redone:

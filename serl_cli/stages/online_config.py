@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from serl_cli.config import setting
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
+from serl_cli.method.annotate_config import validate as check_annotate_config
 from serl_cli.rollout.engines import check_engine
 from serl_cli.rollout.engines.vllm import check_config as check_vllm_config
 from serl_cli.rollout.engines.vllm import check_gpus, check_sampling
 from serl_cli.rollout.prompts import check_style
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.rollout import RolloutConfig
+from serl_cli.stages.rollout import validate as check_rollout_config
 from serl_cli.training.train_config import TrainConfig, check_train_config
 
 
@@ -70,6 +72,8 @@ def check_online_config(cfg: OnlineConfig) -> None:
         raise SerlError(f"keep_last must be 0 (keep all) or positive, got {cfg.keep_last}")
     if cfg.eval.every < 1:
         raise SerlError(f"eval.every must be at least 1, got {cfg.eval.every}")
+    if cfg.eval.episodes < 0:
+        raise SerlError(f"eval.episodes must be 0 (none) or more, got {cfg.eval.episodes}")
     if cfg.eval.temperature < 0:
         raise SerlError(f"eval.temperature must be 0 (greedy) or positive, got {cfg.eval.temperature}")
     if cfg.rollout.engine == "vllm":  # before vLLM starts (a minute)
@@ -85,3 +89,5 @@ def check_online_config(cfg: OnlineConfig) -> None:
     check_style(cfg.rollout.prompt)
     check_engine(cfg.rollout.engine)  # an unknown engine or a missing extra, before any model loads
     check_train_config(cfg.train)  # the same for the backend, its DeepSpeed config, LoRA, device, dtype
+    check_rollout_config(cfg.rollout)  # the rollouts' and the annotation's numbers, before the model loads
+    check_annotate_config(cfg.annotate)

@@ -2,10 +2,11 @@
 
 Reads ``RUN/metrics.jsonl`` (one record per update: the online loop's, or a single
 update's) and draws one panel per quantity that the run logged -- reward, success, loss,
-KL to the reference, clip fraction, SERL weight statistics, the teacher signal, periodic
-evaluation -- against iterations or environment steps. A panel whose metric the run never
-logged is left out, so a GRPO run has no weight panel. matplotlib is an optional extra
-(``serl[plots]``).
+KL to the reference, clip fraction, SERL weight statistics, the teacher signal (an annotated
+update's ``teacher_right_direction`` and ``teacher_expert_prob_gain``, where its turns had an
+expert action: ``method.teacher_signal``), periodic evaluation -- against iterations or
+environment steps. A panel whose metric the run never logged is left out, so a GRPO run has
+no weight panel. matplotlib is an optional extra (``serl[plots]``).
 """
 
 from __future__ import annotations
@@ -52,15 +53,19 @@ def series(records: list[dict], x: str, key: str) -> tuple[list[float], list[flo
     return xs, ys
 
 
+def drawn_panels(records: list[dict], x: str) -> list[tuple[str, list]]:
+    """The panels the records fill: (title, [(metric, (xs, ys)), ...]), each metric with at least one point."""
+    panels = [(title, [(k, series(records, x, k)) for k in keys]) for title, keys in PANELS]
+    panels = [(title, [(k, s) for k, s in lines if s[0]]) for title, lines in panels]
+    return [(title, lines) for title, lines in panels if lines]
+
+
 def plot_run(run_dir: str, *, x: str = "iteration", out: str | None = None) -> Path:
     """Write the curves of ``run_dir`` to ``out`` (default ``RUN/curves.png``); returns the path."""
     if x not in X_AXES:
         raise SerlError(f"unknown x axis {x!r}: choose one of {', '.join(X_AXES)}")
     run = Path(run_dir)
-    records = read_metrics(run)
-    panels = [(title, [(k, series(records, x, k)) for k in keys]) for title, keys in PANELS]
-    panels = [(title, [(k, s) for k, s in lines if s[0]]) for title, lines in panels]
-    panels = [(title, lines) for title, lines in panels if lines]
+    panels = drawn_panels(read_metrics(run), x)
     if not panels:
         raise SerlError(f"{run}/metrics.jsonl holds none of the plotted metrics against {x}")
     try:
@@ -69,7 +74,7 @@ def plot_run(run_dir: str, *, x: str = "iteration", out: str | None = None) -> P
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SerlError("serl plot needs matplotlib: pip install 'serl[plots]'") from None
+        raise SerlError("serl plot needs matplotlib, in serl's plots extra: pip install 'serl[plots]'") from None
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)

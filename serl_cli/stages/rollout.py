@@ -20,6 +20,7 @@ sampling on the same draws. So no episode is lost or run twice, and the final
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling
 from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import PromptConfig, check_chat_template_kwargs, check_style
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
-from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.rollout.worlds import EnvConfig, build_world, world_info
 
 Policy = Literal["model", "expert"]
 POLICIES = get_args(Policy)
@@ -91,8 +92,19 @@ def validate(cfg: RolloutConfig) -> None:
         raise SerlError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
     if s.max_new_tokens < 1:
         raise SerlError(f"sampling.max_new_tokens must be at least 1, got {s.max_new_tokens}")
-    if cfg.batch_size < 1:
-        raise SerlError(f"batch_size must be at least 1, got {cfg.batch_size}")
+    if not math.isfinite(s.temperature) or not math.isfinite(s.top_p):
+        raise SerlError(f"sampling.temperature and top_p must be finite numbers, got {s.temperature}, {s.top_p}")
+    for name, least in (("batch_size", 1), ("tasks", 1), ("group_size", 1)):
+        if getattr(cfg, name) < least:
+            raise SerlError(f"{name} must be at least {least}, got {getattr(cfg, name)}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise SerlError(f"threads must be at least 1 (or unset: every core), got {cfg.threads}")
+    p = cfg.prompt
+    if p.history_turns < -1:
+        raise SerlError(f"prompt.history_turns must be -1 (all), 0 or more, got {p.history_turns}")
+    for name in ("history_obs_chars", "max_admissible"):
+        if getattr(p, name) < 0:
+            raise SerlError(f"prompt.{name} must be 0 or more, got {getattr(p, name)}")
     check_chat_template_kwargs(cfg.prompt.chat_template_kwargs)
     check_style(cfg.prompt)
     for name in ("expert_noise", "expert_blunders"):
@@ -269,6 +281,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         resume=resume,
         what="rollout",
         finished=lambda: _finished_summary(out),
+        records_of=lambda summary: summary.get("episodes"),
     )
     if finished is not None:
         return finished
@@ -306,7 +319,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         io.mark_stage(out, "rollout", "running", resumed_from_round=len(replay))
     else:
         out.mkdir(parents=True, exist_ok=True)
-        io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed))
+        io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed, world_info(world)))
         io.start_journal(journal, header)
     started = time.time()
     records = collect(cfg, world, specs, JournaledPolicy(policy, journal, replay), progress)

@@ -18,7 +18,7 @@ from serl_cli.method.hindsight_sft import examples_for_run
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.training.backends import is_main_process
 from serl_cli.training.learner import Learner, training_episodes
-from serl_cli.training.train_config import TrainConfig
+from serl_cli.training.train_config import TrainConfig, check_train_config
 
 
 def train_on_run(
@@ -84,7 +84,7 @@ def _train_on_run(
     run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool, progress=None, main: bool = True
 ) -> dict:
     manifest = io.load_manifest(run)
-    get_objective(cfg.algo)
+    check_train_config(cfg)  # before the manifest says "running": a refused setting changes nothing on disk
     check_hindsight_sft(cfg)
     stage_name = f"train:{cfg.algo}"
     stage = manifest["stages"].get(stage_name, {})
@@ -100,7 +100,7 @@ def _train_on_run(
             records = list(io.iter_jsonl(metrics_path))
             return records[stage.get("metrics_line", len(records) - 1)]
     else:
-        io.prepare_output(checkpoint, overwrite=overwrite, what="a checkpoint")
+        io.prepare_output(checkpoint, overwrite=overwrite, what="a checkpoint", resumable=True)
     episodes = training_episodes(read_rollouts(run), cfg, run)
     if not model_name:
         raise SerlError(f"no model to train: {run}/manifest.json names none; pass --model")

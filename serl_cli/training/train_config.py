@@ -9,6 +9,7 @@ errors need the settings and their checks, not the update.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -168,16 +169,45 @@ def check_lora(cfg: LoraConfig) -> None:
         raise SerlError("LoRA (--lora-rank > 0) needs peft: pip install 'serl[lora]'")
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _check_loss_settings(cfg: TrainConfig) -> None:
-    if cfg.dual_clip and cfg.dual_clip <= 1:
+    """The numbers of the update: each one a value it can take (NaN and infinity never)."""
+    for name in ("clip_eps", "adv_eps"):
+        if not (_number(getattr(cfg, name)) and getattr(cfg, name) > 0):
+            raise SerlError(f"train.{name} must be a positive number, got {getattr(cfg, name)}")
+    if not (_number(cfg.dual_clip) and (cfg.dual_clip == 0 or cfg.dual_clip > 1)):
         raise SerlError(f"train.dual_clip must be 0 (off) or above 1, got {cfg.dual_clip}")
-    for name in ("entropy_coef", "invalid_action_penalty", "success_reward", "mini_batch_turns"):
-        if getattr(cfg, name) < 0:
+    zero_or_more = ("entropy_coef", "kl_coef", "distill_coef", "omega", "invalid_action_penalty", "success_reward")
+    for name in (*zero_or_more, "mini_batch_turns"):
+        if not (_number(getattr(cfg, name)) and getattr(cfg, name) >= 0):
             raise SerlError(f"train.{name} must be 0 or positive, got {getattr(cfg, name)}")
-    if cfg.dist_timeout_s <= 0:
+    if not (_number(cfg.gamma) and 0 <= cfg.gamma <= 1):
+        raise SerlError(f"train.gamma is a discount: it must be in [0, 1], got {cfg.gamma}")
+    for name in ("epochs", "mini_batches"):
+        if getattr(cfg, name) < 1:
+            raise SerlError(f"train.{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise SerlError(f"train.threads must be at least 1 (or unset: every core), got {cfg.threads}")
+    if not (_number(cfg.dist_timeout_s) and cfg.dist_timeout_s > 0):
         raise SerlError(f"train.dist_timeout_s must be positive (seconds), got {cfg.dist_timeout_s}")
-    if cfg.mini_batches < 1:
-        raise SerlError(f"train.mini_batches must be at least 1, got {cfg.mini_batches}")
+    _check_optim(cfg.optim)
+
+
+def _check_optim(optim: OptimConfig) -> None:
+    """AdamW's settings, refused here in one line rather than by torch in a traceback."""
+    if not (_number(optim.lr) and optim.lr >= 0):  # 0: an update that measures and changes nothing
+        raise SerlError(f"train.optim.lr must be a positive number (or 0), got {optim.lr}")
+    for name in ("weight_decay", "grad_clip"):  # grad_clip 0: no clipping
+        if not (_number(getattr(optim, name)) and getattr(optim, name) >= 0):
+            raise SerlError(f"train.optim.{name} must be 0 or positive, got {getattr(optim, name)}")
+    betas = list(optim.betas) if isinstance(optim.betas, (list, tuple)) else None
+    if betas is None or len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+        raise SerlError(f"train.optim.betas must be two numbers in [0, 1), got {optim.betas}")
+    if optim.micro_batch_tokens < 1:
+        raise SerlError(f"train.optim.micro_batch_tokens must be at least 1, got {optim.micro_batch_tokens}")
 
 
 def recompute_enabled(cfg: TrainConfig, engine: str | None, rollout_half: bool | None = None) -> bool:

@@ -80,6 +80,28 @@ def _other_settings_journal(run: Path) -> None:
     _journal(run, json.dumps({"journal": journal_header(RolloutConfig(seed=99), 1)}))
 
 
+# Settings of the online loop set to a value that means nothing (a sweep over the config
+# dataclasses' numbers): each is refused in one line by the check next to its config, before
+# the model loads. (setting=value, words the line must hold)
+NONSENSE = [
+    ("train.optim.lr=.nan", "train.optim.lr must be a positive number"),
+    ("train.optim.betas=[0.9, 1.2]", "train.optim.betas must be two numbers in [0, 1)"),
+    ("train.optim.weight_decay=-0.01", "train.optim.weight_decay must be 0 or positive"),
+    ("train.optim.micro_batch_tokens=0", "train.optim.micro_batch_tokens must be at least 1"),
+    ("train.adv_eps=0", "train.adv_eps must be a positive number"),
+    ("train.kl_coef=-0.1", "train.kl_coef must be 0 or positive"),
+    ("train.gamma=1.5", "train.gamma is a discount"),
+    ("train.epochs=0", "train.epochs must be at least 1"),
+    ("train.threads=0", "train.threads must be at least 1"),
+    ("rollout.tasks=0", "tasks must be at least 1"),
+    ("rollout.prompt.history_turns=-2", "prompt.history_turns must be -1 (all), 0 or more"),
+    ("rollout.sampling.temperature=.inf", "must be finite numbers"),
+    ("annotate.weight_clip=1.5", "weight_clip must be in [0, 1)"),
+    ("annotate.mixing_lambda=-0.5", "mixing_lambda must be in [0, 1]"),
+    ("annotate.teacher_sync_interval=0", "teacher_sync_interval must be at least 1"),
+    ("eval.episodes=-1", "eval.episodes must be 0 (none) or more"),
+]
+
 # (name, setup(tmp, run, model) -> serl arguments, words the one line must hold)
 CASES = [
     # --- YAML config files -------------------------------------------------------------------
@@ -122,6 +144,41 @@ CASES = [
         "set-seed-as-list",
         lambda t, r, m: _ro(t, m, "--seed", "1", "--set", "seed=[1, 2]"),
         ["setting seed must be an integer"],
+    ),
+    # --- numbers a setting cannot take: one line before anything loads (README: input checks) --------
+    ("lr-negative", lambda t, r, m: [*_train(r), "--set", "train.optim.lr=-1"], ["train.optim.lr must be a positive"]),
+    (
+        "clip-eps-negative",
+        lambda t, r, m: [*_train(r), "--set", "train.clip_eps=-0.2"],
+        ["train.clip_eps must be a positive number"],
+    ),
+    *[(f"online-{kv}", lambda t, r, m, kv=kv: _online(t, m, "--set", kv), [needle]) for kv, needle in NONSENSE],
+    (
+        "eval-no-new-tokens",
+        lambda t, r, m: ["eval", "--policy", "expert", "--out", str(t / "out"), *SYNTH, "--set", "max_new_tokens=0"],
+        ["max_new_tokens must be at least 1"],
+    ),
+    (
+        "eval-negative-temperature",
+        lambda t, r, m: ["eval", "--policy", "expert", "--out", str(t / "out"), *SYNTH, "--set", "temperature=-1"],
+        ["temperature must be 0 (greedy) or positive"],
+    ),
+    # --- --resume of something that is not there, or not whole -----------------------------------
+    ("resume-misspelt-online-out", lambda t, r, m: [*_online(t, m), "--resume"], ["--resume:", "does not exist"]),
+    (
+        "resume-misspelt-rollout-out",
+        lambda t, r, m: [*_ro(t, m), "--resume"],
+        ["--resume:", "does not exist", "no rollout to continue"],
+    ),
+    (
+        "resume-finished-rollout-cut-mid-line",
+        lambda t, r, m: (_cut_rollouts(r, keep_bytes=-30), _resume(r, m))[1],
+        ["truncated last line", "damaged", "--overwrite"],
+    ),
+    (
+        "resume-finished-rollout-a-line-short",
+        lambda t, r, m: (_cut_rollouts(r, keep_lines=1), _resume(r, m))[1],
+        ["holds 1 records but the finished rollout wrote 2", "--overwrite"],
     ),
     # --- JSONL artifacts ------------------------------------------------------------------------
     (
@@ -255,6 +312,32 @@ def _ro(t: Path, model, *extra: str) -> list[str]:
         *SYNTH,
         *extra,
     ]
+
+
+def _online(t: Path, model, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--iterations",
+        "1",
+        "--model",
+        str(model),
+        "--tasks",
+        "1",
+        "--group-size",
+        "1",
+        "--out",
+        str(t / "out"),
+        *SYNTH,
+        *extra,
+    ]
+
+
+def _cut_rollouts(run: Path, *, keep_bytes: int | None = None, keep_lines: int | None = None) -> None:
+    """A finished rollout's file cut short after the fact (a copy interrupted, a full disk elsewhere)."""
+    data = (run / "rollouts.jsonl").read_bytes()
+    if keep_lines is not None:
+        data = b"".join(data.splitlines(keepends=True)[:keep_lines])
+    (run / "rollouts.jsonl").write_bytes(data[:keep_bytes] if keep_bytes is not None else data)
 
 
 def _train(run: Path, *, lines=None, edit=None, raw=None) -> list[str]:

@@ -1,0 +1,92 @@
+"""``serl show RUN`` on an online run (``serl train --iterations``): its ``iter_XXXX`` folders.
+
+The run's own directory holds no episodes: each iteration's are in its folder, which
+``serl show RUN/iter_XXXX`` renders as any run (:mod:`serl_cli.stages.show`). Here: what ran,
+and one line per iteration folder -- its status in the manifest, its metrics, its checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from serl_cli.artifacts import io
+from serl_cli.artifacts.schema import ROLLOUTS_FILE
+
+ITERATION_COLUMNS = [  # (column, metrics.jsonl key)
+    ("reward", "mean_reward"),
+    ("success", "success_rate"),
+    ("loss", "loss"),
+    ("eval success", "eval_success_rate"),
+]
+
+
+def is_online_run(run_dir: str | Path, manifest: dict) -> bool:
+    """An online loop's run directory (``serl train --iterations``): its episodes are in its
+    ``iter_XXXX`` folders, not beside the manifest."""
+    return "online" in manifest.get("stages", {}) and not (Path(run_dir) / ROLLOUTS_FILE).exists()
+
+
+def iteration_rows(run_dir: str | Path, manifest: dict) -> list[dict]:
+    """One row per ``iter_XXXX`` folder: its status in the manifest (an iteration the loop
+    abandoned on a stop, or is running, is not done), the iteration's metrics line, and
+    whether it kept a checkpoint."""
+    run = Path(run_dir)
+    metrics: dict[int, dict] = {}
+    if (run / "metrics.jsonl").is_file():
+        records = io.iter_jsonl(run / "metrics.jsonl")
+        metrics = {r["iteration"]: r for r in records if isinstance(r.get("iteration"), int)}
+    stages = manifest.get("stages", {})
+    rows = []
+    for d in sorted(p for p in run.glob("iter_*") if p.is_dir()):
+        try:
+            k = int(d.name.split("_", 1)[1])
+        except ValueError:
+            continue
+        m = metrics.get(k, {})
+        rows.append(
+            {
+                "iteration": k,
+                "folder": d.name,
+                "status": str((stages.get(d.name) or {}).get("status", "not finished")),
+                "episodes": m.get("episodes"),
+                **{key: m.get(key) for _, key in ITERATION_COLUMNS},
+                "checkpoint": (d / "checkpoint").is_dir(),
+            }
+        )
+    return rows
+
+
+def online_view(run_dir: str | Path, manifest: dict, rows: list[dict]) -> RenderableType:
+    """An online run for a person: what ran, then one line per iteration folder."""
+    cfg = (manifest.get("stages", {}).get("online") or {}).get("config") or {}
+    status = (manifest.get("stages", {}).get("online") or {}).get("status", "?")
+    commit = (manifest.get("git_commit") or "unknown")[:10]
+    algo, env = (cfg.get("train") or {}).get("algo", "?"), (cfg.get("env") or {}).get("name", "?")
+    head = Text(
+        f"online run {run_dir}: {algo} on {env}, {cfg.get('iterations', '?')} iterations ({status}); "
+        f"serl {manifest.get('serl_version')}, "
+        f"seed {manifest.get('seed')}, commit {commit}",
+        style="bold",
+    )
+    table = Table(title="iterations", title_justify="left", header_style="bold")
+    for col in ("folder", "status", "episodes", *(name for name, _ in ITERATION_COLUMNS), "checkpoint"):
+        table.add_column(col, justify="left" if col in ("folder", "status") else "right")
+    for r in rows:
+        numbers = [f"{r[key]:.3f}" if isinstance(r[key], (int, float)) else "" for _, key in ITERATION_COLUMNS]
+        table.add_row(
+            Text(r["folder"]),
+            Text(r["status"], style="green" if r["status"] == "done" else "yellow"),
+            Text("" if r["episodes"] is None else str(r["episodes"])),
+            *(Text(x) for x in numbers),
+            Text("yes" if r["checkpoint"] else ""),
+        )
+    if not rows:
+        hint = "no iteration has started yet"
+    else:
+        hint = f"`serl show {Path(run_dir) / rows[-1]['folder']}` for an iteration's episodes; `serl plot {run_dir}`"
+        hint += " for its curves"
+    return Group(head, table, Text(hint, style="dim"))

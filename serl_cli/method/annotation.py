@@ -39,6 +39,9 @@ class AnnotateConfig:
     # combine with ",", fall back with "|" (METHOD.md 3). obs = the environment's raw answer, the
     # authors' default mode immediate_feedback (serl_trainer.yaml:47, run_webshop.sh:22, run_alfworld.sh)
     sources: str = "obs"
+    # ref and expert: full = the whole trajectory as "Step k" lines | aligned = only this state's action
+    # (method.feedback): a prompt with no history cannot tell which line of a trajectory is "now"
+    trajectory: str = "full"
     granularity: str = "step"  # step | anchor
     placement: str = "all"  # all (every turn with a block: the authors') | feedback | gap | random (serl's extension)
     rho: float = 0.25  # `gap`: fraction of turns selected
@@ -71,6 +74,7 @@ class AnnotateConfig:
 
 def validate(cfg: AnnotateConfig) -> list[list[str]]:
     spec = fb.parse_sources(cfg.sources)
+    fb.check_trajectory(cfg.trajectory)
     if cfg.granularity not in GRANULARITIES:
         raise SerlError(f"unknown granularity {cfg.granularity!r}: choose one of {', '.join(GRANULARITIES)}")
     placement.check_rule(cfg.placement, rho=cfg.rho)
@@ -104,6 +108,15 @@ def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[d
         ]
         for r in records
     }
+
+
+def teacher_prompts(
+    records: list[dict], prompt_ids: list[list[int]], tokenizer, keys, chat_template_kwargs: dict | None = None
+) -> dict[int, list[int]]:
+    """The teacher's prompt of each record in ``keys``: the student's prompt (``prompt_ids``, in
+    record order) with the record's block spliced in. Built once per annotation: the teacher
+    scores the student's reply on it, and the teacher signal the expert's reply."""
+    return {k: teacher_prompt(tokenizer, prompt_ids[k], records[k]["hindsight"], chat_template_kwargs) for k in keys}
 
 
 def action_format(env_cfg: dict | None):
@@ -153,8 +166,8 @@ def annotate_episodes(
     for the teacher's prompts (``method.teacher.teacher_prompt``); ``bare_replies``: whether they asked for
     bare replies (``prompt.bare_replies``), the form the teacher signal scores the expert's reply in."""
     spec = validate(cfg)
-    uses_expert = any("expert" in alt for alt in spec)
-    experts = expert_trajectories(env_cfg, episodes) if uses_expert and env_cfg else {}
+    needs_expert = fb.uses_expert_trajectory(spec, cfg.trajectory) and env_cfg
+    experts = expert_trajectories(env_cfg, episodes) if needs_expert else {}
     groups: dict[tuple, list[dict]] = {}
     for e in episodes:
         groups.setdefault((e["task_id"], e["group_id"]), []).append(e)
@@ -179,7 +192,9 @@ def annotate_episodes(
     for e_idx, ep in enumerate(episodes):
         key = (ep["task_id"], ep["group_id"])
         for t_idx, turn in enumerate(ep["turns"]):
-            ctx = fb.TurnContext(episode=ep, turn=t_idx, group=groups[key], expert=experts.get(ep["task_id"]))
+            ctx = fb.TurnContext(
+                episode=ep, turn=t_idx, group=groups[key], expert=experts.get(ep["task_id"]), trajectory=cfg.trajectory
+            )
             if cfg.granularity == "anchor":
                 text, used, fired = anchors_mod.hindsight_anchor(ctx, spec, anchors[key])
             else:
@@ -230,13 +245,8 @@ def annotate_episodes(
         to_score = []  # no teacher prompt, no forward pass (serl_ray_trainer.py:405-433)
 
     t0 = time.perf_counter()
-    items = [
-        ScoreItem(
-            teacher_prompt(tokenizer, samples[k].prompt_ids, records[k]["hindsight"], chat_template_kwargs),
-            samples[k].action_ids,
-        )
-        for k in to_score
-    ]
+    prompts = teacher_prompts(records, [s.prompt_ids for s in samples], tokenizer, to_score, chat_template_kwargs)
+    items = [ScoreItem(prompts[k], samples[k].action_ids) for k in to_score]
     scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens) if items else []
     for k, lp in zip(to_score, scored):
         old = samples[k].behaviour_logprobs
@@ -279,11 +289,11 @@ def annotate_episodes(
         teacher_signal.measure(
             records,
             episodes,
+            prompts,
             teacher_model,
             tokenizer,
             temperature,
             cfg.micro_batch_tokens,
-            chat_template_kwargs,
             bare_replies,
             action_format(env_cfg) if bare_replies else None,
         )

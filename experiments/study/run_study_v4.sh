@@ -21,7 +21,9 @@ export SERL_THREADS=1
 # 2. the gate: on held-out panel states (200 test rooms x 2 rollouts, states of the SFT data left out) the teacher
 #    shown the aligned oracle must move the right way on >= 0.9 of the turns and gain >= +0.3 on the expert's move
 [ -f $S/gate/gate.json ] || python experiments/sokoban/teacher_gate.py --model $S/warm_start --seen $S/expert \
-    --out $S/gate > /dev/null
+    --out $S/gate > /dev/null || true
+python -c "import json, sys; g = json.load(open(sys.argv[1]))['gate']; sys.exit(0 if g['met'] else f'gate not met: {g}')" \
+    $S/gate/gate.json
 
 # 3. SFT alone: the warm start on the panel, decoded as every cell's final evaluation (T 0.4, seed 0)
 [ -f $S/sft-alone/eval.json ] || serl eval --config experiments/sokoban/study_v4.yaml --model $S/warm_start \
@@ -44,4 +46,4 @@ python -c "import json, sys; d = json.load(open(sys.argv[1])); d.pop('by_task', 
     $S/sft-alone/eval.json $K/sft_alone/warm_start.json
 cp $S/gate/gate.json $K/gate.json
 cp $S/diagnostics/*.json $K/diagnostics/
-serl ablate --report $S/grid --keep $K/grid -q
+serl ablate --report $S/grid --keep $K -q   # the cells beside gate.json, sft_alone/, diagnostics/

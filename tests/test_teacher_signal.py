@@ -87,7 +87,7 @@ def test_signal_worked_by_hand():
 def test_no_scored_turn_with_an_expert_action_gives_none():
     assert teacher_signal(RECORDS, EPISODES, {}) is None
     # nothing to score: the teacher is never called
-    assert measure([RECORDS[4], RECORDS[5]], EPISODES, None, None, 1.0, 16384) is None
+    assert measure([RECORDS[4], RECORDS[5]], EPISODES, {}, None, None, 1.0, 16384) is None
 
 
 # -- end to end on Sokoban --------------------------------------------------------------------

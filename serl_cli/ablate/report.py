@@ -117,6 +117,15 @@ def success_at_budget(points: list[tuple[float, float]], budget: float) -> float
     return within[-1] if within else None
 
 
+def _count_verdicts(said) -> str | None:
+    """Seeds' verdicts counted by what they say, without each seed's own p-values."""
+    verdicts: dict[str, int] = {}
+    for v in said:
+        v = (v or "none").split(" (")[0]
+        verdicts[v] = verdicts.get(v, 0) + 1
+    return "; ".join(f"{v} (x{k})" for v, k in verdicts.items()) if verdicts else None
+
+
 def _teacher_signal(train: Path) -> dict | None:
     """The teacher signal of the online run's last iteration that measured one (once lambda
     has decayed to 0 the teacher is not run, and its iterations have none)."""
@@ -226,12 +235,10 @@ def summarize(data: dict) -> list[dict]:
             )
         sel = [c[s]["selection"] for s in seeds if c[s]["selection"]]
         fracs = [x["selected_fraction"] for x in sel if x.get("selected_fraction") is not None]
-        verdicts: dict[str, int] = {}
-        for x in sel:  # counted by what they say, without each seed's own p-values
-            said = (x.get("verdict") or "none").split(" (")[0]
-            verdicts[said] = verdicts.get(said, 0) + 1
         row["selected_fraction"] = sum(fracs) / len(fracs) if fracs else None
-        row["selection_verdicts"] = "; ".join(f"{v} (x{k})" for v, k in verdicts.items()) if verdicts else None
+        row["selection_verdicts"] = _count_verdicts(x.get("verdict") for x in sel)
+        scorable = [x["verdict_scorable"] for x in sel if "verdict_scorable" in x]  # cells before it have none
+        row["selection_verdicts_scorable"] = _count_verdicts(scorable)
         signals = [c[s]["teacher_signal"] for s in seeds if c[s]["teacher_signal"]]
         for k, budget in enumerate(data["budgets"]):
             vals = [c[s]["at_budget"][k] for s in seeds if c[s]["at_budget"][k] is not None]
@@ -342,12 +349,16 @@ def render_markdown(
         "",
         "## Selection bias (last iteration's selection report, per seed)",
         "",
-        "| arm | selected fraction (mean) | verdicts |",
-        "| --- | --- | --- |",
+        "Against every other turn, and against the other scorable turns alone (a block and a nonzero advantage:",
+        "the turns a weight can change, and the only ones `random` placement draws from).",
+        "",
+        "| arm | selected fraction (mean) | verdicts | verdicts among scorable turns |",
+        "| --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['arm']} | {fmt(r['selected_fraction'])} | {r['selection_verdicts'] or 'n/a (no annotation)'} |"
+            f"| {r['arm']} | {fmt(r['selected_fraction'])} | {r['selection_verdicts'] or 'n/a (no annotation)'} | "
+            f"{r['selection_verdicts_scorable'] or 'n/a'} |"
         )
     lines += [
         "",

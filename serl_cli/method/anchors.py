@@ -18,11 +18,11 @@ from serl_cli.method.feedback import (
     _action,
     _block,
     _norm,
-    _same,
     _short,
     _spec,
     expert_steps,
     hindsight_step,
+    same_action,
     section,
 )
 
@@ -78,7 +78,7 @@ def _pool_field(src: TurnField, ctx: TurnContext, others: list[dict]) -> tuple[s
     if not lines:
         return None, False
     body = "\n".join(f"{_short(a)} ({n} attempt{'s' * (n > 1)}): {_short(v)}" for a, v, n in lines.values())
-    fired = any(_same(_action(t), _action(ctx.step)) and src.bad(t) for t in others)
+    fired = any(same_action(_action(t), _action(ctx.step)) and src.bad(t) for t in others)
     return section(src.pooled_title, body), fired
 
 
@@ -96,7 +96,7 @@ def _pool_ref(ctx: TurnContext, members: list[tuple[int, int]]) -> tuple[str | N
     if not by_action:
         return None, False
     body = "\n".join(f"{_short(a)} ({', '.join(who)})" for a, who in by_action.values())
-    fired = any(not _same(a, _action(ctx.step)) for a, _ in by_action.values())
+    fired = any(not same_action(a, _action(ctx.step)) for a, _ in by_action.values())
     return section("What successful attempts did from this state:", body), fired
 
 
@@ -108,7 +108,7 @@ def _pool_expert(ctx: TurnContext, members: list[tuple[int, int]]) -> tuple[str 
         return None, False
     return (
         section("The expert's action from this state (privileged oracle information):", _short(here[-1])),
-        not _same(here[-1], _action(ctx.step)),
+        not same_action(here[-1], _action(ctx.step)),
     )
 
 

@@ -53,6 +53,15 @@ def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[d
     }
 
 
+def teacher_prompts(
+    records: list[dict], prompt_ids: list[list[int]], tokenizer, keys, chat_template_kwargs: dict | None = None
+) -> dict[int, list[int]]:
+    """The teacher's prompt of each record in ``keys``: the student's prompt (``prompt_ids``, in
+    record order) with the record's block spliced in. Built once per annotation: the teacher
+    scores the student's reply on it, and the teacher signal the expert's reply."""
+    return {k: teacher_prompt(tokenizer, prompt_ids[k], records[k]["hindsight"], chat_template_kwargs) for k in keys}
+
+
 def action_format(env_cfg: dict | None):
     """The environment's action format (which untagged replies are a bare action); WebShop's without one."""
     from serl_cli.rollout.prompts import DEFAULT_ACTION_FORMAT, action_format_of
@@ -106,8 +115,8 @@ def annotate_episodes(
     for the teacher's prompts (``method.teacher.teacher_prompt``); ``bare_replies``: whether they asked for
     bare replies (``prompt.bare_replies``), the form the teacher signal scores the expert's reply in."""
     spec = validate(cfg)
-    uses_expert = any("expert" in alt for alt in spec)
-    experts = expert_trajectories(env_cfg, episodes) if uses_expert and env_cfg else {}
+    needs_expert = fb.uses_expert_trajectory(spec, cfg.trajectory) and env_cfg
+    experts = expert_trajectories(env_cfg, episodes) if needs_expert else {}
     groups: dict[tuple, list[dict]] = {}
     for e in episodes:
         groups.setdefault((e["task_id"], e["group_id"]), []).append(e)
@@ -132,7 +141,9 @@ def annotate_episodes(
     for e_idx, ep in enumerate(episodes):
         key = (ep["task_id"], ep["group_id"])
         for t_idx, turn in enumerate(ep["turns"]):
-            ctx = fb.TurnContext(episode=ep, turn=t_idx, group=groups[key], expert=experts.get(ep["task_id"]))
+            ctx = fb.TurnContext(
+                episode=ep, turn=t_idx, group=groups[key], expert=experts.get(ep["task_id"]), trajectory=cfg.trajectory
+            )
             if cfg.granularity == "anchor":
                 text, used, fired = anchors_mod.hindsight_anchor(ctx, spec, anchors[key])
             else:
@@ -183,14 +194,8 @@ def annotate_episodes(
         to_score = []  # no teacher prompt, no forward pass (serl_ray_trainer.py:405-433)
 
     t0 = time.perf_counter()
-    items = [
-        ScoreItem(
-            teacher_prompt(tokenizer, samples[k].prompt_ids, records[k]["hindsight"], chat_template_kwargs),
-            samples[k].action_ids,
-            records[k]["group_id"],
-        )
-        for k in to_score
-    ]
+    prompts = teacher_prompts(records, [s.prompt_ids for s in samples], tokenizer, to_score, chat_template_kwargs)
+    items = [ScoreItem(prompts[k], samples[k].action_ids, records[k]["group_id"]) for k in to_score]
     scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens) if items else []
     for k, lp in zip(to_score, scored):
         old = samples[k].behaviour_logprobs
@@ -233,11 +238,11 @@ def annotate_episodes(
         teacher_signal.measure(
             records,
             episodes,
+            prompts,
             teacher_model,
             tokenizer,
             temperature,
             cfg.micro_batch_tokens,
-            chat_template_kwargs,
             bare_replies,
             action_format(env_cfg) if bare_replies else None,
             scorer=scorer,

@@ -32,6 +32,20 @@ says whether the evidence counts for placement ``feedback``, serl's turn-selecti
     expert  the environment's expert demonstration for the task, labelled as privileged
             oracle information: the paper never uses it. Same step format; fires as ``ref``.
 
+Trajectory rendering (``TurnContext.trajectory``, ``annotate.trajectory``) for ``ref`` and
+``expert``: ``full`` (above) shows the whole trajectory as "Step k" lines, which a prompt
+without history or step index cannot align with "now". ``aligned`` shows only what applies
+to this very state, as the authors' prompt does by saying "you are now at step N":
+
+    ref     "What a successful rollout did from this state:" and the reference rollout's
+            reply at its last visit of this turn's state; nothing when it never visited it
+            (no fallback to the same turn index: that would be another state). Fires when
+            that action differs from the action taken.
+    expert  "The expert's action from this state (privileged oracle information):" and the
+            expert's action from this turn's state (the turn record's ``expert_action``: on
+            Sokoban the solver's move); nothing where there is none (a lost task). Fires when
+            it differs from the action taken. Still privileged oracle information.
+
 Choices written down here: steps are numbered from 1, as serl's student prompt numbers its
 turns (the authors number env steps from 0, rollout_loop.py:502); reasoning is removed with
 the authors' ``<think>...</think>`` rule (recipe/serl/serl_ray_trainer.py:186-188). Actions
@@ -59,6 +73,7 @@ from serl_cli.rollout.prompts import format_action
 
 TAIL_CHARS = 16  # a cut drops a partial word up to max(20 % of the text, this many characters)
 EFFECT_CHARS = 100  # one line of pooled anchor evidence: a glimpse
+TRAJECTORIES = ("full", "aligned")  # how ref and expert render: the whole trajectory | this state's action
 SECTION_SEPARATOR = "\n\n"  # between sections (PC:452)
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)  # reasoning, removed from shown replies
 
@@ -68,7 +83,8 @@ def _norm(action: str | None) -> str:
     return " ".join((action or "").lower().split())
 
 
-def _same(a: str | None, b: str | None) -> bool:
+def same_action(a: str | None, b: str | None) -> bool:
+    """Whether two actions are the same action (case and whitespace ignored)."""
     return _norm(a) == _norm(b)
 
 
@@ -117,9 +133,14 @@ class TurnContext:
     turn: int  # index into episode["turns"]
     group: list[dict] = field(default_factory=list)  # episodes of this (task_id, group_id), this one included
     expert: list[dict] | None = None  # the expert's steps {"observation", "action"[, "state_key"]} from the start
+    trajectory: str = "full"  # ref and expert: full | aligned (TRAJECTORIES)
 
     def __post_init__(self):
         self.group = self.group or [self.episode]
+
+    @property
+    def aligned(self) -> bool:
+        return self.trajectory == "aligned"
 
     @property
     def step(self) -> dict:
@@ -208,7 +229,7 @@ class Diff(TurnField):
         return (turn.get("feedback") or {}).get("diff")
 
     def bad(self, turn):
-        return _same(self.value(turn), "no change")
+        return same_action(self.value(turn), "no change")
 
 
 @register
@@ -240,26 +261,31 @@ def reference_rollout(ctx: TurnContext) -> dict | None:
 
 def _matching_action(ctx: TurnContext, steps: list[tuple[str, str | None]]) -> str | None:
     """The reference's action at this turn's state (its last visit: earlier ones came back
-    here, so their actions did not lead on), else at the same turn index, else None."""
+    here, so their actions did not lead on), else -- in the full rendering only -- at the
+    same turn index, else None."""
     visits = [j for j, (_, key) in enumerate(steps) if key == ctx.step.get("state_key")]
     if visits:
         return steps[visits[-1]][0]
-    return steps[ctx.turn][0] if ctx.turn < len(steps) else None
+    return steps[ctx.turn][0] if ctx.turn < len(steps) and not ctx.aligned else None
 
 
 def _disagrees(ctx: TurnContext, steps: list[tuple[str, str | None]]) -> bool:
     other = _matching_action(ctx, steps)
-    return other is not None and not _same(other, _action(ctx.step))
+    return other is not None and not same_action(other, _action(ctx.step))
 
 
 @register
 class Ref(Source):
     name, title = "ref", "Successful trajectory in the same task, if any:"  # PC:1630-1633
+    aligned_title = "What a successful rollout did from this state:"
 
     def render(self, ctx):
         ref = reference_rollout(ctx)
         if ref is None:
             return None
+        if ctx.aligned:  # its reply at its last visit of this state, nothing if it never came here
+            replies = [(_reply(t), t.get("state_key")) for t in ref["turns"]]
+            return section(self.aligned_title, _matching_action(ctx, replies))
         return section(self.title, trajectory_text([(k, _reply(t)) for k, t in enumerate(ref["turns"])]))
 
     def fires(self, ctx):
@@ -278,14 +304,31 @@ class Expert(Source):
     """Privileged oracle information the paper never uses: a separate source, never a fallback of ``ref``."""
 
     name, title = "expert", "Expert demonstration for this task (privileged oracle information):"
+    aligned_title = "The expert's action from this state (privileged oracle information):"
 
     def render(self, ctx):
+        if ctx.aligned:
+            move = ctx.step.get("expert_action")
+            return section(self.aligned_title, format_action(move)) if move else None
         if not ctx.expert:
             return None
         return section(self.title, trajectory_text([(k, format_action(s["action"])) for k, s in enumerate(ctx.expert)]))
 
     def fires(self, ctx):
+        if ctx.aligned:
+            move = ctx.step.get("expert_action")
+            return bool(move) and not same_action(move, _action(ctx.step))
         return bool(ctx.expert) and _disagrees(ctx, expert_steps(ctx))
+
+
+def check_trajectory(trajectory: str) -> None:
+    if trajectory not in TRAJECTORIES:
+        raise SerlError(f"unknown trajectory rendering {trajectory!r}: choose one of {', '.join(TRAJECTORIES)}")
+
+
+def uses_expert_trajectory(spec, trajectory: str) -> bool:
+    """Whether the blocks need the environment's expert trajectories (``expert``, rendered in full)."""
+    return trajectory == "full" and any("expert" in alts for alts in _spec(spec))
 
 
 def parse_sources(spec: str) -> list[list[str]]:

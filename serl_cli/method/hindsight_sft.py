@@ -1,4 +1,9 @@
-"""Hindsight SFT (``train.hindsight_sft``): teach a small model to read a hindsight block.
+"""Hindsight SFT (``train.hindsight_sft``): show a small model hindsight blocks (study v3's recipe).
+
+Its target is the expert's move whatever the block says, so it cannot teach reading: the state
+alone gives the target away (study v3's teacher did not read its blocks, docs/RESULTS.md).
+Reading SFT (``method.reading_sft``, ``train.hindsight_sft: "reading: ..."``) does; this module
+stays as the recipe study v3 ran.
 
 SERL's teacher is the policy itself, shown a hindsight block (METHOD.md 4). The paper's
 7B model reads such a block zero-shot; a model trained from scratch has never seen one,
@@ -100,10 +105,11 @@ def hindsight_examples(
         block = cut(block)
         turn = ep["turns"][t]
         teacher = teacher_prompt(tokenizer, turn["prompt_ids"], block, chat_template_kwargs)
+        expert = turn["expert_action"]
         by_episode.setdefault(e, []).extend(
             [
-                _example(turn, teacher, tokenizer, block, bare_replies),
-                _example(turn, turn["prompt_ids"], tokenizer, None, bare_replies),
+                example_turn(turn, teacher, tokenizer, expert, block, bare_replies),
+                example_turn(turn, turn["prompt_ids"], tokenizer, expert, None, bare_replies),
             ]
         )
     return [
@@ -112,15 +118,15 @@ def hindsight_examples(
     ]
 
 
-def _example(turn: dict, prompt_ids: list[int], tokenizer, hindsight: str | None, bare: bool) -> dict:
-    """A turn record whose reply is the expert's action from ``turn``'s state."""
-    expert = turn["expert_action"]
+def example_turn(turn: dict, prompt_ids: list[int], tokenizer, action: str, hindsight: str | None, bare: bool) -> dict:
+    """An SFT turn record from ``turn``'s state: ``prompt_ids`` (the student's prompt, or a teacher
+    prompt holding the block ``hindsight``) with ``action`` as the reply, written as the expert writes it."""
     return {
         "turn": turn["turn"],
         "prompt_ids": prompt_ids,
-        "action_ids": reply_ids(tokenizer, expert, bare),
-        "action_text": format_reply(expert, bare),
-        "action": expert,
+        "action_ids": reply_ids(tokenizer, action, bare),
+        "action_text": format_reply(action, bare),
+        "action": action,
         "behaviour_logprobs": [],
         "state_key": turn["state_key"],
         "feedback": turn["feedback"],

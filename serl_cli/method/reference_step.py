@@ -66,7 +66,7 @@ def reference_step(
     cut = feedback.make_cutter(tokenizer, cfg.max_hindsight_tokens)
     blocks = []
     for ep, t in turns:
-        ctx = feedback.TurnContext(episode=ep, turn=t, group=group)
+        ctx = feedback.TurnContext(episode=ep, turn=t, group=group, trajectory=cfg.trajectory)
         text, used, fired = feedback.hindsight_step(ctx, sources)
         blocks.append((cut(text) if text else None, used, fired))
 

@@ -10,6 +10,12 @@ two-sample tests on turns:
 - Fisher's exact test of the 2x2 table selected x success, rows (selected, unselected),
   columns (success, failure); an odds ratio > 1 means selected turns lean to successes.
 
+The same two tests are repeated among the **scorable** turns alone (``scorable``): those with
+a block and a nonzero advantage, the only turns a weight can change and the only ones
+``random`` placement draws from. Against all turns, a rule that selects only scorable turns
+looks biased toward successes merely because the unscorable turns (groups whose rollouts all
+failed, advantage 0) sit in failed rollouts: study v3 (c) traced ``random``'s lean to that.
+
 Caveat: the unit is the turn, and turns of one rollout share its reward, so the tests
 treat dependent samples as independent; with long rollouts their p-values are optimistic.
 
@@ -143,21 +149,12 @@ def selection_report(records: list[dict], episodes: list[dict], *, alpha: float 
             "fired_fraction": _frac(fired, n),
         }
 
-    sel_r = [reward[r["episode"]] for r in sel]
-    uns_r = [reward[r["episode"]] for r in uns]
-    table = [
-        [sum(1 for r in group if success[r["episode"]]), sum(1 for r in group if not success[r["episode"]])]
-        for group in (sel, uns)
-    ]
-    tests = _tests(sel_r, uns_r, table, alpha)
-    reward_dist = {"selected": distribution(sel_r), "unselected": distribution(uns_r)}
-    tests["verdict"] = _verdict(
-        tests,
-        by_outcome["success"]["selected_fraction"] or 0.0,
-        by_outcome["failure"]["selected_fraction"] or 0.0,
-        reward_dist["selected"]["mean"],
-        reward_dist["unselected"]["mean"],
-    )
+    tests = _bias_tests(records, reward, success, alpha)
+    reward_dist = {
+        "selected": distribution(reward[r["episode"]] for r in sel),
+        "unselected": distribution(reward[r["episode"]] for r in uns),
+    }
+    scorable = [r for r in records if is_scorable(r)]
     return {
         "unit": "turn",
         "counts": {
@@ -181,4 +178,35 @@ def selection_report(records: list[dict], episodes: list[dict], *, alpha: float 
             "without_selected": distribution(reward[e] for e in eps_without),
         },
         "tests": tests,
+        "scorable": {
+            "turns": len(scorable),
+            "selected_turns": sum(1 for r in scorable if r["selected"]),
+            "tests": _bias_tests(scorable, reward, success, alpha),
+        },
     }
+
+
+def is_scorable(record: dict) -> bool:
+    """A turn a weight can change: it has a block (a source rendered) and a nonzero advantage."""
+    return bool(record["sources"]) and record["advantage"] is not None and record["advantage"] != 0
+
+
+def _bias_tests(records: list[dict], reward: list[float], success: list[bool], alpha: float) -> dict:
+    """The two tests and the verdict, selected against unselected among ``records``."""
+    sel = [r for r in records if r["selected"]]
+    uns = [r for r in records if not r["selected"]]
+    sel_r = [reward[r["episode"]] for r in sel]
+    uns_r = [reward[r["episode"]] for r in uns]
+    table = [
+        [sum(1 for r in group if success[r["episode"]]), sum(1 for r in group if not success[r["episode"]])]
+        for group in (sel, uns)
+    ]
+    tests = _tests(sel_r, uns_r, table, alpha)
+    fraction = {}
+    for want in (True, False):
+        rs = [r for r in records if success[r["episode"]] == want]
+        fraction[want] = _frac(sum(1 for r in rs if r["selected"]), len(rs)) or 0.0
+    tests["verdict"] = _verdict(
+        tests, fraction[True], fraction[False], distribution(sel_r)["mean"], distribution(uns_r)["mean"]
+    )
+    return tests

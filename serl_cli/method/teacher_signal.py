@@ -25,17 +25,22 @@ only flattens the distribution does) scores well off the expert and badly on it.
 Cost: two teacher forwards per scored turn with an expert action (the expert's reply with
 the block and without it), each as long as the annotation's own forward for that turn: on
 Sokoban, where the prompt dominates, about 1.7 times the annotation's teacher time
-(``teacher_signal: false`` skips it). They go through the annotation's scorer
-(:func:`serl_cli.training.scoring.score`'s signature: under the online loop divided over its
-processes; under ``serl annotate`` journaled, its units numbered after the weights' own).
+(``teacher_signal: false`` skips it). The teacher prompts are the annotation's own
+(``method.annotation.teacher_prompts``), not rebuilt here. The forwards go through the
+annotation's scorer (:func:`serl_cli.training.scoring.score`'s signature: under the online
+loop divided over its processes; under ``serl annotate`` journaled, its units numbered after
+the weights' own).
+
+:func:`signal_rows` keeps the per-turn figures (for intervals, or a subset of turns: the
+teacher-signal gate, ``method.teacher_gate``); :func:`summarize` averages them.
 """
 
 from __future__ import annotations
 
 import math
 
-from serl_cli.method.feedback import _same
-from serl_cli.method.teacher import action_span_mask, teacher_prompt
+from serl_cli.method.feedback import same_action
+from serl_cli.method.teacher import action_span_mask
 from serl_cli.rollout.prompts import reply_ids
 from serl_cli.training.scoring import ScoreItem, score
 
@@ -60,79 +65,137 @@ def signal_turns(records: list[dict], episodes: list[dict]) -> list[int]:
     ]
 
 
-def teacher_signal(
+def signal_rows(
     records: list[dict], episodes: list[dict], expert_logprobs: dict[int, tuple[list[float], list[float]]]
-) -> dict | None:
-    """The signal over the records in ``expert_logprobs``: record index -> log pi_T of the
-    expert reply's action-span tokens (with the block, without it). None where it is empty."""
-    if not expert_logprobs:
-        return None
-    right = {True: [], False: []}  # on the expert's action or not -> did the teacher move it the right way
-    with_block, without_block = [], []
+) -> list[dict]:
+    """One row per record in ``expert_logprobs`` (record index -> log pi_T of the expert reply's
+    action-span tokens, with the block and without it): ``record``, ``on_expert`` (the action
+    taken is the expert's), ``right`` (the log-ratio has the sign that helps; a tie is wrong),
+    ``p_with`` and ``p_without`` (the expert reply's probability under the teacher)."""
+    rows = []
     for k, (lp_with, lp_without) in expert_logprobs.items():
         turn = _turn(records, episodes, k)
-        on_expert = _same(turn["action"], turn["expert_action"])
+        on_expert = same_action(turn["action"], turn["expert_action"])
         lr = records[k]["log_ratio_mean"]
-        right[on_expert].append(lr > 0 if on_expert else lr < 0)
-        with_block.append(math.exp(sum(lp_with)))
-        without_block.append(math.exp(sum(lp_without)))
-    n = len(expert_logprobs)
+        rows.append(
+            {
+                "record": k,
+                "on_expert": on_expert,
+                "right": lr > 0 if on_expert else lr < 0,
+                "p_with": math.exp(sum(lp_with)),
+                "p_without": math.exp(sum(lp_without)),
+            }
+        )
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict | None:
+    """The signal over ``rows`` (:func:`signal_rows`); None where there are none."""
+    if not rows:
+        return None
+    n = len(rows)
 
     def frac(xs: list[bool]) -> float | None:
         return sum(xs) / len(xs) if xs else None
 
+    off = [r["right"] for r in rows if not r["on_expert"]]
+    on = [r["right"] for r in rows if r["on_expert"]]
+    with_block = sum(r["p_with"] for r in rows) / n
+    without_block = sum(r["p_without"] for r in rows) / n
     return {
         "turns": n,
-        "right_direction": frac(right[False] + right[True]),
-        "expert_prob_gain": (sum(with_block) - sum(without_block)) / n,
-        "off_expert_turns": len(right[False]),
-        "off_expert_right_direction": frac(right[False]),
-        "on_expert_turns": len(right[True]),
-        "on_expert_right_direction": frac(right[True]),
-        "expert_prob_with_block": sum(with_block) / n,
-        "expert_prob_without_block": sum(without_block) / n,
+        "right_direction": frac(off + on),
+        "expert_prob_gain": sum(r["p_with"] - r["p_without"] for r in rows) / n,
+        "off_expert_turns": len(off),
+        "off_expert_right_direction": frac(off),
+        "on_expert_turns": len(on),
+        "on_expert_right_direction": frac(on),
+        "expert_prob_with_block": with_block,
+        "expert_prob_without_block": without_block,
     }
+
+
+def teacher_signal(
+    records: list[dict], episodes: list[dict], expert_logprobs: dict[int, tuple[list[float], list[float]]]
+) -> dict | None:
+    """The signal over the records in ``expert_logprobs`` (:func:`signal_rows`, :func:`summarize`)."""
+    return summarize(signal_rows(records, episodes, expert_logprobs))
+
+
+def span_logprobs(
+    items: list[tuple[list[int], str]],
+    teacher_model,
+    tokenizer,
+    temperature: float,
+    micro_batch_tokens: int,
+    bare_replies: bool = False,
+    action_format=None,
+    scorer=score,
+) -> list[list[float] | None]:
+    """log pi_T of each action's reply on its action span, one (prompt ids, action) pair per item;
+    None where the reply has no action span (an empty span would read as probability 1)."""
+    reply = {a: expert_reply_ids(tokenizer, a, bare_replies) for _, a in items}
+    # a bare reply's action is found by the environment's action format
+    span = {
+        a: action_span_mask(tokenizer, ids, "none", action_format if bare_replies else None) for a, ids in reply.items()
+    }
+    keep = [j for j, (_, a) in enumerate(items) if any(span[a])]
+    out: list[list[float] | None] = [None] * len(items)
+    if not keep:
+        return out
+    scored = scorer(
+        teacher_model,
+        tokenizer,
+        [ScoreItem(items[j][0], reply[items[j][1]]) for j in keep],
+        temperature,
+        micro_batch_tokens,
+    )
+    for j, lp in zip(keep, scored):
+        out[j] = [x for x, m in zip(lp, span[items[j][1]]) if m]
+    return out
+
+
+def expert_logprobs(
+    records: list[dict],
+    episodes: list[dict],
+    prompts: dict[int, list[int]],
+    teacher_model,
+    tokenizer,
+    temperature: float,
+    micro_batch_tokens: int,
+    bare_replies: bool = False,
+    action_format=None,
+    scorer=score,
+) -> dict[int, tuple[list[float], list[float]]]:
+    """Record index -> the expert reply's action-span log-probs with the block (the teacher
+    prompt in ``prompts``, as the annotation built it) and without it, on :func:`signal_turns`."""
+    turns = signal_turns(records, episodes)
+    items = []
+    for k in turns:
+        turn = _turn(records, episodes, k)
+        items += [(prompts[k], turn["expert_action"]), (turn["prompt_ids"], turn["expert_action"])]
+    lps = span_logprobs(
+        items, teacher_model, tokenizer, temperature, micro_batch_tokens, bare_replies, action_format, scorer
+    )
+    return {k: (lps[2 * j], lps[2 * j + 1]) for j, k in enumerate(turns) if lps[2 * j] is not None}
 
 
 def measure(
     records: list[dict],
     episodes: list[dict],
+    prompts: dict[int, list[int]],
     teacher_model,
     tokenizer,
     temperature: float,
     micro_batch_tokens: int,
-    chat_template_kwargs: dict | None = None,
     bare_replies: bool = False,
     action_format=None,
     scorer=score,
 ) -> dict | None:
-    """Score the expert's reply with and without each turn's block (with ``scorer``), and
-    summarize (:func:`teacher_signal`)."""
-    turns = signal_turns(records, episodes)
-    if not turns:
+    """Score the expert's reply with and without each turn's block (with ``scorer``), and summarize
+    (:func:`teacher_signal`). ``prompts``: record index -> its teacher prompt
+    (``method.annotation.teacher_prompts``)."""
+    if not signal_turns(records, episodes):
         return None
-    expert = [_turn(records, episodes, k)["expert_action"] for k in turns]
-    reply = {a: expert_reply_ids(tokenizer, a, bare_replies) for a in set(expert)}
-    # a bare reply's action is found by the environment's action format; an empty span would read as probability 1
-    span = {
-        a: action_span_mask(tokenizer, ids, "none", action_format if bare_replies else None) for a, ids in reply.items()
-    }
-    keep = [j for j, a in enumerate(expert) if any(span[a])]
-    turns, expert = [turns[j] for j in keep], [expert[j] for j in keep]
-    if not turns:
-        return None
-    items = []
-    for k, a in zip(turns, expert):
-        prompt = _turn(records, episodes, k)["prompt_ids"]
-        with_block = teacher_prompt(tokenizer, prompt, records[k]["hindsight"], chat_template_kwargs)
-        items += [ScoreItem(with_block, reply[a]), ScoreItem(prompt, reply[a])]
-    scored = scorer(teacher_model, tokenizer, items, temperature, micro_batch_tokens)
-
-    def on_span(logprobs: list[float], a: str) -> list[float]:
-        return [x for x, m in zip(logprobs, span[a]) if m]
-
-    return teacher_signal(
-        records,
-        episodes,
-        {k: (on_span(scored[2 * j], a), on_span(scored[2 * j + 1], a)) for j, (k, a) in enumerate(zip(turns, expert))},
-    )
+    args = (teacher_model, tokenizer, temperature, micro_batch_tokens, bare_replies, action_format, scorer)
+    return teacher_signal(records, episodes, expert_logprobs(records, episodes, prompts, *args))

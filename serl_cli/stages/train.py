@@ -15,6 +15,7 @@ from serl_cli.artifacts.schema import read_rollouts, rollout_temperature
 from serl_cli.errors import SerlError
 from serl_cli.method.feedback import parse_sources
 from serl_cli.method.hindsight_sft import examples_for_run
+from serl_cli.method.reading_sft import is_reading, parse_reading, reading_examples_for_run
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.training.backends import is_main_process
 from serl_cli.training.learner import Learner, training_episodes
@@ -56,14 +57,28 @@ def check_hindsight_sft(cfg: TrainConfig) -> None:
         return
     if cfg.algo != "sft":
         raise SerlError(f"train.hindsight_sft adds SFT examples: it goes with --algo sft, not {cfg.algo}")
-    parse_sources(cfg.hindsight_sft)
+    if is_reading(cfg.hindsight_sft):
+        parse_reading(cfg.hindsight_sft)
+    else:
+        parse_sources(cfg.hindsight_sft)
 
 
 def hindsight_sft_examples(episodes: list[dict], cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> list[dict]:
-    """With ``train.hindsight_sft``, the SFT data's teacher-prompt examples (``method.hindsight_sft``); else none."""
+    """With ``train.hindsight_sft``, the SFT data's teacher-prompt examples: reading examples for a
+    ``"reading: ..."`` spec (``method.reading_sft``), else hindsight examples (``method.hindsight_sft``)."""
     if cfg.hindsight_sft is None:
         return []
     prompt = rollout_cfg.get("prompt") or {}
+    if is_reading(cfg.hindsight_sft):
+        return reading_examples_for_run(
+            episodes,
+            tokenizer,
+            cfg.hindsight_sft,
+            rollout_cfg.get("env"),
+            bare_replies=bool(prompt.get("bare_replies")),
+            chat_template_kwargs=prompt.get("chat_template_kwargs"),
+            seed=cfg.seed,
+        )
     return examples_for_run(
         episodes,
         tokenizer,

@@ -1,0 +1,91 @@
+"""The teacher-signal gate of a Sokoban warm start (serl_cli.method.teacher_gate; docs/studies/sokoban_v4.md).
+
+    python experiments/sokoban/teacher_gate.py --model runs/v4/warm_start --seen runs/v4/expert --out runs/v4/gate
+
+1. The panel: the model plays ``--rooms`` test rooms ``--group-size`` times each, sampled at T 1.0 as
+   the online loop samples (``OUT/panel``, kept: a rerun reuses it).
+2. Every turn is annotated with each block of study v4's SERL arms (the aligned oracle, the aligned
+   reference, ``error,diff`` on the flagged turns), and the teacher signal measured on the turns
+   whose state is not in ``--seen`` (the warm start's SFT data): held-out states.
+3. The blind-copy check: a deadlocking move named as good, and its real feedback.
+
+Writes ``OUT/gate.json`` and prints it; exits 1 when the aligned oracle misses the gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from serl_cli.artifacts import io
+from serl_cli.artifacts.schema import read_rollouts
+from serl_cli.method import teacher_gate as gate
+from serl_cli.method.annotation import action_format
+from serl_cli.models.loading import load_model
+from serl_cli.rollout.engines import SamplingConfig
+from serl_cli.rollout.prompts import trained_prompt
+from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.stages.rollout import RolloutConfig, run_rollout
+
+
+def panel(model: str, out: Path, rooms: int, group_size: int, seed: int) -> Path:
+    run = out / "panel"
+    if not (run / "manifest.json").is_file() or io.load_manifest(run)["stages"]["rollout"]["status"] != "done":
+        run_rollout(
+            RolloutConfig(
+                env=EnvConfig(name="sokoban", split="test"),
+                model=model,
+                tasks=rooms,
+                group_size=group_size,
+                sampling=SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=3),
+                prompt=trained_prompt(model),
+                seed=seed,
+                threads=1,
+                out=str(run),
+            )
+        )
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seen", default=None, help="a run whose turns' states are left out (the SFT data)")
+    ap.add_argument("--rooms", type=int, default=200)
+    ap.add_argument("--group-size", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out = Path(args.out)
+    run = panel(args.model, out, args.rooms, args.group_size, args.seed)
+    episodes = read_rollouts(run)
+    env_cfg = io.load_manifest(run)["stages"]["rollout"]["config"]["env"]
+    seen = {t["state_key"] for e in read_rollouts(args.seen) for t in e["turns"]} if args.seen else set()
+    model, tokenizer = load_model(args.model)
+    model.eval()
+    bare = trained_prompt(args.model).bare_replies
+    fmt = action_format(env_cfg) if bare else None
+    common = {"env_cfg": env_cfg, "seen": seen, "bare_replies": bare, "action_format": fmt}
+    result = {
+        "model": args.model,
+        "panel": {"rooms": args.rooms, "group_size": args.group_size, "seed": args.seed, "episodes": len(episodes)},
+        "seen_states": len(seen),
+        "blocks": {
+            name: gate.signal_of(episodes, gate.block_config(s), model, tokenizer, **common)
+            for name, s in gate.BLOCKS.items()
+        },
+    }
+    world = build_world(EnvConfig(**env_cfg))
+    result["blind_copy"] = gate.blind_copy(
+        episodes, model, tokenizer, world, env_cfg["split"], seen=seen, bare_replies=bare, action_format=fmt
+    )
+    result["gate"] = gate.gate_verdict(result["blocks"]["expert (aligned)"])
+    io.write_json(out / "gate.json", result)
+    print(json.dumps(result, indent=2))
+    sys.exit(0 if result["gate"]["met"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The teacher-signal gate: does the teacher read its block, on states it was never trained on?
+
+Before a study spends hours on SERL with a given teacher, check on held-out states that the
+block moves the teacher the way the method needs (issue 29; docs/studies/sokoban_v4.md). The
+states are a panel of the warm start's own rollouts (its turns, sampled as the online loop
+samples them), annotated as an online iteration annotates them, every turn with a block
+scored whatever its advantage; a turn whose state appears in the warm start's SFT data
+(``seen``) is left out. Per block kind (a name and an :class:`AnnotateConfig`):
+
+* the teacher signal (``method.teacher_signal``): ``right_direction`` (the teacher's log-ratio
+  on the action taken has the sign that helps: below 0 off the expert's action, above 0 on it)
+  and ``expert_prob_gain`` (pi_T(expert | prompt + block) - pi_T(expert | prompt)), with 95 %
+  intervals over turns (Wilson; t) -- turns of one rollout are not independent, so the
+  intervals are indicative -- and how many distinct states the turns cover.
+* ``GATE``: the thresholds the aligned oracle must meet (right direction >= 0.9, gain >= +0.3).
+
+The blind-copy check (:func:`blind_copy`): on turns whose state has a deadlocking move d, the
+teacher is shown a block that names d as if it were good -- the aligned oracle's layout
+("The expert's action from this state ...: d") and the aligned reference's ("What a successful
+rollout did from this state: d") -- and, for contrast, the environment's own feedback on d
+(``error,diff``: the deadlock it causes). Reported: the mean pi_T(d) without a block and with
+each, so "follows" is how much of its probability the teacher moves to a deadlocking move a
+block recommends. A teacher that only copies follows the false recommendations; one that
+knows the game resists them; the ``error,diff`` block should lower pi_T(d).
+"""
+
+from __future__ import annotations
+
+import math
+
+from serl_cli.method import feedback as fb
+from serl_cli.method import teacher_signal as ts
+from serl_cli.method.annotation import AnnotateConfig, annotate_episodes, teacher_prompts
+from serl_cli.method.reading_sft import episode_at, named_context, played_turn, state_moves
+from serl_cli.method.teacher import teacher_prompt
+from serl_cli.stats.summary import t_interval, wilson_interval
+
+GATE = {"right_direction": 0.9, "expert_prob_gain": 0.3}  # the aligned oracle's thresholds (issue 29)
+MIN_STATES = 200  # held-out panel states the gate needs at least
+# the three blocks of study v4's SERL arms: the aligned oracle and reference on every turn, the
+# environment's feedback on the turns it flagged
+BLOCKS = {
+    "expert (aligned)": {"sources": "expert", "trajectory": "aligned", "placement": "all"},
+    "ref (aligned)": {"sources": "ref", "trajectory": "aligned", "placement": "all"},
+    "error,diff (flagged turns)": {"sources": "error,diff", "placement": "feedback"},
+}
+FALSE_BLOCKS = {  # the blind-copy check: a deadlocking move named as good, and its real feedback
+    "expert names d": ("named", "expert"),
+    "ref names d": ("named", "ref"),
+    "error,diff of d": ("taken", "error,diff"),
+}
+
+
+def block_config(settings: dict, **extra) -> AnnotateConfig:
+    """An online annotation's settings for ``settings``, scoring every turn with a block (the gate's)."""
+    return AnnotateConfig(skip_zero_advantage=False, teacher_signal=False, **settings, **extra)
+
+
+def signal_of(
+    episodes: list[dict],
+    cfg: AnnotateConfig,
+    model,
+    tokenizer,
+    *,
+    env_cfg: dict,
+    seen: set[str],
+    bare_replies: bool,
+    action_format,
+    micro_batch_tokens: int = 16384,
+) -> dict:
+    """The teacher signal of blocks ``cfg`` over the held-out turns of ``episodes``, with intervals."""
+    records, _ = annotate_episodes(episodes, cfg, model, tokenizer, env_cfg=env_cfg, bare_replies=bare_replies)
+    turns = ts.signal_turns(records, episodes)
+    prompts = teacher_prompts(records, [t["prompt_ids"] for e in episodes for t in e["turns"]], tokenizer, turns)
+    scored = ts.expert_logprobs(
+        records, episodes, prompts, model, tokenizer, 1.0, micro_batch_tokens, bare_replies, action_format
+    )
+    rows = ts.signal_rows(records, episodes, scored)
+    key = {r["record"]: episodes[records[r["record"]]["episode"]]["turns"][records[r["record"]]["turn"]] for r in rows}
+    held = [r for r in rows if key[r["record"]]["state_key"] not in seen]
+    return with_intervals(held, [key[r["record"]]["state_key"] for r in held], len(rows))
+
+
+def with_intervals(rows: list[dict], state_keys: list[str], scored_turns: int) -> dict:
+    """:func:`serl_cli.method.teacher_signal.summarize` plus 95 % intervals and the states covered."""
+    out = ts.summarize(rows) or {"turns": 0}
+    out.update({"scored_turns": scored_turns, "held_out_turns": len(rows), "held_out_states": len(set(state_keys))})
+    if rows:
+        right = sum(r["right"] for r in rows)
+        out["right_direction_ci95"] = wilson_interval(right, len(rows))
+        out["expert_prob_gain_ci95"] = t_interval([r["p_with"] - r["p_without"] for r in rows])
+    return out
+
+
+def gate_verdict(oracle: dict) -> dict:
+    """Whether the aligned oracle's signal meets ``GATE`` on at least ``MIN_STATES`` states."""
+    checks = {
+        "held_out_states": oracle.get("held_out_states", 0) >= MIN_STATES,
+        **{k: (oracle.get(k) is not None and oracle[k] >= v) for k, v in GATE.items()},
+    }
+    return {"met": all(checks.values()), "checks": checks, "thresholds": {**GATE, "held_out_states": MIN_STATES}}
+
+
+def deadlock_turns(episodes: list[dict], world, split: str, seen: set[str]) -> list[tuple[int, int, str]]:
+    """(episode, turn, deadlocking move) of every held-out turn with an expert action whose state
+    has a move that makes the task unsolvable (the first such, in the environment's move order)."""
+    out = []
+    for e, ep in enumerate(episodes):
+        actions = [t["action"] for t in ep["turns"]]
+        for t, turn in enumerate(ep["turns"]):
+            if not turn.get("expert_action") or turn["state_key"] in seen:
+                continue
+            _, _, deadlocking = state_moves(episode_at(world, split, ep["task_id"], actions[:t]), turn["expert_action"])
+            if deadlocking:
+                out.append((e, t, deadlocking[0]))
+    return out
+
+
+def false_block(episodes: list[dict], e: int, t: int, move: str, kind: str, spec: str, world, split: str, bare: bool):
+    """The block naming ``move`` at turn ``t`` of episode ``e``: as a good move (``named``), or the
+    environment's own feedback on playing it (``taken``)."""
+    ep = episodes[e]
+    if kind == "named":
+        ctx = named_context(ep, t, move, bare)
+    else:
+        step = episode_at(world, split, ep["task_id"], [x["action"] for x in ep["turns"][:t]]).step(move)
+        turns = list(ep["turns"])
+        turns[t] = played_turn(ep["turns"][t], step, move, bare)
+        ctx = fb.TurnContext(episode={**ep, "turns": turns}, turn=t)
+    block, _, _ = fb.hindsight_step(ctx, fb.parse_sources(spec))
+    return block
+
+
+def blind_copy(
+    episodes: list[dict],
+    model,
+    tokenizer,
+    world,
+    split: str,
+    *,
+    seen: set[str],
+    bare_replies: bool,
+    action_format,
+    max_hindsight_tokens: int = 2048,
+    micro_batch_tokens: int = 16384,
+) -> dict:
+    """pi_T(d) of a deadlocking move d without a block and under each of ``FALSE_BLOCKS``."""
+    found = deadlock_turns(episodes, world, split, seen)
+    cut = fb.make_cutter(tokenizer, max_hindsight_tokens)
+    items = [(episodes[e]["turns"][t]["prompt_ids"], d) for e, t, d in found]
+    for kind, spec in FALSE_BLOCKS.values():
+        for e, t, d in found:
+            block = cut(false_block(episodes, e, t, d, kind, spec, world, split, bare_replies))
+            items.append((teacher_prompt(tokenizer, episodes[e]["turns"][t]["prompt_ids"], block), d))
+    lps = ts.span_logprobs(items, model, tokenizer, 1.0, micro_batch_tokens, bare_replies, action_format)
+    probs = [math.exp(sum(lp)) if lp is not None else None for lp in lps]
+    n = len(found)
+
+    def mean(xs: list[float | None]) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    out = {"turns": n, "states": len({episodes[e]["turns"][t]["state_key"] for e, t, _ in found})}
+    out["p_deadlock_without_block"] = mean(probs[:n])
+    for j, name in enumerate(FALSE_BLOCKS, start=1):
+        out[f"p_deadlock_{name.replace(' ', '_').replace(',', '+')}"] = mean(probs[j * n : (j + 1) * n])
+    return out

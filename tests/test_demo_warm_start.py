@@ -27,6 +27,7 @@ from serl_cli.stages.warm_start import (
     choose_checkpoint,
     reached_band,
     sft_to_band,
+    steps_to_next_check,
     validation_rooms,
 )
 from serl_cli.training.step import OptimConfig
@@ -50,19 +51,25 @@ def test_a_step_over_the_band_takes_the_checkpoint_nearest_its_centre():
     assert choose_checkpoint([0.05, 0.20, 0.45], BAND) == (1, STEPPED_OVER)
     # 0.10 -> 0.38: the one after it
     assert choose_checkpoint([0.05, 0.10, 0.38], BAND) == (2, STEPPED_OVER)
-    # equally far (0.20 and 0.40, both 0.10 off): the later, the more trained
-    assert choose_checkpoint([0.20, 0.40], BAND) == (1, STEPPED_OVER)
+    # equally far (0.20 and 0.40, both 0.10 off): the earlier, which leaves RL more to gain
+    assert choose_checkpoint([0.20, 0.40], BAND) == (0, STEPPED_OVER)
 
 
 def test_sft_that_ends_below_the_band_takes_its_best_checkpoint():
     assert choose_checkpoint([0.0, 0.1, 0.2, 0.15], BAND) == (2, BELOW)
-    assert choose_checkpoint([0.0, 0.0, 0.0], BAND) == (2, BELOW)  # nothing learnt: the most trained
+    assert choose_checkpoint([0.0, 0.0, 0.0], BAND) == (0, BELOW)  # nothing learnt: the first
     with pytest.raises(SerlError, match="no checkpoint"):
         choose_checkpoint([], BAND)
 
 
 def test_sft_stops_at_the_band_s_lower_edge():
     assert [reached_band(s, BAND) for s in (0.0, 0.249, 0.25, 0.3, 0.9)] == [False, False, True, True, True]
+
+
+def test_checks_come_closer_together_near_the_band():
+    cfg = WarmStartConfig(band=[0.25, 0.35], every=25, every_near=10)
+    # before any checkpoint, and below half the lower edge (0.125): every 25 steps; from there, every 10
+    assert [steps_to_next_check(s, cfg) for s in (None, 0.0, 0.12, 0.125, 0.2, 0.5)] == [25, 25, 25, 10, 10, 10]
 
 
 def test_validation_rooms_are_spread_over_the_split_and_never_ones_the_data_played():
@@ -80,6 +87,7 @@ def test_validation_rooms_are_spread_over_the_split_and_never_ones_the_data_play
         (WarmStartConfig(band=[0.3]), "warm_start.band"),
         (WarmStartConfig(band=[0.3, 1.5]), "warm_start.band"),
         (WarmStartConfig(every=0), "at least 1"),
+        (WarmStartConfig(every_near=0), "at least 1"),
         (WarmStartConfig(rooms=0), "at least 1"),
     ],
 )
@@ -156,7 +164,7 @@ def test_sft_stops_at_the_first_checkpoint_in_the_band(expert_run):
 def test_sft_that_never_reaches_the_band_runs_every_pass_and_says_so(expert_run):
     env = EnvConfig(name="sokoban", split="train")
     lines = []
-    cfg = WarmStartConfig(band=[1.0, 1.0], every=1, rooms=3)
+    cfg = WarmStartConfig(band=[1.0, 1.0], every=1, every_near=1, rooms=3)
     w = sft_to_band(str(expert_run), SFT, cfg, env, overwrite=True, log=lines.append)
     assert [r["step"] for r in w["curve"]] == [1, 2, 3, 4] and w["max_steps"] == 4 and w["outcome"] == BELOW
     index, _ = choose_checkpoint([r["success"] for r in w["curve"]], cfg.band)
@@ -168,5 +176,6 @@ def test_sft_that_never_reaches_the_band_runs_every_pass_and_says_so(expert_run)
 
 def test_quick_keeps_a_warm_start_band_at_smoke_sizes():
     q = quick(DemoConfig())
-    assert (q.warm_start.every, q.warm_start.rooms, q.warm_start.band) == (1, 4, DemoConfig().warm_start.band)
+    assert (q.warm_start.every, q.warm_start.every_near, q.warm_start.rooms) == (1, 1, 4)
+    assert q.warm_start.band == DemoConfig().warm_start.band
     assert DemoConfig().threads == 1  # one thread per process unless --threads (stages.demo)

@@ -8,7 +8,7 @@ On Sokoban, the default (no data download), it shows a model learning:
    and ``expert_blunders``): the expert's moves, and random detours and blunders marked
    ``off_expert`` that only serve to reach the states a learner's mistakes lead to;
 3. one warm start: SFT on the expert's moves up to a target, not a step count
-   (``stages.warm_start``): checkpoints every ``warm_start.every`` steps, each played on train
+   (``stages.warm_start``): checkpoints every few steps (``warm_start.every``), each played on train
    rooms the data never saw, and SFT stops at the first one whose success enters
    ``warm_start.band``; the step it chose is printed and kept in ``demo.json``. Without
    ``warm_start`` (``--set warm_start=null``), ``sft``'s fixed steps. ``sft.hindsight_sft``
@@ -147,7 +147,7 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     q.expert_tasks = min(q.expert_tasks, 16)
     q.sft.epochs, q.sft.mini_batches = 1, 2
     if q.warm_start is not None:
-        q.warm_start.every, q.warm_start.rooms = 1, 4
+        q.warm_start.every, q.warm_start.every_near, q.warm_start.rooms = 1, 1, 4
     q.online.iterations = 1
     q.online.rollout.tasks, q.online.rollout.group_size = 2, 2
     q.eval_episodes = min(q.eval_episodes, 4)
@@ -231,12 +231,12 @@ def _warm_start(cfg: DemoConfig, model: str, run: Path, log, steps: int) -> dict
     low, high = cfg.warm_start.band
     log(
         f"[3/{steps}] warm start: SFT until success on {cfg.warm_start.rooms} train rooms it has not seen "
-        f"is in {low:.2f}-{high:.2f}, checked every {cfg.warm_start.every} steps"
+        f"is in {low:.2f}-{high:.2f}, checked every {cfg.warm_start.every} steps, {cfg.warm_start.every_near} near it"
     )
     w = sft_to_band(str(run), sft, cfg.warm_start, cfg.env, overwrite=True, log=log)
     note = {
         IN_BAND: "in the band",
-        STEPPED_OVER: f"the nearest to the band: {cfg.warm_start.every} steps jumped over it",
+        STEPPED_OVER: "the nearest to the band: SFT stepped over it between two checks",
         BELOW: f"below the band: the best of {w['max_steps']} steps, all SFT may run",
     }[w["outcome"]]
     log(f"      warm start: SFT step {w['step']}, success {w['success']:.3f} ({note})")

@@ -13,15 +13,18 @@ How it runs (:func:`sft_to_band`):
 - Every ``every`` steps (a checkpoint) the policy plays ``rooms`` validation rooms: rooms of the
   *train* split that the SFT data never played (the test panel is never looked at), sampled at
   ``temperature`` with the same seed each time, so two checkpoints are compared on the same draws.
+  Once success reaches half the band's lower edge, every ``every_near`` steps: on the climb, 25
+  steps took success from 0.27 to 0.45 (docs/RESULTS.md), across a band 0.10 wide.
 - SFT stops at the first checkpoint whose success reaches the band's lower edge, or when the
   passes are done.
 
 Which checkpoint becomes the warm start (:func:`choose_checkpoint`):
 
 - **in the band**: the first checkpoint in the band (where SFT stopped);
-- **stepped over the band**: one stretch of ``every`` steps took success from below the band to
-  above it; of the checkpoints so far, the one closest to the band's centre, ties to the later
-  (in practice one of the two around the jump);
+- **stepped over the band**: one stretch of steps took success from below the band to above it;
+  of the checkpoints so far, the one closest to the band's centre, ties to the earlier (in
+  practice one of the two around the jump; below the band rather than above on a tie, because RL
+  has more to gain from a lower start: +2.5 points from 0.485, +19.5 from 0.16, issue 30);
 - **ended below the band**: every pass is done and no checkpoint reached the band; the best one,
   reported as below the band. RL then starts lower than intended: more room to gain, but the
   online iterations may be too few to show it. More ``sft.epochs`` or a lower band fixes it.
@@ -56,6 +59,7 @@ IN_BAND, STEPPED_OVER, BELOW = "in the band", "stepped over the band", "ended be
 class WarmStartConfig:
     band: list[float] = field(default_factory=lambda: [0.25, 0.35])  # target success on the validation rooms
     every: int = 25  # SFT steps between checkpoints
+    every_near: int = 10  # once success reaches half the band's lower edge: the climb can cross the band in 15
     rooms: int = 100  # validation rooms: train-split rooms the SFT data never played
     temperature: float = 0.4  # how the validation rooms are played (0: greedy)
     max_new_tokens: int = 3  # per reply, as the evaluation generates
@@ -65,13 +69,15 @@ def check_warm_start(cfg: WarmStartConfig) -> None:
     """One clear line for settings that cannot work, before any model loads."""
     if len(cfg.band) != 2 or not 0.0 <= cfg.band[0] <= cfg.band[1] <= 1.0:
         raise SerlError(f"warm_start.band must be [low, high] success rates, 0 <= low <= high <= 1, got {cfg.band}")
-    if cfg.every < 1 or cfg.rooms < 1:
-        raise SerlError(f"warm_start.every and warm_start.rooms must be at least 1, got {cfg.every} and {cfg.rooms}")
+    if min(cfg.every, cfg.every_near, cfg.rooms) < 1:
+        raise SerlError(
+            f"warm_start.every, every_near and rooms must be at least 1, got {cfg.every}, {cfg.every_near}, {cfg.rooms}"
+        )
 
 
 def choose_checkpoint(successes: list[float], band: list[float]) -> tuple[int, str]:
     """(index of the warm start among the checkpoints, why): the first checkpoint in the band
-    (:data:`IN_BAND`); with none in it, the one closest to the band's centre, ties to the later
+    (:data:`IN_BAND`); with none in it, the one closest to the band's centre, ties to the earlier
     (:data:`STEPPED_OVER` where some checkpoint is above the band, else :data:`BELOW`)."""
     if not successes:
         raise SerlError("the warm start evaluated no checkpoint: SFT had no steps to run")
@@ -81,13 +87,19 @@ def choose_checkpoint(successes: list[float], band: list[float]) -> tuple[int, s
         return inside[0], IN_BAND
     centre = (low + high) / 2
     # rounded: 0.30 - 0.20 and 0.40 - 0.30 are the same distance, whatever floating point says
-    best = min(range(len(successes)), key=lambda i: (round(abs(successes[i] - centre), 9), -i))
+    best = min(range(len(successes)), key=lambda i: (round(abs(successes[i] - centre), 9), i))
     return best, STEPPED_OVER if max(successes) > high else BELOW
 
 
 def reached_band(success: float, band: list[float]) -> bool:
     """Whether SFT stops here: success at or above the band's lower edge."""
     return success >= band[0]
+
+
+def steps_to_next_check(success: float | None, cfg: WarmStartConfig) -> int:
+    """SFT steps from a checkpoint with ``success`` (None: none yet) to the next: ``every``, and
+    ``every_near`` once success has reached half the band's lower edge."""
+    return cfg.every_near if success is not None and success >= cfg.band[0] / 2 else cfg.every
 
 
 def validation_rooms(total: int, n: int, played: set[int]) -> list[int]:
@@ -134,24 +146,26 @@ def _sft_to_band(run: Path, sft: TrainConfig, cfg: WarmStartConfig, env: EnvConf
     model_name = sft.model or rollout_cfg["model"]
     prompt = PromptConfig(**rollout_cfg["prompt"])
     io.mark_stage(run, "warm_start", "running")
-    # each update is one stretch between checkpoints: `every` steps over the examples it is handed
-    learner = Learner(model_name, replace(sft, algo="sft", epochs=1, mini_batches=cfg.every, mini_batch_turns=0))
+    learner = Learner(model_name, replace(sft, algo="sft", epochs=1, mini_batch_turns=1))
     examples = sft_examples(run, sft, learner.tokenizer, rollout_cfg)
     if not examples:
         raise SerlError(f"{run} holds no expert turn to learn from (every turn is marked off_expert)")
     batch = sft.mini_batch_turns or -(-len(examples) // max(sft.mini_batches, 1))
-    steps_per_pass = -(-len(examples) // batch)
-    checks = max(1, -(-sft.epochs * steps_per_pass // cfg.every))
+    # each update is the stretch up to the next checkpoint, one optimizer step per `batch` examples handed to it
+    learner.cfg.mini_batch_turns = batch
+    max_steps = max(1, sft.epochs * -(-len(examples) // batch))
     world = build_world(env)
     rooms = validation_rooms(world.num_tasks(env.split), cfg.rooms, {e["task_id"] for e in read_rollouts(run)})
-    rng, order, curve, chosen = random.Random(sft.seed), [], [], None
-    for k in range(1, checks + 1):
-        while len(order) < cfg.every * batch:  # a new seeded shuffle each pass over the examples
+    done, rng, order, curve, chosen = 0, random.Random(sft.seed), [], [], None
+    while done < max_steps:
+        steps = min(steps_to_next_check(curve[-1]["success"] if curve else None, cfg), max_steps - done)
+        while len(order) < steps * batch:  # a new seeded shuffle each pass over the examples
             order += rng.sample(range(len(examples)), len(examples))
-        chunk, order = order[: cfg.every * batch], order[cfg.every * batch :]
+        chunk, order = order[: steps * batch], order[steps * batch :]
         loss = learner.update([examples[i] for i in chunk], 1.0)["loss"]
+        done += steps
         wins = _validation_wins(learner, world, env, rooms, prompt, cfg, sft.seed)
-        row = {"step": k * cfg.every, "loss": round(loss, 4), "success": wins / len(rooms)}
+        row = {"step": done, "loss": round(loss, 4), "success": wins / len(rooms)}
         curve.append(row)
         log(f"      SFT step {row['step']}: success {row['success']:.3f} on {len(rooms)} validation rooms")
         index, _ = choose_checkpoint([r["success"] for r in curve], cfg.band)
@@ -164,11 +178,12 @@ def _sft_to_band(run: Path, sft: TrainConfig, cfg: WarmStartConfig, env: EnvConf
     summary = {
         "band": list(cfg.band),
         "every": cfg.every,
+        "every_near": cfg.every_near,
         "validation_rooms": len(rooms),
         "temperature": cfg.temperature,
         "examples": len(examples),
         "batch": batch,
-        "max_steps": checks * cfg.every,
+        "max_steps": max_steps,
         "step": chosen["step"],
         "success": chosen["success"],
         "success_ci95": chosen["success_ci95"],

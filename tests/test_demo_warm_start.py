@@ -15,7 +15,7 @@ from serl_cli.models.tiny import init_model
 from serl_cli.rollout.default_model import tokenizer_corpus
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig
-from serl_cli.stages.demo import DemoConfig, quick
+from serl_cli.stages.demo import DemoConfig, best_iteration, quick
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 from serl_cli.stages.warm_start import (
     BELOW,
@@ -111,14 +111,30 @@ def test_the_demo_ends_in_plain_words():
             "warm start + serl": _result(0.55),
         },
         "warm_start": {"step": 275},
+        "kept_iterations": {"grpo": 35, "serl": None},
         "teacher_signal": {"turns": 900, "iterations": 40, "right_direction": 0.61, "expert_prob_gain": -0.182},
     }
     text = "\n".join(in_words(cfg, summary))
     assert "The warm start (SFT stopped at step 275) solved 30% of 200 test rooms" in text
-    assert "GRPO solved 50%: +20 points" in text and "SERL solved 55%: +25 points" in text
+    assert "GRPO (its best round on train rooms, round 35) solved 50%: +20 points" in text
+    assert "SERL solved 55%: +25 points" in text
     assert "rated the expert's move 18 points less likely" in text
     assert "serl show runs/demo/serl/iter_0039 --episode 0" in text
     assert "-0.182" not in text and "with the block" not in text  # no jargon
+
+
+def test_each_arm_keeps_its_best_checkpoint_on_train_rooms(tmp_path):
+    run = tmp_path / "grpo"
+    assert best_iteration(run) is None  # no periodic evaluation: the last checkpoint, as before
+    for k, success, saved in [(4, 0.30, True), (9, 0.42, True), (12, 0.50, False), (14, 0.42, True), (19, 0.35, True)]:
+        it = run / f"iter_{k:04d}"
+        (it / "checkpoint").mkdir(parents=True) if saved else it.mkdir(parents=True)
+        if saved:
+            (it / "checkpoint" / "config.json").write_text("{}")
+        io.write_json(it / "eval.json", {"success_rate": success})
+    # 0.50 has no checkpoint to keep; 0.42 twice: the later, iteration 15 counted from 1
+    kept = {"iteration": 15, "success": 0.42, "checkpoint": str(run / "iter_0014" / "checkpoint")}
+    assert best_iteration(run) == kept
 
 
 # -- SFT to a band, end to end on the micro model --------------------------------------------------

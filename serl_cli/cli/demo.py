@@ -97,12 +97,13 @@ def in_words(cfg: DemoConfig, summary: dict, quick_run: bool = False) -> list[st
     lines = ["", "What happened:"]
     where = f" (SFT stopped at step {warm['step']})" if "step" in warm else ""
     lines.append(f"  The warm start{where} solved {start:.0%} of {rooms} it never trained on.")
-    arms = [name for name in results if name not in ("expert", "warm start")]
-    for name in arms:
-        rate = results[name]["success_rate"]
+    kept = summary.get("kept_iterations") or {}
+    for name in (n for n in results if n not in ("expert", "warm start")):
+        algo, rate = name.removeprefix("warm start + "), results[name]["success_rate"]
+        best = f" (its best round on train rooms, round {kept[algo]})" if kept.get(algo) else ""
         lines.append(
-            f"  After {cfg.online.iterations} rounds of RL, {name.removeprefix('warm start + ').upper()} solved "
-            f"{rate:.0%}: {100 * (rate - start):+.0f} points."
+            f"  After {cfg.online.iterations} rounds of RL, {algo.upper()}{best} solved {rate:.0%}: "
+            f"{100 * (rate - start):+.0f} points."
         )
     spread = max(r["success_ci95"][1] - r["success_rate"] for r in results.values())
     lines.append(f"  Each rate is known to about +/-{100 * spread:.0f} points on {rooms}: smaller gaps can be luck.")

@@ -60,7 +60,7 @@ from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig, build_world
 from serl_cli.stages.evaluate import EvalConfig, run_eval
 from serl_cli.stages.online import run_online
-from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.stages.online_config import OnlineConfig, OnlineEvalConfig
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 from serl_cli.stages.train import train_on_run
 from serl_cli.stages.warm_start import BELOW, IN_BAND, STEPPED_OVER, WarmStartConfig, check_warm_start, sft_to_band
@@ -93,6 +93,11 @@ class DemoConfig:
     # cross_steps pools a group's turns, so the long failed episodes do not outweigh the short wins;
     # four optimizer steps an iteration cost no more compute than one and moved the panel +9 points
     # in 40 iterations where one step moved it +0.5 (docs/RESULTS.md, the Sokoban demo)
+    # Each arm's policy is its best checkpoint, not its last: every 5 iterations the arm saves one and plays the
+    # first 100 train rooms at the evaluation's temperature (eval.split train: the test panel only scores). The
+    # last iterate is a noisy draw: from one warm start (0.23), the panel gains of GRPO and SERL were +4 and +15.5
+    # at lr 1e-4 and +20.5 and +9.5 at lr 3e-4 (issue 30's development runs); a run's panel success goes down as
+    # well as up between iterations (docs/RESULTS.md: 0.335, 0.380, 0.340 at 20, 40, 60).
     online: OnlineConfig = field(
         default_factory=lambda: OnlineConfig(
             iterations=40,
@@ -100,6 +105,9 @@ class DemoConfig:
             train=TrainConfig(optim=OptimConfig(lr=1e-4), group_norm="cross_steps", mini_batches=4),
             # the turns the environment flagged (a bump, a blocked push, a deadlock), shown with what they changed
             annotate=AnnotateConfig(sources="error,diff", placement="feedback"),
+            eval=OnlineEvalConfig(episodes=100, every=5, split="train", temperature=0.4),
+            save_every=5,
+            keep_last=0,
         )
     )
     algos: list[str] = field(default_factory=lambda: ["grpo", "serl"])  # online arms, each from the warm start
@@ -149,6 +157,7 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     if q.warm_start is not None:
         q.warm_start.every, q.warm_start.every_near, q.warm_start.rooms = 1, 1, 4
     q.online.iterations = 1
+    q.online.eval.episodes, q.online.eval.every, q.online.save_every = min(q.online.eval.episodes, 2), 1, 1
     q.online.rollout.tasks, q.online.rollout.group_size = 2, 2
     q.eval_episodes = min(q.eval_episodes, 4)
     return q
@@ -197,13 +206,27 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     else:
         for arm in arms:
             run_online(arm, overwrite=True, on_iteration=lambda h, algo=arm.train.algo: log(_progress(algo, h)))
-    policies.update({f"warm start + {arm.train.algo}": str(Path(arm.out) / "checkpoint") for arm in arms})
+    kept = {arm.train.algo: best_iteration(Path(arm.out)) for arm in arms}
+    for algo, best in kept.items():
+        if best is not None:
+            log(
+                f"      {algo}: kept iteration {best['iteration']} of {cfg.online.iterations}, success "
+                f"{best['success']:.3f} on {cfg.online.eval.episodes} train rooms"
+            )
+    policies.update(
+        {
+            f"warm start + {arm.train.algo}": (kept[arm.train.algo] or {}).get("checkpoint")
+            or str(Path(arm.out) / "checkpoint")
+            for arm in arms
+        }
+    )
 
     results = {name: _evaluate(cfg, name, model_dir, log, steps) for name, model_dir in policies.items()}
     summary = {
         "results": results,
         "warm_start": warm,
         "iterations": cfg.online.iterations,
+        "kept_iterations": {algo: best and best["iteration"] for algo, best in kept.items()},
         "wall_time_s": round(time.time() - started, 1),
         "model": model,
         "eval_temperature": cfg.eval_temperature,
@@ -242,6 +265,20 @@ def _warm_start(cfg: DemoConfig, model: str, run: Path, log, steps: int) -> dict
     log(f"      warm start: SFT step {w['step']}, success {w['success']:.3f} ({note})")
     keep = ("step", "success", "success_ci95", "outcome", "band", "validation_rooms", "temperature")
     return {k: w[k] for k in keep}
+
+
+def best_iteration(run: Path) -> dict | None:
+    """The iteration of an online run whose periodic evaluation (``iter_XXXX/eval.json``) scored
+    highest among those that kept a checkpoint, ties to the later: {"iteration" (counted from 1),
+    "success", "checkpoint"}. None where no iteration has both (no periodic evaluation)."""
+    scored = []
+    for it in sorted(run.glob("iter_*")):
+        if (it / "eval.json").is_file() and (it / "checkpoint" / "config.json").is_file():
+            scored.append((io.read_json(it / "eval.json")["success_rate"], int(it.name.removeprefix("iter_")), it))
+    if not scored:
+        return None
+    success, k, it = max(scored, key=lambda x: (x[0], x[1]))
+    return {"iteration": k + 1, "success": success, "checkpoint": str(it / "checkpoint")}
 
 
 def _online_arm(cfg: DemoConfig, algo: str, warm_start: str) -> OnlineConfig:

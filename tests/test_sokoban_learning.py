@@ -8,6 +8,7 @@ import pytest
 
 from envs.sokoban.env import SokobanWorld
 from envs.sokoban.rooms import parse_room
+from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.cli.demo import _env_in
 from serl_cli.errors import SerlError
@@ -184,6 +185,10 @@ def test_quick_demo_runs_end_to_end_on_sokoban(micro_dir, tmp_path):
     signal = summary["teacher_signal"]
     assert signal is None or {"turns", "right_direction", "expert_prob_gain"} <= set(signal)
     assert (tmp_path / "demo" / "demo.json").is_file() and (tmp_path / "demo" / "serl" / "checkpoint").is_dir()
+    # the warm start's SFT step, as the band chose it, is reported in demo.json
+    chosen = io.read_json(tmp_path / "demo" / "expert" / "warm_start.json")
+    assert summary["warm_start"]["step"] == chosen["step"] and summary["warm_start"]["outcome"] == chosen["outcome"]
+    assert io.read_json(tmp_path / "demo" / "demo.json")["warm_start"] == summary["warm_start"]
 
 
 def test_other_environments_keep_the_webshop_demo():

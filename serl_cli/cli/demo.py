@@ -21,7 +21,9 @@ def demo_command(
         None, "--algo", help="Online algorithm (repeatable; default grpo and serl on Sokoban, grpo elsewhere)."
     ),
     episodes: int | None = typer.Option(None, "--episodes", help="Test-panel episodes per evaluation."),
-    threads: int | None = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
+    threads: int | None = typer.Option(
+        None, "--threads", help="Torch threads per process (default 1: the arms run side by side, one core each)."
+    ),
     out: str | None = typer.Option(None, "--out", help="Directory for every artifact of the demo."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier demo in --out."),
     quick_run: bool = typer.Option(False, "--quick", help="A smoke run: every stage at sizes that take seconds."),
@@ -51,18 +53,15 @@ def demo_command(
     summary = run_demo(
         cfg,
         overwrite=overwrite,
-        log=(lambda *_: None) if quiet else (lambda msg: console.print(msg, highlight=False, markup=False)),
+        log=(lambda *_: None)
+        if quiet
+        else (lambda msg: console.print(msg, highlight=False, markup=False, soft_wrap=True)),
     )
     save_resolved(cfg.out, "demo.yaml", cfg)
     console.print(results_table(cfg, summary))
-    signal = summary.get("teacher_signal")
-    if signal:
-        console.print(
-            f"SERL teacher signal ({signal['turns']} scored turns over {signal['iterations']} iterations): "
-            f"moves the student's action the right way on {signal['right_direction']:.1%}; "
-            f"expert action's probability {signal['expert_prob_gain']:+.3f} with the block"
-        )
-    console.print(f"artifacts: {cfg.out}/")
+    if not quiet:
+        for line in in_words(cfg, summary, quick_run):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def results_table(cfg: DemoConfig, summary: dict) -> Table:
@@ -87,6 +86,48 @@ def results_table(cfg: DemoConfig, summary: dict) -> Table:
             f"{r['mean_turns']:.2f}",
         )
     return table
+
+
+def in_words(cfg: DemoConfig, summary: dict, quick_run: bool = False) -> list[str]:
+    """What the table says and what to try next, in plain words for someone who has just run it."""
+    results = summary["results"]
+    start = results["warm start"]["success_rate"]
+    warm = summary.get("warm_start") or {}
+    rooms = f"{cfg.eval_episodes} test rooms"
+    lines = ["", "What happened:"]
+    where = f" (SFT stopped at step {warm['step']})" if "step" in warm else ""
+    lines.append(f"  The warm start{where} solved {start:.0%} of {rooms} it never trained on.")
+    kept = summary.get("kept_iterations") or {}
+    for name in (n for n in results if n not in ("expert", "warm start")):
+        algo, rate = name.removeprefix("warm start + "), results[name]["success_rate"]
+        best = f" (its best round on train rooms, round {kept[algo]})" if kept.get(algo) else ""
+        lines.append(
+            f"  After {cfg.online.iterations} rounds of RL, {algo.upper()}{best} solved {rate:.0%}: "
+            f"{100 * (rate - start):+.0f} points."
+        )
+    spread = max(r["success_ci95"][1] - r["success_rate"] for r in results.values())
+    lines.append(f"  Each rate is known to about +/-{100 * spread:.0f} points on {rooms}: smaller gaps can be luck.")
+    signal = summary.get("teacher_signal")
+    if signal:
+        gain = signal["expert_prob_gain"]
+        read = "more" if gain > 0 else "less"
+        lines.append(
+            f"  SERL's teacher, the model itself shown what the environment said about a move, pushed the "
+            f"{signal['turns']} flagged moves the right way {signal['right_direction']:.0%} of the time, and rated "
+            f"the expert's move {abs(100 * gain):.0f} points {read} likely after reading that feedback."
+        )
+    if quick_run:
+        lines.append("  This was --quick: every stage ran, at sizes too small to learn. `serl demo` is the real run.")
+    last = f"{cfg.out}/{cfg.algos[-1]}/iter_{cfg.online.iterations - 1:04d}"
+    lines += [
+        "",
+        "Next:",
+        f"  serl show {last} --episode 0    one game of the last round, turn by turn",
+        f"  serl demo --seed 1 --out {cfg.out}-seed1    the same demo on other rooms and other random draws",
+        "  README.md, 'The pipeline': each step as its own command, for your own model and environment",
+        f"  Everything this run wrote is in {cfg.out}/ (demo.json: the numbers above).",
+    ]
+    return lines
 
 
 def _env_in(config: str | None, overrides: list[str] | None) -> str | None:

@@ -19,6 +19,29 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from serl_cli.errors import SerlError
 
 
+def quiet_transformers() -> None:
+    """transformers draws a progress bar for every model it loads ("Loading weights") and saves
+    ("Writing model shards"): a demo makes about ninety, and on a terminal they break up serl's
+    own lines and live table (in a log file they never showed: serl's CLI turns all library bars
+    off when stderr is not a terminal). Off wherever serl loads or saves a model, spawned
+    processes included; the hub's own download bars stay as they were, so a real download still
+    shows its progress. Also silenced: DeepSpeed's "Setting accelerator to CPU" warning, which
+    saving a model prints on any CPU machine with deepspeed installed (accelerate imports it)."""
+    import logging
+
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    hub_bars = not are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()  # transformers' own bars; this turns the hub's off too
+    if hub_bars:
+        enable_progress_bars()
+    logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
+
+
+quiet_transformers()  # at import: every serl module that loads or saves a model imports this one
+
+
 class ModelError(SerlError, ValueError):
     """A model name or directory that cannot be used; the message is one line for the CLI."""
 

@@ -7,10 +7,14 @@ On Sokoban, the default (no data download), it shows a model learning:
 2. noisy-expert data on train rooms (``serl rollout --policy expert`` with ``expert_noise``
    and ``expert_blunders``): the expert's moves, and random detours and blunders marked
    ``off_expert`` that only serve to reach the states a learner's mistakes lead to;
-3. one warm start: SFT on the expert's moves. ``sft.hindsight_sft`` (off by default) would
-   add examples that teach the network to read SERL's hindsight block: at this scale that
-   start left RL half the gain (+9.5 points in 40 iterations against +19.0 without it,
-   docs/RESULTS.md), and study v3 (e) measures what it buys SERL;
+3. one warm start: SFT on the expert's moves up to a target, not a step count
+   (``stages.warm_start``): checkpoints every few steps (``warm_start.every``), each played on train
+   rooms the data never saw, and SFT stops at the first one whose success enters
+   ``warm_start.band``; the step it chose is printed and kept in ``demo.json``. Without
+   ``warm_start`` (``--set warm_start=null``), ``sft``'s fixed steps. ``sft.hindsight_sft``
+   (off by default) would add examples that teach the network to read SERL's hindsight
+   block: at this scale that start left RL half the gain (+9.5 points in 40 iterations
+   against +19.0 without it, docs/RESULTS.md), and study v3 (e) measures what it buys SERL;
 4. from that same warm start, each online algorithm of ``algos`` (GRPO and SERL):
    ``serl train --iterations K``. Both arms start from the same checkpoint, so the
    comparison is of the update alone;
@@ -22,7 +26,17 @@ On Sokoban, the default (no data download), it shows a model learning:
 Any other environment (``--env webshop``) runs the original demo: the tiny model, plain
 expert data, SFT, two GRPO iterations and a greedy evaluation (:func:`demo_defaults`).
 
-Every step writes the same artifacts its own command would, under ``out``.
+Every step writes the same artifacts its own command would, under ``out``. To change what the
+demo compares, change ``algos`` (the arms, each from the same warm start) or ``warm_start``
+and ``sft`` (where the arms start); the steps themselves need no change.
+
+Threads: one torch thread per process unless ``threads`` (``--threads``) says otherwise. The
+model is 0.9M parameters: a second thread buys little on its small matrices, and on a 2-core
+machine where the two arms already run side by side, or anything else is running, extra
+threads fight for the cores. Issue 30 measured the SFT alone at 9 min 21 s with two threads
+on a busy 2-core machine against 131 s with one. One thread also gives the same numbers on
+every machine of the same CPU family, where the thread count would otherwise change the
+floating-point summation order.
 """
 
 from __future__ import annotations
@@ -46,8 +60,9 @@ from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig, build_world
 from serl_cli.stages.evaluate import EvalConfig, run_eval
-from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.stages.online_config import OnlineConfig, OnlineEvalConfig
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
+from serl_cli.stages.warm_start import BELOW, IN_BAND, STEPPED_OVER, WarmStartConfig, check_warm_start, sft_to_band
 from serl_cli.training.train_config import OptimConfig, TrainConfig
 
 
@@ -69,9 +84,14 @@ class DemoConfig:
         "pays for every token of it; with tagged replies it sits at chance for hundreds of steps (PromptConfig)",
     )
     sft: TrainConfig = setting(
-        factory=lambda: TrainConfig(algo="sft", epochs=2, mini_batches=150, optim=OptimConfig(lr=1e-3)),
-        doc="the warm start: lands in the steep part of the curve, 15-50 % (docs/RESULTS.md, the warm-start "
-        "curve); no hindsight SFT: from the start that has it, RL gained half as much (docs/RESULTS.md, the demo)",
+        factory=lambda: TrainConfig(algo="sft", epochs=4, mini_batches=150, optim=OptimConfig(lr=1e-3)),
+        doc="the warm start, ~76 examples a step; with warm_start, epochs is the most SFT may run (600 steps: the "
+        "slowest machine reached the band by ~400, docs/RESULTS.md). No hindsight SFT: from the start that has "
+        "it, RL gained half as much (docs/RESULTS.md, the demo)",
+    )
+    warm_start: WarmStartConfig | None = setting(
+        factory=WarmStartConfig,
+        doc="SFT stops in this band of success on train rooms (stages.warm_start); null: sft's steps, all of them",
     )
     online: OnlineConfig = setting(
         factory=lambda: OnlineConfig(
@@ -80,11 +100,16 @@ class DemoConfig:
             train=TrainConfig(optim=OptimConfig(lr=1e-4), group_norm="cross_steps", mini_batches=4),
             # the turns the environment flagged (a bump, a blocked push, a deadlock), shown with what they changed
             annotate=AnnotateConfig(sources="error,diff", placement="feedback"),
+            eval=OnlineEvalConfig(episodes=100, every=5, split="train", temperature=0.4),
+            save_every=5,
+            keep_last=0,
         ),
         doc="each online arm: many rooms, small groups (updates from 8 rooms at a time fit those rooms and lose "
         "the panel); cross_steps pools a group's turns, so the long failed episodes do not outweigh the short "
         "wins; four optimizer steps an iteration cost no more compute than one and moved the panel +9 points in "
-        "40 iterations where one step moved it +0.5 (docs/RESULTS.md, the Sokoban demo)",
+        "40 iterations where one step moved it +0.5 (docs/RESULTS.md, the Sokoban demo). Each arm's policy is "
+        "its best checkpoint, not its last: every 5 iterations it plays the first 100 train rooms at the "
+        "evaluation's temperature (the test panel only scores); the last iterate is a noisy draw (issue 30)",
     )
     algos: list[str] = setting(factory=lambda: ["grpo", "serl"], doc="online arms, each from the warm start")
     parallel_arms: bool = setting(True, "the arms side by side, one process each, the cores shared out between them")
@@ -92,7 +117,7 @@ class DemoConfig:
     eval_temperature: float = setting(0.4, "0: greedy")
     eval_max_new_tokens: int = setting(3, "a bare move and the end of the turn, with one token to spare")
     seed: int = setting(0, "every stage's seed")
-    threads: int | None = setting(None, "torch threads; null: all cores")
+    threads: int | None = setting(1, "torch threads per process (module docstring); null: the stages' own default")
     out: str = setting("runs/demo", "the directory for every artifact of the demo")
 
 
@@ -112,6 +137,7 @@ def demo_defaults(env_name: str) -> DemoConfig:
         # prompts let a tiny model take many more optimizer steps in the same CPU time
         prompt=PromptConfig(history_turns=0),
         sft=TrainConfig(algo="sft", epochs=4, mini_batches=32, optim=OptimConfig(lr=2e-3)),
+        warm_start=None,  # the tiny model never solves a WebShop task in this budget: no band to aim at
         online=OnlineConfig(
             iterations=2,
             rollout=RolloutConfig(tasks=4, group_size=4, sampling=SamplingConfig(1.0, 1.0, 32)),
@@ -129,7 +155,10 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     q = copy.deepcopy(cfg)
     q.expert_tasks = min(q.expert_tasks, 16)
     q.sft.epochs, q.sft.mini_batches = 1, 2
+    if q.warm_start is not None:
+        q.warm_start.every, q.warm_start.every_near, q.warm_start.rooms = 1, 1, 4
     q.online.iterations = 1
+    q.online.eval.episodes, q.online.eval.every, q.online.save_every = min(q.online.eval.episodes, 2), 1, 1
     q.online.rollout.tasks, q.online.rollout.group_size = 2, 2
     q.eval_episodes = min(q.eval_episodes, 4)
     return q
@@ -137,11 +166,12 @@ def quick(cfg: DemoConfig) -> DemoConfig:
 
 def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     from serl_cli.stages.online import run_online  # torch loads now, not while the config is read
-    from serl_cli.stages.train import train_on_run
 
     out = Path(cfg.out)
     if not cfg.algos:
         raise SerlError("the demo needs at least one online algorithm in `algos`")
+    if cfg.warm_start is not None:
+        check_warm_start(cfg.warm_start)  # before minutes of expert data, not after
     io.prepare_output(out / "demo.json", overwrite=overwrite, what="a demo run")
     started = time.time()
     world = build_world(cfg.env)
@@ -165,14 +195,7 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     s = run_rollout(expert_cfg, overwrite=True)
     log(f"[2/{steps}] expert data: {s['episodes']} episodes, {s['turns']} turns")
 
-    sft = copy.deepcopy(cfg.sft)
-    sft.threads, sft.seed, sft.model = cfg.threads, cfg.seed, model
-    m = train_on_run(str(out / "expert"), sft, overwrite=True)
-    hindsight = f", {m['hindsight_examples']} hindsight examples" if "hindsight_examples" in m else ""
-    log(
-        f"[3/{steps}] warm start (SFT): {m['turns']} examples{hindsight}, {m['optimizer_steps']} steps, "
-        f"mean loss {m['loss']:.3f}"
-    )
+    warm = _warm_start(cfg, model, out / "expert", log, steps)
     policies = {"expert": None, "warm start": str(out / "expert" / "checkpoint")}
 
     arms = [_online_arm(cfg, algo, policies["warm start"]) for algo in cfg.algos]
@@ -186,12 +209,27 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     else:
         for arm in arms:
             run_online(arm, overwrite=True, on_iteration=lambda h, algo=arm.train.algo: log(_progress(algo, h)))
-    policies.update({f"warm start + {arm.train.algo}": str(Path(arm.out) / "checkpoint") for arm in arms})
+    kept = {arm.train.algo: best_iteration(Path(arm.out)) for arm in arms}
+    for algo, best in kept.items():
+        if best is not None:
+            log(
+                f"      {algo}: kept iteration {best['iteration']} of {cfg.online.iterations}, success "
+                f"{best['success']:.3f} on {cfg.online.eval.episodes} train rooms"
+            )
+    policies.update(
+        {
+            f"warm start + {arm.train.algo}": (kept[arm.train.algo] or {}).get("checkpoint")
+            or str(Path(arm.out) / "checkpoint")
+            for arm in arms
+        }
+    )
 
     results = {name: _evaluate(cfg, name, model_dir, log, steps) for name, model_dir in policies.items()}
     summary = {
         "results": results,
+        "warm_start": warm,
         "iterations": cfg.online.iterations,
+        "kept_iterations": {algo: best and best["iteration"] for algo, best in kept.items()},
         "wall_time_s": round(time.time() - started, 1),
         "model": model,
         "eval_temperature": cfg.eval_temperature,
@@ -200,6 +238,52 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
         summary["teacher_signal"] = teacher_signal(out / "serl")
     io.write_json(out / "demo.json", summary)
     return summary
+
+
+def _warm_start(cfg: DemoConfig, model: str, run: Path, log, steps: int) -> dict:
+    """SFT on the expert data in ``run``, to ``cfg.warm_start``'s band (or ``cfg.sft``'s steps
+    without one); returns what ``demo.json`` reports of it: the SFT step chosen, and its success
+    on the validation rooms where a band chose it."""
+    from serl_cli.stages.train import train_on_run  # torch
+
+    sft = copy.deepcopy(cfg.sft)
+    sft.threads, sft.seed, sft.model = cfg.threads, cfg.seed, model
+    if cfg.warm_start is None:
+        m = train_on_run(str(run), sft, overwrite=True)
+        hindsight = f", {m['hindsight_examples']} hindsight examples" if "hindsight_examples" in m else ""
+        log(
+            f"[3/{steps}] warm start (SFT): {m['turns']} examples{hindsight}, {m['optimizer_steps']} steps, "
+            f"mean loss {m['loss']:.3f}"
+        )
+        return {"step": m["optimizer_steps"]}
+    low, high = cfg.warm_start.band
+    log(
+        f"[3/{steps}] warm start: SFT until success on {cfg.warm_start.rooms} train rooms it has not seen "
+        f"is in {low:.2f}-{high:.2f}, checked every {cfg.warm_start.every} steps, {cfg.warm_start.every_near} near it"
+    )
+    w = sft_to_band(str(run), sft, cfg.warm_start, cfg.env, overwrite=True, log=log)
+    note = {
+        IN_BAND: "in the band",
+        STEPPED_OVER: "the nearest to the band: SFT stepped over it between two checks",
+        BELOW: f"below the band: the best of {w['max_steps']} steps, all SFT may run",
+    }[w["outcome"]]
+    log(f"      warm start: SFT step {w['step']}, success {w['success']:.3f} ({note})")
+    keep = ("step", "success", "success_ci95", "outcome", "band", "validation_rooms", "temperature")
+    return {k: w[k] for k in keep}
+
+
+def best_iteration(run: Path) -> dict | None:
+    """The iteration of an online run whose periodic evaluation (``iter_XXXX/eval.json``) scored
+    highest among those that kept a checkpoint, ties to the later: {"iteration" (counted from 1),
+    "success", "checkpoint"}. None where no iteration has both (no periodic evaluation)."""
+    scored = []
+    for it in sorted(run.glob("iter_*")):
+        if (it / "eval.json").is_file() and (it / "checkpoint" / "config.json").is_file():
+            scored.append((io.read_json(it / "eval.json")["success_rate"], int(it.name.removeprefix("iter_")), it))
+    if not scored:
+        return None
+    success, k, it = max(scored, key=lambda x: (x[0], x[1]))
+    return {"iteration": k + 1, "success": success, "checkpoint": str(it / "checkpoint")}
 
 
 def _online_arm(cfg: DemoConfig, algo: str, warm_start: str) -> OnlineConfig:

@@ -147,6 +147,29 @@ def rank_rows(run: Path, estimate=None, cfg: dict | None = None) -> tuple[list[d
     return rows, {"iteration_s": last["iteration_s"], "weight_sync_s": last["update"].get("weight_sync_s")}
 
 
+def plan_estimate(smoke: bool):
+    """``serl plan``'s peak for a layout's run config, per rank, in bytes (the ``plan GiB``
+    column): on GPUs against one GPU's memory, on a CPU (``--smoke``) against the host's."""
+    import torch
+
+    from serl_cli import config as cfgmod
+    from serl_cli.models.shapes import model_shape
+    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.stages.plan import Machine, host_memory_bytes, layout_of
+    from serl_cli.training.memory import GiB
+    from serl_cli.training.plan import estimate
+
+    def peak(cfg: dict, world: int, rank: int) -> int:
+        run = cfgmod.from_dict(OnlineConfig, cfg)
+        own = len(run.rollout.gpus or []) if run.rollout.engine == "vllm" else 0
+        memory = host_memory_bytes() if smoke else torch.cuda.get_device_properties(0).total_memory
+        machine = Machine(gpus=world + own, gpu_memory_gb=memory / GiB)
+        layout = layout_of(run, machine, device="cpu" if smoke else "cuda")
+        return int(estimate(model_shape(run.model), layout).peak.bytes)
+
+    return peak
+
+
 def run_layouts(model_dir: Path, work: Path, args, log, estimate=None) -> list[dict]:
     """Every layout's iteration, each recorded as ok (with its ranks' figures) or as its error."""
     import importlib.util
@@ -252,7 +275,7 @@ def main(argv=None) -> dict:
     try:
         dtype = torch.float32 if args.smoke else torch.bfloat16
         model_dir = build_model(args.shape, work / args.shape, torch.device("cpu"), dtype)
-        results = run_layouts(model_dir, work, args, log)
+        results = run_layouts(model_dir, work, args, log, plan_estimate(args.smoke))
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

@@ -117,7 +117,7 @@ def test_multi_smoke_times_every_phase_on_two_cpu_ranks(tmp_path):
     (res,) = data["results"]
     assert res["layout"]["name"] == "smoke" and [r["rank"] for r in res["ranks"]] == [0, 1]
     for r in res["ranks"]:
-        assert r["peak_memory_bytes"] > 0 and r["plan_estimate_bytes"] is None
+        assert r["peak_memory_bytes"] > 0 and r["plan_estimate_bytes"] > 0  # serl plan's estimate beside it
         assert all(r[f"{p}_s"] >= 0 for p in ("rollout", "recompute", "teacher", "update"))
     assert any(line.startswith("serl: rank 1/2: teacher") for line in res["log"])  # rank 1 scored its share
     assert "plan GiB" in p.stdout and "smoke" in p.stdout  # the table

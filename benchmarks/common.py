@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import platform
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,6 +88,57 @@ def report(name: str, title: str, columns: list[str], rows: list[list], data: di
     path = write_json(Path(out) if out else RESULTS_DIR / f"{name}.json", payload)
     print(f"wrote {path}")
     return path
+
+
+def add_run_size_options(ap: argparse.ArgumentParser) -> None:
+    """A GPU check's run size; None until :func:`fill_defaults` sets the check's (its ``--smoke`` ones)."""
+    ap.add_argument("--tasks", type=int, default=None)
+    ap.add_argument("--group-size", type=int, default=None)
+    ap.add_argument("--max-turns", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--micro-batch-tokens", type=int, default=None)
+
+
+def fill_defaults(args: argparse.Namespace, defaults: dict) -> None:
+    """Set each option of ``defaults`` left unset (None) on the command line."""
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
+@contextlib.contextmanager
+def work_dir(path: str | None, prefix: str):
+    """A check's ``--work`` folder (made, and kept), or a temporary one removed at the end."""
+    work = Path(path) if path else Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        yield work
+    finally:
+        if not path:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def show_and_write(title: str, columns: list[str], rows: list[list], payload: dict, out: str | None) -> None:
+    """A check's ending: its table on stdout, its payload in ``out`` where given."""
+    print_table(title, columns, rows)
+    if out:
+        write_json(out, payload)
+        print(f"wrote {out}")
+
+
+# -- one figure a process (benchmarks.peak.in_fresh_process) -----------------------------------
+def add_one_options(ap: argparse.ArgumentParser) -> None:
+    """``--one SPEC`` (internal: the fresh process measures one figure) and ``--out FILE``."""
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+
+
+def measure_one(args: argparse.Namespace, one) -> dict:
+    """In the fresh process: ``one`` of the JSON spec ``--one``, written to ``--out`` (where
+    ``in_fresh_process`` reads it)."""
+    data = one(json.loads(args.one))
+    write_json(args.out, data)
+    return data
 
 
 # -- the suite's summary rows --------------------------------------------------------------------

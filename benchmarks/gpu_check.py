@@ -38,16 +38,14 @@ import argparse
 import copy
 import json
 import random
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import print_table, reset_peak_rss, status_kb, write_json
+from benchmarks.common import add_run_size_options, fill_defaults, reset_peak_rss, show_and_write, status_kb, work_dir
 
 # Qwen2.5's published configs (config.json of Qwen/Qwen2.5-0.5B-Instruct and -1.5B-Instruct):
 # both tie the output head to the embedding (0.49B total / 0.36B non-embedding; 1.54B / 1.31B).
@@ -503,11 +501,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default=None, help="default bf16 (on a CPU: autocast, and DeepSpeed's bf16)")
     ap.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
     ap.add_argument("--backend", default="auto", choices=["auto", "deepspeed", "torch"])
-    ap.add_argument("--tasks", type=int, default=None)
-    ap.add_argument("--group-size", type=int, default=None)
-    ap.add_argument("--max-turns", type=int, default=None)
-    ap.add_argument("--max-new-tokens", type=int, default=None)
-    ap.add_argument("--micro-batch-tokens", type=int, default=None)
+    add_run_size_options(ap)
     ap.add_argument("--raw-prompts", type=int, default=None)
     ap.add_argument("--raw-prompt-len", type=int, default=None)
     ap.add_argument("--raw-new-tokens", type=int, default=None)
@@ -537,9 +531,7 @@ def parse_args(argv=None):
         raw_prompt_len=512 if big else 16,
         raw_new_tokens=256 if big else 4,
     )
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, defaults)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         ap.error(f"unknown shape {unknown[0]!r}: choose from {', '.join(SHAPES)}")
@@ -557,19 +549,14 @@ def main(argv=None) -> dict:
         if args.smoke
         else (lambda m: print(m, flush=True))
     )
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="serl-gpu-check-"))
-    work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     device = "cpu"
     if torch.cuda.is_available() and args.device != "cpu":
         device = torch.cuda.get_device_name(0)
     results = []
-    try:
+    with work_dir(args.work, "serl-gpu-check-") as work:
         for i, shape in enumerate(args.shapes.split(",")):
             results.append(check_shape(shape, work, args, log, first=i == 0))
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
     payload = {
         "benchmark": "gpu_check",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -582,10 +569,7 @@ def main(argv=None) -> dict:
         "results": results,
         "ok": all(s["status"] == "ok" for r in results for s in r["stages"].values()),
     }
-    print_table(f"serl GPU check on {device} ({payload['wall_s']} s)", COLUMNS, table(results))
-    if args.out:
-        write_json(args.out, payload)
-        print(f"wrote {args.out}")
+    show_and_write(f"serl GPU check on {device} ({payload['wall_s']} s)", COLUMNS, table(results), payload, args.out)
     return payload
 
 

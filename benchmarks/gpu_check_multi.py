@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -219,17 +217,15 @@ COLUMNS = ["layout", "rank", "peak GiB", "plan GiB", *[f"{p} s" for p in PHASES]
 
 
 def parse_args(argv=None):
+    from benchmarks.common import add_run_size_options, fill_defaults
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--multi", action="store_true", help="(the mode gpu_check.sh dispatches on)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes (CI)")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; 2-4)")
     ap.add_argument("--shape", default=None, help="a gpu_check shape (default qwen2.5-1.5b; smoke: smoke)")
-    ap.add_argument("--tasks", type=int, default=None)
-    ap.add_argument("--group-size", type=int, default=None)
-    ap.add_argument("--max-turns", type=int, default=None)
-    ap.add_argument("--max-new-tokens", type=int, default=None)
-    ap.add_argument("--micro-batch-tokens", type=int, default=None)
+    add_run_size_options(ap)
     ap.add_argument("--vllm-memory", type=float, default=0.35, help="vLLM's share of each of its GPUs")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
@@ -249,16 +245,14 @@ def parse_args(argv=None):
         micro_batch_tokens=16384 if big else 4096,
         threads=None if big else 1,
     )
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, defaults)
     return args
 
 
 def main(argv=None) -> dict:
     import torch
 
-    from benchmarks.common import print_table, write_json
+    from benchmarks.common import show_and_write, work_dir
     from benchmarks.gpu_check import build_model
 
     args = parse_args(argv)
@@ -268,17 +262,12 @@ def main(argv=None) -> dict:
     if not args.smoke and not 2 <= (args.gpus or torch.cuda.device_count()) <= 4:
         raise SystemExit(f"gpu_check --multi runs on 2-4 GPUs; this machine shows {torch.cuda.device_count()}")
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.smoke else (lambda m: print(m, flush=True))
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="serl-gpu-check-multi-"))
-    work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     device = "cpu" if args.smoke else torch.cuda.get_device_name(0)
-    try:
+    with work_dir(args.work, "serl-gpu-check-multi-") as work:
         dtype = torch.float32 if args.smoke else torch.bfloat16
         model_dir = build_model(args.shape, work / args.shape, torch.device("cpu"), dtype)
         results = run_layouts(model_dir, work, args, log, plan_estimate(args.smoke))
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
     payload = {
         "benchmark": "gpu_check_multi",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -290,10 +279,9 @@ def main(argv=None) -> dict:
         "results": results,
         "ok": bool(results) and all(r["status"] == "ok" for r in results),
     }
-    print_table(f"serl multi-GPU check on {device} ({payload['wall_s']} s)", COLUMNS, table(results))
-    if args.out:
-        write_json(args.out, payload)
-        print(f"wrote {args.out}")
+    show_and_write(
+        f"serl multi-GPU check on {device} ({payload['wall_s']} s)", COLUMNS, table(results), payload, args.out
+    )
     return payload
 
 

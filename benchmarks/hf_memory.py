@@ -23,7 +23,6 @@ rows): kept, they grow by that per step, several times over.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import tempfile
 from pathlib import Path
@@ -121,18 +120,15 @@ def one(spec: dict) -> dict:
 
 
 def main(argv=None) -> dict:
+    from benchmarks.common import add_one_options, measure_one, report
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--tokens", default="64,128,256")
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None)
+    add_one_options(ap)
     args = ap.parse_args(argv)
-    from benchmarks.common import report, write_json
-
     if args.one:
-        data = one(json.loads(args.one))
-        write_json(args.out, data)
-        return data
+        return measure_one(args, one)
     from benchmarks.peak import in_fresh_process
 
     results = []

@@ -21,7 +21,6 @@ logits is ``rows x (reply + 1) x 151,936 x 4`` bytes; the table gives the peak i
 from __future__ import annotations
 
 import argparse
-import json
 
 VOCAB = 151_936
 MODES = ("whole batch", "slices")
@@ -50,18 +49,15 @@ def one(spec: dict) -> dict:
 
 
 def main(argv=None) -> dict:
+    from benchmarks.common import add_one_options, measure_one, report
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--replies", default="64,128,256")
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None)
+    add_one_options(ap)
     args = ap.parse_args(argv)
-    from benchmarks.common import report, write_json
-
     if args.one:
-        data = one(json.loads(args.one))
-        write_json(args.out, data)
-        return data
+        return measure_one(args, one)
     from benchmarks.peak import in_fresh_process
 
     results = []

@@ -53,6 +53,13 @@ def history_block(past: list[tuple[str, str]], k: int) -> tuple[str, int]:
     return "\n".join(lines), len(recent)
 
 
+def history_fields(past: list[tuple[str, str]], k: int) -> dict:
+    """The history fields every authors' template fills: :func:`history_block` of ``past``, and
+    the step numbers (the turns so far, and the current one)."""
+    history, shown = history_block(past, k)
+    return {"step_count": len(past), "history_length": shown, "action_history": history, "current_step": len(past) + 1}
+
+
 def tagged_action(reply: str) -> str | None:
     """The lower-cased reply between its first ``<action>`` and first ``</action>``, stripped
     (alfworld/projection.py:30-47); None without either tag. As theirs, a ``</action>`` before

@@ -67,6 +67,19 @@ def _one_of(words: tuple, value, where: str):
     raise SerlError(f"unknown {where} {value!r}: choose one of {', '.join(map(str, words))}")
 
 
+def check_at_least(cfg, least: dict[str, int], where: str = "") -> None:
+    """Refuse, in one line, a setting of ``cfg`` below its least value (``least``: name -> value)."""
+    for name, low in least.items():
+        if getattr(cfg, name) < low:
+            raise SerlError(f"{where}{name} must be at least {low}, got {getattr(cfg, name)}")
+
+
+def check_threads(threads: int | None, where: str = "") -> None:
+    """A ``threads`` setting: a count of at least 1, or unset (None: every core)."""
+    if threads is not None and threads < 1:
+        raise SerlError(f"{where}threads must be at least 1 (or unset: every core), got {threads}")
+
+
 def load_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():

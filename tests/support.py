@@ -30,6 +30,7 @@ import yaml
 
 from envs.webshop.env import RULES
 from serl_cli.ablate.runners import SELF_CMD
+from serl_cli.artifacts.schema import TurnSample
 from serl_cli.models.tiny import EOS_TOKEN
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import ACTION_FORMAT, PromptConfig, build_messages, render_prompt_ids
@@ -92,6 +93,26 @@ def rollout_config(model_dir, out, *, temperature: float = 1.0, seed: int = 0, *
         seed=seed,
         out=str(out),
         **kw,
+    )
+
+
+def turn_sample(
+    episode: int, reward: float, *, turn: int = 0, group: int = 0, state: str = "s", turn_reward: float = 0.0, **extra
+) -> TurnSample:
+    """A training turn of one prompt token and one action token (behaviour log-prob -1) in group
+    ``(group, 0)``, its episode a success where ``reward`` reaches 1; ``extra``: other fields."""
+    return TurnSample(
+        episode=episode,
+        turn=turn,
+        group_key=(group, 0),
+        prompt_ids=[1],
+        action_ids=[2],
+        behaviour_logprobs=[-1.0],
+        episode_reward=reward,
+        success=reward >= 1.0,
+        state_key=state,
+        turn_reward=turn_reward,
+        **extra,
     )
 
 

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
+from support import turn_sample
 from test_model_families import family_tokenizer
 
 from envs.alfworld import authors as alfworld_authors
@@ -25,7 +26,7 @@ from envs.base import Feedback, Step
 from envs.sokoban import authors as sokoban_authors
 from envs.webshop import authors as webshop_authors
 from serl_cli.algos.objectives import get_objective
-from serl_cli.artifacts.schema import TurnSample, turn_samples
+from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.method.teacher import action_span_mask
 from serl_cli.rollout.engines import Generation, ModelPolicy, SamplingConfig
@@ -287,19 +288,8 @@ def test_authors_mask_marks_every_tagged_action_and_keeps_reasoning_at_one(qwen)
 
 # ------------------------------------------------------------------------------ GiGPO's anchor key
 def _gigpo_turn(episode, turn, state, observation, reward):
-    return TurnSample(
-        episode=episode,
-        turn=turn,
-        group_key=(0, 0),
-        prompt_ids=[1],
-        action_ids=[2],
-        behaviour_logprobs=[-1.0],
-        episode_reward=reward,
-        success=reward >= 1.0,
-        state_key=state,
-        turn_reward=reward if turn == 1 else 0.0,
-        observation=observation,
-    )
+    reward_now = reward if turn == 1 else 0.0  # the episode's reward comes on its last (second) turn
+    return turn_sample(episode, reward, turn=turn, state=state, turn_reward=reward_now, observation=observation)
 
 
 def test_gigpo_observation_anchor_pools_nothing_happens():

@@ -46,18 +46,22 @@ def test_shapes_are_qwen25s_and_peaks_are_dense_bf16():
     assert bf16_peak("Tesla T4") is None and len(BF16_PEAK) == 4
 
 
-def test_smoke_runs_every_stage_on_cpu(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "SERL_THREADS": "1", "COLUMNS": "200"}
-    p = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--smoke", "--device", "cpu", "--out", str(out)],
+def run_gpu_check(args: list[str], timeout: int, **env: str) -> subprocess.CompletedProcess:
+    """``benchmarks/gpu_check.sh ARGS`` with one torch thread and a table wide enough to read."""
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), *args],
         capture_output=True,
         text=True,
-        env=env,
-        timeout=300,
+        env={**os.environ, "SERL_THREADS": "1", "COLUMNS": "200", **env},
+        timeout=timeout,
         cwd=ROOT,
         check=False,
     )
+
+
+def test_smoke_runs_every_stage_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    p = run_gpu_check(["--smoke", "--device", "cpu", "--out", str(out)], timeout=300)
     data = json.loads(out.read_text()) if out.exists() else {}
     errors = {k: v.get("error") for r in data.get("results", []) for k, v in r["stages"].items() if v["status"] != "ok"}
     assert p.returncode == 0, f"{errors}\n{p.stderr[-4000:]}"
@@ -101,16 +105,7 @@ def test_multi_gpu_layouts_by_gpu_count():
 @pytest.mark.slow
 def test_multi_smoke_times_every_phase_on_two_cpu_ranks(tmp_path):
     out = tmp_path / "gpu_check_multi.json"
-    env = {**os.environ, "SERL_THREADS": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--multi", "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd=ROOT,
-        check=False,
-    )
+    p = run_gpu_check(["--multi", "--smoke", "--out", str(out)], timeout=900, OMP_NUM_THREADS="1")
     data = json.loads(out.read_text()) if out.exists() else {}
     assert p.returncode == 0, f"{[r.get('error') for r in data.get('results', [])]}\n{p.stderr[-4000:]}"
     assert data["ok"] and data["smoke"]

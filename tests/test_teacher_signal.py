@@ -23,7 +23,7 @@ from serl_cli.cli import show as _show_cmd  # noqa: F401  (registers `show`)
 from serl_cli.cli.root import app
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
 from serl_cli.method.teacher import action_span_mask, block_ids, teacher_prompt_ids
-from serl_cli.method.teacher_signal import expert_reply_ids, measure, signal_turns, teacher_signal
+from serl_cli.method.teacher_signal import SpanScoring, expert_reply_ids, measure, signal_turns, teacher_signal
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.annotate import run_annotate
 from serl_cli.stages.rollout import run_rollout
@@ -87,7 +87,7 @@ def test_signal_worked_by_hand():
 def test_no_scored_turn_with_an_expert_action_gives_none():
     assert teacher_signal(RECORDS, EPISODES, {}) is None
     # nothing to score: the teacher is never called
-    assert measure([RECORDS[4], RECORDS[5]], EPISODES, {}, None, None, 1.0, 16384) is None
+    assert measure([RECORDS[4], RECORDS[5]], EPISODES, {}, SpanScoring(None, None, 1.0, 16384)) is None
 
 
 # -- end to end on Sokoban --------------------------------------------------------------------

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from support import rollout_config
+from support import rollout_config, turn_sample
 
 from serl_cli import config as cfgmod
 from serl_cli.algos import core
 from serl_cli.algos.batch import make_micro_batches
 from serl_cli.algos.objectives import UpdateInputs, episode_advantages, get_objective, turn_advantages
-from serl_cli.artifacts.schema import TurnSample, read_rollouts, turn_samples
+from serl_cli.artifacts.schema import read_rollouts, turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.loading import load_model
 from serl_cli.stages.derive import eval_config
@@ -61,19 +61,7 @@ def test_entropy_term_is_a_token_mean_bonus():
 
 
 def _turn(ep, group, reward, *, invalid=False, state="s", turn_reward=0.0):
-    return TurnSample(
-        episode=ep,
-        turn=0,
-        group_key=(group, 0),
-        prompt_ids=[1],
-        action_ids=[2],
-        behaviour_logprobs=[-1.0],
-        episode_reward=reward,
-        success=reward >= 1.0,
-        state_key=state,
-        turn_reward=turn_reward,
-        invalid=invalid,
-    )
+    return turn_sample(ep, reward, group=group, state=state, turn_reward=turn_reward, invalid=invalid)
 
 
 def test_invalid_penalty_per_episode_and_across_steps_by_hand():

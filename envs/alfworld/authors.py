@@ -11,7 +11,7 @@ admissible commands are every one but ``help``, each quoted, one per line after 
 
 from __future__ import annotations
 
-from envs.authors import AuthorsPrompt, history_block, project_text_action
+from envs.authors import AuthorsPrompt, history_fields, project_text_action
 
 _REASON = (
     "Now it's your turn to take an action.\n"
@@ -43,15 +43,11 @@ def message(instruction: str, past: list[tuple[str, str]], observation: str, adm
     listed = "\n ".join(f"'{a}'" for a in admissible if a != "help")
     if not past or k <= 0:
         return TEMPLATE_NO_HIS.format(current_observation=observation, admissible_actions=listed)
-    history, shown = history_block(past, k)
     return TEMPLATE.format(
         task_description=instruction,
-        step_count=len(past),
-        history_length=shown,
-        action_history=history,
-        current_step=len(past) + 1,
         current_observation=observation,
         admissible_actions=listed,
+        **history_fields(past, k),
     )
 
 

@@ -13,7 +13,7 @@ moves nothing (env_package/sokoban/projection.py:36-77); there is no CJK rule fo
 
 from __future__ import annotations
 
-from envs.authors import AuthorsPrompt, history_block, reply_problem, tagged_action
+from envs.authors import AuthorsPrompt, history_fields, reply_problem, tagged_action
 from envs.sokoban.rooms import BOX, BOX_ON_GOAL, FLOOR, GOAL, PLAYER, PLAYER_ON_GOAL, WALL
 
 _HEAD = (
@@ -84,13 +84,9 @@ def action_name(action: str) -> str:
 def message(instruction: str, past: list[tuple[str, str]], observation: str, admissible: list[str], k: int) -> str:
     if not past or k <= 0:
         return TEMPLATE_NO_HIS.format(current_observation=grid_text(observation))
-    history, shown = history_block([(grid_text(obs), action_name(act)) for obs, act in past], k)
     return TEMPLATE.format(
-        step_count=len(past),
-        history_length=shown,
-        action_history=history,
-        current_step=len(past) + 1,
         current_observation=grid_text(observation),
+        **history_fields([(grid_text(obs), action_name(act)) for obs, act in past], k),
     )
 
 

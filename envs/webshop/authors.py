@@ -18,7 +18,7 @@ filled as its environment manager fills them (agent_system/environments/env_mana
 
 from __future__ import annotations
 
-from envs.authors import AuthorsPrompt, history_block, project_text_action
+from envs.authors import AuthorsPrompt, history_fields, project_text_action
 from envs.webshop.pages import SEP
 
 _TAIL = (
@@ -77,15 +77,11 @@ def message(instruction: str, past: list[tuple[str, str]], observation: str, adm
     plain = TEMPLATE_NO_HIS.format(task_description=task, current_observation=current, available_actions=actions)
     if not past or k <= 0:
         return plain
-    history, shown = history_block([(page_text(obs, task), act) for obs, act in past], k)
     text = TEMPLATE.format(
         task_description=task,
-        step_count=len(past),
-        history_length=shown,
-        action_history=history,
-        current_step=len(past) + 1,
         current_observation=current,
         available_actions=actions,
+        **history_fields([(page_text(obs, task), act) for obs, act in past], k),
     )
     return plain if len(text) > MAX_CHARS else text
 

@@ -36,7 +36,7 @@ def main() -> None:
     prompts = teacher_prompts(records, prompt_ids, tokenizer, turns, prompt.get("chat_template_kwargs"))
     bare = bool(prompt.get("bare_replies"))
     fmt = action_format(rollout["env"]) if bare else None
-    scored = ts.expert_logprobs(records, episodes, prompts, model, tokenizer, 1.0, 16384, bare, fmt)
+    scored = ts.expert_logprobs(records, episodes, prompts, ts.SpanScoring(model, tokenizer, 1.0, 16384, bare, fmt))
     rows = ts.signal_rows(records, episodes, scored)
     summary = ts.summarize(rows)
     gains = [r["p_with"] - r["p_without"] for r in rows]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from serl_cli import config as cfgmod
-from serl_cli.config import setting
+from serl_cli.config import check_at_least, check_threads, setting
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
 from serl_cli.method import placement
@@ -110,8 +110,5 @@ def _check_numbers(cfg: AnnotateConfig) -> None:
         raise SerlError(f"mixing_lambda must be in [0, 1], got {cfg.mixing_lambda}")
     if cfg.anchor_similarity is not None and not (0 <= cfg.anchor_similarity <= 1):
         raise SerlError(f"anchor_similarity must be in [0, 1] (or unset), got {cfg.anchor_similarity}")
-    for name, least in (("lambda_decay_steps", 0), ("teacher_sync_interval", 1), ("micro_batch_tokens", 1)):
-        if getattr(cfg, name) < least:
-            raise SerlError(f"{name} must be at least {least}, got {getattr(cfg, name)}")
-    if cfg.threads is not None and cfg.threads < 1:
-        raise SerlError(f"threads must be at least 1 (or unset: every core), got {cfg.threads}")
+    check_at_least(cfg, {"lambda_decay_steps": 0, "teacher_sync_interval": 1, "micro_batch_tokens": 1})
+    check_threads(cfg.threads)

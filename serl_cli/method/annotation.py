@@ -239,13 +239,15 @@ def annotate_episodes(
             records,
             episodes,
             prompts,
-            teacher_model,
-            tokenizer,
-            temperature,
-            cfg.micro_batch_tokens,
-            bare_replies,
-            action_format(env_cfg) if bare_replies else None,
-            scorer=scorer,
+            teacher_signal.SpanScoring(
+                teacher_model,
+                tokenizer,
+                temperature,
+                cfg.micro_batch_tokens,
+                bare_replies,
+                action_format(env_cfg) if bare_replies else None,
+                scorer=scorer,
+            ),
         )
         if cfg.teacher_signal
         else None

@@ -72,9 +72,8 @@ def signal_of(
     records, _ = annotate_episodes(episodes, cfg, model, tokenizer, env_cfg=env_cfg, bare_replies=bare_replies)
     turns = ts.signal_turns(records, episodes)
     prompts = teacher_prompts(records, [t["prompt_ids"] for e in episodes for t in e["turns"]], tokenizer, turns)
-    scored = ts.expert_logprobs(
-        records, episodes, prompts, model, tokenizer, 1.0, micro_batch_tokens, bare_replies, action_format
-    )
+    how = ts.SpanScoring(model, tokenizer, 1.0, micro_batch_tokens, bare_replies, action_format)
+    scored = ts.expert_logprobs(records, episodes, prompts, how)
     rows = ts.signal_rows(records, episodes, scored)
     key = {r["record"]: episodes[records[r["record"]]["episode"]]["turns"][records[r["record"]]["turn"]] for r in rows}
     held = [r for r in rows if key[r["record"]]["state_key"] not in seen]
@@ -152,7 +151,8 @@ def blind_copy(
         for e, t, d in found:
             block = cut(false_block(episodes, e, t, d, kind, spec, world, split, bare_replies))
             items.append((teacher_prompt(tokenizer, episodes[e]["turns"][t]["prompt_ids"], block), d))
-    lps = ts.span_logprobs(items, model, tokenizer, 1.0, micro_batch_tokens, bare_replies, action_format)
+    how = ts.SpanScoring(model, tokenizer, 1.0, micro_batch_tokens, bare_replies, action_format)
+    lps = ts.span_logprobs(items, how)
     probs = [math.exp(sum(lp)) if lp is not None else None for lp in lps]
     n = len(found)
 

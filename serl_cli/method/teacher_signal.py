@@ -38,6 +38,9 @@ teacher-signal gate, ``method.teacher_gate``); :func:`summarize` averages them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from serl_cli.method.feedback import same_action
 from serl_cli.method.teacher import action_span_mask
@@ -122,33 +125,40 @@ def teacher_signal(
     return summarize(signal_rows(records, episodes, expert_logprobs))
 
 
-def span_logprobs(
-    items: list[tuple[list[int], str]],
-    teacher_model,
-    tokenizer,
-    temperature: float,
-    micro_batch_tokens: int,
-    bare_replies: bool = False,
-    action_format=None,
-    scorer=score,
-) -> list[list[float] | None]:
+@dataclass(frozen=True)
+class SpanScoring:
+    """How the teacher scores a reply's action span: the teacher network and tokenizer, the
+    annotation's temperature and micro-batch, the replies' form (bare where the rollouts' prompts
+    ask for it, its action then found by the environment's ``action_format``), and the scorer
+    (:func:`serl_cli.training.scoring.score`'s signature)."""
+
+    teacher_model: Any
+    tokenizer: Any
+    temperature: float
+    micro_batch_tokens: int
+    bare_replies: bool = False
+    action_format: Any = None
+    scorer: Callable = score
+
+
+def span_logprobs(items: list[tuple[list[int], str]], how: SpanScoring) -> list[list[float] | None]:
     """log pi_T of each action's reply on its action span, one (prompt ids, action) pair per item;
     None where the reply has no action span (an empty span would read as probability 1)."""
-    reply = {a: expert_reply_ids(tokenizer, a, bare_replies) for _, a in items}
+    tokenizer = how.tokenizer
+    reply = {a: expert_reply_ids(tokenizer, a, how.bare_replies) for _, a in items}
     # a bare reply's action is found by the environment's action format
-    span = {
-        a: action_span_mask(tokenizer, ids, "none", action_format if bare_replies else None) for a, ids in reply.items()
-    }
+    fmt = how.action_format if how.bare_replies else None
+    span = {a: action_span_mask(tokenizer, ids, "none", fmt) for a, ids in reply.items()}
     keep = [j for j, (_, a) in enumerate(items) if any(span[a])]
     out: list[list[float] | None] = [None] * len(items)
     if not keep:
         return out
-    scored = scorer(
-        teacher_model,
+    scored = how.scorer(
+        how.teacher_model,
         tokenizer,
         [ScoreItem(items[j][0], reply[items[j][1]]) for j in keep],
-        temperature,
-        micro_batch_tokens,
+        how.temperature,
+        how.micro_batch_tokens,
     )
     for j, lp in zip(keep, scored):
         out[j] = [x for x, m in zip(lp, span[items[j][1]]) if m]
@@ -156,16 +166,7 @@ def span_logprobs(
 
 
 def expert_logprobs(
-    records: list[dict],
-    episodes: list[dict],
-    prompts: dict[int, list[int]],
-    teacher_model,
-    tokenizer,
-    temperature: float,
-    micro_batch_tokens: int,
-    bare_replies: bool = False,
-    action_format=None,
-    scorer=score,
+    records: list[dict], episodes: list[dict], prompts: dict[int, list[int]], how: SpanScoring
 ) -> dict[int, tuple[list[float], list[float]]]:
     """Record index -> the expert reply's action-span log-probs with the block (the teacher
     prompt in ``prompts``, as the annotation built it) and without it, on :func:`signal_turns`."""
@@ -174,28 +175,14 @@ def expert_logprobs(
     for k in turns:
         turn = _turn(records, episodes, k)
         items += [(prompts[k], turn["expert_action"]), (turn["prompt_ids"], turn["expert_action"])]
-    lps = span_logprobs(
-        items, teacher_model, tokenizer, temperature, micro_batch_tokens, bare_replies, action_format, scorer
-    )
+    lps = span_logprobs(items, how)
     return {k: (lps[2 * j], lps[2 * j + 1]) for j, k in enumerate(turns) if lps[2 * j] is not None}
 
 
-def measure(
-    records: list[dict],
-    episodes: list[dict],
-    prompts: dict[int, list[int]],
-    teacher_model,
-    tokenizer,
-    temperature: float,
-    micro_batch_tokens: int,
-    bare_replies: bool = False,
-    action_format=None,
-    scorer=score,
-) -> dict | None:
-    """Score the expert's reply with and without each turn's block (with ``scorer``), and summarize
+def measure(records: list[dict], episodes: list[dict], prompts: dict[int, list[int]], how: SpanScoring) -> dict | None:
+    """Score the expert's reply with and without each turn's block (``how``), and summarize
     (:func:`teacher_signal`). ``prompts``: record index -> its teacher prompt
     (``method.annotation.teacher_prompts``)."""
     if not signal_turns(records, episodes):
         return None
-    args = (teacher_model, tokenizer, temperature, micro_batch_tokens, bare_replies, action_format, scorer)
-    return teacher_signal(records, episodes, expert_logprobs(records, episodes, prompts, *args))
+    return teacher_signal(records, episodes, expert_logprobs(records, episodes, prompts, how))

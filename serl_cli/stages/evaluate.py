@@ -17,15 +17,16 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from serl_cli.artifacts import io
-from serl_cli.config import setting
+from serl_cli.config import check_at_least, check_threads, setting
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Device, Dtype, check_names
 from serl_cli.rollout.engines import EngineName, ModelPolicy, SamplingConfig, check_engine
 from serl_cli.rollout.engines.vllm import VLLMConfig
 from serl_cli.rollout.policies import ExpertPolicy, RandomPolicy
 from serl_cli.rollout.prompts import PromptConfig, trained_prompt
-from serl_cli.rollout.runner import EpisodeSpec, run_episodes
+from serl_cli.rollout.runner import EpisodeSpec
 from serl_cli.rollout.worlds import EnvConfig, build_world, world_info
+from serl_cli.stages.rollout import collect
 
 Policy = Literal["model", "expert", "random"]
 POLICIES = get_args(Policy)
@@ -143,11 +144,8 @@ def check_eval_config(cfg: EvalConfig) -> None:
     """The evaluation's numbers, each a value it can take: refused in one line before anything loads."""
     if not (math.isfinite(cfg.temperature) and cfg.temperature >= 0):
         raise SerlError(f"temperature must be 0 (greedy) or positive, got {cfg.temperature}")
-    for name in ("batch_size", "max_new_tokens"):
-        if getattr(cfg, name) < 1:
-            raise SerlError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.threads is not None and cfg.threads < 1:
-        raise SerlError(f"threads must be at least 1 (or unset: every core), got {cfg.threads}")
+    check_at_least(cfg, {"batch_size": 1, "max_new_tokens": 1})
+    check_threads(cfg.threads)
     if cfg.history_turns is not None and cfg.history_turns < -1:
         raise SerlError(f"history_turns must be -1 (all), 0 or more, got {cfg.history_turns}")
 
@@ -171,16 +169,7 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
     policy = policy or make_policy(cfg)
     started = time.time()
     try:
-        records = run_episodes(
-            world,
-            cfg.env.split,
-            specs,
-            policy,
-            max_turns=cfg.env.max_turns,
-            batch_size=cfg.batch_size,
-            on_episode_done=progress,
-            step_timeout_s=cfg.env.step_timeout_s,
-        )
+        records = collect(cfg, world, specs, policy, progress)
     finally:
         if own:
             from serl_cli.rollout.engines import close_engine

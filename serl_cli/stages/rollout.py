@@ -29,7 +29,7 @@ from typing import Literal, get_args
 
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.schema import ROLLOUTS_FILE
-from serl_cli.config import setting
+from serl_cli.config import check_at_least, check_threads, setting
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Device, Dtype, check_names
 from serl_cli.rollout.engines import EngineName, ModelPolicy, SamplingConfig, TokenizedExpertPolicy, make_engine
@@ -94,11 +94,8 @@ def validate(cfg: RolloutConfig) -> None:
         raise SerlError(f"sampling.max_new_tokens must be at least 1, got {s.max_new_tokens}")
     if not math.isfinite(s.temperature) or not math.isfinite(s.top_p):
         raise SerlError(f"sampling.temperature and top_p must be finite numbers, got {s.temperature}, {s.top_p}")
-    for name, least in (("batch_size", 1), ("tasks", 1), ("group_size", 1)):
-        if getattr(cfg, name) < least:
-            raise SerlError(f"{name} must be at least {least}, got {getattr(cfg, name)}")
-    if cfg.threads is not None and cfg.threads < 1:
-        raise SerlError(f"threads must be at least 1 (or unset: every core), got {cfg.threads}")
+    check_at_least(cfg, {"batch_size": 1, "tasks": 1, "group_size": 1})
+    check_threads(cfg.threads)
     p = cfg.prompt
     if p.history_turns < -1:
         raise SerlError(f"prompt.history_turns must be -1 (all), 0 or more, got {p.history_turns}")
@@ -134,8 +131,9 @@ def rollout_specs(cfg: RolloutConfig, world) -> list[EpisodeSpec]:
     return episode_specs(sample_tasks(world.num_tasks(cfg.env.split), cfg.tasks, cfg.seed), cfg.group_size)
 
 
-def collect(cfg: RolloutConfig, world, specs: list[EpisodeSpec], policy, progress=None) -> list[dict]:
-    """Run ``specs`` with ``policy``, ``cfg.batch_size`` at a time; one record per spec, in order."""
+def collect(cfg, world, specs: list[EpisodeSpec], policy, progress=None) -> list[dict]:
+    """Run ``specs`` with ``policy``, ``cfg.batch_size`` at a time, in ``cfg.env``; one record per spec,
+    in order. ``cfg``: a :class:`RolloutConfig` or an evaluation's config (both name these settings)."""
     return run_episodes(
         world,
         cfg.env.split,

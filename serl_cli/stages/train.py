@@ -6,6 +6,7 @@ bookkeeping: the run lock, resume, the metrics and timings journals, the checkpo
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -69,17 +70,10 @@ def hindsight_sft_examples(episodes: list[dict], cfg: TrainConfig, tokenizer, ro
     if cfg.hindsight_sft is None:
         return []
     prompt = rollout_cfg.get("prompt") or {}
+    build = examples_for_run
     if is_reading(cfg.hindsight_sft):
-        return reading_examples_for_run(
-            episodes,
-            tokenizer,
-            cfg.hindsight_sft,
-            rollout_cfg.get("env"),
-            bare_replies=bool(prompt.get("bare_replies")),
-            chat_template_kwargs=prompt.get("chat_template_kwargs"),
-            seed=cfg.seed,
-        )
-    return examples_for_run(
+        build = functools.partial(reading_examples_for_run, seed=cfg.seed)  # each example's kind is drawn
+    return build(
         episodes,
         tokenizer,
         cfg.hindsight_sft,

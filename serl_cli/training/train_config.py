@@ -15,7 +15,7 @@ from typing import Literal, get_args
 
 from serl_cli import config as cfgmod
 from serl_cli.algos.registry import OBJECTIVES, GigpoAnchor, GigpoMode, GroupNorm, objective
-from serl_cli.config import setting
+from serl_cli.config import check_at_least, check_threads, setting
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Attention, Device, Dtype, check_names
 from serl_cli.training.deepspeed_config import DeepSpeedConfig
@@ -186,11 +186,8 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
             raise SerlError(f"train.{name} must be 0 or positive, got {getattr(cfg, name)}")
     if not (_number(cfg.gamma) and 0 <= cfg.gamma <= 1):
         raise SerlError(f"train.gamma is a discount: it must be in [0, 1], got {cfg.gamma}")
-    for name in ("epochs", "mini_batches"):
-        if getattr(cfg, name) < 1:
-            raise SerlError(f"train.{name} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.threads is not None and cfg.threads < 1:
-        raise SerlError(f"train.threads must be at least 1 (or unset: every core), got {cfg.threads}")
+    check_at_least(cfg, {"epochs": 1, "mini_batches": 1}, "train.")
+    check_threads(cfg.threads, "train.")
     if not (_number(cfg.dist_timeout_s) and cfg.dist_timeout_s > 0):
         raise SerlError(f"train.dist_timeout_s must be positive (seconds), got {cfg.dist_timeout_s}")
     _check_optim(cfg.optim)

@@ -298,38 +298,17 @@ def _cfg(t: Path, text: bytes) -> list[str]:
     return ["rollout", "--config", str(t / "cfg.yaml"), "--out", str(t / "out"), *SYNTH]
 
 
+def _one_episode(t: Path, model, *extra: str) -> list[str]:
+    """The options of a run of one task, one episode, into ``t/out``."""
+    return ["--model", str(model), "--tasks", "1", "--group-size", "1", "--out", str(t / "out"), *SYNTH, *extra]
+
+
 def _ro(t: Path, model, *extra: str) -> list[str]:
-    return [
-        "rollout",
-        "--model",
-        str(model),
-        "--tasks",
-        "1",
-        "--group-size",
-        "1",
-        "--out",
-        str(t / "out"),
-        *SYNTH,
-        *extra,
-    ]
+    return ["rollout", *_one_episode(t, model, *extra)]
 
 
 def _online(t: Path, model, *extra: str) -> list[str]:
-    return [
-        "train",
-        "--iterations",
-        "1",
-        "--model",
-        str(model),
-        "--tasks",
-        "1",
-        "--group-size",
-        "1",
-        "--out",
-        str(t / "out"),
-        *SYNTH,
-        *extra,
-    ]
+    return ["train", "--iterations", "1", *_one_episode(t, model, *extra)]
 
 
 def _cut_rollouts(run: Path, *, keep_bytes: int | None = None, keep_lines: int | None = None) -> None:

@@ -82,7 +82,7 @@ def test_aligned_expert_is_the_expert_action_from_this_state_labelled_privileged
 
 
 def test_unknown_trajectory_is_one_clear_error():
-    with pytest.raises(SerlError, match="unknown trajectory rendering 'partial'"):
+    with pytest.raises(SerlError, match="unknown trajectory 'partial'"):
         annotate_episodes([], AnnotateConfig(trajectory="partial"), None, None, env_cfg=None)
 
 

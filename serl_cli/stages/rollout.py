@@ -99,9 +99,10 @@ def validate(cfg: RolloutConfig) -> None:
     p = cfg.prompt
     if p.history_turns < -1:
         raise SerlError(f"prompt.history_turns must be -1 (all), 0 or more, got {p.history_turns}")
-    for name in ("history_obs_chars", "max_admissible"):
-        if getattr(p, name) < 0:
-            raise SerlError(f"prompt.{name} must be 0 or more, got {getattr(p, name)}")
+    if p.history_obs_chars < 0:
+        raise SerlError(f"prompt.history_obs_chars must be 0 or more, got {p.history_obs_chars}")
+    if p.max_admissible < -1:
+        raise SerlError(f"prompt.max_admissible must be -1 (all), 0 (no list) or more, got {p.max_admissible}")
     check_chat_template_kwargs(cfg.prompt.chat_template_kwargs)
     check_style(cfg.prompt)
     for name in ("expert_noise", "expert_blunders"):

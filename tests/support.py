@@ -17,21 +17,26 @@ this module holds the plain helpers test modules import (conftest.py puts this f
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from tokenizers import Tokenizer, models, trainers
+from tokenizers import pre_tokenizers as pre
+from transformers import PreTrainedTokenizerFast
 
 from envs.webshop.env import RULES
 from serl_cli.ablate.runners import SELF_CMD
 from serl_cli.artifacts.schema import TurnSample
-from serl_cli.models.tiny import EOS_TOKEN
+from serl_cli.models.tiny import EOS_TOKEN, _qwen2_pipeline
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import ACTION_FORMAT, PromptConfig, build_messages, render_prompt_ids
 from serl_cli.rollout.worlds import EnvConfig
@@ -236,3 +241,94 @@ def requires_webshop_data() -> Path:
     if path is None:
         pytest.skip("SERL_DATA_DIR does not point at the WebShop data (webshop/documents_1k.jsonl)")
     return path
+
+
+# -- ALFWorld's games, where the extra and the data are present ---------------------------------
+def alfworld_root() -> Path | None:
+    root = os.environ.get("SERL_DATA_DIR")
+    if root and (Path(root) / "alfworld" / "json_2.1.1").is_dir():
+        return Path(root) / "alfworld"
+    return None
+
+
+def requires_alfworld() -> Path:
+    if importlib.util.find_spec("alfworld") is None or importlib.util.find_spec("textworld") is None:
+        pytest.skip("the alfworld extra is not installed (pip install -e '.[alfworld]')")
+    root = alfworld_root()
+    if root is None:
+        pytest.skip("SERL_DATA_DIR does not point at the ALFWorld games (alfworld/json_2.1.1)")
+    return root
+
+
+# -- real model families' chat templates, each with a small BPE trained here -----------------------
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+
+# template file, special tokens (the first is the pad token), bos, eos, whether the template takes a system message
+FAMILIES = {
+    "qwen2.5": ("qwen2.5-instruct.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", True),
+    "qwen3": (
+        "qwen3.jinja",
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+        None,
+        "<|im_end|>",
+        True,
+    ),
+    "llama3.1": (
+        "llama3.1-instruct.jinja",
+        [
+            "<|finetune_right_pad_id|>",
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|python_tag|>",
+        ],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        True,
+    ),
+    # Gemma 2's template refuses a system message; its end of turn is not its eos token
+    "gemma2": (
+        "gemma2-it.jinja",
+        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+        "<bos>",
+        "<eos>",
+        False,
+    ),
+    # Mistral: the system text goes into the last user turn; no assistant header; no end-of-user token but [/INST]
+    "mistral-v0.3": (
+        "mistral-7b-instruct-v0.3.jinja",
+        ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+        "<s>",
+        "</s>",
+        True,
+    ),
+}
+
+
+def wrap_family_tokenizer(tok: Tokenizer, family: str) -> PreTrainedTokenizerFast:
+    template, specials, bos, eos, _ = FAMILIES[family]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=specials[0],
+        chat_template=(TEMPLATES / template).read_text(encoding="utf-8"),
+        clean_up_tokenization_spaces=False,
+    )
+
+
+@cache
+def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (Qwen2's pre-tokenizer) trained on WebShop-like text, with the family's specials."""
+    tok = _qwen2_pipeline(Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False)))
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=FAMILIES[family][1],
+        initial_alphabet=pre.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(webshop_like_corpus(), trainer=trainer)
+    return wrap_family_tokenizer(tok, family)

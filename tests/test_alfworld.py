@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
-from support import assert_one_line_error, serl
+from support import assert_one_line_error, requires_alfworld, serl
 
 from envs.alfworld import feedback as fb
 from envs.alfworld.expert import to_211, to_212
@@ -33,22 +32,6 @@ UNSEEN_HEAT_PLAN = [
     "open fridge 1",
     "put apple 3 in/on fridge 1",
 ]
-
-
-def alfworld_root() -> Path | None:
-    root = os.environ.get("SERL_DATA_DIR")
-    if root and (Path(root) / "alfworld" / "json_2.1.1").is_dir():
-        return Path(root) / "alfworld"
-    return None
-
-
-def requires_alfworld() -> Path:
-    if importlib.util.find_spec("alfworld") is None or importlib.util.find_spec("textworld") is None:
-        pytest.skip("the alfworld extra is not installed (pip install -e '.[alfworld]')")
-    root = alfworld_root()
-    if root is None:
-        pytest.skip("SERL_DATA_DIR does not point at the ALFWorld games (alfworld/json_2.1.1)")
-    return root
 
 
 @pytest.fixture(scope="module")

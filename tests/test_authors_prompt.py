@@ -18,8 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
-from support import turn_sample
-from test_model_families import family_tokenizer
+from support import family_tokenizer, turn_sample
 
 from envs.alfworld import authors as alfworld_authors
 from envs.base import Feedback, Step

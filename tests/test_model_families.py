@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import string
 from functools import cache
-from pathlib import Path
 
 import pytest
-from support import webshop_like_corpus
-from tokenizers import Tokenizer, decoders, models, trainers
+from support import FAMILIES, family_tokenizer, wrap_family_tokenizer
+from tokenizers import Tokenizer, decoders, models
 from tokenizers import pre_tokenizers as pre
 from transformers import PreTrainedTokenizerFast
 
@@ -34,7 +33,6 @@ from serl_cli.method.teacher import (
     teacher_prompt_ids,
     teacher_suffix,
 )
-from serl_cli.models.tiny import _qwen2_pipeline
 from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, _TokenizerOnly
 from serl_cli.rollout.prompts import (
     PromptConfig,
@@ -46,78 +44,7 @@ from serl_cli.rollout.prompts import (
 )
 from serl_cli.stages.rollout import RolloutConfig, validate
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
-
-# template file, special tokens (the first is the pad token), bos, eos, whether the template takes a system message
-FAMILIES = {
-    "qwen2.5": ("qwen2.5-instruct.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", True),
-    "qwen3": (
-        "qwen3.jinja",
-        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
-        None,
-        "<|im_end|>",
-        True,
-    ),
-    "llama3.1": (
-        "llama3.1-instruct.jinja",
-        [
-            "<|finetune_right_pad_id|>",
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
-            "<|start_header_id|>",
-            "<|end_header_id|>",
-            "<|eot_id|>",
-            "<|eom_id|>",
-            "<|python_tag|>",
-        ],
-        "<|begin_of_text|>",
-        "<|eot_id|>",
-        True,
-    ),
-    # Gemma 2's template refuses a system message; its end of turn is not its eos token
-    "gemma2": (
-        "gemma2-it.jinja",
-        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
-        "<bos>",
-        "<eos>",
-        False,
-    ),
-    # Mistral: the system text goes into the last user turn; no assistant header; no end-of-user token but [/INST]
-    "mistral-v0.3": (
-        "mistral-7b-instruct-v0.3.jinja",
-        ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
-        "<s>",
-        "</s>",
-        True,
-    ),
-}
 BLOCK = "Immediate feedback from the current step:\nInstruction: [SEP] i need a red mug [SEP] Back to Search"
-
-
-def _wrap(tok: Tokenizer, family: str) -> PreTrainedTokenizerFast:
-    template, specials, bos, eos, _ = FAMILIES[family]
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=eos,
-        pad_token=specials[0],
-        chat_template=(TEMPLATES / template).read_text(encoding="utf-8"),
-        clean_up_tokenization_spaces=False,
-    )
-
-
-@cache
-def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
-    """A byte-level BPE (Qwen2's pre-tokenizer) trained on WebShop-like text, with the family's specials."""
-    tok = _qwen2_pipeline(Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False)))
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=FAMILIES[family][1],
-        initial_alphabet=pre.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(webshop_like_corpus(), trainer=trainer)
-    return _wrap(tok, family)
 
 
 @cache
@@ -133,7 +60,7 @@ def merging_tokenizer(family: str) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
-    return _wrap(tok, family)
+    return wrap_family_tokenizer(tok, family)
 
 
 def _messages(family: str) -> list[dict]:

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import assert_one_line_error, requires_webshop_data
-from test_alfworld import requires_alfworld
+from support import assert_one_line_error, requires_alfworld, requires_webshop_data
 
 from serl_cli import config as cfgmod
 from serl_cli.stages.online_config import OnlineConfig

@@ -31,9 +31,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import stats as _st
 
 from serl_cli.errors import SerlError
+from serl_cli.stats.summary import scipy_stats
 
 RECORD_KEYS = ("episode", "turn", "selected", "sources", "fired", "advantage")
 
@@ -93,13 +93,13 @@ def _tests(sel_r, uns_r, table, alpha: float) -> dict:
     if not uns_r:
         out["untestable"] = "every turn is selected"
         return out
-    mw = _st.mannwhitneyu(sel_r, uns_r, alternative="two-sided")
+    mw = scipy_stats().mannwhitneyu(sel_r, uns_r, alternative="two-sided")
     out["mann_whitney"] = {"statistic": _num(mw.statistic), "p_value": _num(mw.pvalue)}
     (a, b), (c, d) = table
     if a + c == 0 or b + d == 0:
         out["untestable"] = "every rollout " + ("failed" if a + c == 0 else "succeeded") + " (one class only)"
         return out
-    odds, p = _st.fisher_exact(table, alternative="two-sided")
+    odds, p = scipy_stats().fisher_exact(table, alternative="two-sided")
     out["fisher"].update(odds_ratio=_num(odds), p_value=_num(p))
     return out
 

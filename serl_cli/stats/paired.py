@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scipy import stats as _st
-
-from serl_cli.stats.summary import _finite, mean, std, t_interval
+from serl_cli.stats.summary import _finite, mean, scipy_stats, std, t_interval
 
 
 def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> dict:
@@ -18,7 +16,7 @@ def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.
     out = {"n": n, "mean_diff": mean(d), "std_diff": std(d), "ci95": t_interval(d, confidence), "t": None, "p": None}
     if n < 2 or not out["std_diff"]:
         return out  # one pair, or every difference equal: t is 0/0 or +-inf, not a test
-    res = _st.ttest_rel([float(x) for x in a], [float(y) for y in b])
+    res = scipy_stats().ttest_rel([float(x) for x in a], [float(y) for y in b])
     out["t"], out["p"] = _finite(res.statistic), _finite(res.pvalue)
     return out
 
@@ -30,7 +28,7 @@ def wilcoxon_signed_rank(a: Sequence[float], b: Sequence[float], min_n: int = 6)
     d = [float(x) - float(y) for x, y in zip(a, b)]
     if len(d) < min_n or all(x == 0 for x in d):
         return None
-    res = _st.wilcoxon(d)
+    res = scipy_stats().wilcoxon(d)
     return {"n": len(d), "statistic": _finite(res.statistic), "p": _finite(res.pvalue)}
 
 

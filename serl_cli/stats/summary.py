@@ -8,14 +8,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from scipy import stats as _st
+
+def scipy_stats():
+    """scipy.stats, imported when a test statistic is computed: a second of start-up that a
+    command which never summarizes (or a config error) does not pay."""
+    from scipy import stats
+
+    return stats
 
 
 def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> list[float]:
     """Wilson score interval for a binomial proportion (stays inside [0, 1], sane at 0 and n)."""
     if n == 0:
         return [0.0, 1.0]
-    z = float(_st.norm.ppf(0.5 + confidence / 2))
+    z = float(scipy_stats().norm.ppf(0.5 + confidence / 2))
     p = successes / n
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
@@ -47,7 +53,7 @@ def t_interval(xs: Sequence[float], confidence: float = 0.95) -> list[float] | N
     if n < 2:
         return None
     m, s = mean(xs), std(xs)
-    half = float(_st.t.ppf(0.5 + confidence / 2, n - 1)) * s / math.sqrt(n)
+    half = float(scipy_stats().t.ppf(0.5 + confidence / 2, n - 1)) * s / math.sqrt(n)
     return [m - half, m + half]
 
 

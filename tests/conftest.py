@@ -55,3 +55,16 @@ def stopping_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+# -- the fast tier: `python -m pytest -m "not slow"` -------------------------------------------------
+# A test that builds on a model (a tiny model directory, directly or through another fixture) trains,
+# generates or scores with it: slow, as are those marked by hand. What is left -- the math, the
+# environments, configs, artifacts, the CLI's refusals -- is the fast tier.
+MODEL_FIXTURES = {"tiny_model_dir", "stopping_model_dir"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

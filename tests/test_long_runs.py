@@ -54,11 +54,31 @@ def same_weights(a, b) -> bool:
     return wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
 
 
-def assert_same_run(out, ref) -> None:
+def close(a, b, tol: float) -> bool:
+    """Equal records, floats to ``tol``; everything else (tokens, actions, rewards' types) exactly."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= tol
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(close(a[k], b[k], tol) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
+    return a == b
+
+
+def assert_same_run(out, ref, exact: bool = True) -> None:
+    """The same run: metrics, every iteration's rollouts and the final weights. ``exact=False``
+    for a run made in other processes than ``ref``: a generation's log-probs on a CPU can differ
+    in the last bits between processes (the kernels' paths depend on memory alignment), so
+    rollouts are compared token for token with their log-probs to 1e-5."""
     assert (out / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
     for k in range(3):
         it = f"iter_{k:04d}"
-        assert (out / it / "rollouts.jsonl").read_bytes() == (ref / it / "rollouts.jsonl").read_bytes(), it
+        a, b = (out / it / "rollouts.jsonl").read_bytes(), (ref / it / "rollouts.jsonl").read_bytes()
+        if exact:
+            assert a == b, it
+        else:
+            rows = [[json.loads(line) for line in x.decode().splitlines()] for x in (a, b)]
+            assert close(*rows, tol=1e-5), it
     assert same_weights(out / "checkpoint", ref / "checkpoint")
 
 
@@ -183,7 +203,7 @@ def test_cli_exits_75_on_sigusr1_and_resume_continues(tiny_model_dir, reference,
     assert "preempted:" in err and "--resume" in err
     q = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, timeout=300, check=False)
     assert q.returncode == 0, q.stderr[-2000:]
-    assert_same_run(out, reference)
+    assert_same_run(out, reference, exact=False)  # made by two other processes than the reference
 
 
 def test_show_lists_an_online_runs_iterations(reference):

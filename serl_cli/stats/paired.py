@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from serl_cli.stats.summary import _finite, mean, scipy_stats, std, t_interval
+from serl_cli.stats.summary import finite_or_none, mean, scipy_stats, std, t_interval
 
 
 def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> dict:
@@ -17,7 +17,7 @@ def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.
     if n < 2 or not out["std_diff"]:
         return out  # one pair, or every difference equal: t is 0/0 or +-inf, not a test
     res = scipy_stats().ttest_rel([float(x) for x in a], [float(y) for y in b])
-    out["t"], out["p"] = _finite(res.statistic), _finite(res.pvalue)
+    out["t"], out["p"] = finite_or_none(res.statistic), finite_or_none(res.pvalue)
     return out
 
 
@@ -29,7 +29,7 @@ def wilcoxon_signed_rank(a: Sequence[float], b: Sequence[float], min_n: int = 6)
     if len(d) < min_n or all(x == 0 for x in d):
         return None
     res = scipy_stats().wilcoxon(d)
-    return {"n": len(d), "statistic": _finite(res.statistic), "p": _finite(res.pvalue)}
+    return {"n": len(d), "statistic": finite_or_none(res.statistic), "p": finite_or_none(res.pvalue)}
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:

@@ -29,7 +29,7 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> list[fl
     return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
-def _finite(x) -> float | None:
+def finite_or_none(x) -> float | None:
     x = float(x)
     return x if math.isfinite(x) else None
 

@@ -228,11 +228,15 @@ def tiny_grid(
 
 
 # -- the benchmark data -------------------------------------------------------------------
-def webshop_data_dir() -> Path | None:
+def data_dir(name: str, marker: str) -> Path | None:
+    """``$SERL_DATA_DIR/name`` where it holds ``marker``, else None."""
     root = os.environ.get("SERL_DATA_DIR")
-    if root and (Path(root) / "webshop" / "documents_1k.jsonl").is_file():
-        return Path(root) / "webshop"
-    return None
+    folder = Path(root) / name if root else None
+    return folder if folder is not None and (folder / marker).exists() else None
+
+
+def webshop_data_dir() -> Path | None:
+    return data_dir("webshop", "documents_1k.jsonl")
 
 
 def requires_webshop_data() -> Path:
@@ -245,10 +249,7 @@ def requires_webshop_data() -> Path:
 
 # -- ALFWorld's games, where the extra and the data are present ---------------------------------
 def alfworld_root() -> Path | None:
-    root = os.environ.get("SERL_DATA_DIR")
-    if root and (Path(root) / "alfworld" / "json_2.1.1").is_dir():
-        return Path(root) / "alfworld"
-    return None
+    return data_dir("alfworld", "json_2.1.1")
 
 
 def requires_alfworld() -> Path:

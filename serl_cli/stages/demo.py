@@ -309,7 +309,7 @@ def _run_side_by_side(arms: list[OnlineConfig], log) -> None:
     with ctx.Manager() as manager:
         lines = manager.Queue()
         with ProcessPoolExecutor(len(arms), mp_context=ctx) as pool:
-            futures = [pool.submit(_run_arm, arm, lines) for arm in arms]
+            futures = [pool.submit(_run_arm, arm, lines, os.getpid()) for arm in arms]
             while not all(f.done() for f in futures) or not lines.empty():
                 try:
                     log(lines.get(timeout=0.5))
@@ -319,9 +319,24 @@ def _run_side_by_side(arms: list[OnlineConfig], log) -> None:
                 f.result()  # an arm's error, raised here
 
 
-def _run_arm(arm: OnlineConfig, lines) -> None:
+def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """End this process once ``parent`` (the pid of the process that started it) is gone: a
+    ``serl demo`` stopped by a signal that reaches it alone (``kill PID``, a scheduler's SIGTERM)
+    must not leave its arms training on, orphaned. A daemon thread watches this process's parent."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="serl-exit-with-parent").start()
+
+
+def _run_arm(arm: OnlineConfig, lines, parent: int) -> None:
     from serl_cli.stages.online import run_online
 
+    exit_with_parent(parent)
     run_online(arm, overwrite=True, on_iteration=lambda h: lines.put(_progress(arm.train.algo, h)))
 
 

@@ -63,7 +63,7 @@ def test_auto_catalog_without_data_says_so_once_and_records_it(tmp_path, tiny_mo
 
 def test_ctrl_c_says_the_command_that_resumes_and_that_command_finishes(tmp_path, tiny_model_dir):
     out = tmp_path / "ro"
-    args = ["rollout", "--model", str(tiny_model_dir), "--tasks", "2", "--group-size", "2", "--max-turns", "3"]
+    args = ["rollout", "--model", str(tiny_model_dir), "--tasks", "2", "--group-size", "2", "--max-turns", "6"]
     args += ["--set", "env.settings.catalog=synthetic", "--set", "sampling.max_new_tokens=16", "--threads", "1"]
     args += ["--out", str(out), "--overwrite"]
     env = {**os.environ, "COLUMNS": "400", "SERL_THREADS": "1"}
@@ -74,8 +74,13 @@ def test_ctrl_c_says_the_command_that_resumes_and_that_command_finishes(tmp_path
         if journal.is_file() and journal.read_bytes().count(b"\n") >= 2:  # a round is journaled
             break
         time.sleep(0.02)
+    # frozen the moment a round is journaled, so the interrupt finds the rollout running however
+    # late this poll ran (a busy machine once let it finish first: exit 0)
+    os.kill(p.pid, signal.SIGSTOP)
     assert p.poll() is None, p.communicate()[1][-2000:]
-    p.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    assert not (out / "rollouts.jsonl").exists(), "the rollout finished before it could be interrupted"
+    p.send_signal(signal.SIGINT)  # what Ctrl-C sends: pending until the child runs again
+    os.kill(p.pid, signal.SIGCONT)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err[-2000:]
     line = [x for x in err.splitlines() if "interrupted (Ctrl-C)" in x]

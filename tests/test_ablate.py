@@ -254,6 +254,7 @@ def _finish(out: Path, cell: dict, success: float, start_model: str | None = "em
     )
 
 
+@pytest.mark.slow
 def test_reuse_copies_only_the_same_finished_cells_and_keep_rebuilds_the_report(tmp_path):
     src, dst, kept = tmp_path / "src", tmp_path / "dst", tmp_path / "kept"
     rec_src = ab_record.grid_record(ab.load_grid(flags={"algo": "grpo,gigpo", "seeds": 2}), [])

@@ -32,6 +32,7 @@ def test_eval_expert_writes_summary(tmp_path):
     assert "success rate" in proc.stdout
 
 
+@pytest.mark.slow
 def test_eval_random_is_seeded(tmp_path):
     requires_webshop_data()
     runs = []
@@ -42,6 +43,7 @@ def test_eval_random_is_seeded(tmp_path):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.slow
 def test_eval_refuses_to_overwrite(tmp_path):
     requires_webshop_data()
     out = tmp_path / "ev"
@@ -122,6 +124,7 @@ def test_malformed_yaml_config(tmp_path):
     assert_one_line_error(serl("eval", "--config", str(tmp_path / "nope.yaml")), "config file not found")
 
 
+@pytest.mark.slow
 def test_synthetic_catalog_without_data(tmp_path):
     proc = serl(
         "eval", "--policy", "expert", "--episodes", "20", "--out", str(tmp_path / "ev"), env={"SERL_DATA_DIR": ""}
@@ -131,6 +134,7 @@ def test_synthetic_catalog_without_data(tmp_path):
     assert summary["success_rate"] >= 0.9
 
 
+@pytest.mark.slow
 def test_eval_spread_panel_takes_evenly_spaced_tasks(tmp_path):
     out = tmp_path / "ev"
     p = serl(

@@ -59,6 +59,7 @@ def run_gpu_check(args: list[str], timeout: int, **env: str) -> subprocess.Compl
     )
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_stage_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     p = run_gpu_check(["--smoke", "--device", "cpu", "--out", str(out)], timeout=300)

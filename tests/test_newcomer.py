@@ -118,6 +118,7 @@ def test_env_play_says_how_to_quit_and_quit_is_no_action():
     assert "episode stopped: reward 0.0, 0 turns" in p.stdout  # "quit" never reached the shop
 
 
+@pytest.mark.slow
 def test_refusals_and_help_say_what_each_command_has(tmp_path):
     out = tmp_path / "ev"
     args = ["eval", "--policy", "expert", "--episodes", "1", "--set", "env.settings.catalog=synthetic"]

@@ -64,6 +64,7 @@ def test_unknown_algorithm(expert_run, tmp_path):
     assert tree_hash(run) == before
 
 
+@pytest.mark.slow
 def test_not_a_run_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     assert_one_line_error(serl("train", str(tmp_path / "empty"), "--algo", "sft"), "not a serl run directory")

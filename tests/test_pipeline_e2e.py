@@ -21,6 +21,7 @@ from serl_cli.training.train_config import TrainConfig
 SYNTH = ["--set", "env.settings.catalog=synthetic"]
 
 
+@pytest.mark.slow
 def test_cli_pipeline_end_to_end(tmp_path):
     model, expert, grpo, ev = (tmp_path / n for n in ("model", "expert", "grpo", "eval"))
     p = serl("model", "init", "--preset", "tiny", "--out", str(model), *SYNTH)

@@ -175,6 +175,7 @@ def test_which_runs_use_cuda():
     assert uses_cuda(cfg, cuda_available=False)
 
 
+@pytest.mark.slow
 def test_serl_train_refuses_an_impossible_layout_before_loading(tmp_path):
     """A 70B-sized model on the torch backend, on this CPU: refused in one line from its
     config.json alone; --no-plan-check goes on to load it (and fails there: it has no weights)."""

@@ -175,6 +175,7 @@ def test_hindsight_sft_settings_are_checked(cfg, match):
 
 
 # -- the demo -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_quick_demo_runs_end_to_end_on_sokoban(micro_dir, tmp_path):
     cfg = quick(DemoConfig(model=str(micro_dir), threads=1, out=str(tmp_path / "demo")))
     summary = run_demo(cfg, log=lambda *_: None)

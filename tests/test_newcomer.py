@@ -63,8 +63,10 @@ def test_auto_catalog_without_data_says_so_once_and_records_it(tmp_path, tiny_mo
 
 def test_ctrl_c_says_the_command_that_resumes_and_that_command_finishes(tmp_path, tiny_model_dir):
     out = tmp_path / "ro"
-    args = ["rollout", "--model", str(tiny_model_dir), "--tasks", "2", "--group-size", "2", "--max-turns", "6"]
+    # one episode at a time, 8 of them: when the first round is journaled, seconds of work are left
+    args = ["rollout", "--model", str(tiny_model_dir), "--tasks", "4", "--group-size", "2", "--max-turns", "6"]
     args += ["--set", "env.settings.catalog=synthetic", "--set", "sampling.max_new_tokens=16", "--threads", "1"]
+    args += ["--set", "batch_size=1"]
     args += ["--out", str(out), "--overwrite"]
     env = {**os.environ, "COLUMNS": "400", "SERL_THREADS": "1"}
     p = subprocess.Popen([*SELF_CMD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -73,7 +75,7 @@ def test_ctrl_c_says_the_command_that_resumes_and_that_command_finishes(tmp_path
     while time.monotonic() < deadline and p.poll() is None:
         if journal.is_file() and journal.read_bytes().count(b"\n") >= 2:  # a round is journaled
             break
-        time.sleep(0.02)
+        time.sleep(0.005)
     # frozen the moment a round is journaled, so the interrupt finds the rollout running however
     # late this poll ran (a busy machine once let it finish first: exit 0)
     os.kill(p.pid, signal.SIGSTOP)
@@ -90,7 +92,7 @@ def test_ctrl_c_says_the_command_that_resumes_and_that_command_finishes(tmp_path
     q = subprocess.run([*SELF_CMD, *shlex.split(command)[1:]], capture_output=True, text=True, env=env, timeout=300)
     assert q.returncode == 0, q.stderr[-2000:]
     assert json.loads((out / "manifest.json").read_text())["stages"]["rollout"]["status"] == "done"
-    assert len((out / "rollouts.jsonl").read_text().splitlines()) == 4
+    assert len((out / "rollouts.jsonl").read_text().splitlines()) == 8
 
 
 def test_ctrl_c_line_by_command(tmp_path, monkeypatch):

@@ -113,16 +113,10 @@ def preflight(cfg: OnlineConfig, *, online: bool, model: str | None, argv: list[
     layout's memory on this machine -- its GPUs (their count and memory, the ranks the launcher
     started), or on a CPU its memory shared by the node's processes. Raises the first reason it
     cannot run; returns the plan, or None where the model cannot be sized without loading it
-    (then nothing is refused)."""
+    (then nothing is refused). The settings' own checks have run before it (``serl train`` runs
+    them before torch loads)."""
     import torch
 
-    from serl_cli.stages.online_config import check_online_config
-    from serl_cli.training.train_config import check_train_config
-
-    if online:  # their one-line errors come first
-        check_online_config(cfg)
-    else:
-        check_train_config(cfg.train)
     cuda = uses_cuda(cfg, torch.cuda.is_available())
     if cuda:
         check_launch(cfg.train.gpus, os.environ, argv or sys.argv, cfg.train.backend)

@@ -69,7 +69,16 @@ def test_ctrl_c_says_the_command_that_resumes_and_that_command_finishes(tmp_path
     args += ["--set", "batch_size=1"]
     args += ["--out", str(out), "--overwrite"]
     env = {**os.environ, "COLUMNS": "400", "SERL_THREADS": "1"}
-    p = subprocess.Popen([*SELF_CMD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # as a terminal's foreground process: SIGINT not ignored (a CI script started in the background with `&`
+    # hands its children SIGINT ignored, and Python then leaves it so)
+    p = subprocess.Popen(
+        [*SELF_CMD, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     journal = out / "rollouts.journal.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and p.poll() is None:

@@ -331,4 +331,5 @@ def test_study_v4_grid_starts_every_arm_from_the_reading_warm_start_and_contrast
     loose = arms["serl-oracle-loose"]["annotate"]
     assert (loose["weight_clip"], loose["mixing_lambda"], loose["lambda_decay_steps"]) == (1.0, 1.0, 0)
     assert arms["serl-error+diff-feedback"]["annotate"]["placement"] == "feedback"
-    assert [(c["plus"], c["minus"]) for c in grid.contrasts] == [([a], ["grpo"]) for a in list(arms)[1:]]
+    assert sorted((c["plus"], c["minus"]) for c in grid.contrasts) == sorted(([a], ["grpo"]) for a in list(arms)[1:])
+    assert list(arms)[-1] == "sdpo-oracle"  # the costliest arm last: a grid stopped for time cuts its seeds first

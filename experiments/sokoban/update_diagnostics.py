@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from types import SimpleNamespace
 
 from serl_cli.algos.objectives import turn_advantages
 from serl_cli.artifacts import io
@@ -23,6 +22,7 @@ from serl_cli.artifacts.schema import read_rollouts, turn_samples
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
 from serl_cli.method.update_diagnostics import update_figures
 from serl_cli.models.loading import load_model
+from serl_cli.training.train_config import TrainConfig
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
         lambda_decay_steps=0,
         teacher_signal=False,
     )
-    train = SimpleNamespace(group_norm=args.group_norm, adv_eps=1e-6)  # the advantage settings turn_advantages reads
+    train = TrainConfig(algo="serl", group_norm=args.group_norm)  # the advantage as an online iteration computes it
     advantages = turn_advantages(turn_samples(episodes), train).tolist()
     records, _ = annotate_episodes(
         episodes, cfg, model, tokenizer, env_cfg=rollout["env"], advantages=advantages, bare_replies=bare

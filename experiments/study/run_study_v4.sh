@@ -37,8 +37,11 @@ for bounds in "authors 0.2 0.5" "loose 1.0 1.0"; do
         --model $S/warm_start --weight-clip $2 --mixing-lambda $3 > $S/diagnostics/oracle-$1.json
 done
 
-# 5. the grid
-serl ablate experiments/study/sokoban_v4.yaml --out $S/grid --parallel "$PARALLEL" -q
+# 5. the grid, in two passes: first every arm on seeds 0-4, then the full grid (seeds 0-9), which reuses the first
+#    pass's cells and fills seeds 5-9 arm by arm (arm-major: GRPO and the oracle arms first). Stopped for time
+#    after the first pass, every arm still has 5 paired seeds.
+serl ablate experiments/study/sokoban_v4.yaml --seeds 5 --out $S/grid-5seeds --parallel "$PARALLEL" -q
+serl ablate experiments/study/sokoban_v4.yaml --out $S/grid --reuse $S/grid-5seeds --parallel "$PARALLEL" -q
 
 # 6. the committed summaries, and the report rebuilt from them alone
 mkdir -p $K/sft_alone $K/diagnostics

@@ -332,3 +332,12 @@ def test_study_v4_grid_starts_every_arm_from_the_reading_warm_start_and_contrast
     assert arms["serl-error+diff-feedback"]["annotate"]["placement"] == "feedback"
     assert sorted((c["plus"], c["minus"]) for c in grid.contrasts) == sorted(([a], ["grpo"]) for a in list(arms)[1:])
     assert list(arms)[-1] == "sdpo-oracle"  # the costliest arm last: a grid stopped for time cuts its seeds first
+
+
+def test_the_loose_bounds_arm_is_a_valid_setting_and_c_above_one_is_refused():
+    # c = 1 bounds the weights to [0, 2]: a token's advantage can be zeroed, never turned (study v4's loose arm)
+    from serl_cli.method.annotate_config import validate
+
+    validate(AnnotateConfig(sources="expert", trajectory="aligned", weight_clip=1.0, mixing_lambda=1.0))
+    with pytest.raises(SerlError, match=r"weight_clip must be in \[0, 1\], got 1.01"):
+        validate(AnnotateConfig(sources="expert", weight_clip=1.01))

@@ -104,8 +104,8 @@ def validate(cfg: AnnotateConfig) -> list[list[str]]:
 
 def _check_numbers(cfg: AnnotateConfig) -> None:
     """The weights' numbers: each a value it can take (NaN never), refused before any model loads."""
-    if not (0 <= cfg.weight_clip < 1):  # a weight is 1 +- c: c >= 1 could turn an advantage's sign
-        raise SerlError(f"weight_clip must be in [0, 1), got {cfg.weight_clip}")
+    if not (0 <= cfg.weight_clip <= 1):  # a weight is 1 +- c: c > 1 could turn an advantage's sign (c = 1 zeroes it)
+        raise SerlError(f"weight_clip must be in [0, 1], got {cfg.weight_clip}")
     if not (0 <= cfg.mixing_lambda <= 1):
         raise SerlError(f"mixing_lambda must be in [0, 1], got {cfg.mixing_lambda}")
     if cfg.anchor_similarity is not None and not (0 <= cfg.anchor_similarity <= 1):

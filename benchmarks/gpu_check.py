@@ -211,7 +211,7 @@ def make_engine(kind: str, model_dir: Path, args, precision):
     return serl_engine("hf", model, tokenizer)
 
 
-def rollout(engine, model_dir: Path, out: Path, args) -> tuple[dict, list[dict]]:
+def rollout(engine, model_dir: Path, out: Path, args) -> tuple[dict, list]:
     from benchmarks.train_step import assign_synthetic_rewards
     from serl_cli.artifacts.schema import read_rollouts
     from serl_cli.rollout.engines import SamplingConfig
@@ -299,6 +299,7 @@ def update(learner, episodes: list[dict], engine_kind: str) -> dict:
 def sync_and_verify(engine, learner, model_dir: Path, args) -> dict:
     """Push the updated weights into the engine (in memory) and check it now serves them: the
     trainer re-scores a fresh generation; its mismatch stays at the pre-update level."""
+    from serl_cli.artifacts.records import make_episode, make_turn
     from serl_cli.rollout.engines import SamplingConfig
 
     out = {}
@@ -308,14 +309,10 @@ def sync_and_verify(engine, learner, model_dir: Path, args) -> dict:
     tok = engine.tokenizer
     prompts = _prompts(16, 64, len(tok), seed=5)
     gens = engine.generate(prompts, SamplingConfig(1.0, 1.0, 16), seed=9)
-    episodes = [
-        {
-            "turns": [
-                {"prompt_ids": p, "action_ids": g.token_ids, "behaviour_logprobs": g.logprobs}
-                for p, g in zip(prompts, gens)
-            ]
-        }
+    turns = [
+        make_turn(prompt_ids=p, action_ids=g.token_ids, behaviour_logprobs=g.logprobs) for p, g in zip(prompts, gens)
     ]
+    episodes = [make_episode(turns)]
     after = learner.recompute_logp_old(episodes, 1.0)
     out.update(
         mismatch_after_sync_mean=after.get("logp_mismatch_mean"), mismatch_after_sync_max=after.get("logp_mismatch_max")

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from benchmarks.common import Stopwatch, report
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.method.annotation import annotate_episodes
 from serl_cli.rollout.default_model import default_model_dir
@@ -77,11 +78,11 @@ def iteration_configs(cfg: OnlineBench):
     return rollout, train, annotate
 
 
-def synthetic_outcomes(episodes: list[dict], group_size: int) -> None:
+def synthetic_outcomes(episodes: list[Episode], group_size: int) -> None:
     """Half of every group succeeds (in memory): the random-weight model's advantages would all be 0."""
     for e in episodes:
-        won = e["rollout_index"] < group_size // 2
-        e["reward"], e["success"] = float(won), won
+        won = e.rollout_index < group_size // 2
+        e.reward, e.success = float(won), won
 
 
 def measure(cfg: OnlineBench) -> dict:
@@ -129,7 +130,7 @@ def measure(cfg: OnlineBench) -> dict:
                 success_rate=summary["success_rate"],
                 teacher_turns_scored=stats["teacher_turns_scored"],
                 turns_with_gradient=metrics["turns_with_gradient"],
-                prompt_tokens=sum(len(t["prompt_ids"]) for e in episodes for t in e["turns"]) / summary["turns"],
+                prompt_tokens=sum(len(t.prompt_ids) for e in episodes for t in e.turns) / summary["turns"],
             )
             runs.append(run)
 

@@ -91,25 +91,25 @@ def planned(check: Check, model_dir: str) -> dict:
 
 
 # -- the measured side (one process per rank) -----------------------------------------------------
-def episodes(check: Check, vocab: int, rows: int) -> list[dict]:
+def episodes(check: Check, vocab: int, rows: int) -> list:
     """``rows`` single-turn episodes in groups of two (one success, one failure: advantages +-1)."""
     import random
+
+    from serl_cli.artifacts.records import make_episode, make_turn
 
     rng = random.Random(0)
     out = []
     for e in range(rows):
-        turn = {
-            "turn": 0,
-            "prompt_ids": [rng.randrange(3, vocab) for _ in range(check.prompt)],
-            "action_ids": [rng.randrange(3, vocab) for _ in range(check.reply)],
-            "behaviour_logprobs": [-8.0] * check.reply,
-            "state_key": f"{e}",
-            "reward": 0.0,
-        }
+        turn = make_turn(
+            turn=0,
+            prompt_ids=[rng.randrange(3, vocab) for _ in range(check.prompt)],
+            action_ids=[rng.randrange(3, vocab) for _ in range(check.reply)],
+            behaviour_logprobs=[-8.0] * check.reply,
+            state_key=f"{e}",
+        )
         win = e % 2 == 0
         out.append(
-            {"task_id": e // 2, "group_id": e // 2, "rollout_index": e % 2, "reward": float(win), "success": win}
-            | {"turns": [turn]}
+            make_episode([turn], task_id=e // 2, group_id=e // 2, rollout_index=e % 2, reward=float(win), success=win)
         )
     return out
 

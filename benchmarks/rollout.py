@@ -87,8 +87,8 @@ def run_variant(
     policy = ModelPolicy(engine, sampling, prompt, seed=seed)
     with Stopwatch() as sw:
         records = run_episodes(world, "train", specs, policy, max_turns=max_turns, batch_size=len(specs))
-    turns = sum(r["num_turns"] for r in records)
-    tokens = sum(len(t["action_ids"]) for r in records for t in r["turns"])
+    turns = sum(r.num_turns for r in records)
+    tokens = sum(len(t.action_ids) for r in records for t in r.turns)
     return {
         "variant": name,
         "episodes": len(records),
@@ -100,8 +100,8 @@ def run_variant(
         "tokens_per_s": tokens / sw.cpu_s,  # per CPU second (benchmarks.common.Stopwatch)
         "turns_per_s": turns / sw.cpu_s,
         "tokens_per_wall_s": tokens / sw.wall_s,
-        "episodes_at_turn_cap": sum(r["num_turns"] >= max_turns for r in records),
-        "mean_reward": sum(r["reward"] for r in records) / len(records),
+        "episodes_at_turn_cap": sum(r.num_turns >= max_turns for r in records),
+        "mean_reward": sum(r.reward for r in records) / len(records),
     }
 
 

@@ -38,9 +38,10 @@ from benchmarks.common import report, reset_peak_rss, status_kb
 BACKENDS = ("torch", "zero1", "zero2", "zero3")
 
 
-def make_episodes(model_dir: str, args) -> list[dict]:
+def make_episodes(model_dir: str, args) -> list:
     import random
 
+    from serl_cli.artifacts.records import make_episode, make_turn
     from serl_cli.models.loading import load_model
     from serl_cli.training.scoring import ScoreItem, score
 
@@ -51,32 +52,22 @@ def make_episodes(model_dir: str, args) -> list[dict]:
     episodes = []
     for e in range(args.episodes):
         turns = [
-            {
-                "turn": t,
-                "prompt_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)],
-                "action_ids": [rng.randrange(3, vocab) for _ in range(args.action_tokens)],
-                "state_key": str(t),
-                "reward": 0.0,
-            }
+            make_turn(
+                turn=t,
+                prompt_ids=[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)],
+                action_ids=[rng.randrange(3, vocab) for _ in range(args.action_tokens)],
+                state_key=str(t),
+            )
             for t in range(args.turns)
         ]
         win = e % 4 < 2
         episodes.append(
-            {
-                "task_id": e // 4,
-                "group_id": e // 4,
-                "rollout_index": e % 4,
-                "reward": float(win),
-                "success": win,
-                "turns": turns,
-            }
+            make_episode(turns, task_id=e // 4, group_id=e // 4, rollout_index=e % 4, reward=float(win), success=win)
         )
-    scores = iter(
-        score(model, tokenizer, [ScoreItem(t["prompt_ids"], t["action_ids"]) for ep in episodes for t in ep["turns"]])
-    )
+    scores = iter(score(model, tokenizer, [ScoreItem(t.prompt_ids, t.action_ids) for ep in episodes for t in ep.turns]))
     for ep in episodes:
-        for t in ep["turns"]:
-            t["behaviour_logprobs"] = next(scores)
+        for t in ep.turns:
+            t.behaviour_logprobs = next(scores)
     return episodes
 
 

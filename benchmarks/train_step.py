@@ -110,6 +110,7 @@ from benchmarks.common import (
     write_json,
 )
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.errors import SerlError
 from serl_cli.method import annotation as annotate_mod
@@ -219,7 +220,7 @@ class _TokenizerOnly:
         self.tokenizer = tokenizer
 
 
-def collect_rollouts(bench: UpdateBench, env: EnvConfig, world, model_name: str) -> list[dict]:
+def collect_rollouts(bench: UpdateBench, env: EnvConfig, world, model_name: str) -> list[Episode]:
     sampling = SamplingConfig(temperature=bench.temperature, top_p=1.0, max_new_tokens=bench.max_new_tokens)
     n = bench.tasks * bench.group_size
     if bench.rollouts == "model":
@@ -250,11 +251,11 @@ def collect_rollouts(bench: UpdateBench, env: EnvConfig, world, model_name: str)
     return records
 
 
-def assign_synthetic_rewards(episodes: list[dict], group_size: int) -> None:
+def assign_synthetic_rewards(episodes: list[Episode], group_size: int) -> None:
     """In every group the first half (rollout_index < G // 2) succeeds, the rest fails."""
     for e in episodes:
-        win = e["rollout_index"] < group_size // 2
-        e["reward"], e["success"] = (1.0 if win else 0.0), win
+        win = e.rollout_index < group_size // 2
+        e.reward, e.success = (1.0 if win else 0.0), win
 
 
 # -- one step ----------------------------------------------------------------------------------
@@ -262,7 +263,7 @@ def run_step(
     name: str,
     bench: UpdateBench,
     model_name: str,
-    episodes: list[dict],
+    episodes: list[Episode],
     env: EnvConfig,
     parts: PartTimer,
     reset_peak: bool = True,
@@ -370,7 +371,7 @@ class UpdateBench:
 class Batch:
     """The rollouts every variant trains on, with what produced them."""
 
-    episodes: list[dict]
+    episodes: list[Episode]
     env: EnvConfig
     world: object
     model_name: str
@@ -378,7 +379,7 @@ class Batch:
 
     @property
     def turns(self) -> int:
-        return sum(len(e["turns"]) for e in self.episodes)
+        return sum(len(e.turns) for e in self.episodes)
 
 
 def check(cfg: UpdateBench) -> None:

@@ -29,6 +29,7 @@ def make_episodes(model_dir: str, seed: int = 0, groups: int = 2, group_size: in
     """Random prompts and replies over the tokenizer's ids, scored by the model itself for
     the behaviour log-probs; in each group the first half succeeds. Lengths vary, so the
     micro-batches of a small token budget differ in count and width."""
+    from serl_cli.artifacts.records import make_episode, make_turn
     from serl_cli.models.loading import load_model
 
     model, tokenizer = load_model(model_dir)
@@ -42,18 +43,14 @@ def make_episodes(model_dir: str, seed: int = 0, groups: int = 2, group_size: in
             for t in range(1 + (r + g) % 2):
                 prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(12, 30))]
                 action = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 8))]
-                turns.append(
-                    {"turn": t, "prompt_ids": prompt, "action_ids": action, "state_key": f"{g}-{t}", "reward": 0.0}
-                )
+                turns.append(make_turn(turn=t, prompt_ids=prompt, action_ids=action, state_key=f"{g}-{t}"))
             win = r < group_size // 2
-            episodes.append(
-                {"task_id": g, "group_id": g, "rollout_index": r, "reward": float(win), "success": win, "turns": turns}
-            )
-    items = [ScoreItem(t["prompt_ids"], t["action_ids"]) for e in episodes for t in e["turns"]]
+            episodes.append(make_episode(turns, task_id=g, group_id=g, rollout_index=r, reward=float(win), success=win))
+    items = [ScoreItem(t.prompt_ids, t.action_ids) for e in episodes for t in e.turns]
     logps = iter(score(model, tokenizer, items))
     for e in episodes:
-        for t in e["turns"]:
-            t["behaviour_logprobs"] = next(logps)
+        for t in e.turns:
+            t.behaviour_logprobs = next(logps)
     return episodes
 
 

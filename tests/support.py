@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -35,7 +34,8 @@ from transformers import PreTrainedTokenizerFast
 
 from envs.webshop.env import RULES
 from serl_cli.ablate.runners import SELF_CMD
-from serl_cli.artifacts.schema import TurnSample
+from serl_cli.artifacts.records import Episode
+from serl_cli.artifacts.schema import TurnSample, read_rollouts, write_rollouts
 from serl_cli.models.tiny import EOS_TOKEN, _qwen2_pipeline
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import ACTION_FORMAT, PromptConfig, build_messages, render_prompt_ids
@@ -146,22 +146,19 @@ def boost_eos(model, tokenizer, corpus: list[str], mean_logit: float = 3.0, cont
     model.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids(EOS_TOKEN)] = scale * direction
 
 
-def half_successful(episodes: list[dict]) -> list[dict]:
+def half_successful(episodes: list[Episode]) -> list[Episode]:
     """Half of every group rewarded 1 (success), in place: a random-init model never succeeds,
     and rewards are data to the stages after the rollout."""
     for ep in episodes:
-        if ep["rollout_index"] % 2 == 0:
-            ep["reward"], ep["success"] = 1.0, True
-            ep["turns"][-1]["reward"] = 1.0
+        if ep.rollout_index % 2 == 0:
+            ep.reward, ep.success = 1.0, True
+            ep.turns[-1].reward = 1.0
     return episodes
 
 
 def make_half_successful(run) -> None:
     """:func:`half_successful` on a run's stored rollouts."""
-    from serl_cli.artifacts import io
-
-    path = Path(run) / "rollouts.jsonl"
-    io.write_jsonl(path, half_successful([json.loads(line) for line in path.read_text().splitlines()]))
+    write_rollouts(run, half_successful(read_rollouts(run, need_tokens=False)))
 
 
 # -- the CLI, run as a user runs it ---------------------------------------------------------

@@ -86,7 +86,7 @@ def test_action_mask_reads_the_environments_bare_format(model_and_tokenizer):
 
 def test_feedback_placement_selects_fired_turns_and_scores_only_those(run_dir, model_and_tokenizer):
     episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="feedback", unparsed="whole")
-    assert len(records) == sum(len(e["turns"]) for e in episodes)
+    assert len(records) == sum(len(e.turns) for e in episodes)
     for r in records:
         assert r["selected"] == bool(r["fired"])
         scored = r["teacher_logprobs"] is not None
@@ -158,13 +158,13 @@ def test_weights_follow_the_formula(run_dir, model_and_tokenizer):
     episodes, records, _ = annotate(
         run_dir, model_and_tokenizer, placement="all", weight_clip=0.2, mixing_lambda=0.5, unparsed="whole"
     )
-    turns = [t for e in episodes for t in e["turns"]]
+    turns = [t for e in episodes for t in e.turns]
     checked = 0
     for r, t in zip(records, turns):
         if r["weights"] is None:
             continue
         lp_t = torch.tensor(r["teacher_logprobs"], dtype=torch.float64)
-        lp_o = torch.tensor(t["behaviour_logprobs"], dtype=torch.float64)
+        lp_o = torch.tensor(t.behaviour_logprobs, dtype=torch.float64)
         expect = blend_weights(hindsight_weights(lp_t, lp_o, torch.tensor(r["advantage"]), 0.2), 0.5)
         for w, e, m in zip(r["weights"], expect.tolist(), r["action_mask"]):
             assert w == pytest.approx(e if m else 1.0, abs=1e-12)

@@ -13,6 +13,7 @@ compares token ids with serl's ``authors`` prompt.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ from envs.base import Feedback, Step
 from envs.sokoban import authors as sokoban_authors
 from envs.webshop import authors as webshop_authors
 from serl_cli.algos.objectives import get_objective
+from serl_cli.artifacts.records import make_episode, make_turn
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.method.teacher import action_span_mask
@@ -61,7 +63,7 @@ def serl_ids(tok, recipe, instruction: str, turns: list[tuple[str, str]], observ
     step = Step(observation, 0.0, False, Feedback(), list(admissible), "k", None)
     ctx = {
         "instruction": instruction,
-        "turns": [{"observation": o, "action": a} for o, a in turns],
+        "turns": [make_turn(observation=o, action=a) for o, a in turns],
         "rules": "RULES",
         "authors_prompt": recipe,
     }
@@ -234,16 +236,16 @@ def test_authors_style_flags_invalid_replies_not_refused_actions(qwen):
     ]
     policy = ModelPolicy(ScriptedEngine(qwen, replies), SamplingConfig(), AUTHORS)
     (rec,) = run_episodes(world, "train", [EpisodeSpec(task_id=0)], policy, max_turns=3)
-    turns = rec["turns"]
-    assert [t["invalid"] for t in turns] == [False, True, True]
-    assert turns[0]["feedback"]["error"] and "is not clickable" in turns[0]["feedback"]["error"]
-    assert "no <think>" in turns[1]["feedback"]["error"] and turns[1]["next_observation"] != turns[1]["observation"]
-    assert turns[2]["action"] == "lick[back to search]" and "no <action>" in turns[2]["feedback"]["error"]
-    assert rec["invalid_actions"] == 2
+    turns = rec.turns
+    assert [t.invalid for t in turns] == [False, True, True]
+    assert turns[0].feedback["error"] and "is not clickable" in turns[0].feedback["error"]
+    assert "no <think>" in turns[1].feedback["error"] and turns[1].next_observation != turns[1].observation
+    assert turns[2].action == "lick[back to search]" and "no <action>" in turns[2].feedback["error"]
+    assert rec.invalid_actions == 2
     assert [s.invalid for s in turn_samples([rec])] == [False, True, True]
     serl_style = ModelPolicy(ScriptedEngine(qwen, replies), SamplingConfig(), PromptConfig())
     (plain,) = run_episodes(world, "train", [EpisodeSpec(task_id=0)], serl_style, max_turns=3)
-    assert all("invalid" not in t for t in plain["turns"])  # serl's records are as before
+    assert all("invalid" not in t.to_dict() for t in plain.turns)  # serl's records are as before
 
 
 def test_authors_style_needs_an_environment_that_supplies_it():
@@ -318,16 +320,14 @@ def test_show_renders_reasoning_and_action_with_their_weights(qwen):
     ids = qwen.encode(reply, add_special_tokens=False)
     mask = action_span_mask(qwen, ids)
     weights = [1.15 if m else 1.0 for m in mask]
-    turn = {
-        "observation": "o",
-        "action_text": reply,
-        "action": "click[b01]",
-        "action_ids": ids,
-        "feedback": {"error": None, "diff": "page item"},
-        "reward": 0.0,
-        "done": False,
-        "invalid": False,
-    }
+    turn = make_turn(
+        observation="o",
+        action_text=reply,
+        action="click[b01]",
+        action_ids=ids,
+        feedback={"error": None, "diff": "page item"},
+        invalid=False,
+    )
     rec = dict(selected=True, distill=False, sources=["obs"], fired=[], hindsight="h", advantage=1.0)
     rec.update(log_ratio_mean=0.1, weights=weights, action_mask=mask)
     console = Console(record=True, width=200)
@@ -341,8 +341,7 @@ def test_show_renders_reasoning_and_action_with_their_weights(qwen):
 
 
 def test_turn_samples_carry_the_observation():
-    episode = {"task_id": 0, "group_id": 0, "reward": 0.0, "success": False}
-    turn = {"prompt_ids": [1], "action_ids": [2], "behaviour_logprobs": [-1.0], "reward": 0.0, "state_key": "k"}
-    episode["turns"] = [dict(turn, observation="Nothing happens.", feedback={"error": None})]
+    turn = make_turn(prompt_ids=[1], action_ids=[2], behaviour_logprobs=[-1.0], state_key="k")
+    episode = make_episode([replace(turn, observation="Nothing happens.", feedback={"error": None})])
     (s,) = turn_samples([episode])
     assert s.observation == "Nothing happens." and not s.invalid

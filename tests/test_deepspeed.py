@@ -228,7 +228,7 @@ def test_non_finite_loss_skips_the_step(tiny_model_dir):
     from serl_cli.training.learner import Learner
 
     episodes = make_episodes(str(tiny_model_dir))
-    episodes[0]["turns"][0]["behaviour_logprobs"][0] = float("nan")
+    episodes[0].turns[0].behaviour_logprobs[0] = float("nan")
     learner = Learner(str(tiny_model_dir), train_config("deepspeed", 2))
     before = full_parameters(learner)
     metrics = learner.update(episodes, 1.0)

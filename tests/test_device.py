@@ -10,6 +10,7 @@ device; they are listed as untested in docs/SCALING.md.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -162,7 +163,7 @@ def test_bf16_on_cpu_trains_through_autocast_with_fp32_master_weights(tiny_model
 def test_fp16_on_cpu_scales_the_loss_and_saves_the_scaler(tiny_model_dir, expert_episodes, tmp_path):
     learner = _learner(tiny_model_dir, device="cpu", dtype="fp16")
     assert learner.backend.scaler is not None and learner.backend.scaler.get_scale() == 65536.0
-    one_turn = [{**expert_episodes[0], "turns": expert_episodes[0]["turns"][:1]}]  # fp16 matmuls are slow on CPUs
+    one_turn = [replace(expert_episodes[0], turns=expert_episodes[0].turns[:1])]  # fp16 matmuls are slow on CPUs
     with LinearDtypes() as seen:
         m = _update(learner, one_turn)
     assert seen.seen == {torch.float16} and m["optimizer_steps"] == 1

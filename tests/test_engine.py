@@ -61,8 +61,8 @@ def hf_models(tiny_model_dir, stopping_model_dir) -> dict:
     return out
 
 
-def _turns(run_dir: Path) -> list[dict]:
-    return [t for ep in read_rollouts(run_dir) for t in ep["turns"]]
+def _turns(run_dir: Path) -> list:
+    return [t for ep in read_rollouts(run_dir) for t in ep.turns]
 
 
 @torch.no_grad()
@@ -85,8 +85,7 @@ def scored(runs, hf_models) -> dict:
     """Per run: (turn, action logits) for every stored turn, from a fresh forward pass."""
     return {
         run: [
-            (t, _action_logits(hf_models[RUN_MODEL[run][0]][0], t["prompt_ids"], t["action_ids"]))
-            for t in _turns(runs[run])
+            (t, _action_logits(hf_models[RUN_MODEL[run][0]][0], t.prompt_ids, t.action_ids)) for t in _turns(runs[run])
         ]
         for run in runs
     }
@@ -95,7 +94,7 @@ def scored(runs, hf_models) -> dict:
 @torch.no_grad()
 def _score_right_padded(model, pad_id: int, turns: list[dict], temperature: float) -> list[torch.Tensor]:
     """The same, for all turns in one right-padded batch with an attention mask."""
-    seqs = [t["prompt_ids"] + t["action_ids"] for t in turns]
+    seqs = [t.prompt_ids + t.action_ids for t in turns]
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -105,7 +104,7 @@ def _score_right_padded(model, pad_id: int, turns: list[dict], temperature: floa
     logits = model(input_ids=ids, attention_mask=mask).logits
     out = []
     for i, t in enumerate(turns):
-        p, a = len(t["prompt_ids"]), t["action_ids"]
+        p, a = len(t.prompt_ids), t.action_ids
         out.append(_logprobs(logits[i, p - 1 : p - 1 + len(a)].float(), a, temperature))
     return out
 
@@ -119,10 +118,10 @@ def test_rescoring_reproduces_behaviour_logprobs(scored, run):
     assert len(scored[run]) >= 6
     worst = 0.0
     for t, logits in scored[run]:
-        stored = torch.tensor(t["behaviour_logprobs"], dtype=torch.float32)
-        assert len(stored) == len(t["action_ids"]) > 0
+        stored = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
+        assert len(stored) == len(t.action_ids) > 0
         assert (stored <= 0).all()
-        rescored = _logprobs(logits, t["action_ids"], temperature)
+        rescored = _logprobs(logits, t.action_ids, temperature)
         worst = max(worst, (rescored - stored).abs().max().item())
     assert worst < TOL, f"{run}: re-scored log-probs differ from the stored ones by up to {worst:.2e}"
 
@@ -133,16 +132,16 @@ def test_rescoring_right_padded_batch(runs, hf_models):
     model_name, temperature = RUN_MODEL[run]
     model, tok = hf_models[model_name]
     turns = _turns(runs[run])
-    assert len({len(t["prompt_ids"]) + len(t["action_ids"]) for t in turns}) > 1  # padding really happens
+    assert len({len(t.prompt_ids) + len(t.action_ids) for t in turns}) > 1  # padding really happens
     for t, rescored in zip(turns, _score_right_padded(model, tok.pad_token_id, turns, temperature)):
-        stored = torch.tensor(t["behaviour_logprobs"], dtype=torch.float32)
+        stored = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
         assert (rescored - stored).abs().max().item() < TOL
 
 
 def test_logprobs_are_of_tempered_logits(scored):
     """The T = 0.7 run's log-probs are of logits / 0.7: scoring it at T = 1 does not match."""
     gap = max(
-        (_logprobs(logits, t["action_ids"], 1.0) - torch.tensor(t["behaviour_logprobs"])).abs().max().item()
+        (_logprobs(logits, t.action_ids, 1.0) - torch.tensor(t.behaviour_logprobs)).abs().max().item()
         for t, logits in scored["T0.7"]
     )
     assert gap > 1e-2
@@ -150,7 +149,7 @@ def test_logprobs_are_of_tempered_logits(scored):
 
 def test_greedy_takes_the_argmax(scored):
     for t, logits in scored["greedy"]:
-        assert logits.argmax(-1).tolist() == t["action_ids"]
+        assert logits.argmax(-1).tolist() == t.action_ids
 
 
 # ---------------------------------------------------------------- what a turn holds
@@ -163,8 +162,8 @@ def test_action_ids_end_on_eos_and_hold_no_padding(runs, hf_models, run):
     assert tok.eos_token_id == eos and tok.pad_token_id == pad and eos != pad
     stopped = cut = 0
     for t in _turns(runs[run]):
-        ids = t["action_ids"]
-        assert len(t["behaviour_logprobs"]) == len(ids) > 0
+        ids = t.action_ids
+        assert len(t.behaviour_logprobs) == len(ids) > 0
         # a reply ends at the end-of-turn token or the end-of-text token (also the pad id); nothing
         # generated after it is kept, and no padding is
         assert pad not in ids[:-1] and eos not in ids[:-1]
@@ -173,8 +172,8 @@ def test_action_ids_end_on_eos_and_hold_no_padding(runs, hf_models, run):
         else:
             assert len(ids) == MAX_NEW  # it did not stop: cut at the token budget, never shorter
             cut += 1
-        assert t["action_text"] == tok.decode(ids, skip_special_tokens=True)
-        assert tok.decode(t["prompt_ids"]).endswith("<|im_start|>assistant\n")
+        assert t.action_text == tok.decode(ids, skip_special_tokens=True)
+        assert tok.decode(t.prompt_ids).endswith("<|im_start|>assistant\n")
     if run != "greedy":  # the sampled runs hold both kinds in the same batches
         assert stopped and cut, (stopped, cut)
 
@@ -199,7 +198,7 @@ def test_engine_batch_with_early_stop(runs, hf_models):
 
 def _prompts_of_many_lengths(run_dir: Path, tok) -> list[list[int]]:
     """Stored prompts of distinct lengths (first pages, later pages with history) and a short one."""
-    by_length = {len(t["prompt_ids"]): t["prompt_ids"] for t in _turns(run_dir)}
+    by_length = {len(t.prompt_ids): t.prompt_ids for t in _turns(run_dir)}
     lengths = sorted(by_length)
     prompts = [by_length[n] for n in (lengths[0], lengths[len(lengths) // 2], lengths[-1])]
     prompts.append(tok("<|im_start|>user\nbuy a mug<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
@@ -310,7 +309,7 @@ def test_coupled_rollouts_do_not_depend_on_the_batching(stopping_model_dir, tmp_
         )
         cfg.sampling.coupled = coupled
         run_rollout(cfg)
-        return [[t["action_ids"] for t in ep["turns"]] for ep in read_rollouts(cfg.out)]
+        return [[t.action_ids for t in ep.turns] for ep in read_rollouts(cfg.out)]
 
     assert actions(6, True) == actions(1, True)
     assert actions(6, False) != actions(1, False)
@@ -348,14 +347,14 @@ def test_same_seed_byte_identical_rollouts(runs, stopping_model_dir, tmp_path):
 def test_rollout_groups(runs):
     episodes = read_rollouts(runs["T1.0"])
     assert len(episodes) == 6
-    assert [(e["group_id"], e["rollout_index"]) for e in episodes] == [(g, r) for g in range(2) for r in range(3)]
+    assert [(e.group_id, e.rollout_index) for e in episodes] == [(g, r) for g in range(2) for r in range(3)]
     for g in range(2):
-        assert len({e["task_id"] for e in episodes if e["group_id"] == g}) == 1
-    assert episodes[0]["task_id"] != episodes[3]["task_id"]
+        assert len({e.task_id for e in episodes if e.group_id == g}) == 1
+    assert episodes[0].task_id != episodes[3].task_id
     # group members share their first prompt but (sampling at T = 1) not their first reply
-    firsts = [e["turns"][0] for e in episodes[:3]]
-    assert len({tuple(t["prompt_ids"]) for t in firsts}) == 1
-    assert len({tuple(t["action_ids"]) for t in firsts}) > 1
+    firsts = [e.turns[0] for e in episodes[:3]]
+    assert len({tuple(t.prompt_ids) for t in firsts}) == 1
+    assert len({tuple(t.action_ids) for t in firsts}) > 1
 
 
 def test_expert_rollouts_are_sft_data(runs, tiny_model_dir, tmp_path):
@@ -366,17 +365,17 @@ def test_expert_rollouts_are_sft_data(runs, tiny_model_dir, tmp_path):
     episodes = read_rollouts(out)
     assert len(episodes) == 6
     for ep in episodes:
-        assert ep["success"] and ep["reward"] == 1.0
-        for t in ep["turns"]:
-            assert t["behaviour_logprobs"] == []
-            assert t["action_ids"][-1] == tok.eos_token_id
-            assert tok.decode(t["action_ids"]) == format_action(t["action"]) + EOS_TOKEN
-            assert t["action_text"] == format_action(t["action"]) and t["action"] == t["expert_action"]
-            assert not t["feedback"]["error"]
-            prompt = tok.decode(t["prompt_ids"])
+        assert ep.success and ep.reward == 1.0
+        for t in ep.turns:
+            assert t.behaviour_logprobs == []
+            assert t.action_ids[-1] == tok.eos_token_id
+            assert tok.decode(t.action_ids) == format_action(t.action) + EOS_TOKEN
+            assert t.action_text == format_action(t.action) and t.action == t.expert_action
+            assert not t.feedback["error"]
+            prompt = tok.decode(t.prompt_ids)
             assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
-            assert t["observation"] in prompt
+            assert t.observation in prompt
     # the expert sees exactly the prompt a model sees: same tasks (same seed), same first page
-    model_first = {e["task_id"]: e["turns"][0]["prompt_ids"] for e in read_rollouts(runs["greedy"])}
+    model_first = {e.task_id: e.turns[0].prompt_ids for e in read_rollouts(runs["greedy"])}
     for ep in episodes:
-        assert ep["turns"][0]["prompt_ids"] == model_first[ep["task_id"]]
+        assert ep.turns[0].prompt_ids == model_first[ep.task_id]

@@ -3,9 +3,12 @@ rollout records, no model; one small trained tokenizer for the cutter."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from envs.base import state_key
+from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
 from serl_cli.method.anchors import anchor_groups, hindsight_anchor
@@ -14,31 +17,31 @@ from serl_cli.method.feedback import TurnContext, hindsight_step, parse_sources
 
 def turn(action, state, *, error=None, diff="", obs=None, observation=None):
     """One turn as serl_cli.rollout.runner records it (token fields left empty)."""
-    return {
-        "observation": observation or f"page {state}",
-        "state_key": state,
-        "expert_action": None,
-        "prompt_ids": [],
-        "action_ids": [],
-        "action_text": f"<action>{action}</action>",
-        "action": action,
-        "behaviour_logprobs": [],
-        "next_observation": obs if obs is not None else f"after {action}",
-        "feedback": {"error": error, "diff": diff},
-        "reward": 0.0,
-        "done": False,
-    }
+    return Turn(
+        observation=observation or f"page {state}",
+        state_key=state,
+        expert_action=None,
+        prompt_ids=[],
+        action_ids=[],
+        action_text=f"<action>{action}</action>",
+        action=action,
+        behaviour_logprobs=[],
+        next_observation=obs if obs is not None else f"after {action}",
+        feedback={"error": error, "diff": diff},
+        reward=0.0,
+        done=False,
+    )
 
 
 def episode(index, turns, *, success=False, reward=None, task_id=7, group_id=0):
-    return {
-        "task_id": task_id,
-        "group_id": group_id,
-        "rollout_index": index,
-        "turns": turns,
-        "success": success,
-        "reward": reward if reward is not None else float(success),
-    }
+    return Episode(
+        task_id=task_id,
+        group_id=group_id,
+        rollout_index=index,
+        turns=turns,
+        success=success,
+        reward=reward if reward is not None else float(success),
+    )
 
 
 def ctx(ep, t, group=None, **kw):
@@ -108,7 +111,7 @@ def test_future_lists_only_the_later_turns_without_outcome():
 
 def test_future_drops_reasoning_from_the_later_replies():
     ep = episode(
-        0, [turn("up", "s0"), dict(turn("left", "s1"), action_text="<think>go round</think>\n<action>left</action>")]
+        0, [turn("up", "s0"), replace(turn("left", "s1"), action_text="<think>go round</think>\n<action>left</action>")]
     )
     assert (
         render("future", ctx(ep, 0))[0]

@@ -36,7 +36,7 @@ def lora_config(backend="torch", save="merged", kl_coef=0.0):
 
 
 def items(episodes):
-    return [ScoreItem(t["prompt_ids"], t["action_ids"]) for e in episodes for t in e["turns"]]
+    return [ScoreItem(t.prompt_ids, t.action_ids) for e in episodes for t in e.turns]
 
 
 def logprobs(model, tokenizer, episodes):

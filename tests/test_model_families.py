@@ -11,6 +11,7 @@ documented fallback (``serl_cli/method/teacher.py``) places it.
 from __future__ import annotations
 
 import string
+from dataclasses import replace
 from functools import cache
 
 import pytest
@@ -20,6 +21,7 @@ from tokenizers import pre_tokenizers as pre
 from transformers import PreTrainedTokenizerFast
 
 from envs.base import Feedback, Step
+from serl_cli.artifacts.records import Episode, make_episode, make_turn
 from serl_cli.config import from_dict
 from serl_cli.errors import SerlError
 from serl_cli.method import annotation
@@ -133,34 +135,20 @@ def spy_scorer(seen: list):
     return scorer
 
 
-def _group(tok, prompt_ids: list[int]) -> list[dict]:
+def _group(tok, prompt_ids: list[int]) -> list[Episode]:
     """Two rollouts of one task, one turn each, the first successful: the turn gets a block (obs)."""
     reply = tok.encode("<action>click[b01]</action>", add_special_tokens=False) + [tok.eos_token_id]
-    turn = {
-        "observation": "WebShop [SEP] Search",
-        "state_key": "s0",
-        "expert_action": None,
-        "prompt_ids": prompt_ids,
-        "action_text": "<action>click[b01]</action>",
-        "action": "click[b01]",
-        "action_ids": reply,
-        "behaviour_logprobs": [-2.0] * len(reply),
-        "next_observation": "Instruction: [SEP] i need a red mug",
-        "reward": 0.0,
-        "done": False,
-        "feedback": {"error": None, "diff": ""},
-    }
-    return [
-        {
-            "task_id": 0,
-            "group_id": 0,
-            "rollout_index": i,
-            "turns": [dict(turn)],
-            "success": i == 0,
-            "reward": float(i == 0),
-        }
-        for i in range(2)
-    ]
+    turn = make_turn(
+        observation="WebShop [SEP] Search",
+        state_key="s0",
+        prompt_ids=prompt_ids,
+        action_text="<action>click[b01]</action>",
+        action="click[b01]",
+        action_ids=reply,
+        behaviour_logprobs=[-2.0] * len(reply),
+        next_observation="Instruction: [SEP] i need a red mug",
+    )
+    return [make_episode([replace(turn)], rollout_index=i, success=i == 0, reward=float(i == 0)) for i in range(2)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

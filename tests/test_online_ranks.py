@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from support import assert_one_line_error, serl
 
+from serl_cli.artifacts.records import make_episode
 from serl_cli.errors import SerlError
 from serl_cli.rollout.runner import EpisodeSpec
 from serl_cli.stages.online_ranks import check_shares, in_spec_order, own_specs
@@ -38,7 +39,9 @@ def test_whole_groups_per_process_and_the_one_process_order():
     assert [(s.group_id, s.rollout_index) for s in own_specs(specs, 0, 2)] == [(0, 0), (0, 1), (2, 0), (2, 1)]
     assert [(s.group_id, s.rollout_index) for s in own_specs(specs, 1, 2)] == [(1, 0), (1, 1)]
     assert own_specs(specs, 0, 1) == specs
-    rec = {(s.group_id, s.rollout_index): {"group_id": s.group_id, "rollout_index": s.rollout_index} for s in specs}
+    rec = {
+        (s.group_id, s.rollout_index): make_episode(group_id=s.group_id, rollout_index=s.rollout_index) for s in specs
+    }
     parts = [[rec[(1, 0)], rec[(1, 1)]], [rec[(0, 0)], rec[(0, 1)], rec[(2, 0)], rec[(2, 1)]]]
     assert in_spec_order(specs, parts) == [rec[(s.group_id, s.rollout_index)] for s in specs]
 

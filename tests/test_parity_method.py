@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 from support import rollout_config
 
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import Episode, make_episode, make_turn
 from serl_cli.artifacts.schema import read_annotations, read_rollouts
 from serl_cli.method import feedback as fb
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
@@ -86,31 +88,18 @@ def test_teacher_prompt_is_the_authors_template_filled_by_hand(tokenizer):
         "You shop.", "i need a red mug", [], "WebShop [SEP] Search", ["search[<query>]"], PromptConfig()
     )
     assert messages[-1]["content"] == user
-    turn = {
-        "observation": "WebShop [SEP] Search",
-        "state_key": "s0",
-        "expert_action": None,
-        "prompt_ids": render_prompt_ids(tokenizer, messages),
-        "action_text": THINK_AND_ACT,
-        "action": "click[b01]",
-        "action_ids": tokenizer.encode(THINK_AND_ACT, add_special_tokens=False) + [tokenizer.eos_token_id],
-        "next_observation": "  Instruction: [SEP] i need a red mug [SEP] Back to Search\n",
-        "reward": 0.0,
-        "done": False,
-        "feedback": {"error": None, "diff": ""},
-    }
-    turn["behaviour_logprobs"] = [-2.0] * len(turn["action_ids"])
-    group = [
-        {
-            "task_id": 0,
-            "group_id": 0,
-            "rollout_index": i,
-            "turns": [dict(turn)],
-            "success": i == 0,
-            "reward": float(i == 0),
-        }
-        for i in range(2)
-    ]
+    action_ids = tokenizer.encode(THINK_AND_ACT, add_special_tokens=False) + [tokenizer.eos_token_id]
+    turn = make_turn(
+        observation="WebShop [SEP] Search",
+        state_key="s0",
+        prompt_ids=render_prompt_ids(tokenizer, messages),
+        action_text=THINK_AND_ACT,
+        action="click[b01]",
+        action_ids=action_ids,
+        behaviour_logprobs=[-2.0] * len(action_ids),
+        next_observation="  Instruction: [SEP] i need a red mug [SEP] Back to Search\n",
+    )
+    group = [make_episode([replace(turn)], rollout_index=i, success=i == 0, reward=float(i == 0)) for i in range(2)]
     seen: list = []
     records, _ = annotate_episodes(
         group, AnnotateConfig(teacher_signal=False), None, tokenizer, env_cfg=None, scorer=spy_scorer(seen)
@@ -129,10 +118,10 @@ def test_teacher_prompt_is_the_authors_template_filled_by_hand(tokenizer):
     )
     assert tokenizer.decode(seen[0].prompt_ids) == expected
     # spliced, not re-rendered: the student's own tokens are all there, in order, around the block
-    student = turn["prompt_ids"]
+    student = turn.prompt_ids
     cut = len(student) - 1 - student[::-1].index(tokenizer.eos_token_id)
     assert seen[0].prompt_ids[:cut] == student[:cut] and seen[0].prompt_ids[-(len(student) - cut) :] == student[cut:]
-    assert seen[0].action_ids == turn["action_ids"]  # the student's own reply is scored (SRT:568)
+    assert seen[0].action_ids == turn.action_ids  # the student's own reply is scored (SRT:568)
 
 
 def test_the_block_cap_is_on_the_whole_block_and_keeps_the_closing_instruction(tokenizer, run_dir):
@@ -160,25 +149,18 @@ def test_the_block_cap_is_on_the_whole_block_and_keeps_the_closing_instruction(t
 # ---------------------------------------------------------------- future
 
 
-def _episode(actions: list[str], success: bool) -> dict:
-    return {
-        "task_id": 0,
-        "group_id": 0,
-        "rollout_index": 0,
-        "success": success,
-        "reward": float(success),
-        "turns": [
-            {
-                "action": a,
-                "action_text": f"<think>why {a}</think><action>{a}</action>",
-                "state_key": f"s{k}",
-                "observation": f"o{k}",
-                "next_observation": f"o{k + 1}",
-                "feedback": {"error": None, "diff": ""},
-            }
-            for k, a in enumerate(actions)
-        ],
-    }
+def _episode(actions: list[str], success: bool) -> Episode:
+    turns = [
+        make_turn(
+            action=a,
+            action_text=f"<think>why {a}</think><action>{a}</action>",
+            state_key=f"s{k}",
+            observation=f"o{k}",
+            next_observation=f"o{k + 1}",
+        )
+        for k, a in enumerate(actions)
+    ]
+    return make_episode(turns, success=success, reward=float(success))
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -223,12 +205,12 @@ def test_serl_annotate_defaults_reweight_exactly_the_turns_with_a_block_on_their
     records, episodes = read_annotations(run), read_rollouts(run)
     reweighted = 0
     for r in records:
-        turn = episodes[r["episode"]]["turns"][r["turn"]]
-        has_block = bool(turn["next_observation"].strip())
+        turn = episodes[r["episode"]].turns[r["turn"]]
+        has_block = bool(turn.next_observation.strip())
         assert r["selected"] == has_block == (r["hindsight"] is not None)
         assert r["hindsight"] is None or r["hindsight"].startswith("Immediate feedback from the current step:\n")
-        parsed = turn["action_text"] == THINK_AND_ACT
-        inside = tokenizer.decode([i for i, m in zip(turn["action_ids"], r["action_mask"]) if m])
+        parsed = turn.action_text == THINK_AND_ACT
+        inside = tokenizer.decode([i for i, m in zip(turn.action_ids, r["action_mask"]) if m])
         assert ("click[b01]" in inside and "think" not in inside and "red" not in inside) if parsed else inside == ""
         if not (has_block and parsed and r["advantage"] != 0):
             assert r["weights"] is None or all(w == 1.0 for w in r["weights"])

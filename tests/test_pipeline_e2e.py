@@ -168,10 +168,15 @@ def test_eval_prompts_a_checkpoint_as_it_was_trained(tiny_model_dir, tmp_path):
 
 
 def test_filtered_behaviour_cloning_keeps_only_successful_episodes(tmp_path):
+    from serl_cli.artifacts.records import make_episode
     from serl_cli.errors import SerlError
     from serl_cli.training.learner import training_episodes
 
-    eps = [{"success": True, "task_id": 0}, {"success": False, "task_id": 1}, {"success": True, "task_id": 2}]
+    eps = [
+        make_episode(success=True, task_id=0),
+        make_episode(success=False, task_id=1),
+        make_episode(success=True, task_id=2),
+    ]
     assert training_episodes(eps, TrainConfig(algo="sft", sft_successful_only=True), tmp_path) == [eps[0], eps[2]]
     assert training_episodes(eps, TrainConfig(algo="sft"), tmp_path) == eps  # off by default
     assert training_episodes(eps, TrainConfig(algo="grpo", sft_successful_only=True), tmp_path) == eps  # sft only

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from envs.sokoban.env import SokobanWorld
+from serl_cli.artifacts.records import make_episode, make_turn
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
 from serl_cli.method import teacher_gate as gate
@@ -40,24 +41,22 @@ REF_TITLE = "What a successful rollout did from this state:"
 
 
 def _turn(action, key, expert=None, text=None):
-    return {"action": action, "action_text": text or action, "state_key": key, "expert_action": expert, "feedback": {}}
+    return make_turn(action=action, action_text=text or action, state_key=key, expert_action=expert, feedback={})
 
 
-EPISODE = {
-    "success": False,
-    "rollout_index": 0,
-    "turns": [_turn("up", "s0", "left"), _turn("left", "s1", "down"), _turn("down", "s2")],
-}
-REFERENCE = {  # visits s0 once, s1 twice (its last visit moved right), never s2
-    "success": True,
-    "rollout_index": 1,
-    "turns": [
+EPISODE = make_episode(
+    [_turn("up", "s0", "left"), _turn("left", "s1", "down"), _turn("down", "s2")], success=False, rollout_index=0
+)
+REFERENCE = make_episode(  # visits s0 once, s1 twice (its last visit moved right), never s2
+    [
         _turn("left", "s0", text="<think>the wall</think><action>left</action>"),
         _turn("up", "s3"),
         _turn("down", "s1"),
         _turn("right", "s1"),
     ],
-}
+    success=True,
+    rollout_index=1,
+)
 
 
 def _block(turn, sources, trajectory="aligned"):
@@ -76,7 +75,7 @@ def test_aligned_ref_is_the_reference_reply_at_its_last_visit_of_this_state():
 
 def test_aligned_expert_is_the_expert_action_from_this_state_labelled_privileged():
     assert _block(0, "expert") == (f"{EXPERT_TITLE}\n<action>left</action>", ["expert"], ["expert"])
-    both = fb.TurnContext(episode={"turns": [_turn("Left ", "s0", "left")]}, turn=0, trajectory="aligned")
+    both = fb.TurnContext(episode=make_episode([_turn("Left ", "s0", "left")]), turn=0, trajectory="aligned")
     assert fb.hindsight_step(both, "expert")[2] == []  # the same action: does not fire
     assert _block(2, "expert") == (None, [], [])  # a lost task has no expert action
 
@@ -109,9 +108,9 @@ def episodes(micro, world):
     specs = [EpisodeSpec(task_id=t, group_id=t, rollout_index=r) for t in range(8) for r in range(4)]
     out = run_episodes(world, "train", specs, policy)
     for ep in out:
-        for t in ep["turns"]:
-            t["behaviour_logprobs"] = [math.log(0.5)] * len(t["action_ids"])
-    assert {e["success"] for e in out} == {True, False}
+        for t in ep.turns:
+            t.behaviour_logprobs = [math.log(0.5)] * len(t.action_ids)
+    assert {e.success for e in out} == {True, False}
     return out
 
 
@@ -120,10 +119,10 @@ def test_aligned_blocks_need_no_environment(episodes, micro):
     cfg = AnnotateConfig(sources="expert", trajectory="aligned", mixing_lambda=0.0)  # lambda 0: no teacher
     records, _ = annotate_episodes(episodes, cfg, None, tokenizer, env_cfg=None, bare_replies=True)
     for r in records:
-        turn = episodes[r["episode"]]["turns"][r["turn"]]
-        want = f"{EXPERT_TITLE}\n<action>{turn['expert_action']}</action>" if turn["expert_action"] else None
+        turn = episodes[r["episode"]].turns[r["turn"]]
+        want = f"{EXPERT_TITLE}\n<action>{turn.expert_action}</action>" if turn.expert_action else None
         assert r["hindsight"] == want
-        assert r["fired"] == (["expert"] if want and turn["action"] != turn["expert_action"] else [])
+        assert r["fired"] == (["expert"] if want and turn.action != turn.expert_action else [])
 
 
 # -- reading SFT ---------------------------------------------------------------------------------
@@ -150,32 +149,32 @@ def test_reading_targets_depend_on_what_the_block_says(episodes, micro, world):
     _, tokenizer = micro
     kinds = parse_reading("reading: expert; ref; error,diff")
     made = reading_examples(episodes, tokenizer, kinds, world, "train", bare_replies=True, seed=3)
-    by_episode = {(e["task_id"], e["rollout_index"]): e["turns"] for e in made}
+    by_episode = {(e.task_id, e.rollout_index): e.turns for e in made}
     seen = {"named": 0, "good": 0, "bad": 0, "deadlock": 0, "several optimal": 0}
     for ep in episodes:
-        examples = iter(by_episode.get((ep["task_id"], ep["rollout_index"]), []))
-        actions = [t["action"] for t in ep["turns"]]
-        for t, turn in enumerate(ep["turns"]):
-            if not turn["expert_action"]:
+        examples = iter(by_episode.get((ep.task_id, ep.rollout_index), []))
+        actions = [t.action for t in ep.turns]
+        for t, turn in enumerate(ep.turns):
+            if not turn.expert_action:
                 continue  # a lost task: no example
             x = next(examples)
-            assert x["prompt_ids"] == teacher_prompt(tokenizer, turn["prompt_ids"], x["hindsight"])  # this state
-            _, optimal, deadlocking = state_moves(episode_at(world, "train", ep["task_id"], actions[:t]), "?")
-            assert x["action"] in optimal  # every target leads to the solution
+            assert x.prompt_ids == teacher_prompt(tokenizer, turn.prompt_ids, x.hindsight)  # this state
+            _, optimal, deadlocking = state_moves(episode_at(world, "train", ep.task_id, actions[:t]), "?")
+            assert x.action in optimal  # every target leads to the solution
             seen["several optimal"] += len(optimal) > 1
-            named = MOVE_IN_BLOCK.search(x["hindsight"])
-            if x["hindsight"].startswith((EXPERT_TITLE, REF_TITLE)):
+            named = MOVE_IN_BLOCK.search(x.hindsight)
+            if x.hindsight.startswith((EXPERT_TITLE, REF_TITLE)):
                 seen["named"] += 1
-                assert named.group(1) == x["action"]  # the block names the target
-            elif "deadlock" in x["hindsight"]:
+                assert named.group(1) == x.action  # the block names the target
+            elif "deadlock" in x.hindsight:
                 seen["deadlock"] += 1
-                assert named.group(1) in deadlocking and x["action"] != named.group(1)  # any move but that one
+                assert named.group(1) in deadlocking and x.action != named.group(1)  # any move but that one
             elif named and named.group(1) in optimal:
                 seen["good"] += 1
-                assert x["action"] == named.group(1)  # a good turn: the move made
+                assert x.action == named.group(1)  # a good turn: the move made
             else:
                 seen["bad"] += 1  # a bump (no move named) or a detour: an optimal move, never the one made
-                assert named is None or x["action"] != named.group(1)
+                assert named is None or x.action != named.group(1)
         assert next(examples, None) is None
     assert min(seen.values()) > 0, seen  # blocks on good turns as well as bad, in states the state alone leaves open
 
@@ -204,12 +203,12 @@ def test_a_perfect_teacher_blames_every_failed_rollouts_off_expert_tokens_more(e
     records, _ = annotate_episodes(episodes, cfg, None, tokenizer, env_cfg=SOKOBAN, scorer=scorer, bare_replies=True)
     checked = {"failed, off": 0, "failed, on": 0, "won, off": 0, "won, on": 0}
     for r in records:
-        turn = episodes[r["episode"]]["turns"][r["turn"]]
-        if not turn["expert_action"] or r["advantage"] == 0:
+        turn = episodes[r["episode"]].turns[r["turn"]]
+        if not turn.expert_action or r["advantage"] == 0:
             continue
         weights = [w for w, m in zip(r["weights"], r["action_mask"]) if m]
         assert weights and all(w == 1.0 for w, m in zip(r["weights"], r["action_mask"]) if not m)
-        on = turn["action"] == turn["expert_action"]
+        on = turn.action == turn.expert_action
         blame = [abs(w * r["advantage"]) for w in weights]  # |w A| against GRPO's |A|
         failed = r["advantage"] < 0
         more = failed != on  # failed: more blame off the expert; won: more credit on it
@@ -232,7 +231,7 @@ def test_selection_bias_is_also_tested_among_scorable_turns_alone():
             "advantage": advantage,
         }
 
-    episodes = [{"reward": float(k < 2), "success": k < 2} for k in range(4)]
+    episodes = [make_episode(reward=float(k < 2), success=k < 2) for k in range(4)]
     # every selected turn is scorable; the unselected include unscorable ones of failed rollouts
     records = [rec(0, True, 1.0), rec(1, False, 1.0), rec(2, True, -1.0), rec(3, False, -1.0)]
     records += [rec(3, False, 0.0)] * 6 + [rec(2, False, -1.0, sources=())] * 4
@@ -265,13 +264,13 @@ def test_gate_figures_end_to_end_on_a_random_micro_model(episodes, micro, world)
     episodes = episodes[:12]  # three rooms
     common = {"env_cfg": SOKOBAN, "seen": set(), "bare_replies": True, "action_format": world.action_format}
     s = gate.signal_of(episodes, gate.block_config(gate.BLOCKS["expert (aligned)"]), model, tokenizer, **common)
-    with_expert = [t for e in episodes for t in e["turns"] if t["expert_action"]]
+    with_expert = [t for e in episodes for t in e.turns if t.expert_action]
     assert s["held_out_turns"] == s["turns"] == len(with_expert)  # every turn with an expert action is scored
-    assert s["held_out_states"] == len({t["state_key"] for t in with_expert})
-    seen = {t["state_key"] for t in with_expert[:5]}
+    assert s["held_out_states"] == len({t.state_key for t in with_expert})
+    seen = {t.state_key for t in with_expert[:5]}
     cfg = gate.block_config(gate.BLOCKS["expert (aligned)"])
     held = gate.signal_of(episodes, cfg, model, tokenizer, **common | {"seen": seen})
-    assert held["held_out_turns"] == sum(t["state_key"] not in seen for t in with_expert)
+    assert held["held_out_turns"] == sum(t.state_key not in seen for t in with_expert)
     copy = gate.blind_copy(
         episodes, model, tokenizer, world, "train", seen=set(), bare_replies=True, action_format=world.action_format
     )

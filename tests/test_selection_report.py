@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from serl_cli.artifacts.records import make_episode
 from serl_cli.errors import SerlError
 from serl_cli.method.selection_report import selection_report
 
@@ -24,10 +25,10 @@ def rec(episode, turn, selected, sources=(), fired=(), advantage=0.0):
 
 
 EPISODES = [
-    {"reward": 1.0, "success": True},
-    {"reward": 0.0, "success": False},
-    {"reward": 0.5, "success": False},
-    {"reward": 1.0, "success": True},
+    make_episode(reward=1.0, success=True),
+    make_episode(reward=0.0, success=False),
+    make_episode(reward=0.5, success=False),
+    make_episode(reward=1.0, success=True),
 ]
 RECORDS = [
     rec(0, 0, False, ["diff"], [], 1.0),
@@ -112,7 +113,7 @@ def test_p_values_match_scipy():
 
 def biased_run():
     """10 failed rollouts with one selected turn of two, 10 successes with none selected."""
-    episodes = [{"reward": 0.0, "success": False}] * 10 + [{"reward": 1.0, "success": True}] * 10
+    episodes = [make_episode(reward=0.0, success=False)] * 10 + [make_episode(reward=1.0, success=True)] * 10
     records = [
         rec(
             e,
@@ -154,7 +155,7 @@ def test_infinite_odds_ratio_is_none():
 
 def test_one_class_only_keeps_mann_whitney():
     """Every rollout failed, but partial scores differ: Fisher is untestable, Mann-Whitney is not."""
-    episodes = [{"reward": 0.1, "success": False}] * 8 + [{"reward": 0.9, "success": False}] * 8
+    episodes = [make_episode(reward=0.1, success=False)] * 8 + [make_episode(reward=0.9, success=False)] * 8
     records = [rec(e, 0, e < 8) for e in range(16)]
     r = roundtrip(selection_report(records, episodes))
     assert r["tests"]["fisher"]["p_value"] is None and r["tests"]["fisher"]["odds_ratio"] is None
@@ -203,5 +204,3 @@ def test_bad_input_is_a_serl_error():
         selection_report([rec(9, 0, True)], EPISODES)
     with pytest.raises(SerlError, match="lacks advantage"):
         selection_report([{k: v for k, v in rec(0, 0, True).items() if k != "advantage"}], EPISODES)
-    with pytest.raises(SerlError, match="reward or success"):
-        selection_report([], [{"reward": 1.0}])

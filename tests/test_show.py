@@ -8,7 +8,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from serl_cli.artifacts import io
-from serl_cli.artifacts.schema import ANNOTATION_KEYS, TURN_KEYS
+from serl_cli.artifacts.records import TURN_KEYS
+from serl_cli.artifacts.schema import ANNOTATION_KEYS
 from serl_cli.cli import show as _show_cmd  # noqa: F401  (registers `show`)
 from serl_cli.cli.root import app
 from serl_cli.errors import SerlError

@@ -47,31 +47,32 @@ def play(world, policy, tasks=40):
 # -- the noisy expert -----------------------------------------------------------------------
 def test_noisy_expert_marks_its_detours_and_never_deadlocks(world):
     records = play(world, ExpertPolicy(noise=0.5, seed=0))
-    turns = [t for r in records for t in r["turns"]]
-    assert 0.3 < sum("off_expert" in t for t in turns) / len(turns) < 0.6
-    assert not any(t["info"]["deadlock"] for t in turns)  # every detour kept the room solvable
+    turns = [t for r in records for t in r.turns]
+    assert 0.3 < sum(t.off_expert for t in turns) / len(turns) < 0.6
+    assert not any(t.info["deadlock"] for t in turns)  # every detour kept the room solvable
     for r in records:  # replayed: a detour is never an optimal move, a demonstration always is
         ep = world.new_episode("train")
-        ep.reset(r["task_id"])
-        for t in r["turns"]:
-            assert (t["action"] in ep.optimal_actions()) is (t.get("off_expert") is None)
-            ep.step(t["action"])
-    optimal_but_not_first = [t for t in turns if "off_expert" not in t and t["action"] != t["expert_action"]]
+        ep.reset(r.task_id)
+        for t in r.turns:
+            assert (t.action in ep.optimal_actions()) is (not t.off_expert)
+            ep.step(t.action)
+    optimal_but_not_first = [t for t in turns if not t.off_expert and t.action != t.expert_action]
     assert optimal_but_not_first  # spread over every optimal move, not the solver's first
 
 
 def test_blunders_deadlock_rooms_and_what_follows_is_off_expert(world):
     records = play(world, ExpertPolicy(blunders=1.0, seed=0))
-    lost = [r for r in records if any(t["info"]["deadlock"] for t in r["turns"])]
-    assert lost and not any(r["success"] for r in lost)
+    lost = [r for r in records if any(t.info["deadlock"] for t in r.turns)]
+    assert lost and not any(r.success for r in lost)
     for r in lost:
-        k = next(i for i, t in enumerate(r["turns"]) if t["info"]["deadlock"])
-        assert all(t.get("off_expert") for t in r["turns"][k:])  # the blunder, then moves with no expert action
-        assert all(t["expert_action"] is None for t in r["turns"][k + 1 :])
+        k = next(i for i, t in enumerate(r.turns) if t.info["deadlock"])
+        assert all(t.off_expert for t in r.turns[k:])  # the blunder, then moves with no expert action
+        assert all(t.expert_action is None for t in r.turns[k + 1 :])
 
 
 def test_plain_expert_records_no_off_expert_key(world):
-    assert not any("off_expert" in t for r in play(world, ExpertPolicy(), tasks=10) for t in r["turns"])
+    records = play(world, ExpertPolicy(), tasks=10)
+    assert not any("off_expert" in t.to_dict() for r in records for t in r.turns)
 
 
 def test_noisy_expert_draws_are_seeded_per_call(world):
@@ -131,26 +132,26 @@ def test_hindsight_examples_are_teacher_prompts_and_student_prompts_with_the_exp
     _, tokenizer = load_model(str(micro_dir))
     episodes = read_rollouts(noisy_run)
     examples = {
-        (e["task_id"], e["rollout_index"]): e["turns"]
+        (e.task_id, e.rollout_index): e.turns
         for e in hindsight_examples(episodes, tokenizer, sources, bare_replies=True)
     }
     expected = 0
     for ep in episodes:
         group = [ep]
-        got = iter(examples.get((ep["task_id"], ep["rollout_index"]), []))
-        for t, turn in enumerate(ep["turns"]):
+        got = iter(examples.get((ep.task_id, ep.rollout_index), []))
+        for t, turn in enumerate(ep.turns):
             block, _, _ = fb.hindsight_step(fb.TurnContext(episode=ep, turn=t, group=group), sources)
-            if not (turn.get("off_expert") and turn["expert_action"] and block):
+            if not (turn.off_expert and turn.expert_action and block):
                 continue
             expected += 2
             with_block, without = next(got), next(got)
-            assert with_block["prompt_ids"] == teacher_prompt_ids(
-                turn["prompt_ids"], block_ids(tokenizer, block), tokenizer.eos_token_id
+            assert with_block.prompt_ids == teacher_prompt_ids(
+                turn.prompt_ids, block_ids(tokenizer, block), tokenizer.eos_token_id
             )
-            assert without["prompt_ids"] == turn["prompt_ids"]  # the same example, deconfounded
-            target = reply_ids(tokenizer, turn["expert_action"], bare=True)
-            assert with_block["action_ids"] == without["action_ids"] == target != turn["action_ids"]
-            assert "off_expert" not in with_block and with_block["hindsight"] == block and without["hindsight"] is None
+            assert without.prompt_ids == turn.prompt_ids  # the same example, deconfounded
+            target = reply_ids(tokenizer, turn.expert_action, bare=True)
+            assert with_block.action_ids == without.action_ids == target != turn.action_ids
+            assert not with_block.off_expert and with_block.hindsight == block and without.hindsight is None
         assert next(got, None) is None
     assert expected == sum(len(v) for v in examples.values()) > 0
 
@@ -158,7 +159,7 @@ def test_hindsight_examples_are_teacher_prompts_and_student_prompts_with_the_exp
 def test_hindsight_sft_adds_its_examples_to_the_update(noisy_run, micro_dir, tmp_path):
     cfg = TrainConfig(algo="sft", hindsight_sft="error", threads=1, checkpoint=str(tmp_path / "ckpt"))
     m = train_on_run(str(noisy_run), cfg)
-    plain = sum(1 for e in read_rollouts(noisy_run) for t in e["turns"] if not t.get("off_expert"))
+    plain = sum(1 for e in read_rollouts(noisy_run) for t in e.turns if not t.off_expert)
     assert m["hindsight_examples"] > 0 and m["turns"] == plain + m["hindsight_examples"]
 
 

@@ -18,6 +18,7 @@ from serl_cli.ablate import grid as ab
 from serl_cli.ablate import grid_record as ab_record
 from serl_cli.ablate.report import write_report
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import make_episode, make_turn
 from serl_cli.artifacts.schema import read_annotations, read_rollouts
 from serl_cli.cli import show as _show_cmd  # noqa: F401  (registers `show`)
 from serl_cli.cli.root import app
@@ -35,7 +36,7 @@ SOKOBAN = EnvConfig(name="sokoban", split="train", max_turns=3)
 
 
 def _turn(action, expert):
-    return {"action": action, "expert_action": expert}
+    return make_turn(action=action, expert_action=expert)
 
 
 def _record(turn, log_ratio):
@@ -48,8 +49,8 @@ def _record(turn, log_ratio):
 
 
 EPISODES = [
-    {
-        "turns": [
+    make_episode(
+        [
             _turn("up", "down"),
             _turn("Down ", "down"),
             _turn("left", "up"),
@@ -57,7 +58,7 @@ EPISODES = [
             _turn("up", None),
             _turn("up", "up"),
         ]
-    }
+    )
 ]
 RECORDS = [_record(0, -0.2), _record(1, 0.1), _record(2, 0.3), _record(3, 0.0), _record(4, 0.5), _record(5, None)]
 
@@ -127,17 +128,17 @@ def test_expert_reply_is_what_the_expert_policy_records(tiny_model_dir, model_an
         )
     )
     _, tok = model_and_tokenizer
-    turns = [t for ep in read_rollouts(out) for t in ep["turns"]]
-    assert turns and all(t["action_ids"] == expert_reply_ids(tok, t["action"], bare) for t in turns)
+    turns = [t for ep in read_rollouts(out) for t in ep.turns]
+    assert turns and all(t.action_ids == expert_reply_ids(tok, t.action, bare) for t in turns)
     # the other form is another token sequence: scored in it, the expert's reply means nothing
-    assert all(t["action_ids"] != expert_reply_ids(tok, t["action"], not bare) for t in turns)
+    assert all(t.action_ids != expert_reply_ids(tok, t.action, not bare) for t in turns)
 
 
 def test_selection_report_has_the_signal_of_forward_passes(sokoban_run, model_and_tokenizer):
     report = io.read_json(sokoban_run / "selection_report.json")
     s = report["teacher"]["teacher_signal"]
     episodes, records = read_rollouts(sokoban_run), read_annotations(sokoban_run)
-    turns = [(e, t) for e, ep in enumerate(episodes) for t, turn in enumerate(ep["turns"]) if turn["expert_action"]]
+    turns = [(e, t) for e, ep in enumerate(episodes) for t, turn in enumerate(ep.turns) if turn.expert_action]
     assert s["turns"] == len(turns) > 0 and s["off_expert_turns"] + s["on_expert_turns"] == s["turns"]
 
     # the expert's reply scored here, one forward pass per turn and side, at the rollouts' temperature 1
@@ -146,16 +147,16 @@ def test_selection_report_has_the_signal_of_forward_passes(sokoban_run, model_an
     probs = {"with": [], "without": []}
     right = 0
     for e, t in turns:
-        turn, rec = episodes[e]["turns"][t], by_turn[e, t]
-        reply = expert_reply_ids(tok, turn["expert_action"])
+        turn, rec = episodes[e].turns[t], by_turn[e, t]
+        reply = expert_reply_ids(tok, turn.expert_action)
         mask = torch.tensor(action_span_mask(tok, reply), dtype=torch.bool)
-        with_block = teacher_prompt_ids(turn["prompt_ids"], block_ids(tok, rec["hindsight"]), tok.eos_token_id)
-        for side, prompt in (("with", with_block), ("without", turn["prompt_ids"])):
+        with_block = teacher_prompt_ids(turn.prompt_ids, block_ids(tok, rec["hindsight"]), tok.eos_token_id)
+        for side, prompt in (("with", with_block), ("without", turn.prompt_ids)):
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + reply])).logits[0, len(prompt) - 1 : -1]
             lp = logits.log_softmax(-1).gather(1, torch.tensor(reply)[:, None])[:, 0]
             probs[side].append(lp[mask].sum().exp().item())
-        on_expert = turn["action"].strip().lower() == turn["expert_action"]
+        on_expert = turn.action.strip().lower() == turn.expert_action
         right += rec["log_ratio_mean"] > 0 if on_expert else rec["log_ratio_mean"] < 0
     mean = {k: sum(v) / len(v) for k, v in probs.items()}
     assert s["expert_prob_with_block"] == pytest.approx(mean["with"], rel=1e-4)
@@ -265,13 +266,13 @@ def test_bare_replies_score_the_bare_expert_reply_on_its_action_span(tiny_model_
     model, tok = model_and_tokenizer
     fmt = action_format(SOKOBAN.__dict__)
     probs = []
-    for turn in (t for ep in read_rollouts(run) for t in ep["turns"] if t["expert_action"]):
-        reply = expert_reply_ids(tok, turn["expert_action"], bare_replies=True)
-        assert tok.decode(reply, skip_special_tokens=True) == turn["expert_action"]
+    for turn in (t for ep in read_rollouts(run) for t in ep.turns if t.expert_action):
+        reply = expert_reply_ids(tok, turn.expert_action, bare_replies=True)
+        assert tok.decode(reply, skip_special_tokens=True) == turn.expert_action
         mask = torch.tensor(action_span_mask(tok, reply, "none", fmt), dtype=torch.bool)
         assert mask.any() and not mask[-1]  # the move's tokens, not the end-of-turn token
         with torch.no_grad():
-            logits = model(torch.tensor([turn["prompt_ids"] + reply])).logits[0, len(turn["prompt_ids"]) - 1 : -1]
+            logits = model(torch.tensor([turn.prompt_ids + reply])).logits[0, len(turn.prompt_ids) - 1 : -1]
         probs.append(logits.log_softmax(-1).gather(1, torch.tensor(reply)[:, None])[:, 0][mask].sum().exp().item())
     assert s["turns"] == len(probs) > 0
     assert s["expert_prob_without_block"] == pytest.approx(sum(probs) / len(probs), rel=1e-4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -145,8 +146,8 @@ def episodes(stopping_model_dir, tmp_path_factory):
     run_rollout(rollout_config(stopping_model_dir, run, max_new_tokens=10))
     eps = read_rollouts(run)
     for ep in eps:
-        if ep["rollout_index"] == 0:
-            ep["reward"], ep["success"] = 1.0, True
+        if ep.rollout_index == 0:
+            ep.reward, ep.success = 1.0, True
     return eps
 
 
@@ -243,11 +244,12 @@ def test_update_bar_draws_on_a_terminal_only():
 def _with_faults(episodes):
     eps = copy.deepcopy(episodes)
     crashed = eps[1]  # a rollout of task 0 that the environment broke mid-way: reward 0, cut short
-    crashed.update(reward=0.0, success=False, truncated=True, error="environment raised ValueError: corrupt state")
-    reset = copy.deepcopy(eps[2])  # and one that failed at reset: no turns
-    reset.update(turns=[], num_turns=0, reward=0.0, success=False, error="environment timed out")
+    crashed.reward, crashed.success, crashed.truncated = 0.0, False, True
+    crashed.error = "environment raised ValueError: corrupt state"
+    # and one that failed at reset: no turns
+    reset = replace(eps[2], turns=[], num_turns=0, reward=0.0, success=False, error="environment timed out")
     eps.append(reset)
-    return eps, len(crashed["turns"])
+    return eps, len(crashed.turns)
 
 
 def test_faulted_episodes_are_out_of_the_groups_and_the_loss(episodes, stopping_model_dir):
@@ -257,7 +259,7 @@ def test_faulted_episodes_are_out_of_the_groups_and_the_loss(episodes, stopping_
     eps, crashed_turns = _with_faults(episodes)
     learner = _learner(stopping_model_dir, algo="grpo")
     metrics = learner.update(eps, 1.0)
-    clean = [e for e in eps if not e.get("error")]
+    clean = [e for e in eps if not e.error]
     assert metrics["faulted_episodes"] == 2 and metrics["faulted_turns"] == crashed_turns
     assert metrics["turns"] == len(turn_samples(clean))
     # the others' advantages are those of the group without the faulted episode
@@ -272,11 +274,11 @@ def test_recomputed_pi_old_matches_hf_rollouts_and_reports_the_mismatch(episodes
     """pi_old by the trainer (the vLLM path's fix), forced on for hf rollouts: the hf engine's
     own log-probs are the trainer's numerics, so they agree to 1e-4, and the metrics say so."""
     eps = copy.deepcopy(episodes)
-    stored = [list(t["behaviour_logprobs"]) for e in eps for t in e["turns"]]
+    stored = [list(t.behaviour_logprobs) for e in eps for t in e.turns]
     learner = _learner(stopping_model_dir, algo="grpo", recompute_logp_old=True)
     metrics = learner.update(eps, 1.0)
-    recomputed = [t["behaviour_logprobs"] for e in eps for t in e["turns"]]
-    assert [t["engine_logprobs"] for e in eps for t in e["turns"]] == stored
+    recomputed = [t.behaviour_logprobs for e in eps for t in e.turns]
+    assert [t.engine_logprobs for e in eps for t in e.turns] == stored
     for a, b in zip(recomputed, stored):
         assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
     assert metrics["logp_old_recomputed_turns"] == len(stored)
@@ -287,8 +289,8 @@ def test_recomputed_pi_old_matches_hf_rollouts_and_reports_the_mismatch(episodes
     # an engine whose log-probs are off: the mismatch shows, and the update uses the trainer's
     skewed = copy.deepcopy(episodes)
     for e in skewed:
-        for t in e["turns"]:
-            t["behaviour_logprobs"] = [x - 0.05 for x in t["behaviour_logprobs"]]
+        for t in e.turns:
+            t.behaviour_logprobs = [x - 0.05 for x in t.behaviour_logprobs]
     m = _learner(stopping_model_dir, algo="grpo").update(skewed, 1.0, engine="vllm")
     assert m["logp_mismatch_mean"] == pytest.approx(0.05, abs=1e-4)
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # lr 0: the trainer's pi_old is the policy
@@ -322,7 +324,7 @@ def test_entropy_bonus_trains_zero_advantage_turns(episodes, stopping_model_dir)
     the policy, toward higher entropy, and every turn counts as having a gradient."""
     flat = copy.deepcopy(episodes)
     for ep in flat:
-        ep["reward"], ep["success"] = 0.0, False  # every group ties: A = 0 on every turn
+        ep.reward, ep.success = 0.0, False  # every group ties: A = 0 on every turn
     learner = _learner(stopping_model_dir, algo="grpo", entropy_coef=0.01)
     learner.optimizer.param_groups[0]["lr"] = 1e-3
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}

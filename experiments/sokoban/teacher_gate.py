@@ -62,7 +62,7 @@ def main() -> None:
     run = panel(args.model, out, args.rooms, args.group_size, args.seed)
     episodes = read_rollouts(run)
     env_cfg = io.load_manifest(run)["stages"]["rollout"]["config"]["env"]
-    seen = {t["state_key"] for e in read_rollouts(args.seen) for t in e["turns"]} if args.seen else set()
+    seen = {t.state_key for e in read_rollouts(args.seen) for t in e.turns} if args.seen else set()
     model, tokenizer = load_model(args.model)
     model.eval()
     bare = trained_prompt(args.model).bare_replies

@@ -32,7 +32,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model or rollout["model"])
     records, episodes = read_annotations(args.run), read_rollouts(args.run)
     turns = ts.signal_turns(records, episodes)
-    prompt_ids = [t["prompt_ids"] for e in episodes for t in e["turns"]]  # record order is turn order
+    prompt_ids = [t.prompt_ids for e in episodes for t in e.turns]  # record order is turn order
     prompts = teacher_prompts(records, prompt_ids, tokenizer, turns, prompt.get("chat_template_kwargs"))
     bare = bool(prompt.get("bare_replies"))
     fmt = action_format(rollout["env"]) if bare else None

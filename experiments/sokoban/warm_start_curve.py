@@ -22,9 +22,11 @@ import argparse
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, make_engine
 from serl_cli.rollout.prompts import PromptConfig
@@ -38,12 +40,12 @@ from serl_cli.training.train_config import TrainConfig
 TEMPERATURES = (0.4, 0.0)
 
 
-def examples(run: Path, cfg: TrainConfig, tokenizer) -> list[dict]:
+def examples(run: Path, cfg: TrainConfig, tokenizer) -> list[Episode]:
     """Every SFT example of the run as a one-turn episode: the expert's turns and the hindsight ones."""
     rollout_cfg = io.load_manifest(run)["stages"]["rollout"]["config"]
     episodes = training_episodes(read_rollouts(run), cfg, run)
     episodes += hindsight_sft_examples(episodes, cfg, tokenizer, rollout_cfg)
-    return [{**e, "turns": [t]} for e in episodes for t in e["turns"] if not t.get("off_expert")]
+    return [replace(e, turns=[t]) for e in episodes for t in e.turns if not t.off_expert]
 
 
 def evaluate(learner: Learner, prompt: PromptConfig, env: EnvConfig, episodes: int, out: Path) -> dict:

@@ -17,6 +17,7 @@ import torch
 from serl_cli.algos import core, gigpo, sdpo
 from serl_cli.algos.batch import MicroBatch, PerTurn
 from serl_cli.algos.registry import GIGPO_ANCHORS, GIGPO_MODES, GROUP_NORMS, Objective, check_annotations, objective
+from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import TurnSample
 from serl_cli.errors import SerlError
 
@@ -25,7 +26,7 @@ from serl_cli.errors import SerlError
 class UpdateInputs:
     """What an update learns from besides its turns."""
 
-    episodes: list[dict]
+    episodes: list[Episode]
     annotations: list[dict] | None = None  # one record per turn (serl annotate), for serl/rlsd/sdpo
     annotate_config: dict | None = None  # the annotation's resolved settings
     annotate_stats: dict | None = None  # the annotation pass's statistics (lambda, teacher work)

@@ -5,7 +5,7 @@ A run directory (``serl rollout --out RUN``)::
     RUN/manifest.json       serl version, git commit, command, resolved config, seeds,
                             stage status, artifact schema version
     RUN/rollout.yaml        the resolved rollout config
-    RUN/rollouts.jsonl      one record per episode (ROLLOUT_KEYS), each with its turns (TURN_KEYS)
+    RUN/rollouts.jsonl      one record per episode, each with its turns: artifacts.records.Episode, Turn
     RUN/annotations.jsonl   one record per turn (serl annotate)
     RUN/checkpoint/         a Hugging Face model directory (serl train)
     RUN/metrics.jsonl       one record per update (serl train)
@@ -19,57 +19,18 @@ policy's log-probability of each action token.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import ROLLOUT_KEYS, Episode
 from serl_cli.errors import SerlError
 
-ROLLOUT_KEYS = ("task_id", "group_id", "rollout_index", "reward", "success", "turns")
-TURN_KEYS = ("prompt_ids", "action_ids", "action_text", "behaviour_logprobs", "feedback", "reward", "done", "state_key")
 ROLLOUTS_FILE = "rollouts.jsonl"
 
 
-def _ints(v) -> bool:
-    return isinstance(v, list) and all(type(x) is int for x in v)
-
-
-def _numbers(v) -> bool:
-    return isinstance(v, list) and all(type(x) in (int, float) for x in v)
-
-
-def _number(v) -> bool:
-    return type(v) in (int, float)
-
-
-# what each stored field must be: a wrong type is refused on reading, not found mid-update
-EPISODE_TYPES = {
-    "task_id": (lambda v: type(v) is int, "an integer"),
-    "group_id": (lambda v: type(v) is int, "an integer"),
-    "rollout_index": (lambda v: type(v) is int, "an integer"),
-    "reward": (_number, "a number"),
-    "success": (lambda v: type(v) is bool, "true or false"),
-}
-TURN_TYPES = {
-    "prompt_ids": (_ints, "a list of token ids"),
-    "action_ids": (_ints, "a list of token ids"),
-    "behaviour_logprobs": (_numbers, "a list of numbers"),
-    "action_text": (lambda v: isinstance(v, str), "a string"),
-    "reward": (_number, "a number"),
-    "done": (lambda v: type(v) is bool, "true or false"),
-    "state_key": (lambda v: isinstance(v, str), "a string"),
-}
-
-
-def _check_types(record: dict, types: dict, where: str) -> None:
-    for key, (ok, what) in types.items():
-        if not ok(record[key]):
-            raise SerlError(f"{where} {key} must be {what}, got {json.dumps(record[key])[:60]}")
-
-
-def read_rollouts(run_dir: str | Path, *, need_tokens: bool = True) -> list[dict]:
-    """Episodes of a run, checked: schema version, keys, token/log-prob alignment."""
+def read_rollouts(run_dir: str | Path, *, need_tokens: bool = True) -> list[Episode]:
+    """Episodes of a run, checked: schema version, keys, types, token/log-prob alignment (``Episode.from_dict``)."""
     run_dir = Path(run_dir)
     io.load_manifest(run_dir)
     path = run_dir / ROLLOUTS_FILE
@@ -77,31 +38,15 @@ def read_rollouts(run_dir: str | Path, *, need_tokens: bool = True) -> list[dict
         raise SerlError(
             f"{run_dir} holds no rollouts ({ROLLOUTS_FILE} missing): run `serl rollout --out {run_dir}` first"
         )
-    episodes = list(io.iter_jsonl(path, required=ROLLOUT_KEYS))
-    if not episodes:
+    records = list(io.iter_jsonl(path, required=ROLLOUT_KEYS))
+    if not records:
         raise SerlError(f"{path} holds no episodes")
-    for n, ep in enumerate(episodes, 1):
-        if not isinstance(ep["turns"], list):
-            raise SerlError(f"{path}:{n}: 'turns' must be a list")
-        _check_types(ep, EPISODE_TYPES, f"{path}:{n}:")
-        for t in ep["turns"]:
-            if not isinstance(t, dict):
-                raise SerlError(f"{path}:{n}: a turn must be a JSON object, got {type(t).__name__}")
-            missing = [k for k in TURN_KEYS if k not in t]
-            if missing:
-                raise SerlError(
-                    f"{path}:{n}: a turn lacks {', '.join(missing)} (rollouts without feedback or token fields)"
-                )
-            _check_types(t, TURN_TYPES, f"{path}:{n}: a turn's")
-            if need_tokens and (not t["prompt_ids"] or not t["action_ids"]):
-                raise SerlError(
-                    f"{path}:{n}: a turn has no token ids: these rollouts were not recorded with a model tokenizer"
-                )
-            if need_tokens and t["behaviour_logprobs"] and len(t["behaviour_logprobs"]) != len(t["action_ids"]):
-                raise SerlError(f"{path}:{n}: behaviour_logprobs and action_ids differ in length")
-            if not isinstance(t["feedback"], dict) or "error" not in t["feedback"]:
-                raise SerlError(f"{path}:{n}: a turn's feedback lacks the environment's fields (error, diff)")
-    return episodes
+    return [Episode.from_dict(d, f"{path}:{n}", need_tokens=need_tokens) for n, d in enumerate(records, 1)]
+
+
+def write_rollouts(run_dir: str | Path, episodes: list[Episode]) -> None:
+    """``RUN/rollouts.jsonl``: one record per episode, written at once (atomically)."""
+    io.write_jsonl(Path(run_dir) / ROLLOUTS_FILE, (e.to_dict() for e in episodes))
 
 
 @dataclass
@@ -119,38 +64,31 @@ class TurnSample:
     state_key: str
     turn_reward: float
     off_expert: bool = False  # a noisy expert's exploration move: it reaches a state, it is no SFT target
-    invalid: bool = False  # the action was invalid (turn_invalid): the invalid-action penalty's target
+    invalid: bool = False  # the action was invalid (Turn.invalid_action): the invalid-action penalty's target
     faulted: bool = False  # the episode was ended by an environment fault (crash, timeout): it teaches nothing
     observation: str = ""  # the raw observation the turn acted on (GiGPO's anchor key train.gigpo_anchor observation)
 
 
-def turn_invalid(turn: dict) -> bool:
-    """Whether a stored turn's action was invalid: the authors' rule where the policy judged its
-    reply by it (``prompt.style: authors`` records ``invalid``), else the environment's
-    ``feedback.error``."""
-    return bool(turn["invalid"]) if "invalid" in turn else bool((turn.get("feedback") or {}).get("error"))
-
-
-def turn_samples(episodes: list[dict]) -> list[TurnSample]:
+def turn_samples(episodes: list[Episode]) -> list[TurnSample]:
     out = []
     for e, ep in enumerate(episodes):
-        for t in ep["turns"]:
+        for t in ep.turns:
             out.append(
                 TurnSample(
                     episode=e,
-                    turn=t.get("turn", 0),
-                    group_key=(ep["task_id"], ep["group_id"]),
-                    prompt_ids=t["prompt_ids"],
-                    action_ids=t["action_ids"],
-                    behaviour_logprobs=t["behaviour_logprobs"],
-                    episode_reward=float(ep["reward"]),
-                    success=bool(ep["success"]),
-                    state_key=t["state_key"],
-                    turn_reward=float(t["reward"]),
-                    off_expert=bool(t.get("off_expert", False)),
-                    invalid=turn_invalid(t),
-                    faulted=bool(ep.get("error")),
-                    observation=t.get("observation", ""),
+                    turn=t.turn,
+                    group_key=ep.group_key,
+                    prompt_ids=t.prompt_ids,
+                    action_ids=t.action_ids,
+                    behaviour_logprobs=t.behaviour_logprobs,
+                    episode_reward=float(ep.reward),
+                    success=bool(ep.success),
+                    state_key=t.state_key,
+                    turn_reward=float(t.reward),
+                    off_expert=bool(t.off_expert),
+                    invalid=t.invalid_action,
+                    faulted=bool(ep.error),
+                    observation=t.observation,
                 )
             )
     return out

@@ -10,6 +10,7 @@ laid out as at step granularity: titled sections, a blank line between them.
 
 from __future__ import annotations
 
+from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.errors import SerlError
 from serl_cli.method.feedback import (
     SOURCES,
@@ -27,7 +28,7 @@ from serl_cli.method.feedback import (
 )
 
 
-def anchor_groups(group: list[dict], similarity: float | None = None) -> dict[tuple[int, int], int]:
+def anchor_groups(group: list[Episode], similarity: float | None = None) -> dict[tuple[int, int], int]:
     """Anchor id of every turn ``(position in group, turn index)``; singletons get their own id.
 
     Same ``state_key`` (the same raw observation) -> same anchor, whichever rollouts the turns
@@ -35,11 +36,11 @@ def anchor_groups(group: list[dict], similarity: float | None = None) -> dict[tu
     observations whose token-set Jaccard similarity (lower-cased, whitespace-split) is at
     least that; groups are closed transitively (union-find). Ids: 0, 1, ... by first turn.
     """
-    if len({(e.get("task_id"), e.get("group_id")) for e in group}) > 1:
+    if len({e.group_key for e in group}) > 1:
         raise ValueError("anchor_groups: the episodes must share one (task_id, group_id)")
     if similarity is not None and not 0 < similarity <= 1:
         raise SerlError(f"anchor similarity must lie in (0, 1], got {similarity}")
-    keys = [(p, t) for p, e in enumerate(group) for t in range(len(e["turns"]))]
+    keys = [(p, t) for p, e in enumerate(group) for t in range(len(e.turns))]
     parent = {k: k for k in keys}
 
     def find(k):
@@ -54,11 +55,11 @@ def anchor_groups(group: list[dict], similarity: float | None = None) -> dict[tu
 
     first: dict[str, tuple[int, int]] = {}  # one representative turn per distinct state
     for p, t in keys:
-        sk = group[p]["turns"][t]["state_key"]
+        sk = group[p].turns[t].state_key
         union((p, t), first.setdefault(sk, (p, t)))
     if similarity is not None:
         reps = list(first.values())
-        words = [set(group[p]["turns"][t].get("observation", "").lower().split()) for p, t in reps]
+        words = [set(group[p].turns[t].observation.lower().split()) for p, t in reps]
         for i in range(len(reps)):
             for j in range(i + 1, len(reps)):
                 both = words[i] | words[j]
@@ -68,7 +69,7 @@ def anchor_groups(group: list[dict], similarity: float | None = None) -> dict[tu
     return {k: ids.setdefault(find(k), len(ids)) for k in keys}
 
 
-def _pool_field(src: TurnField, ctx: TurnContext, others: list[dict]) -> tuple[str | None, bool]:
+def _pool_field(src: TurnField, ctx: TurnContext, others: list[Turn]) -> tuple[str | None, bool]:
     """The other turns' values of ``src``, one line per distinct action (first value, count)."""
     lines: dict[str, list] = {}
     for turn in others:
@@ -86,13 +87,13 @@ def _pool_ref(ctx: TurnContext, members: list[tuple[int, int]]) -> tuple[str | N
     """What the group's other successful rollouts did here (each one's last visit), by rollout index."""
     last: dict[int, int] = {}
     for p, t in members:
-        if ctx.group[p].get("success") and ctx.group[p] is not ctx.episode:
+        if ctx.group[p].success and ctx.group[p] is not ctx.episode:
             last[p] = max(t, last.get(p, t))
-    order = sorted(last, key=lambda p: ctx.group[p].get("rollout_index", p))
+    order = sorted(last, key=lambda p: ctx.group[p].rollout_index)
     by_action: dict[str, list] = {}
     for p in order:
-        a = _action(ctx.group[p]["turns"][last[p]])
-        by_action.setdefault(_norm(a), [a, []])[1].append(f"rollout {ctx.group[p].get('rollout_index', p)}")
+        a = _action(ctx.group[p].turns[last[p]])
+        by_action.setdefault(_norm(a), [a, []])[1].append(f"rollout {ctx.group[p].rollout_index}")
     if not by_action:
         return None, False
     body = "\n".join(f"{_short(a)} ({', '.join(who)})" for a, who in by_action.values())
@@ -102,7 +103,7 @@ def _pool_ref(ctx: TurnContext, members: list[tuple[int, int]]) -> tuple[str | N
 
 def _pool_expert(ctx: TurnContext, members: list[tuple[int, int]]) -> tuple[str | None, bool]:
     """The expert's action from this anchor state (its last visit): privileged oracle information."""
-    keys = {ctx.group[p]["turns"][t]["state_key"] for p, t in members}
+    keys = {ctx.group[p].turns[t].state_key for p, t in members}
     here = [a for a, key in expert_steps(ctx) if key in keys]
     if not here:
         return None, False
@@ -135,7 +136,7 @@ def hindsight_anchor(ctx: TurnContext, spec, anchors: dict) -> tuple[str | None,
     members = [k for k, a in anchors.items() if a == aid]
     if len(members) == 1:
         return hindsight_step(ctx, spec)
-    others = [ctx.group[p]["turns"][t] for p, t in members if (p, t) != (pos, ctx.turn)]
+    others = [ctx.group[p].turns[t] for p, t in members if (p, t) != (pos, ctx.turn)]
     pieces, used, fired = [], [], []
     for alts in _spec(spec):
         for name in alts:

@@ -23,6 +23,7 @@ import torch
 
 from serl_cli.algos.objectives import episode_advantages
 from serl_cli.algos.serl import apply_placement, blend_weights, hindsight_weights, mixing_lambda
+from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.method import anchors as anchors_mod
@@ -33,7 +34,7 @@ from serl_cli.method.teacher import action_span_mask, teacher_prompt
 from serl_cli.training.scoring import ScoreItem, score
 
 
-def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[dict]]:
+def expert_trajectories(env_cfg: dict, episodes: list[Episode]) -> dict[int, list[dict]]:
     """The environment's expert episode for each task (the `expert` source: privileged oracle information)."""
     from serl_cli.rollout.policies import ExpertPolicy
     from serl_cli.rollout.runner import EpisodeSpec, run_episodes
@@ -41,14 +42,12 @@ def expert_trajectories(env_cfg: dict, episodes: list[dict]) -> dict[int, list[d
 
     env = EnvConfig(**env_cfg)
     world = build_world(env)
-    tasks = sorted({e["task_id"] for e in episodes})
+    tasks = sorted({e.task_id for e in episodes})
     records = run_episodes(
         world, env.split, [EpisodeSpec(task_id=t) for t in tasks], ExpertPolicy(), max_turns=env.max_turns
     )
     return {
-        r["task_id"]: [
-            {"observation": t["observation"], "action": t["action"], "state_key": t["state_key"]} for t in r["turns"]
-        ]
+        r.task_id: [{"observation": t.observation, "action": t.action, "state_key": t.state_key} for t in r.turns]
         for r in records
     }
 
@@ -71,26 +70,26 @@ def action_format(env_cfg: dict | None):
 
 
 def action_masks(
-    tokenizer, episodes: list[dict], unparsed: str, env_cfg: dict | None, spans: str = "last"
+    tokenizer, episodes: list[Episode], unparsed: str, env_cfg: dict | None, spans: str = "last"
 ) -> tuple[list[list[int]], int]:
     """The parsed action's tokens of every turn, in turn order, and how many replies had no
     parseable action. The environment is built (for its bare-action format) only if some
     reply has no ``<action>`` tag and ``spans`` is serl's (the authors' needs no format)."""
     from serl_cli.rollout.prompts import ACTION_TAG_RE
 
-    turns = [t for e in episodes for t in e["turns"]]
-    tagged = all(ACTION_TAG_RE.search(t.get("action_text") or "") for t in turns)
+    turns = [t for e in episodes for t in e.turns]
+    tagged = all(ACTION_TAG_RE.search(t.action_text or "") for t in turns)
     fmt = None if spans == "authors" or tagged else action_format(env_cfg)
-    masks = [action_span_mask(tokenizer, t["action_ids"], "none", fmt, spans) for t in turns]
+    masks = [action_span_mask(tokenizer, t.action_ids, "none", fmt, spans) for t in turns]
     failed = [k for k, m in enumerate(masks) if not any(m)]
     if unparsed != "none":
         for k in failed:
-            masks[k] = action_span_mask(tokenizer, turns[k]["action_ids"], unparsed, fmt, spans)
+            masks[k] = action_span_mask(tokenizer, turns[k].action_ids, unparsed, fmt, spans)
     return masks, len(failed)
 
 
 def annotate_episodes(
-    episodes: list[dict],
+    episodes: list[Episode],
     cfg: AnnotateConfig,
     teacher_model,
     tokenizer,
@@ -117,9 +116,9 @@ def annotate_episodes(
     spec = validate(cfg)
     needs_expert = fb.uses_expert_trajectory(spec, cfg.trajectory) and env_cfg
     experts = expert_trajectories(env_cfg, episodes) if needs_expert else {}
-    groups: dict[tuple, list[dict]] = {}
+    groups: dict[tuple, list[Episode]] = {}
     for e in episodes:
-        groups.setdefault((e["task_id"], e["group_id"]), []).append(e)
+        groups.setdefault(e.group_key, []).append(e)
     anchors = (
         {k: anchors_mod.anchor_groups(g, cfg.anchor_similarity) for k, g in groups.items()}
         if cfg.granularity == "anchor"
@@ -139,10 +138,10 @@ def annotate_episodes(
     records = []
     i = 0
     for e_idx, ep in enumerate(episodes):
-        key = (ep["task_id"], ep["group_id"])
-        for t_idx, turn in enumerate(ep["turns"]):
+        key = ep.group_key
+        for t_idx in range(len(ep.turns)):
             ctx = fb.TurnContext(
-                episode=ep, turn=t_idx, group=groups[key], expert=experts.get(ep["task_id"]), trajectory=cfg.trajectory
+                episode=ep, turn=t_idx, group=groups[key], expert=experts.get(ep.task_id), trajectory=cfg.trajectory
             )
             if cfg.granularity == "anchor":
                 text, used, fired = anchors_mod.hindsight_anchor(ctx, spec, anchors[key])
@@ -151,9 +150,9 @@ def annotate_episodes(
             records.append(
                 {
                     "episode": e_idx,
-                    "task_id": ep["task_id"],
-                    "group_id": ep["group_id"],
-                    "rollout_index": ep["rollout_index"],
+                    "task_id": ep.task_id,
+                    "group_id": ep.group_id,
+                    "rollout_index": ep.rollout_index,
                     "turn": t_idx,
                     "selected": False,
                     "sources": used,
@@ -221,7 +220,7 @@ def annotate_episodes(
             else torch.tensor(r["action_mask"], dtype=torch.bool)
         )
         r["weights"] = apply_placement(w, where).tolist()
-        r["distill"] = not episodes[r["episode"]]["success"]
+        r["distill"] = not episodes[r["episode"]].success
     stats = {
         "turns": len(records),
         "selected": sum(r["selected"] for r in records),

@@ -1,5 +1,5 @@
 """Feedback sources and the hindsight block (METHOD.md sections 3-4). Pure functions over
-rollout records (``serl_cli.artifacts.schema``); no model.
+rollout records (``serl_cli.artifacts.records``); no model.
 
 The block follows the layout of the authors' default teacher prompt (github.com/OliverLeeXZ/SERL
 at 5a2a85b, ``recipe/serl/privileged_context.py``, "PC" below): every source renders one
@@ -68,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from envs.base import state_key as hash_observation
+from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.errors import SerlError
 from serl_cli.rollout.prompts import format_action
 
@@ -129,9 +130,9 @@ def make_cutter(tokenizer, max_tokens: int) -> Callable[[str], str]:
 
 @dataclass
 class TurnContext:
-    episode: dict  # the rollout record
-    turn: int  # index into episode["turns"]
-    group: list[dict] = field(default_factory=list)  # episodes of this (task_id, group_id), this one included
+    episode: Episode  # the rollout record
+    turn: int  # index into episode.turns
+    group: list[Episode] = field(default_factory=list)  # episodes of this (task_id, group_id), this one included
     expert: list[dict] | None = None  # the expert's steps {"observation", "action"[, "state_key"]} from the start
     trajectory: str = "full"  # ref and expert: full | aligned (TRAJECTORIES)
 
@@ -143,17 +144,17 @@ class TurnContext:
         return self.trajectory == "aligned"
 
     @property
-    def step(self) -> dict:
-        return self.episode["turns"][self.turn]
+    def step(self) -> Turn:
+        return self.episode.turns[self.turn]
 
 
-def _action(turn: dict) -> str:
-    return turn.get("action") or turn.get("action_text") or ""
+def _action(turn: Turn) -> str:
+    return turn.action or turn.action_text or ""
 
 
-def _reply(turn: dict) -> str:
+def _reply(turn: Turn) -> str:
     """What the policy wrote, reasoning removed (the authors' ``remove_thinking_from_demonstration``)."""
-    return THINK_RE.sub("", turn.get("action_text") or format_action(_action(turn))).strip()
+    return THINK_RE.sub("", turn.action_text or format_action(_action(turn))).strip()
 
 
 def _short(text: str) -> str:
@@ -198,9 +199,9 @@ class TurnField(Source):
     title = pooled_title = ""
 
     @abc.abstractmethod
-    def value(self, turn: dict) -> str | None: ...
+    def value(self, turn: Turn) -> str | None: ...
 
-    def bad(self, turn: dict) -> bool:
+    def bad(self, turn: Turn) -> bool:
         return False
 
     def render(self, ctx):
@@ -215,7 +216,7 @@ class Error(TurnField):
     name, title, pooled_title = "error", "Environment error at the current step:", "Errors other attempts got here:"
 
     def value(self, turn):
-        return (turn.get("feedback") or {}).get("error")
+        return (turn.feedback or {}).get("error")
 
     def bad(self, turn):
         return bool(self.value(turn))
@@ -226,7 +227,7 @@ class Diff(TurnField):
     name, title, pooled_title = "diff", "What changed after the current step:", "What other attempts changed here:"
 
     def value(self, turn):
-        return (turn.get("feedback") or {}).get("diff")
+        return (turn.feedback or {}).get("diff")
 
     def bad(self, turn):
         return same_action(self.value(turn), "no change")
@@ -238,7 +239,7 @@ class Obs(TurnField):  # never fires: shown whatever happened, it flags nothing 
     name, title, pooled_title = "obs", "Immediate feedback from the current step:", "What other attempts saw next:"
 
     def value(self, turn):
-        return turn.get("next_observation")
+        return turn.next_observation
 
 
 @register
@@ -249,21 +250,21 @@ class Future(Source):
     name, title = "future", "Observed future trajectory of the current step:"  # PC:1642-1652
 
     def render(self, ctx):
-        later = [(k, _reply(t)) for k, t in enumerate(ctx.episode["turns"]) if k > ctx.turn]
+        later = [(k, _reply(t)) for k, t in enumerate(ctx.episode.turns) if k > ctx.turn]
         return section(self.title, trajectory_text(later)) if later else None
 
 
-def reference_rollout(ctx: TurnContext) -> dict | None:
+def reference_rollout(ctx: TurnContext) -> Episode | None:
     """The first successful rollout of the group by rollout index, other than this one; None if none."""
-    wins = [e for e in ctx.group if e.get("success") and e is not ctx.episode]
-    return min(wins, key=lambda e: e.get("rollout_index", 0)) if wins else None
+    wins = [e for e in ctx.group if e.success and e is not ctx.episode]
+    return min(wins, key=lambda e: e.rollout_index) if wins else None
 
 
 def _matching_action(ctx: TurnContext, steps: list[tuple[str, str | None]]) -> str | None:
     """The reference's action at this turn's state (its last visit: earlier ones came back
     here, so their actions did not lead on), else -- in the full rendering only -- at the
     same turn index, else None."""
-    visits = [j for j, (_, key) in enumerate(steps) if key == ctx.step.get("state_key")]
+    visits = [j for j, (_, key) in enumerate(steps) if key == ctx.step.state_key]
     if visits:
         return steps[visits[-1]][0]
     return steps[ctx.turn][0] if ctx.turn < len(steps) and not ctx.aligned else None
@@ -284,13 +285,13 @@ class Ref(Source):
         if ref is None:
             return None
         if ctx.aligned:  # its reply at its last visit of this state, nothing if it never came here
-            replies = [(_reply(t), t.get("state_key")) for t in ref["turns"]]
+            replies = [(_reply(t), t.state_key) for t in ref.turns]
             return section(self.aligned_title, _matching_action(ctx, replies))
-        return section(self.title, trajectory_text([(k, _reply(t)) for k, t in enumerate(ref["turns"])]))
+        return section(self.title, trajectory_text([(k, _reply(t)) for k, t in enumerate(ref.turns)]))
 
     def fires(self, ctx):
         ref = reference_rollout(ctx)
-        return ref is not None and _disagrees(ctx, [(_action(t), t.get("state_key")) for t in ref["turns"]])
+        return ref is not None and _disagrees(ctx, [(_action(t), t.state_key) for t in ref.turns])
 
 
 def expert_steps(ctx: TurnContext) -> list[tuple[str, str]]:
@@ -308,7 +309,7 @@ class Expert(Source):
 
     def render(self, ctx):
         if ctx.aligned:
-            move = ctx.step.get("expert_action")
+            move = ctx.step.expert_action
             return section(self.aligned_title, format_action(move)) if move else None
         if not ctx.expert:
             return None
@@ -316,7 +317,7 @@ class Expert(Source):
 
     def fires(self, ctx):
         if ctx.aligned:
-            move = ctx.step.get("expert_action")
+            move = ctx.step.expert_action
             return bool(move) and not same_action(move, _action(ctx.step))
         return bool(ctx.expert) and _disagrees(ctx, expert_steps(ctx))
 

@@ -34,6 +34,7 @@ prompts online look like the ones trained on.
 
 from __future__ import annotations
 
+from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.method import feedback as fb
 from serl_cli.method.annotation import expert_trajectories
 from serl_cli.method.teacher import teacher_prompt
@@ -41,13 +42,13 @@ from serl_cli.rollout.prompts import format_reply, reply_ids
 
 
 def examples_for_run(
-    episodes: list[dict],
+    episodes: list[Episode],
     tokenizer,
     sources: str,
     env_cfg: dict | None,
     bare_replies: bool = False,
     chat_template_kwargs: dict | None = None,
-) -> list[dict]:
+) -> list[Episode]:
     """:func:`hindsight_examples` of a run's episodes, with the environment's expert
     trajectories for ``expert`` where the sources use it (as the annotation has them)."""
     uses_expert = any("expert" in alts for alts in fb.parse_sources(sources))
@@ -62,18 +63,18 @@ def examples_for_run(
     )
 
 
-def hindsight_turns(episodes: list[dict]) -> list[tuple[int, int]]:
+def hindsight_turns(episodes: list[Episode]) -> list[tuple[int, int]]:
     """(episode, turn) of every off-expert move made from a state that had an expert action."""
     return [
         (e, t)
         for e, ep in enumerate(episodes)
-        for t, turn in enumerate(ep["turns"])
-        if turn.get("off_expert") and turn.get("expert_action")
+        for t, turn in enumerate(ep.turns)
+        if turn.off_expert and turn.expert_action
     ]
 
 
 def hindsight_examples(
-    episodes: list[dict],
+    episodes: list[Episode],
     tokenizer,
     sources: str,
     *,
@@ -81,7 +82,7 @@ def hindsight_examples(
     max_hindsight_tokens: int = 2048,
     bare_replies: bool = False,
     chat_template_kwargs: dict | None = None,
-) -> list[dict]:
+) -> list[Episode]:
     """The SFT examples, as episodes ``Learner.update`` reads: one per episode that has any,
     holding two turns per hindsight turn whose ``sources`` render a block (with the block,
     then without). ``experts``: the expert's trajectory per task, for the ``expert`` source
@@ -89,48 +90,55 @@ def hindsight_examples(
     data's demonstrations are written (``PromptConfig.bare_replies``); ``chat_template_kwargs``: the data's
     ``PromptConfig.chat_template_kwargs``, for the teacher prompts."""
     spec = fb.parse_sources(sources)
-    groups: dict[tuple, list[dict]] = {}
+    groups: dict[tuple, list[Episode]] = {}
     for ep in episodes:
-        groups.setdefault((ep["task_id"], ep["group_id"]), []).append(ep)
+        groups.setdefault(ep.group_key, []).append(ep)
     cut = fb.make_cutter(tokenizer, max_hindsight_tokens)  # the whole block, as the annotation cuts it
-    by_episode: dict[int, list[dict]] = {}
+    by_episode: dict[int, list[Turn]] = {}
     for e, t in hindsight_turns(episodes):
         ep = episodes[e]
-        ctx = fb.TurnContext(
-            episode=ep, turn=t, group=groups[(ep["task_id"], ep["group_id"])], expert=(experts or {}).get(ep["task_id"])
-        )
+        ctx = fb.TurnContext(episode=ep, turn=t, group=groups[ep.group_key], expert=(experts or {}).get(ep.task_id))
         block, _, _ = fb.hindsight_step(ctx, spec)
         if block is None:
             continue
         block = cut(block)
-        turn = ep["turns"][t]
-        teacher = teacher_prompt(tokenizer, turn["prompt_ids"], block, chat_template_kwargs)
-        expert = turn["expert_action"]
+        turn = ep.turns[t]
+        teacher = teacher_prompt(tokenizer, turn.prompt_ids, block, chat_template_kwargs)
+        expert = turn.expert_action
         by_episode.setdefault(e, []).extend(
             [
                 example_turn(turn, teacher, tokenizer, expert, block, bare_replies),
-                example_turn(turn, turn["prompt_ids"], tokenizer, expert, None, bare_replies),
+                example_turn(turn, turn.prompt_ids, tokenizer, expert, None, bare_replies),
             ]
         )
-    return [
-        {**{k: episodes[e][k] for k in ("task_id", "group_id", "rollout_index", "reward", "success")}, "turns": turns}
-        for e, turns in by_episode.items()
-    ]
+    return [example_episode(episodes[e], turns) for e, turns in by_episode.items()]
 
 
-def example_turn(turn: dict, prompt_ids: list[int], tokenizer, action: str, hindsight: str | None, bare: bool) -> dict:
+def example_turn(turn: Turn, prompt_ids: list[int], tokenizer, action: str, hindsight: str | None, bare: bool) -> Turn:
     """An SFT turn record from ``turn``'s state: ``prompt_ids`` (the student's prompt, or a teacher
     prompt holding the block ``hindsight``) with ``action`` as the reply, written as the expert writes it."""
-    return {
-        "turn": turn["turn"],
-        "prompt_ids": prompt_ids,
-        "action_ids": reply_ids(tokenizer, action, bare),
-        "action_text": format_reply(action, bare),
-        "action": action,
-        "behaviour_logprobs": [],
-        "state_key": turn["state_key"],
-        "feedback": turn["feedback"],
-        "reward": 0.0,
-        "done": False,
-        "hindsight": hindsight,
-    }
+    return Turn(
+        turn=turn.turn,
+        prompt_ids=prompt_ids,
+        action_ids=reply_ids(tokenizer, action, bare),
+        action_text=format_reply(action, bare),
+        action=action,
+        behaviour_logprobs=[],
+        state_key=turn.state_key,
+        feedback=turn.feedback,
+        reward=0.0,
+        done=False,
+        hindsight=hindsight,
+    )
+
+
+def example_episode(episode: Episode, turns: list[Turn]) -> Episode:
+    """An episode of SFT example turns, in ``episode``'s place (its task, group, index, reward, success)."""
+    return Episode(
+        task_id=episode.task_id,
+        group_id=episode.group_id,
+        rollout_index=episode.rollout_index,
+        reward=episode.reward,
+        success=episode.success,
+        turns=turns,
+    )

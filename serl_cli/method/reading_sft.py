@@ -38,10 +38,12 @@ annotation's own functions, so the teacher prompts online look like the ones tra
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
+from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
-from serl_cli.method.hindsight_sft import example_turn
+from serl_cli.method.hindsight_sft import example_episode, example_turn
 from serl_cli.method.teacher import teacher_prompt
 from serl_cli.rollout.prompts import format_reply
 
@@ -95,33 +97,31 @@ def state_moves(ep, expert_action: str) -> tuple[list[str], list[str], list[str]
     return moves, optimal, deadlocking
 
 
-def played_turn(turn: dict, step, action: str, bare: bool) -> dict:
+def played_turn(turn: Turn, step, action: str, bare: bool) -> Turn:
     """``turn`` as it would have been recorded had ``action`` been played (``step``: the environment's answer)."""
-    return {
-        **turn,
-        "action": action,
-        "action_text": format_reply(action, bare),
-        "feedback": step.feedback.to_dict(),
-        "next_observation": step.observation,
-        "next_state_key": step.state_key,
-    }
+    return replace(
+        turn,
+        action=action,
+        action_text=format_reply(action, bare),
+        feedback=step.feedback.to_dict(),
+        next_observation=step.observation,
+        next_state_key=step.state_key,
+    )
 
 
-def named_context(episode: dict, t: int, move: str, bare: bool) -> fb.TurnContext:
+def named_context(episode: Episode, t: int, move: str, bare: bool) -> fb.TurnContext:
     """Turn ``t`` of ``episode`` where the expert's move and a successful rollout's move here are ``move``."""
-    turns = list(episode["turns"])
-    turns[t] = {**turns[t], "expert_action": move}
-    here = {**episode, "turns": turns, "success": False, "rollout_index": 0}
-    ref = {
-        "success": True,
-        "rollout_index": 1,
-        "turns": [{"state_key": turns[t]["state_key"], "action": move, "action_text": format_reply(move, bare)}],
-    }
+    turns = list(episode.turns)
+    turns[t] = replace(turns[t], expert_action=move)
+    here = replace(episode, turns=turns, success=False, rollout_index=0)
+    # a successful rollout whose one turn, in this state, played the move
+    ref_turn = replace(turns[t], action=move, action_text=format_reply(move, bare))
+    ref = replace(here, success=True, rollout_index=1, turns=[ref_turn])
     return fb.TurnContext(episode=here, turn=t, group=[here, ref], trajectory="aligned")
 
 
 def reading_examples(
-    episodes: list[dict],
+    episodes: list[Episode],
     tokenizer,
     kinds: list[tuple[str, list[list[str]]]],
     world,
@@ -132,21 +132,21 @@ def reading_examples(
     bare_replies: bool = False,
     chat_template_kwargs: dict | None = None,
     seed: int = 0,
-) -> list[dict]:
+) -> list[Episode]:
     """The reading examples, as episodes ``Learner.update`` reads: per episode, one teacher-prompt
     turn per state with an expert action, of a kind drawn from ``kinds`` (:func:`parse_reading`)."""
     rng = random.Random(seed)
     cut = fb.make_cutter(tokenizer, max_hindsight_tokens)
     out = []
     for episode in episodes:
-        actions = [t["action"] for t in episode["turns"]]
+        actions = [t.action for t in episode.turns]
         made = []
-        for t, turn in enumerate(episode["turns"]):
-            if not turn.get("expert_action"):
+        for t, turn in enumerate(episode.turns):
+            if not turn.expert_action:
                 continue
             kind, spec = rng.choice(kinds)
-            state = episode_at(world, split, episode["task_id"], actions[:t], max_turns)
-            moves, optimal, deadlocking = state_moves(state, turn["expert_action"])
+            state = episode_at(world, split, episode.task_id, actions[:t], max_turns)
+            moves, optimal, deadlocking = state_moves(state, turn.expert_action)
             if kind == "named":
                 target = rng.choice(optimal)
                 ctx = named_context(episode, t, target, bare_replies)
@@ -160,31 +160,30 @@ def reading_examples(
                 else:
                     pool = deadlocking if deadlocking and rng.random() < DEADLOCK_SHARE else bad
                     move, target = rng.choice(pool), rng.choice(optimal)
-                step = episode_at(world, split, episode["task_id"], actions[:t], max_turns).step(move)
-                turns = list(episode["turns"])
+                step = episode_at(world, split, episode.task_id, actions[:t], max_turns).step(move)
+                turns = list(episode.turns)
                 turns[t] = played_turn(turn, step, move, bare_replies)
-                ctx = fb.TurnContext(episode={**episode, "turns": turns}, turn=t, group=[])
+                ctx = fb.TurnContext(episode=replace(episode, turns=turns), turn=t, group=[])
             block, _, _ = fb.hindsight_step(ctx, spec)
             if block is None:
                 continue
             block = cut(block)
-            prompt = teacher_prompt(tokenizer, turn["prompt_ids"], block, chat_template_kwargs)
+            prompt = teacher_prompt(tokenizer, turn.prompt_ids, block, chat_template_kwargs)
             made.append(example_turn(turn, prompt, tokenizer, target, block, bare_replies))
         if made:
-            keep = ("task_id", "group_id", "rollout_index", "reward", "success")
-            out.append({**{k: episode[k] for k in keep}, "turns": made})
+            out.append(example_episode(episode, made))
     return out
 
 
 def reading_examples_for_run(
-    episodes: list[dict],
+    episodes: list[Episode],
     tokenizer,
     value: str,
     env_cfg: dict | None,
     bare_replies: bool = False,
     chat_template_kwargs: dict | None = None,
     seed: int = 0,
-) -> list[dict]:
+) -> list[Episode]:
     """:func:`reading_examples` of a run's episodes, in the run's environment (replayed)."""
     from serl_cli.rollout.worlds import EnvConfig, build_world
 

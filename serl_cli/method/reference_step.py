@@ -29,6 +29,7 @@ import torch
 
 from serl_cli.algos import core
 from serl_cli.algos.serl import apply_placement, blend_weights, hindsight_weights, mixing_lambda
+from serl_cli.artifacts.records import Episode
 from serl_cli.method import feedback, placement
 from serl_cli.method.annotation import AnnotateConfig
 from serl_cli.method.teacher import action_span_mask, teacher_prompt
@@ -45,7 +46,7 @@ def reference_step(
     policy,
     teacher,
     tokenizer,
-    group: list[dict],
+    group: list[Episode],
     cfg: AnnotateConfig,
     *,
     clip_eps: float = 0.2,
@@ -54,10 +55,10 @@ def reference_step(
 ) -> torch.Tensor:
     """The SERL loss of one group of rollouts under ``policy`` (differentiable), with the
     hindsight ``teacher`` (a frozen copy of the rollout policy) setting the token weights."""
-    turns = [(ep, t) for ep in group for t in range(len(ep["turns"]))]
+    turns = [(ep, t) for ep in group for t in range(len(ep.turns))]
 
     # 1. advantages: the sign of every update comes from the task reward alone
-    rewards = torch.tensor([ep["reward"] for ep in group], dtype=torch.float64)
+    rewards = torch.tensor([ep.reward for ep in group], dtype=torch.float64)
     episode_adv = core.group_advantages(rewards, torch.zeros(len(group), dtype=torch.long), eps=adv_eps)
     adv = {id(ep): float(a) for ep, a in zip(group, episode_adv)}
 
@@ -73,8 +74,7 @@ def reference_step(
     # 3. placement: the critical set S, chosen before the teacher is asked anything. A turn is
     # scorable with a block, a nonzero advantage and (serl) a parsed action to weight
     masks = [
-        action_span_mask(tokenizer, ep["turns"][t]["action_ids"], cfg.unparsed, spans=cfg.action_spans)
-        for ep, t in turns
+        action_span_mask(tokenizer, ep.turns[t].action_ids, cfg.unparsed, spans=cfg.action_spans) for ep, t in turns
     ]
     scorable = [
         text is not None and adv[id(ep)] != 0 and (cfg.tokens == "reply" or any(m))
@@ -89,9 +89,9 @@ def reference_step(
     lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
     pg_terms, reply_tokens = [], 0
     for (ep, t), (text, _, _), in_s, ok, mask in zip(turns, blocks, selected, scorable, masks):
-        step = ep["turns"][t]
-        prompt, reply = step["prompt_ids"], step["action_ids"]
-        logp_old = torch.tensor(step["behaviour_logprobs"], dtype=torch.float64)
+        step = ep.turns[t]
+        prompt, reply = step.prompt_ids, step.action_ids
+        logp_old = torch.tensor(step.behaviour_logprobs, dtype=torch.float64)
         a = torch.tensor(adv[id(ep)])
         reply_tokens += len(reply)
 

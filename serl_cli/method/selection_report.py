@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 
+from serl_cli.artifacts.records import Episode
 from serl_cli.errors import SerlError
 from serl_cli.stats.summary import scipy_stats
 
@@ -67,16 +68,13 @@ def distribution(values) -> dict:
     }
 
 
-def _check(records: list[dict], episodes: list[dict]) -> None:
+def _check(records: list[dict], episodes: list[Episode]) -> None:
     for n, r in enumerate(records):
         missing = [k for k in RECORD_KEYS if k not in r]
         if missing:
             raise SerlError(f"annotation record {n} lacks {', '.join(missing)}")
         if not (isinstance(r["episode"], (int, np.integer)) and 0 <= r["episode"] < len(episodes)):
             raise SerlError(f"annotation record {n} names episode {r['episode']!r}, but the run has {len(episodes)}")
-    for n, ep in enumerate(episodes):
-        if "reward" not in ep or "success" not in ep:
-            raise SerlError(f"episode {n} lacks its reward or success")
 
 
 def _tests(sel_r, uns_r, table, alpha: float) -> dict:
@@ -119,11 +117,11 @@ def _verdict(t: dict, frac_success, frac_failure, mean_sel, mean_uns) -> str:
     return f"no evidence that selection tracks reward at alpha {alpha:g} ({ps}{note})"
 
 
-def selection_report(records: list[dict], episodes: list[dict], *, alpha: float = 0.05) -> dict:
+def selection_report(records: list[dict], episodes: list[Episode], *, alpha: float = 0.05) -> dict:
     """The selection-bias report of annotation ``records`` over the run's ``episodes``."""
     _check(records, episodes)
-    reward = [float(ep["reward"]) for ep in episodes]
-    success = [bool(ep["success"]) for ep in episodes]
+    reward = [float(ep.reward) for ep in episodes]
+    success = [bool(ep.success) for ep in episodes]
     sel = [r for r in records if r["selected"]]
     uns = [r for r in records if not r["selected"]]
     n, n_sel = len(records), len(sel)

@@ -26,8 +26,10 @@ knows the game resists them; the ``error,diff`` block should lower pi_T(d).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+from serl_cli.artifacts.records import Episode
 from serl_cli.method import feedback as fb
 from serl_cli.method import teacher_signal as ts
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes, teacher_prompts
@@ -57,7 +59,7 @@ def block_config(settings: dict, **extra) -> AnnotateConfig:
 
 
 def signal_of(
-    episodes: list[dict],
+    episodes: list[Episode],
     cfg: AnnotateConfig,
     model,
     tokenizer,
@@ -71,13 +73,13 @@ def signal_of(
     """The teacher signal of blocks ``cfg`` over the held-out turns of ``episodes``, with intervals."""
     records, _ = annotate_episodes(episodes, cfg, model, tokenizer, env_cfg=env_cfg, bare_replies=bare_replies)
     turns = ts.signal_turns(records, episodes)
-    prompts = teacher_prompts(records, [t["prompt_ids"] for e in episodes for t in e["turns"]], tokenizer, turns)
+    prompts = teacher_prompts(records, [t.prompt_ids for e in episodes for t in e.turns], tokenizer, turns)
     how = ts.SpanScoring(model, tokenizer, 1.0, micro_batch_tokens, bare_replies, action_format)
     scored = ts.expert_logprobs(records, episodes, prompts, how)
     rows = ts.signal_rows(records, episodes, scored)
-    key = {r["record"]: episodes[records[r["record"]]["episode"]]["turns"][records[r["record"]]["turn"]] for r in rows}
-    held = [r for r in rows if key[r["record"]]["state_key"] not in seen]
-    return with_intervals(held, [key[r["record"]]["state_key"] for r in held], len(rows))
+    key = {r["record"]: episodes[records[r["record"]]["episode"]].turns[records[r["record"]]["turn"]] for r in rows}
+    held = [r for r in rows if key[r["record"]].state_key not in seen]
+    return with_intervals(held, [key[r["record"]].state_key for r in held], len(rows))
 
 
 def with_intervals(rows: list[dict], state_keys: list[str], scored_turns: int) -> dict:
@@ -100,38 +102,40 @@ def gate_verdict(oracle: dict) -> dict:
     return {"met": all(checks.values()), "checks": checks, "thresholds": {**GATE, "held_out_states": MIN_STATES}}
 
 
-def deadlock_turns(episodes: list[dict], world, split: str, seen: set[str]) -> list[tuple[int, int, str]]:
+def deadlock_turns(episodes: list[Episode], world, split: str, seen: set[str]) -> list[tuple[int, int, str]]:
     """(episode, turn, deadlocking move) of every held-out turn with an expert action whose state
     has a move that makes the task unsolvable (the first such, in the environment's move order)."""
     out = []
     for e, ep in enumerate(episodes):
-        actions = [t["action"] for t in ep["turns"]]
-        for t, turn in enumerate(ep["turns"]):
-            if not turn.get("expert_action") or turn["state_key"] in seen:
+        actions = [t.action for t in ep.turns]
+        for t, turn in enumerate(ep.turns):
+            if not turn.expert_action or turn.state_key in seen:
                 continue
-            _, _, deadlocking = state_moves(episode_at(world, split, ep["task_id"], actions[:t]), turn["expert_action"])
+            _, _, deadlocking = state_moves(episode_at(world, split, ep.task_id, actions[:t]), turn.expert_action)
             if deadlocking:
                 out.append((e, t, deadlocking[0]))
     return out
 
 
-def false_block(episodes: list[dict], e: int, t: int, move: str, kind: str, spec: str, world, split: str, bare: bool):
+def false_block(
+    episodes: list[Episode], e: int, t: int, move: str, kind: str, spec: str, world, split: str, bare: bool
+):
     """The block naming ``move`` at turn ``t`` of episode ``e``: as a good move (``named``), or the
     environment's own feedback on playing it (``taken``)."""
     ep = episodes[e]
     if kind == "named":
         ctx = named_context(ep, t, move, bare)
     else:
-        step = episode_at(world, split, ep["task_id"], [x["action"] for x in ep["turns"][:t]]).step(move)
-        turns = list(ep["turns"])
-        turns[t] = played_turn(ep["turns"][t], step, move, bare)
-        ctx = fb.TurnContext(episode={**ep, "turns": turns}, turn=t)
+        step = episode_at(world, split, ep.task_id, [x.action for x in ep.turns[:t]]).step(move)
+        turns = list(ep.turns)
+        turns[t] = played_turn(ep.turns[t], step, move, bare)
+        ctx = fb.TurnContext(episode=dataclasses.replace(ep, turns=turns), turn=t)
     block, _, _ = fb.hindsight_step(ctx, fb.parse_sources(spec))
     return block
 
 
 def blind_copy(
-    episodes: list[dict],
+    episodes: list[Episode],
     model,
     tokenizer,
     world,
@@ -146,11 +150,11 @@ def blind_copy(
     """pi_T(d) of a deadlocking move d without a block and under each of ``FALSE_BLOCKS``."""
     found = deadlock_turns(episodes, world, split, seen)
     cut = fb.make_cutter(tokenizer, max_hindsight_tokens)
-    items = [(episodes[e]["turns"][t]["prompt_ids"], d) for e, t, d in found]
+    items = [(episodes[e].turns[t].prompt_ids, d) for e, t, d in found]
     for kind, spec in FALSE_BLOCKS.values():
         for e, t, d in found:
             block = cut(false_block(episodes, e, t, d, kind, spec, world, split, bare_replies))
-            items.append((teacher_prompt(tokenizer, episodes[e]["turns"][t]["prompt_ids"], block), d))
+            items.append((teacher_prompt(tokenizer, episodes[e].turns[t].prompt_ids, block), d))
     how = ts.SpanScoring(model, tokenizer, 1.0, micro_batch_tokens, bare_replies, action_format)
     lps = ts.span_logprobs(items, how)
     probs = [math.exp(sum(lp)) if lp is not None else None for lp in lps]
@@ -160,7 +164,7 @@ def blind_copy(
         xs = [x for x in xs if x is not None]
         return sum(xs) / len(xs) if xs else None
 
-    out = {"turns": n, "states": len({episodes[e]["turns"][t]["state_key"] for e, t, _ in found})}
+    out = {"turns": n, "states": len({episodes[e].turns[t].state_key for e, t, _ in found})}
     out["p_deadlock_without_block"] = mean(probs[:n])
     for j, name in enumerate(FALSE_BLOCKS, start=1):
         out[f"p_deadlock_{name.replace(' ', '_').replace(',', '+')}"] = mean(probs[j * n : (j + 1) * n])

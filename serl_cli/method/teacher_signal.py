@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.method.feedback import same_action
 from serl_cli.method.teacher import action_span_mask
 from serl_cli.rollout.prompts import reply_ids
@@ -55,21 +56,21 @@ def expert_reply_ids(tokenizer, action: str, bare_replies: bool = False) -> list
     return reply_ids(tokenizer, action, bare_replies)
 
 
-def _turn(records: list[dict], episodes: list[dict], k: int) -> dict:
-    return episodes[records[k]["episode"]]["turns"][records[k]["turn"]]
+def _turn(records: list[dict], episodes: list[Episode], k: int) -> Turn:
+    return episodes[records[k]["episode"]].turns[records[k]["turn"]]
 
 
-def signal_turns(records: list[dict], episodes: list[dict]) -> list[int]:
+def signal_turns(records: list[dict], episodes: list[Episode]) -> list[int]:
     """Indices of the records the teacher scored whose turn has an expert action."""
     return [
         k
         for k, r in enumerate(records)
-        if r["teacher_logprobs"] is not None and _turn(records, episodes, k).get("expert_action")
+        if r["teacher_logprobs"] is not None and _turn(records, episodes, k).expert_action
     ]
 
 
 def signal_rows(
-    records: list[dict], episodes: list[dict], expert_logprobs: dict[int, tuple[list[float], list[float]]]
+    records: list[dict], episodes: list[Episode], expert_logprobs: dict[int, tuple[list[float], list[float]]]
 ) -> list[dict]:
     """One row per record in ``expert_logprobs`` (record index -> log pi_T of the expert reply's
     action-span tokens, with the block and without it): ``record``, ``on_expert`` (the action
@@ -78,7 +79,7 @@ def signal_rows(
     rows = []
     for k, (lp_with, lp_without) in expert_logprobs.items():
         turn = _turn(records, episodes, k)
-        on_expert = same_action(turn["action"], turn["expert_action"])
+        on_expert = same_action(turn.action, turn.expert_action)
         lr = records[k]["log_ratio_mean"]
         rows.append(
             {
@@ -119,7 +120,7 @@ def summarize(rows: list[dict]) -> dict | None:
 
 
 def teacher_signal(
-    records: list[dict], episodes: list[dict], expert_logprobs: dict[int, tuple[list[float], list[float]]]
+    records: list[dict], episodes: list[Episode], expert_logprobs: dict[int, tuple[list[float], list[float]]]
 ) -> dict | None:
     """The signal over the records in ``expert_logprobs`` (:func:`signal_rows`, :func:`summarize`)."""
     return summarize(signal_rows(records, episodes, expert_logprobs))
@@ -166,7 +167,7 @@ def span_logprobs(items: list[tuple[list[int], str]], how: SpanScoring) -> list[
 
 
 def expert_logprobs(
-    records: list[dict], episodes: list[dict], prompts: dict[int, list[int]], how: SpanScoring
+    records: list[dict], episodes: list[Episode], prompts: dict[int, list[int]], how: SpanScoring
 ) -> dict[int, tuple[list[float], list[float]]]:
     """Record index -> the expert reply's action-span log-probs with the block (the teacher
     prompt in ``prompts``, as the annotation built it) and without it, on :func:`signal_turns`."""
@@ -174,12 +175,14 @@ def expert_logprobs(
     items = []
     for k in turns:
         turn = _turn(records, episodes, k)
-        items += [(prompts[k], turn["expert_action"]), (turn["prompt_ids"], turn["expert_action"])]
+        items += [(prompts[k], turn.expert_action), (turn.prompt_ids, turn.expert_action)]
     lps = span_logprobs(items, how)
     return {k: (lps[2 * j], lps[2 * j + 1]) for j, k in enumerate(turns) if lps[2 * j] is not None}
 
 
-def measure(records: list[dict], episodes: list[dict], prompts: dict[int, list[int]], how: SpanScoring) -> dict | None:
+def measure(
+    records: list[dict], episodes: list[Episode], prompts: dict[int, list[int]], how: SpanScoring
+) -> dict | None:
     """Score the expert's reply with and without each turn's block (``how``), and summarize
     (:func:`teacher_signal`). ``prompts``: record index -> its teacher prompt
     (``method.annotation.teacher_prompts``)."""

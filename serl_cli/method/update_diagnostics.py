@@ -27,6 +27,7 @@ import math
 import numpy as np
 import torch
 
+from serl_cli.artifacts.records import Episode
 from serl_cli.method.reference_step import token_logprobs
 from serl_cli.method.teacher_signal import expert_reply_ids
 
@@ -61,18 +62,18 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
     return float(a @ b) / (na * nb) if na > 0 and nb > 0 else None
 
 
-def policy_gradients(model, episodes: list[dict], records: list[dict], temperature: float = 1.0):
+def policy_gradients(model, episodes: list[Episode], records: list[dict], temperature: float = 1.0):
     """(GRPO's, SERL's) loss gradients on the batch at the policy, flattened; ``records`` in turn order."""
     params = [p for p in model.parameters() if p.requires_grad]
-    turns = [t for e in episodes for t in e["turns"]]
-    n_tokens = sum(len(t["action_ids"]) for t in turns)
+    turns = [t for e in episodes for t in e.turns]
+    n_tokens = sum(len(t.action_ids) for t in turns)
     grpo = torch.zeros(sum(p.numel() for p in params))
     serl = torch.zeros_like(grpo)
     for turn, r in zip(turns, records):
         if not r["advantage"]:
             continue  # no gradient from a zero advantage, weighted or not
-        logp = token_logprobs(model, turn["prompt_ids"], turn["action_ids"], temperature)
-        w = torch.tensor(r["weights"] or [1.0] * len(turn["action_ids"]), dtype=logp.dtype)
+        logp = token_logprobs(model, turn.prompt_ids, turn.action_ids, temperature)
+        w = torch.tensor(r["weights"] or [1.0] * len(turn.action_ids), dtype=logp.dtype)
         a = float(r["advantage"])
         g_plain = _flat_grad(-(a * logp).sum() / n_tokens, params, retain=True)
         g_weighted = _flat_grad(-(w * a * logp).sum() / n_tokens, params)
@@ -81,21 +82,28 @@ def policy_gradients(model, episodes: list[dict], records: list[dict], temperatu
     return grpo, serl
 
 
-def expert_gradient(model, tokenizer, episodes: list[dict], bare_replies: bool, temperature: float = 1.0):
+def expert_gradient(model, tokenizer, episodes: list[Episode], bare_replies: bool, temperature: float = 1.0):
     """The SFT gradient toward the expert's move on the failed rollouts' turns that have one; None without any."""
     params = [p for p in model.parameters() if p.requires_grad]
-    turns = [t for e in episodes if not e["success"] for t in e["turns"] if t.get("expert_action")]
+    turns = [t for e in episodes if not e.success for t in e.turns if t.expert_action]
     if not turns:
         return None, 0
     total = torch.zeros(sum(p.numel() for p in params))
     for t in turns:
-        logp = token_logprobs(model, t["prompt_ids"], expert_reply_ids(tokenizer, t["expert_action"], bare_replies))
+        logp = token_logprobs(model, t.prompt_ids, expert_reply_ids(tokenizer, t.expert_action, bare_replies))
         total += _flat_grad(-logp.sum() / len(turns), params)
     return total, len(turns)
 
 
 def update_figures(
-    model, tokenizer, episodes: list[dict], records: list[dict], *, weight_clip: float, lam: float, bare_replies: bool
+    model,
+    tokenizer,
+    episodes: list[Episode],
+    records: list[dict],
+    *,
+    weight_clip: float,
+    lam: float,
+    bare_replies: bool,
 ) -> dict:
     """:func:`weight_figures` and the cosines between SERL's, GRPO's and the SFT-toward-the-expert updates."""
     out = weight_figures(records, weight_clip, lam)

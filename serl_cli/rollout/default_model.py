@@ -37,12 +37,12 @@ def tokenizer_corpus(world, episodes: int = 300) -> list[str]:
     texts = []
     for rec in records:
         history = []
-        for t in rec["turns"]:
+        for t in rec.turns:
             messages = build_messages(
-                world.rules, rec["instruction"], history, t["observation"], [], PromptConfig(), action_format_of(world)
+                world.rules, rec.instruction, history, t.observation, [], PromptConfig(), action_format_of(world)
             )
-            texts += [m["content"] for m in messages] + [format_action(t["action"])]
-            history.append({"observation": t["observation"], "action": t["action"]})
+            texts += [m["content"] for m in messages] + [format_action(t.action)]
+            history.append({"observation": t.observation, "action": t.action})
     return texts + list(getattr(world, "corpus_texts", lambda: [])())
 
 

@@ -2,8 +2,8 @@
 
 All live episodes step in lockstep: each round the policy decides for every live
 episode at once (one batched forward pass for a model policy), every environment steps,
-and finished episodes leave the batch. One record per episode, one entry per turn; the
-record layout is ``serl_cli.artifacts.schema``.
+and finished episodes leave the batch. One record per episode, one entry per turn: an
+``Episode`` holding its ``Turn`` s (``serl_cli.artifacts.records``).
 
 An environment that raises or hangs ends only its own episode: the exception (or the
 step timeout, enforced with SIGALRM on the main thread) is caught, the episode is closed
@@ -21,8 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from envs.base import EnvError, Episode, Step, World
-from serl_cli.artifacts.schema import turn_invalid
+from envs.base import EnvError, Step, World
+from envs.base import Episode as EnvEpisode
+from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.rollout.policies import Decision
 from serl_cli.rollout.prompts import action_format_of
 
@@ -82,15 +83,15 @@ def run_episodes(
     *,
     max_turns: int | None = None,
     batch_size: int = 64,
-    on_episode_done: Callable[[dict], None] | None = None,
+    on_episode_done: Callable[[Episode], None] | None = None,
     step_timeout_s: float | None = None,
-) -> list[dict]:
+) -> list[Episode]:
     """Run ``specs`` with at most ``batch_size`` episodes live at once; records in spec order."""
-    records: list[dict | None] = [None] * len(specs)
+    records: list[Episode | None] = [None] * len(specs)
     pending = list(range(len(specs)))[::-1]
-    live: list[tuple[int, Episode, Step, dict]] = []  # (spec index, episode, current step, record)
+    live: list[tuple[int, EnvEpisode, Step, Episode]] = []  # (spec index, episode, current step, record)
 
-    def close(i: int, rec: dict) -> None:
+    def close(i: int, rec: Episode) -> None:
         records[i] = rec
         if on_episode_done:
             on_episode_done(rec)
@@ -98,7 +99,15 @@ def run_episodes(
     def start_more():
         while pending and len(live) < batch_size:
             i = pending.pop()
-            rec = {"task_id": specs[i].task_id, "group_id": specs[i].group_id, "rollout_index": specs[i].rollout_index}
+            spec = specs[i]  # reward and success are set when the episode ends (_finish, _fail)
+            rec = Episode(
+                task_id=spec.task_id,
+                group_id=spec.group_id,
+                rollout_index=spec.rollout_index,
+                turns=[],
+                reward=0.0,
+                success=False,
+            )
             try:
                 with time_limit(step_timeout_s):
                     ep = world.new_episode(split, max_turns)
@@ -106,11 +115,10 @@ def run_episodes(
             except EnvError:
                 raise
             except Exception as e:  # noqa: BLE001 -- any failure of the environment ends this episode only
-                rec.update(instruction="", initial_observation="", turns=[])
                 _fail(rec, _describe(e))
                 close(i, rec)
                 continue
-            rec.update(instruction=ep.instruction, initial_observation=step.observation, turns=[])
+            rec.instruction, rec.initial_observation = ep.instruction, step.observation
             live.append((i, ep, step, rec))
 
     action_format = action_format_of(world)
@@ -120,12 +128,12 @@ def run_episodes(
         contexts = [
             {
                 "instruction": ep.instruction,
-                "turns": rec["turns"],
+                "turns": rec.turns,
                 "rules": world.rules,
                 "action_format": action_format,
                 "authors_prompt": authors_prompt,
                 "episode": ep,
-                "row": (rec["group_id"], rec["rollout_index"]),
+                "row": (rec.group_id, rec.rollout_index),
             }
             for _, ep, _, rec in live
         ]
@@ -142,26 +150,26 @@ def run_episodes(
             feedback = nxt.feedback.to_dict()
             if d.parse_error:  # the policy's reply held no well-formed action: say so, not just "invalid"
                 feedback["error"] = d.parse_error
-            rec["turns"].append(
-                {
-                    "turn": len(rec["turns"]),
-                    "observation": step.observation,
-                    "state_key": step.state_key,
-                    "expert_action": step.expert_action,
-                    "prompt_ids": d.prompt_ids,
-                    "action_ids": d.action_ids,
-                    "action_text": d.text,
-                    "action": d.action,
-                    "behaviour_logprobs": d.logprobs,
-                    "next_observation": nxt.observation,
-                    "next_state_key": nxt.state_key,
-                    "feedback": feedback,
-                    "reward": nxt.reward,
-                    "done": nxt.done,
-                    "info": nxt.info,
-                    **({"off_expert": True} if d.off_expert else {}),
-                    **({"invalid": d.invalid} if d.invalid is not None else {}),
-                }
+            rec.turns.append(
+                Turn(
+                    turn=len(rec.turns),
+                    observation=step.observation,
+                    state_key=step.state_key,
+                    expert_action=step.expert_action,
+                    prompt_ids=d.prompt_ids,
+                    action_ids=d.action_ids,
+                    action_text=d.text,
+                    action=d.action,
+                    behaviour_logprobs=d.logprobs,
+                    next_observation=nxt.observation,
+                    next_state_key=nxt.state_key,
+                    feedback=feedback,
+                    reward=nxt.reward,
+                    done=nxt.done,
+                    info=nxt.info,
+                    off_expert=bool(d.off_expert),
+                    invalid=d.invalid,
+                )
             )
             if nxt.done:
                 _finish(rec, nxt)
@@ -173,23 +181,21 @@ def run_episodes(
     return records  # type: ignore[return-value]
 
 
-def _finish(rec: dict, last: Step) -> None:
-    turns = rec["turns"]
-    rec["reward"] = float(last.reward)
-    rec["success"] = bool(last.info.get("won", False))
-    rec["num_turns"] = len(turns)
-    rec["invalid_actions"] = sum(1 for t in turns if turn_invalid(t))
-    rec["truncated"] = bool(last.info.get("truncated", False))
-    rec["error"] = None
+def _finish(rec: Episode, last: Step) -> None:
+    rec.reward = float(last.reward)
+    rec.success = bool(last.info.get("won", False))
+    rec.num_turns = len(rec.turns)
+    rec.invalid_actions = sum(1 for t in rec.turns if t.invalid_action)
+    rec.truncated = bool(last.info.get("truncated", False))
+    rec.error = None
 
 
-def _fail(rec: dict, error: str) -> None:
+def _fail(rec: Episode, error: str) -> None:
     """Close an episode the environment broke: a failure, cut short, saying why. The turn
     whose step failed is not recorded (it has no next state)."""
-    turns = rec["turns"]
-    rec["reward"] = 0.0
-    rec["success"] = False
-    rec["num_turns"] = len(turns)
-    rec["invalid_actions"] = sum(1 for t in turns if turn_invalid(t))
-    rec["truncated"] = True
-    rec["error"] = error
+    rec.reward = 0.0
+    rec.success = False
+    rec.num_turns = len(rec.turns)
+    rec.invalid_actions = sum(1 for t in rec.turns if t.invalid_action)
+    rec.truncated = True
+    rec.error = error

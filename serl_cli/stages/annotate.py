@@ -15,6 +15,7 @@ from pathlib import Path
 
 from serl_cli.algos.objectives import annotation_advantages
 from serl_cli.artifacts import io, runlock
+from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import (
     ANNOTATIONS_FILE,
     ROLLOUTS_FILE,
@@ -115,7 +116,7 @@ def _run_annotate(
     if finished is not None:
         return finished
     episodes = read_rollouts(run)
-    if any(not t["behaviour_logprobs"] for e in episodes for t in e["turns"]):
+    if any(not t.behaviour_logprobs for e in episodes for t in e.turns):
         raise SerlError(f"{run}/{ROLLOUTS_FILE} has no behaviour log-probs (expert data?): annotate a model's rollouts")
     rollout_cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
     teacher_name = cfg.teacher or rollout_cfg.get("model")
@@ -155,7 +156,9 @@ def _run_annotate(
     return result
 
 
-def write_annotations(run: Path, records: list[dict], episodes: list[dict], cfg: AnnotateConfig, stats: dict) -> dict:
+def write_annotations(
+    run: Path, records: list[dict], episodes: list[Episode], cfg: AnnotateConfig, stats: dict
+) -> dict:
     report = selection_report(records, episodes)
     report["teacher"] = stats
     io.write_jsonl(run / ANNOTATIONS_FILE, records)

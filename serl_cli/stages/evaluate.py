@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import Episode
 from serl_cli.config import check_at_least, check_threads, setting
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Device, Dtype, check_names
@@ -69,25 +70,26 @@ class EvalConfig:
     out: str = setting("runs/eval", "output directory (eval.json, episodes.jsonl)")
 
 
-def summarize(records: list[dict], by: str | None = None) -> dict:
+def summarize(records: list[Episode], task_types: list[str | None] | None = None) -> dict:
+    """The panel's figures; with ``task_types`` (one per record: ALFWorld's) also per task type."""
     from serl_cli.stats.summary import wilson_interval  # scipy: when a run is summarized, not when a config loads
 
     n = len(records)
-    wins = sum(r["success"] for r in records)
-    turns = sum(r["num_turns"] for r in records)
+    wins = sum(r.success for r in records)
+    turns = sum(r.num_turns for r in records)
     summary = {
         "episodes": n,
         "success_rate": wins / n if n else 0.0,
         "success_ci95": wilson_interval(wins, n),
-        "score": 100.0 * sum(r["reward"] for r in records) / n if n else 0.0,
-        "invalid_action_rate": sum(r["invalid_actions"] for r in records) / turns if turns else 0.0,
+        "score": 100.0 * sum(r.reward for r in records) / n if n else 0.0,
+        "invalid_action_rate": sum(r.invalid_actions for r in records) / turns if turns else 0.0,
         "mean_turns": turns / n if n else 0.0,
     }
-    if by:
-        groups: dict[str, list[dict]] = {}
-        for r in records:
-            groups.setdefault(r.get(by) or "unknown", []).append(r)
-        summary[f"by_{by}"] = {k: summarize(v) for k, v in sorted(groups.items())}
+    if task_types:
+        groups: dict[str, list[Episode]] = {}
+        for r, kind in zip(records, task_types):
+            groups.setdefault(kind or "unknown", []).append(r)
+        summary["by_task_type"] = {k: summarize(v) for k, v in sorted(groups.items())}
     return summary
 
 
@@ -187,12 +189,12 @@ def panel_specs(cfg: EvalConfig, world) -> list[EpisodeSpec]:
     return [EpisodeSpec(task_id=i) for i in PANELS[cfg.panel](n, total)]
 
 
-def write_eval(cfg: EvalConfig, world, records: list[dict], wall: float) -> dict:
+def write_eval(cfg: EvalConfig, world, records: list[Episode], wall: float) -> dict:
     """The panel's records, summarized, into ``cfg.out``: ``episodes.jsonl`` and ``eval.json``."""
     out = Path(cfg.out)
+    task_types = None
     if hasattr(world, "task_type"):  # ALFWorld: success by task type in eval.json
-        for r in records:
-            r["task_type"] = world.task_type(cfg.env.split, r["task_id"])
+        task_types = [world.task_type(cfg.env.split, r.task_id) for r in records]
     summary = {
         "env": cfg.env.name,
         "split": cfg.env.split,
@@ -200,16 +202,19 @@ def write_eval(cfg: EvalConfig, world, records: list[dict], wall: float) -> dict
         "model": cfg.model,
         "panel": cfg.panel,
         "environment": world_info(world),  # e.g. which WebShop catalog ran: the real 1k or serl's synthetic
-        **summarize(records, by="task_type" if records and "task_type" in records[0] else None),
+        **summarize(records, task_types),
         "wall_time_s": round(wall, 3),
     }
-    io.write_jsonl(out / "episodes.jsonl", [_episode_row(r) for r in records])
+    if task_types is None:
+        rows = [_episode_row(r) for r in records]
+    else:
+        rows = [_episode_row(r, task_type=kind) for r, kind in zip(records, task_types)]
+    io.write_jsonl(out / "episodes.jsonl", rows)
     io.write_json(out / "eval.json", summary)
     return summary
 
 
-def _episode_row(rec: dict) -> dict:
-    keep = ("task_id", "instruction", "reward", "success", "num_turns", "invalid_actions", "truncated", "task_type")
-    row = {k: rec[k] for k in keep if k in rec}
-    row["actions"] = [t["action"] for t in rec["turns"]]
-    return row
+def _episode_row(rec: Episode, **task_type) -> dict:
+    """One line of ``episodes.jsonl``; ``task_type``: the environment's name for the task's kind, where it has one."""
+    keep = ("task_id", "instruction", "reward", "success", "num_turns", "invalid_actions", "truncated")
+    return {**{k: getattr(rec, k) for k in keep}, **task_type, "actions": [t.action for t in rec.turns]}

@@ -73,6 +73,7 @@ from pathlib import Path
 
 from serl_cli.algos.objectives import annotation_advantages, get_objective
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.method.annotation import annotate_episodes
@@ -226,7 +227,7 @@ class Loop:
             log.phase("update", timing["update_s"])
             if meta:
                 timing["teacher_s"] = meta["stats"]["teacher_s"]
-            metrics.update(iteration=k, env_steps=sum(e["num_turns"] for e in episodes))
+            metrics.update(iteration=k, env_steps=sum(e.num_turns for e in episodes))
             signum = self.agreed_signal()  # every process stops together
             saved = checkpoint_due(cfg, k) or signum is not None
             if saved:
@@ -244,7 +245,7 @@ class Loop:
                         "iteration": k,
                         "update": timing,
                         "rollout_s": round(rollout_wall, 3),
-                        "rollout_tokens_per_s": sum(len(t["action_ids"]) for e in episodes for t in e["turns"])
+                        "rollout_tokens_per_s": sum(len(t.action_ids) for e in episodes for t in e.turns)
                         / max(rollout_wall, 1e-9),
                         "iteration_s": round(time.perf_counter() - t0, 3),
                         "ranks": ranks,
@@ -274,7 +275,7 @@ class Loop:
             return specs if self.main else []
         return own_specs(specs, self.rank, self.size) if by_group else specs[self.rank :: self.size]
 
-    def rollout(self, rcfg: RolloutConfig, log: PhaseLog) -> tuple[list[dict], float, bool]:
+    def rollout(self, rcfg: RolloutConfig, log: PhaseLog) -> tuple[list[Episode], float, bool]:
         """Every process's episodes, gathered in one process's order (rank 0 writes them);
         whether a process abandoned its rollouts on a stop request."""
         t0 = time.perf_counter()
@@ -293,7 +294,7 @@ class Loop:
         log.phase(
             "rollout",
             time.perf_counter() - t0,
-            f"{len(groups)} group(s) {groups}, {len(mine)} episode(s), {sum(r['num_turns'] for r in records)} turn(s)"
+            f"{len(groups)} group(s) {groups}, {len(mine)} episode(s), {sum(r.num_turns for r in records)} turn(s)"
             + (" (rank 0's vLLM engine serves every group)" if self.vllm and not self.main else ""),
             groups=len(groups),
             episodes=len(mine),
@@ -307,11 +308,11 @@ class Loop:
             write_rollout(rcfg, episodes, wall)
         return episodes, wall, False
 
-    def recompute_logp_old(self, episodes: list[dict], temperature: float, log: PhaseLog) -> dict:
+    def recompute_logp_old(self, episodes: list[Episode], temperature: float, log: PhaseLog) -> dict:
         t0 = time.perf_counter()
         recomputed = self.learner.recompute_logp_old(episodes, temperature)
-        own = sum(len(e["turns"]) for e in episodes if e["group_id"] % self.size == self.rank)
-        total = sum(len(e["turns"]) for e in episodes)
+        own = sum(len(e.turns) for e in episodes if e.group_id % self.size == self.rank)
+        total = sum(len(e.turns) for e in episodes)
         log.phase("recompute", time.perf_counter() - t0, f"{own} turn(s) of {total}", turns=own)
         return recomputed
 

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from serl_cli.artifacts.records import Episode
 from serl_cli.errors import SerlError
 from serl_cli.rollout.runner import EpisodeSpec
 from serl_cli.training.scoring import owner
@@ -48,16 +49,19 @@ def own_specs(specs: list[EpisodeSpec], rank: int, world: int) -> list[EpisodeSp
     return [s for s in specs if s.group_id % world == rank]
 
 
-def as_stored(records: list[dict]) -> list[dict]:
+def as_stored(records: list[Episode]) -> list[Episode]:
     """Records as ``rollouts.jsonl`` holds them (a JSON round trip), so every process reads
     exactly what the main one writes."""
-    return [json.loads(json.dumps(r, separators=(",", ":"))) for r in records]
+    return [
+        Episode.from_dict(json.loads(json.dumps(r.to_dict(), separators=(",", ":"))), need_tokens=False)
+        for r in records
+    ]
 
 
-def in_spec_order(specs: list[EpisodeSpec], parts: list[list[dict]]) -> list[dict]:
+def in_spec_order(specs: list[EpisodeSpec], parts: list[list[Episode]]) -> list[Episode]:
     """Every process's records of ``specs``, merged in the order of ``specs`` -- the order one
     process running them all writes them in."""
-    found = {(r["group_id"], r["rollout_index"]): r for part in parts for r in part}
+    found = {(r.group_id, r.rollout_index): r for part in parts for r in part}
     return [found[(s.group_id, s.rollout_index)] for s in specs]
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from serl_cli.artifacts import io, runlock
-from serl_cli.artifacts.schema import ROLLOUTS_FILE
+from serl_cli.artifacts.records import Episode
+from serl_cli.artifacts.schema import ROLLOUTS_FILE, write_rollouts
 from serl_cli.config import check_at_least, check_threads, setting
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Device, Dtype, check_names
@@ -132,7 +133,7 @@ def rollout_specs(cfg: RolloutConfig, world) -> list[EpisodeSpec]:
     return episode_specs(sample_tasks(world.num_tasks(cfg.env.split), cfg.tasks, cfg.seed), cfg.group_size)
 
 
-def collect(cfg, world, specs: list[EpisodeSpec], policy, progress=None) -> list[dict]:
+def collect(cfg, world, specs: list[EpisodeSpec], policy, progress=None) -> list[Episode]:
     """Run ``specs`` with ``policy``, ``cfg.batch_size`` at a time, in ``cfg.env``; one record per spec,
     in order. ``cfg``: a :class:`RolloutConfig` or an evaluation's config (both name these settings)."""
     return run_episodes(
@@ -147,18 +148,18 @@ def collect(cfg, world, specs: list[EpisodeSpec], policy, progress=None) -> list
     )
 
 
-def rollout_summary(records: list[dict], wall: float) -> dict:
+def rollout_summary(records: list[Episode], wall: float) -> dict:
     """What a rollout's manifest says of it (the online loop's metrics read it too)."""
-    gen_tokens = sum(len(t["action_ids"]) for r in records for t in r["turns"])
-    turns = sum(r["num_turns"] for r in records)
+    gen_tokens = sum(len(t.action_ids) for r in records for t in r.turns)
+    turns = sum(r.num_turns for r in records)
     return {
         "episodes": len(records),
-        "tasks": len({r["task_id"] for r in records}),
+        "tasks": len({r.task_id for r in records}),
         "turns": turns,
-        "mean_reward": sum(r["reward"] for r in records) / len(records),
-        "success_rate": sum(r["success"] for r in records) / len(records),
-        "invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(turns, 1),
-        "env_errors": sum(1 for r in records if r.get("error")),
+        "mean_reward": sum(r.reward for r in records) / len(records),
+        "success_rate": sum(r.success for r in records) / len(records),
+        "invalid_action_rate": sum(r.invalid_actions for r in records) / max(turns, 1),
+        "env_errors": sum(1 for r in records if r.error),
         "generated_tokens": gen_tokens,
         "wall_time_s": round(wall, 3),
         "tokens_per_s": gen_tokens / wall if wall > 0 else 0.0,
@@ -166,13 +167,13 @@ def rollout_summary(records: list[dict], wall: float) -> dict:
     }
 
 
-def write_rollout(cfg: RolloutConfig, records: list[dict], wall: float) -> dict:
+def write_rollout(cfg: RolloutConfig, records: list[Episode], wall: float) -> dict:
     """A finished rollout into ``cfg.out`` at once (the online loop's: its episodes were
     collected in memory, perhaps by several processes): the manifest, ``rollouts.jsonl``."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed))
-    io.write_jsonl(out / ROLLOUTS_FILE, records)
+    write_rollouts(out, records)
     summary = rollout_summary(records, wall)
     io.mark_stage(out, "rollout", "done", summary=summary)
     return summary
@@ -323,7 +324,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
     started = time.time()
     records = collect(cfg, world, specs, JournaledPolicy(policy, journal, replay), progress)
     wall = time.time() - started
-    io.write_jsonl(out / ROLLOUTS_FILE, records)
+    write_rollouts(out, records)
     summary = rollout_summary(records, wall)
     io.mark_stage(out, "rollout", "done", summary=summary)
     journal.unlink(missing_ok=True)

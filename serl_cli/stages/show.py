@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.artifacts.schema import ANNOTATION_KEYS, ANNOTATIONS_FILE, ROLLOUTS_FILE, read_rollouts
 from serl_cli.errors import SerlError
 
@@ -27,7 +28,7 @@ DEFAULT_CLIP = 0.2  # weights are shaded by |w - 1| / clip (annotate's weight_cl
 
 
 # -- reading ----------------------------------------------------------------------------------
-def load_run(run_dir: str | Path) -> tuple[dict, list[dict], dict | None]:
+def load_run(run_dir: str | Path) -> tuple[dict, list[Episode], dict | None]:
     """(manifest, episodes, annotations by (episode, turn) or None where the run has none)."""
     run = Path(run_dir)
     manifest = io.load_manifest(run)
@@ -35,7 +36,7 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[dict], dict | None]:
     return manifest, episodes, read_annotations(run, manifest, episodes)
 
 
-def read_annotations(run: Path, manifest: dict, episodes: list[dict]) -> dict | None:
+def read_annotations(run: Path, manifest: dict, episodes: list[Episode]) -> dict | None:
     path = run / ANNOTATIONS_FILE
     if not path.exists():
         return None
@@ -48,12 +49,12 @@ def read_annotations(run: Path, manifest: dict, episodes: list[dict]) -> dict | 
     for n, rec in enumerate(io.iter_jsonl(path, required=ANNOTATION_KEYS), 1):
         e, t = rec["episode"], rec["turn"]
         if not (
-            isinstance(e, int) and isinstance(t, int) and 0 <= e < len(episodes) and 0 <= t < len(episodes[e]["turns"])
+            isinstance(e, int) and isinstance(t, int) and 0 <= e < len(episodes) and 0 <= t < len(episodes[e].turns)
         ):
             raise SerlError(f"{path}:{n}: episode {e!r} turn {t!r} is not a turn of {run / ROLLOUTS_FILE}")
         if (e, t) in out:
             raise SerlError(f"{path}:{n}: a second record for episode {e} turn {t}")
-        w, ids = rec["weights"], episodes[e]["turns"][t]["action_ids"]
+        w, ids = rec["weights"], episodes[e].turns[t].action_ids
         if w is not None and (
             not isinstance(w, list)
             or len(w) != len(ids)
@@ -81,7 +82,7 @@ def _stage_detail(entry: dict) -> str:
     return ", ".join(parts)
 
 
-def run_view(run_dir: str | Path, manifest: dict, episodes: list[dict], ann: dict | None) -> RenderableType:
+def run_view(run_dir: str | Path, manifest: dict, episodes: list[Episode], ann: dict | None) -> RenderableType:
     commit = (manifest.get("git_commit") or "unknown")[:10]
     head = Text(
         f"run {run_dir}: serl {manifest.get('serl_version')}, seed {manifest.get('seed')}, commit {commit}",
@@ -142,24 +143,23 @@ def teacher_signal_text(s: dict) -> Text:
     return t
 
 
-def episode_rows(episodes: list[dict], ann: dict | None) -> list[dict]:
+def episode_rows(episodes: list[Episode], ann: dict | None) -> list[dict]:
     rows = []
     for e, ep in enumerate(episodes):
-        turns = ep["turns"]
-        row = {k: ep[k] for k in ("task_id", "group_id", "rollout_index", "reward", "success")}
-        row["turns"] = ep.get("num_turns", len(turns))
-        row["invalid_actions"] = ep.get("invalid_actions", sum(1 for t in turns if t["feedback"].get("error")))
+        row = {k: getattr(ep, k) for k in ("task_id", "group_id", "rollout_index", "reward", "success")}
+        row["turns"] = ep.num_turns
+        row["invalid_actions"] = ep.invalid_actions
         if ann is not None:
-            row["selected_turns"] = sum(1 for t in range(len(turns)) if ann.get((e, t), {}).get("selected"))
+            row["selected_turns"] = sum(1 for t in range(len(ep.turns)) if ann.get((e, t), {}).get("selected"))
         rows.append(row)
     return rows
 
 
 # -- one episode --------------------------------------------------------------------------------
-def episode_json(episodes: list[dict], ann: dict | None, index: int, turn: int | None = None) -> dict:
-    """The episode with each turn's annotation record under ``annotation`` (None: not annotated)."""
+def episode_json(episodes: list[Episode], ann: dict | None, index: int, turn: int | None = None) -> dict:
+    """The episode's record with each turn's annotation record under ``annotation`` (None: not annotated)."""
     _check_index("episode", index, len(episodes))
-    ep = dict(episodes[index], episode=index)
+    ep = dict(episodes[index].to_dict(), episode=index)
     _check_index("turn", turn, len(ep["turns"]))
     ep["turns"] = [
         dict(t, annotation=(ann or {}).get((index, i))) for i, t in enumerate(ep["turns"]) if turn is None or i == turn
@@ -274,27 +274,27 @@ def _field(grid: Table, label: str, value, style: str | None = None) -> None:
     grid.add_row(Text(label, style="bold cyan"), value if isinstance(value, Text) else Text(str(value), style=style))
 
 
-def turn_view(i: int, turn: dict, rec: dict | None, full: bool, tokenizer, clip: float) -> Panel:
+def turn_view(i: int, turn: Turn, rec: dict | None, full: bool, tokenizer, clip: float) -> Panel:
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
     grid.add_column()
-    obs = str(turn.get("observation", ""))
+    obs = str(turn.observation)
     if not full and len(obs) > OBS_CHARS:
         obs = obs[:OBS_CHARS] + f" … ({len(obs) - OBS_CHARS} more characters; --full shows all)"
     _field(grid, "observation", obs)
-    _field(grid, "wrote", turn["action_text"])
-    _field(grid, "action", turn.get("action", ""), "bold")
-    fb = turn["feedback"]
+    _field(grid, "wrote", turn.action_text)
+    _field(grid, "action", turn.action, "bold")
+    fb = turn.feedback
     _field(grid, "error", fb.get("error") or "-", "red" if fb.get("error") else "dim")
-    if "invalid" in turn:  # prompt.style authors: their rule decides, not the environment's error
+    if turn.invalid is not None:  # prompt.style authors: their rule decides, not the environment's error
         _field(
             grid,
             "invalid",
-            "yes (the authors' format rule)" if turn["invalid"] else "no",
-            "red" if turn["invalid"] else "dim",
+            "yes (the authors' format rule)" if turn.invalid else "no",
+            "red" if turn.invalid else "dim",
         )
     _field(grid, "diff", fb.get("diff") or "-")
-    _field(grid, "reward", f"{float(turn['reward']):.3f}   done {bool(turn['done'])}")
+    _field(grid, "reward", f"{float(turn.reward):.3f}   done {bool(turn.done)}")
     title = Text(f"turn {i}")
     if rec is not None:
         if rec["selected"]:
@@ -313,9 +313,9 @@ def turn_view(i: int, turn: dict, rec: dict | None, full: bool, tokenizer, clip:
             _field(grid, "weights", "all 1 (no parseable action: nothing to reweight)", "dim")
         else:
             _field(grid, "weights", weights_summary(rec["weights"]))
-            _field(grid, "", weights_text(turn["action_ids"], rec["weights"], rec["action_mask"], tokenizer, clip))
+            _field(grid, "", weights_text(turn.action_ids, rec["weights"], rec["action_mask"], tokenizer, clip))
             # the reply split where the weights apply: reasoning (weight 1 under tokens: action) and the action
-            ids, w = turn["action_ids"], rec["weights"]
+            ids, w = turn.action_ids, rec["weights"]
             outside, inside = reply_parts(ids, w, rec["action_mask"])
             if outside:
                 _field(grid, "reasoning", reasoning_text(ids, w, outside, tokenizer, clip))
@@ -327,29 +327,32 @@ def turn_view(i: int, turn: dict, rec: dict | None, full: bool, tokenizer, clip:
 
 def episode_view(
     manifest: dict,
-    episodes: list[dict],
+    episodes: list[Episode],
     ann: dict | None,
     index: int,
     turn: int | None = None,
     full: bool = False,
     tokenizer_loader=load_tokenizer,
 ) -> RenderableType:
-    ep = episode_json(episodes, ann, index, turn)
+    _check_index("episode", index, len(episodes))
+    ep = episodes[index]
+    _check_index("turn", turn, len(ep.turns))
     head = Text(
-        f"episode {index}: task {ep['task_id']}, group {ep['group_id']}, rollout {ep['rollout_index']}, "
-        f"reward {float(ep['reward']):.3f}, ",
+        f"episode {index}: task {ep.task_id}, group {ep.group_id}, rollout {ep.rollout_index}, "
+        f"reward {float(ep.reward):.3f}, ",
         style="bold",
     )
-    head.append("success" if ep["success"] else "failure", style="bold green" if ep["success"] else "bold red")
+    head.append("success" if ep.success else "failure", style="bold green" if ep.success else "bold red")
     parts: list[RenderableType] = [head]
-    if ep.get("instruction"):
-        parts.append(Text(f"instruction: {ep['instruction']}"))
+    if ep.instruction:
+        parts.append(Text(f"instruction: {ep.instruction}"))
     if ann is None:
         parts.append(
             Text("not annotated: run `serl annotate RUN` to see selection, hindsight and weights", style="dim")
         )
-    shown = range(len(ep["turns"])) if turn is None else [turn]
-    weighted = any(t["annotation"] and t["annotation"]["weights"] is not None for t in ep["turns"])
+    shown = range(len(ep.turns)) if turn is None else [turn]
+    recs = {i: (ann or {}).get((index, i)) for i in shown}  # each shown turn's annotation record (None: none)
+    weighted = any(r and r["weights"] is not None for r in recs.values())
     tokenizer, why = tokenizer_loader(manifest) if weighted else (None, "")
     acfg = (manifest.get("stages", {}).get("annotate") or {}).get("config") or {}
     clip = float(acfg.get("weight_clip", DEFAULT_CLIP))
@@ -357,5 +360,5 @@ def episode_view(
         parts.append(legend(clip, tokenizer is None, acfg.get("tokens", "action")))
         if tokenizer is None:
             parts.append(Text(f"({why}: weights by token index)", style="dim"))
-    parts += [turn_view(i, t, t["annotation"], full, tokenizer, clip) for i, t in zip(shown, ep["turns"])]
+    parts += [turn_view(i, ep.turns[i], recs[i], full, tokenizer, clip) for i in shown]
     return Group(*parts)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from serl_cli.algos.objectives import get_objective
 from serl_cli.artifacts import io, runlock
+from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import read_rollouts, rollout_temperature
 from serl_cli.errors import SerlError
 from serl_cli.method.feedback import parse_sources
@@ -64,7 +65,7 @@ def check_hindsight_sft(cfg: TrainConfig) -> None:
         parse_sources(cfg.hindsight_sft)
 
 
-def hindsight_sft_examples(episodes: list[dict], cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> list[dict]:
+def hindsight_sft_examples(episodes: list[Episode], cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> list[Episode]:
     """With ``train.hindsight_sft``, the SFT data's teacher-prompt examples: reading examples for a
     ``"reading: ..."`` spec (``method.reading_sft``), else hindsight examples (``method.hindsight_sft``)."""
     if cfg.hindsight_sft is None:
@@ -139,7 +140,7 @@ def _train_on_run(
         rollout_half=rollout_in_half(rollout_cfg),
     )
     if cfg.hindsight_sft is not None:
-        metrics["hindsight_examples"] = sum(len(e["turns"]) for e in examples)
+        metrics["hindsight_examples"] = sum(len(e.turns) for e in examples)
     timing = metrics.pop("timing")  # wall-clock figures apart, so metrics.jsonl is deterministic
     from safetensors import SafetensorError
 

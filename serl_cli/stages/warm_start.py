@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from serl_cli.artifacts import io, runlock
+from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.config import setting
 from serl_cli.errors import SerlError
@@ -117,7 +118,7 @@ def validation_rooms(total: int, n: int, played: set[int]) -> list[int]:
     return rooms
 
 
-def sft_examples(run: Path, cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> list[dict]:
+def sft_examples(run: Path, cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> list[Episode]:
     """Every SFT example of the run as a one-turn episode, so a step can take any of them: the
     expert's turns (detours marked ``off_expert`` are no targets) and, with ``hindsight_sft``,
     the teacher-prompt ones."""
@@ -126,7 +127,7 @@ def sft_examples(run: Path, cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> l
 
     episodes = training_episodes(read_rollouts(run), cfg, run)
     episodes += hindsight_sft_examples(episodes, cfg, tokenizer, rollout_cfg)
-    return [{**e, "turns": [t]} for e in episodes for t in e["turns"] if not t.get("off_expert")]
+    return [replace(e, turns=[t]) for e in episodes for t in e.turns if not t.off_expert]
 
 
 def sft_to_band(
@@ -163,7 +164,7 @@ def _sft_to_band(run: Path, sft: TrainConfig, cfg: WarmStartConfig, env: EnvConf
     learner.cfg.mini_batch_turns = batch
     max_steps = max(1, sft.epochs * -(-len(examples) // batch))
     world = build_world(env)
-    rooms = validation_rooms(world.num_tasks(env.split), cfg.rooms, {e["task_id"] for e in read_rollouts(run)})
+    rooms = validation_rooms(world.num_tasks(env.split), cfg.rooms, {e.task_id for e in read_rollouts(run)})
     done, rng, order, curve, chosen = 0, random.Random(sft.seed), [], [], None
     while done < max_steps:
         steps = min(steps_to_next_check(curve[-1]["success"] if curve else None, cfg), max_steps - done)
@@ -222,4 +223,4 @@ def _validation_wins(learner, world, env: EnvConfig, rooms: list[int], prompt, c
         )
         specs = [EpisodeSpec(task_id=r) for r in rooms]
         records = run_episodes(world, env.split, specs, policy, max_turns=env.max_turns, batch_size=len(rooms))
-    return sum(bool(r["success"]) for r in records)
+    return sum(bool(r.success) for r in records)

@@ -20,6 +20,7 @@ import torch
 
 from serl_cli.algos.batch import make_micro_batches, micro_batch_groups
 from serl_cli.algos.objectives import UpdateInputs, default_advantages, get_objective, turn_advantages
+from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.device import tag
@@ -34,12 +35,12 @@ from serl_cli.training.train_config import TrainConfig, check_train_config, reco
 from serl_cli.training.update_report import Ticker, episode_stats, mean_step_stats
 
 
-def training_episodes(episodes: list[dict], cfg: TrainConfig, run: Path) -> list[dict]:
+def training_episodes(episodes: list[Episode], cfg: TrainConfig, run: Path) -> list[Episode]:
     """The episodes an update learns from. Filtered behaviour cloning keeps only the successful
     ones: an expert that gave up halfway (ALFWorld's hand-coded expert can) demonstrates nothing."""
     if not (cfg.algo == "sft" and cfg.sft_successful_only):
         return episodes
-    kept = [e for e in episodes if e.get("success")]
+    kept = [e for e in episodes if e.success]
     if not kept:
         raise SerlError(f"{run} holds no successful episode to clone (train.sft_successful_only is on)")
     return kept
@@ -174,7 +175,7 @@ class Learner:
             with lora_mod.reference_view(self.backend.module) as base:
                 return action_logprobs(base, mb, temperature)
 
-    def recompute_logp_old(self, episodes: list[dict], temperature: float) -> dict:
+    def recompute_logp_old(self, episodes: list[Episode], temperature: float) -> dict:
         """Replace every turn's ``behaviour_logprobs`` (pi_old) by the trainer's own log-probs
         of the same tokens, in place, before anything reads them (the annotate stage's
         weights and the PPO ratio); the engine's stay in ``engine_logprobs``. Under several
@@ -185,22 +186,19 @@ class Learner:
         ray_trainer.py:1170-1192). Turns already recomputed are left alone, so calling it
         twice costs nothing."""
         owned = [
-            (ep.get("group_id"), t)
-            for ep in episodes
-            for t in ep["turns"]
-            if t.get("behaviour_logprobs") and "engine_logprobs" not in t
+            (ep.group_id, t) for ep in episodes for t in ep.turns if t.behaviour_logprobs and t.engine_logprobs is None
         ]
         if not owned:
             return {}
         turns = [t for _, t in owned]
-        items = [ScoreItem(t["prompt_ids"], t["action_ids"], group) for group, t in owned]
+        items = [ScoreItem(t.prompt_ids, t.action_ids, group) for group, t in owned]
         new = self.scorer(self.model, self.tokenizer, items, temperature, self.cfg.optim.micro_batch_tokens)
         total, worst, count = 0.0, 0.0, 0
         for t, lp in zip(turns, new):
-            deltas = [abs(a - b) for a, b in zip(lp, t["behaviour_logprobs"])]
+            deltas = [abs(a - b) for a, b in zip(lp, t.behaviour_logprobs)]
             total, count = total + sum(deltas), count + len(deltas)
             worst = max([worst, *deltas])
-            t["engine_logprobs"], t["behaviour_logprobs"] = t["behaviour_logprobs"], lp
+            t.engine_logprobs, t.behaviour_logprobs = t.behaviour_logprobs, lp
         return {
             "logp_old_recomputed_turns": len(turns),
             "logp_mismatch_mean": total / max(count, 1),
@@ -209,7 +207,7 @@ class Learner:
 
     def update(
         self,
-        episodes: list[dict],
+        episodes: list[Episode],
         temperature: float,
         annotations: list[dict] | None = None,
         annotate_meta: dict | None = None,

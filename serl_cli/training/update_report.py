@@ -4,6 +4,8 @@ the update."""
 
 from __future__ import annotations
 
+from serl_cli.artifacts.records import Episode
+
 
 class Ticker:
     """An update's progress in micro-batches for ``progress(done, total)``: one per forward pass,
@@ -41,13 +43,13 @@ def mean_step_stats(steps: list[dict]) -> dict:
     return out
 
 
-def episode_stats(episodes: list[dict]) -> dict:
+def episode_stats(episodes: list[Episode]) -> dict:
     n = len(episodes)
-    faulted = [e for e in episodes if e.get("error")]  # crashed, timed out, or failed at reset
+    faulted = [e for e in episodes if e.error]  # crashed, timed out, or failed at reset
     return {
-        "mean_reward": sum(e["reward"] for e in episodes) / n,
-        "success_rate": sum(e["success"] for e in episodes) / n,
+        "mean_reward": sum(e.reward for e in episodes) / n,
+        "success_rate": sum(e.success for e in episodes) / n,
         "episodes": n,
         "faulted_episodes": len(faulted),
-        "faulted_turns": sum(len(e["turns"]) for e in faulted),
+        "faulted_turns": sum(len(e.turns) for e in faulted),
     }

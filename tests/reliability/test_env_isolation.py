@@ -80,7 +80,7 @@ class ToyWorld:
         return ToyEpisode(self.faults, max_turns or 10)
 
 
-def run(faults: dict, timeout: float | None = None, batch_size: int = 3) -> list[dict]:
+def run(faults: dict, timeout: float | None = None, batch_size: int = 3) -> list:
     return run_episodes(
         ToyWorld(faults),
         "train",
@@ -93,16 +93,16 @@ def run(faults: dict, timeout: float | None = None, batch_size: int = 3) -> list
 
 def test_healthy_world_every_episode_wins():
     records = run({})
-    assert [r["success"] for r in records] == [True] * 6 and all(r["error"] is None for r in records)
+    assert [r.success for r in records] == [True] * 6 and all(r.error is None for r in records)
 
 
 def test_a_raising_step_ends_only_its_episode():
     records = run({1: (2, "raise")})
     bad = records[1]
-    assert bad["error"] == "environment raised ValueError: corrupt state in task 1"
-    assert bad["truncated"] and not bad["success"] and bad["reward"] == 0.0
-    assert bad["num_turns"] == 1 == len(bad["turns"])  # the turn whose step failed has no next state: not recorded
-    assert all(r["success"] and r["error"] is None for i, r in enumerate(records) if i != 1)
+    assert bad.error == "environment raised ValueError: corrupt state in task 1"
+    assert bad.truncated and not bad.success and bad.reward == 0.0
+    assert bad.num_turns == 1 == len(bad.turns)  # the turn whose step failed has no next state: not recorded
+    assert all(r.success and r.error is None for i, r in enumerate(records) if i != 1)
 
 
 @pytest.mark.parametrize("kind", ["spin", "sleep"])
@@ -110,16 +110,16 @@ def test_a_hanging_step_times_out(kind):
     t0 = time.monotonic()
     records = run({4: (1, kind)}, timeout=0.5)
     assert time.monotonic() - t0 < 30
-    assert records[4]["error"] == "environment timed out: no answer within 0.5 s (env.step_timeout_s)"
-    assert records[4]["num_turns"] == 0 and records[4]["truncated"]
-    assert all(r["success"] for i, r in enumerate(records) if i != 4)
+    assert records[4].error == "environment timed out: no answer within 0.5 s (env.step_timeout_s)"
+    assert records[4].num_turns == 0 and records[4].truncated
+    assert all(r.success for i, r in enumerate(records) if i != 4)
 
 
 def test_a_failing_reset_records_an_empty_episode_and_the_queue_moves_on():
     records = run({0: (0, "raise"), 5: (0, "spin")}, timeout=0.5, batch_size=1)
-    assert records[0]["turns"] == [] and records[0]["error"].startswith("environment raised ValueError")
-    assert records[5]["turns"] == [] and "timed out" in records[5]["error"]
-    assert [r["success"] for r in records[1:5]] == [True] * 4
+    assert records[0].turns == [] and records[0].error.startswith("environment raised ValueError")
+    assert records[5].turns == [] and "timed out" in records[5].error
+    assert [r.success for r in records[1:5]] == [True] * 4
 
 
 def test_bad_task_id_at_reset_still_stops_the_run():
@@ -145,7 +145,7 @@ def test_rollout_stage_records_env_errors(tiny_model_dir, tmp_path, monkeypatch)
     summary = run_rollout(cfg)
     assert summary["episodes"] == 6 and summary["env_errors"] == 2
     episodes = read_rollouts(tmp_path / "run")  # a record with an error is still a valid record
-    errors = {e["task_id"]: e["error"] for e in episodes if e["error"]}
+    errors = {e.task_id: e.error for e in episodes if e.error}
     assert errors.keys() == {1, 3} and "timed out" in errors[3] and "ValueError" in errors[1]
     saved = json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"]["rollout"]
     assert saved["status"] == "done" and saved["config"]["env"]["step_timeout_s"] == 0.5

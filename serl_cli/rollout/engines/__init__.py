@@ -79,7 +79,7 @@ class ModelPolicy:
     def prompts(self, steps: list[Step], contexts: list[dict]) -> list[list[int]]:
         out = []
         for step, ctx in zip(steps, contexts):
-            history = [{"observation": t["observation"], "action": t["action"]} for t in ctx["turns"]]
+            history = [{"observation": t.observation, "action": t.action} for t in ctx["turns"]]
             if self.prompt.style == "authors":
                 messages = authors_messages(
                     ctx.get("authors_prompt"),

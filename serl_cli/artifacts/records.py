@@ -1,0 +1,221 @@
+"""Rollout records: one :class:`Episode` per line of ``rollouts.jsonl``, holding its :class:`Turn` s.
+
+These dataclasses are the one definition of the record: the code reads their attributes, and
+``from_dict`` / ``to_dict`` read and write the JSON. A field without a default is required
+(``ROLLOUT_KEYS``, ``TURN_KEYS``: a record without one is refused on reading); the others are
+optional and take their default where a record lacks them. ``from_dict`` checks a record as
+``serl_cli.artifacts.schema.read_rollouts`` always has (keys, types, token/log-prob alignment),
+in one-line errors naming the file and line.
+
+``to_dict`` writes the keys in field order -- the order the rollout runner has always written
+them -- so a rollout's ``rollouts.jsonl`` is byte-identical to what the dict records gave, and
+read -> write is the identity on it. A turn's fields "written only when set" are left out at their
+default, as the runner left them out. Keys this version does not know are kept in ``extra`` and
+written back after the known ones. (A hand-written record that lacks an optional key gains it,
+at its default, when written back.)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, field, fields
+
+from serl_cli.errors import SerlError
+
+
+@dataclass(slots=True, kw_only=True)
+class Turn:
+    """One turn: the state the policy saw, the tokens it wrote, what the environment answered."""
+
+    turn: int = 0  # the turn's index in its episode
+    observation: str = ""  # the raw observation the policy acted on
+    state_key: str  # a hash of that observation (envs.base.state_key): the same state across rollouts
+    expert_action: str | None = None  # the environment's reference action from this state; None: none
+    prompt_ids: list[int]  # the chat-templated prompt the policy saw, as token ids
+    action_ids: list[int]  # what it generated, ending in the end-of-turn token when it stopped on its own
+    action_text: str  # action_ids decoded: the reply, reasoning included
+    action: str = ""  # the action parsed out of the reply, as the environment got it
+    behaviour_logprobs: list[float]  # the sampling policy's log-prob of each action token ([]: an expert's)
+    next_observation: str = ""  # the environment's raw answer to the action
+    next_state_key: str | None = None  # its hash
+    feedback: dict  # what the environment said of the action (envs.base.Feedback): error (None: fine), diff
+    reward: float  # the step's reward
+    done: bool  # the episode ended with this turn
+    info: dict = field(default_factory=dict)  # environment-specific extras (won, truncated, deadlock, ...)
+    # written only when set:
+    off_expert: bool = False  # a noisy expert's exploration move: it reaches a state, it is no SFT target
+    invalid: bool | None = None  # prompt.style authors: the reply broke the authors' rule; None: feedback decides
+    engine_logprobs: list[float] | None = None  # the engine's log-probs where the trainer recomputed pi_old
+    hindsight: str | None = None  # an SFT example's block in its prompt (method.hindsight_sft, reading_sft)
+    extra: dict = field(default_factory=dict)  # keys this version does not know, written back as they came
+
+    @property
+    def invalid_action(self) -> bool:
+        """Whether the action was invalid: the authors' rule where the policy judged its reply by
+        it (``prompt.style: authors`` records ``invalid``), else the environment's ``feedback.error``."""
+        return bool(self.invalid) if self.invalid is not None else bool((self.feedback or {}).get("error"))
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "turn", *, need_tokens: bool = True) -> Turn:
+        """A turn record, checked; ``where`` names it in errors (``path:line``)."""
+        if not isinstance(d, dict):
+            raise SerlError(f"{where}: a turn must be a JSON object, got {type(d).__name__}")
+        missing = [k for k in TURN_KEYS if k not in d]
+        if missing:
+            raise SerlError(f"{where}: a turn lacks {', '.join(missing)} (rollouts without feedback or token fields)")
+        _check_types(d, TURN_TYPES, f"{where}: a turn's")
+        if need_tokens and (not d["prompt_ids"] or not d["action_ids"]):
+            raise SerlError(
+                f"{where}: a turn has no token ids: these rollouts were not recorded with a model tokenizer"
+            )
+        if need_tokens and d["behaviour_logprobs"] and len(d["behaviour_logprobs"]) != len(d["action_ids"]):
+            raise SerlError(f"{where}: behaviour_logprobs and action_ids differ in length")
+        if not isinstance(d["feedback"], dict) or "error" not in d["feedback"]:
+            raise SerlError(f"{where}: a turn's feedback lacks the environment's fields (error, diff)")
+        return cls(**_known(d, _TURN_FIELDS), extra=_unknown(d, _TURN_FIELDS))
+
+    def to_dict(self) -> dict:
+        """The JSON record: known keys in field order (those written only when set, when set), then ``extra``."""
+        return _to_dict(self, _TURN_FIELDS, _TURN_WHEN_SET)
+
+
+@dataclass(slots=True, kw_only=True)
+class Episode:
+    """One episode of one task: where it belongs in its group, its turns, how it ended."""
+
+    task_id: int  # the task in its split
+    group_id: int  # the task's group in the rollout (GRPO's group: (task_id, group_id))
+    rollout_index: int  # the episode's place in its group
+    instruction: str = ""  # the task as the environment states it
+    initial_observation: str = ""  # the observation after reset
+    turns: list[Turn]  # in the order they were played
+    reward: float  # the episode's reward: the last step's
+    success: bool  # the environment's verdict (info.won)
+    num_turns: int | None = None  # len(turns) (None: counted from the turns)
+    invalid_actions: int | None = None  # how many turns' actions were invalid (None: counted from the turns)
+    truncated: bool = False  # cut at the turn limit, or by an environment fault
+    error: str | None = None  # the environment fault that ended the episode (None: none)
+    extra: dict = field(default_factory=dict)  # keys this version does not know, written back as they came
+
+    def __post_init__(self):
+        if self.num_turns is None:
+            self.num_turns = len(self.turns)
+        if self.invalid_actions is None:
+            self.invalid_actions = sum(t.invalid_action for t in self.turns)
+
+    @property
+    def group_key(self) -> tuple[int, int]:
+        """(task_id, group_id): the GRPO group."""
+        return self.task_id, self.group_id
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "episode", *, need_tokens: bool = True) -> Episode:
+        """An episode record and its turns, checked; ``where`` names it in errors (``path:line``).
+        ``need_tokens``: every turn must hold token ids (and log-probs as many as its action's)."""
+        missing = [k for k in ROLLOUT_KEYS if k not in d]
+        if missing:
+            raise SerlError(f"{where}: record lacks {', '.join(missing)}")
+        if not isinstance(d["turns"], list):
+            raise SerlError(f"{where}: 'turns' must be a list")
+        _check_types(d, EPISODE_TYPES, f"{where}:")
+        turns = [Turn.from_dict(t, where, need_tokens=need_tokens) for t in d["turns"]]
+        return cls(**{**_known(d, _EPISODE_FIELDS), "turns": turns}, extra=_unknown(d, _EPISODE_FIELDS))
+
+    def to_dict(self) -> dict:
+        """The JSON record, as ``rollouts.jsonl`` holds it (its turns' records included)."""
+        d = _to_dict(self, _EPISODE_FIELDS, {})
+        d["turns"] = [t.to_dict() for t in self.turns]
+        return d
+
+
+# -- records made in code: tests, synthetic benchmark batches ------------------------------------
+def make_turn(**values) -> Turn:
+    """A turn whose required fields not in ``values`` hold neutral values (no tokens, no error, reward 0)."""
+    neutral = {
+        "state_key": "",
+        "prompt_ids": [],
+        "action_ids": [],
+        "action_text": "",
+        "behaviour_logprobs": [],
+        "feedback": {"error": None, "diff": ""},
+        "reward": 0.0,
+        "done": False,
+    }
+    return Turn(**{**neutral, **values})
+
+
+def make_episode(turns: list[Turn] = (), **values) -> Episode:
+    """An episode of ``turns`` whose required fields not in ``values`` hold neutral values (task 0, reward 0)."""
+    neutral = {"task_id": 0, "group_id": 0, "rollout_index": 0, "reward": 0.0, "success": False}
+    return Episode(**{**neutral, **values}, turns=list(turns))
+
+
+# -- reading and writing -------------------------------------------------------------------------
+def _required(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+
+
+ROLLOUT_KEYS = _required(Episode)  # what every episode record holds
+TURN_KEYS = _required(Turn)  # what every turn record holds
+_EPISODE_FIELDS = tuple(f.name for f in fields(Episode) if f.name != "extra")
+_TURN_FIELDS = tuple(f.name for f in fields(Turn) if f.name != "extra")
+# a turn's keys written only when set, with the default they are left out at: the runner writes
+# off_expert only when true and invalid only where the policy judged the reply
+_TURN_WHEN_SET = {
+    f.name: f.default for f in fields(Turn) if f.name in ("off_expert", "invalid", "engine_logprobs", "hindsight")
+}
+
+
+def _known(d: dict, names: tuple[str, ...]) -> dict:
+    return {k: d[k] for k in names if k in d}
+
+
+def _unknown(d: dict, names: tuple[str, ...]) -> dict:
+    return {k: v for k, v in d.items() if k not in names}
+
+
+def _to_dict(record, names: tuple[str, ...], when_set: dict) -> dict:
+    d = {}
+    for name in names:
+        value = getattr(record, name)
+        if name not in when_set or value != when_set[name]:
+            d[name] = value
+    d.update(record.extra)
+    return d
+
+
+# -- what each required field must be: a wrong type is refused on reading, not found mid-update ------
+def _ints(v) -> bool:
+    return isinstance(v, list) and all(type(x) is int for x in v)
+
+
+def _numbers(v) -> bool:
+    return isinstance(v, list) and all(type(x) in (int, float) for x in v)
+
+
+def _number(v) -> bool:
+    return type(v) in (int, float)
+
+
+EPISODE_TYPES = {
+    "task_id": (lambda v: type(v) is int, "an integer"),
+    "group_id": (lambda v: type(v) is int, "an integer"),
+    "rollout_index": (lambda v: type(v) is int, "an integer"),
+    "reward": (_number, "a number"),
+    "success": (lambda v: type(v) is bool, "true or false"),
+}
+TURN_TYPES = {
+    "prompt_ids": (_ints, "a list of token ids"),
+    "action_ids": (_ints, "a list of token ids"),
+    "behaviour_logprobs": (_numbers, "a list of numbers"),
+    "action_text": (lambda v: isinstance(v, str), "a string"),
+    "reward": (_number, "a number"),
+    "done": (lambda v: type(v) is bool, "true or false"),
+    "state_key": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _check_types(record: dict, types: dict, where: str) -> None:
+    for key, (ok, what) in types.items():
+        if not ok(record[key]):
+            raise SerlError(f"{where} {key} must be {what}, got {json.dumps(record[key])[:60]}")

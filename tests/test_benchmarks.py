@@ -147,3 +147,28 @@ def test_trl_and_serl_take_the_same_first_gradient(tiny_model_dir, tmp_path):  #
     assert data["first_grad_norm_rel_diff"] < 1e-4
     assert data["trl"]["activation_checkpointing"] is False
     assert data["trl"]["padded_tokens"] >= data["real_tokens"] and data["serl"]["padded_tokens"] >= data["real_tokens"]
+
+
+@pytest.mark.slow
+def test_demo_range_runs_each_demo_and_reports_its_gains(tmp_path, capsys):
+    """``benchmarks.demo_range`` on ``serl demo --quick``: one run per seed and thread count, each
+    gain taken from that run's own demo.json."""
+    from benchmarks.demo_range import main as demo_range
+    from envs.sokoban.env import SokobanWorld
+    from serl_cli.models.tiny import init_model
+    from serl_cli.rollout.default_model import tokenizer_corpus
+
+    micro = init_model("micro", tmp_path / "micro", tokenizer_corpus(SokobanWorld(), episodes=50))
+    out = tmp_path / "results.json"
+    argv = ["--quick", "--seeds", "0", "--threads", "1", "--out", str(tmp_path / "runs"), "--json", str(out)]
+    assert demo_range([*argv, "--set", f"model={micro}"]) == 0
+    data = json.loads(out.read_text())
+    [run] = data["runs"]
+    demo = json.loads((tmp_path / "runs" / "seed0-threads1" / "demo.json").read_text())
+    warm = demo["results"]["warm start"]["success_rate"]
+    for arm in ("grpo", "serl"):
+        gain = round(100 * (demo["results"][f"warm start + {arm}"]["success_rate"] - warm), 1)
+        assert run["gain_points"][arm] == gain
+        assert data["gain_range_points"][arm] == [gain, gain]
+    assert run["seed"] == 0 and run["threads"] == "1" and run["wall_s"] > 0
+    assert "gain over the warm start" in capsys.readouterr().out

@@ -10,7 +10,8 @@ On Sokoban, the default (no data download), it shows a model learning:
 3. one warm start: SFT on the expert's moves up to a target, not a step count
    (``stages.warm_start``): checkpoints every few steps (``warm_start.every``), each played on train
    rooms the data never saw, and SFT stops at the first one whose success enters
-   ``warm_start.band``; the step it chose is printed and kept in ``demo.json``. Without
+   ``warm_start.band`` (0.40-0.50: from lower checkpoints, still on the steep part of the SFT
+   curve, 40 RL iterations moved nothing); the step it chose is printed and kept in ``demo.json``. Without
    ``warm_start`` (``--set warm_start=null``), ``sft``'s fixed steps. ``sft.hindsight_sft``
    (off by default) would add examples that teach the network to read SERL's hindsight
    block: at this scale that start left RL half the gain (+9.5 points in 40 iterations

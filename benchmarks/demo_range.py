@@ -22,6 +22,7 @@ from pathlib import Path
 
 from benchmarks.common import report
 from serl_cli.artifacts import io
+from serl_cli.stages.demo import ARM_PREFIX, gains_over_warm_start
 
 
 def run_one(seed: int, threads: str, out: Path, extra: list[str]) -> dict:
@@ -34,20 +35,15 @@ def run_one(seed: int, threads: str, out: Path, extra: list[str]) -> dict:
     wall = time.perf_counter() - started
     demo = io.read_json(out / "demo.json")
     results = demo["results"]
-    warm = results["warm start"]["success_rate"]
-    gains = {
-        name.removeprefix("warm start + "): round(100 * (r["success_rate"] - warm), 1)
-        for name, r in results.items()
-        if name.startswith("warm start + ")
-    }
+    gains = {algo: round(points, 1) for algo, points in gains_over_warm_start(results).items()}
     return {
         "seed": seed,
         "threads": threads,
         "wall_s": round(wall, 1),
         "sft_step": demo["warm_start"]["step"],
         "validation_success": demo["warm_start"].get("success"),
-        "warm_start": warm,
-        "final": {name.removeprefix("warm start + "): r["success_rate"] for name, r in results.items() if "+" in name},
+        "warm_start": results["warm start"]["success_rate"],
+        "final": {algo: results[ARM_PREFIX + algo]["success_rate"] for algo in gains},
         "gain_points": gains,
         "kept_iterations": demo.get("kept_iterations"),
     }

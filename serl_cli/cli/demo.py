@@ -10,7 +10,7 @@ from rich.table import Table
 from serl_cli import config as cfgmod
 from serl_cli.cli.common import resolve, save_resolved
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
-from serl_cli.stages.demo import DemoConfig, demo_defaults, quick, run_demo
+from serl_cli.stages.demo import ARM_PREFIX, DemoConfig, demo_defaults, gains_over_warm_start, quick, run_demo
 
 
 @app.command("demo")
@@ -72,10 +72,11 @@ def results_table(cfg: DemoConfig, summary: dict) -> Table:
     )
     for col in ("policy", "success", "95% interval", "vs warm start", "score", "invalid actions", "mean turns"):
         table.add_column(col, justify="left" if col == "policy" else "right")
-    start = summary["results"]["warm start"]["success_rate"]
+    gains = gains_over_warm_start(summary["results"])
     for name, r in summary["results"].items():
         lo, hi = r["success_ci95"]
-        change = "" if name in ("expert", "warm start") else f"{100 * (r['success_rate'] - start):+.1f} pts"
+        gain = gains.get(name.removeprefix(ARM_PREFIX)) if name.startswith(ARM_PREFIX) else None
+        change = "" if gain is None else f"{gain:+.1f} pts"
         table.add_row(
             name,
             f"{r['success_rate']:.3f}",
@@ -98,12 +99,11 @@ def in_words(cfg: DemoConfig, summary: dict, quick_run: bool = False) -> list[st
     where = f" (SFT stopped at step {warm['step']})" if "step" in warm else ""
     lines.append(f"  The warm start{where} solved {start:.0%} of {rooms} it never trained on.")
     kept = summary.get("kept_iterations") or {}
-    for name in (n for n in results if n not in ("expert", "warm start")):
-        algo, rate = name.removeprefix("warm start + "), results[name]["success_rate"]
+    for algo, gain in gains_over_warm_start(results).items():
+        rate = results[ARM_PREFIX + algo]["success_rate"]
         best = f" (its best round on train rooms, round {kept[algo]})" if kept.get(algo) else ""
         lines.append(
-            f"  After {cfg.online.iterations} rounds of RL, {algo.upper()}{best} solved {rate:.0%}: "
-            f"{100 * (rate - start):+.0f} points."
+            f"  After {cfg.online.iterations} rounds of RL, {algo.upper()}{best} solved {rate:.0%}: {gain:+.0f} points."
         )
     spread = max(r["success_ci95"][1] - r["success_rate"] for r in results.values())
     lines.append(f"  Each rate is known to about +/-{100 * spread:.0f} points on {rooms}: smaller gaps can be luck.")

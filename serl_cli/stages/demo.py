@@ -219,7 +219,7 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
             )
     policies.update(
         {
-            f"warm start + {arm.train.algo}": (kept[arm.train.algo] or {}).get("checkpoint")
+            f"{ARM_PREFIX}{arm.train.algo}": (kept[arm.train.algo] or {}).get("checkpoint")
             or str(Path(arm.out) / "checkpoint")
             for arm in arms
         }
@@ -239,6 +239,19 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
         summary["teacher_signal"] = teacher_signal(out / "serl")
     io.write_json(out / "demo.json", summary)
     return summary
+
+
+ARM_PREFIX = "warm start + "  # an online arm's row in demo.json's results: "warm start + grpo"
+
+
+def gains_over_warm_start(results: dict) -> dict[str, float]:
+    """Each online arm's success on the test panel minus the warm start's, in points: {algo: points}."""
+    start = results["warm start"]["success_rate"]
+    return {
+        name.removeprefix(ARM_PREFIX): 100 * (r["success_rate"] - start)
+        for name, r in results.items()
+        if name.startswith(ARM_PREFIX)
+    }
 
 
 def _warm_start(cfg: DemoConfig, model: str, run: Path, log, steps: int) -> dict:

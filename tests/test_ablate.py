@@ -688,7 +688,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
 
 
 def test_report_names_how_the_final_evaluation_decoded():
-    from serl_cli.ablate.report import _decoding
+    from serl_cli.ablate.report_render import _decoding
 
     assert _decoding({"base": {"eval": {"temperature": 0.4}}}) == "sampled at T 0.4"  # the paper's validation setting
     assert _decoding({"base": {"eval": {"temperature": 0.0}}}) == "greedy"

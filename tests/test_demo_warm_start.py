@@ -15,7 +15,7 @@ from serl_cli.models.tiny import init_model
 from serl_cli.rollout.default_model import tokenizer_corpus
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig
-from serl_cli.stages.demo import DemoConfig, best_iteration, quick
+from serl_cli.stages.demo import DemoConfig, _online_arm, best_iteration, demo_defaults, quick
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 from serl_cli.stages.warm_start import (
     BELOW,
@@ -119,7 +119,7 @@ def test_the_demo_ends_in_plain_words():
     assert "GRPO (its best round on train rooms, round 35) solved 50%: +20 points" in text
     assert "SERL solved 55%: +25 points" in text
     assert "rated the expert's move 18 points less likely" in text
-    assert "serl show runs/demo/serl/iter_0039 --episode 0" in text
+    assert "serl show runs/demo/serl/iter_0079 --episode 0" in text  # the last of the 80 rounds
     assert "-0.182" not in text and "with the block" not in text  # no jargon
 
 
@@ -188,6 +188,15 @@ def test_sft_that_never_reaches_the_band_runs_every_pass_and_says_so(expert_run)
     assert len(lines) == 4 and lines[0].strip().startswith("SFT step 1: success")
     with pytest.raises(SerlError, match="already exists"):  # finished output is not overwritten unasked
         sft_to_band(str(expert_run), SFT, cfg, env, log=lambda *_: None)
+
+
+def test_only_the_online_arms_end_an_episode_at_a_deadlock():
+    cfg = DemoConfig(env=EnvConfig(name="sokoban", split="train", settings={"size": 7}))
+    arm = _online_arm(cfg, "serl", "runs/demo/expert/checkpoint")
+    assert arm.env.settings == {"size": 7, "end_on_deadlock": True} and arm.train.algo == "serl"
+    assert cfg.env.settings == {"size": 7}  # the expert data, the warm start and the test panel: env as it is
+    webshop = demo_defaults("webshop")  # a setting of Sokoban's world only
+    assert webshop.arm_settings == {} and _online_arm(webshop, "grpo", "ckpt").env.settings == {}
 
 
 def test_quick_keeps_a_warm_start_band_at_smoke_sizes():

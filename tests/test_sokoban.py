@@ -26,9 +26,9 @@ def panel(world) -> list[Solver]:
     return [world.level("test", i) for i in range(PANEL)]
 
 
-def episode(text: str, max_turns: int = 15):
+def episode(text: str, max_turns: int = 15, **settings):
     """An episode on a hand-drawn room, and its first step."""
-    ep = SokobanWorld(SokobanConfig(max_turns=max_turns)).new_episode("test")
+    ep = SokobanWorld(SokobanConfig(max_turns=max_turns, **settings)).new_episode("test")
     return ep, ep.play(parse_room(text))
 
 
@@ -236,6 +236,23 @@ def test_a_deadlocking_push_is_named_once(room, action, reason):
     for later in ("down", "up", "left", "right"):  # said once: later pushes and moves are plain
         step = ep.step(later)
         assert step.info["deadlock"] is None and not (step.feedback.error or "").startswith("deadlock")
+
+
+@pytest.mark.parametrize("room, action, reason", DEADLOCKS)
+def test_end_on_deadlock_ends_the_episode_at_the_deadlocking_push_and_only_there(room, action, reason):
+    ep, _ = episode(room, end_on_deadlock=True)
+    step = ep.step(action)
+    assert step.done and step.reward == 0.0 and step.info["deadlock"] == reason
+    assert not step.info["truncated"] and not step.info["won"] and step.admissible_actions == []
+    # a bump (an error that is no deadlock) does not end it
+    ep, _ = episode("# # # # # #\n# P _ _ _ #\n# _ _ B _ #\n# _ _ _ G #\n# # # # # #", end_on_deadlock=True)
+    step = ep.step("up")
+    assert step.feedback.error and not step.done
+
+
+def test_end_on_deadlock_is_a_world_setting():
+    assert not SokobanConfig().end_on_deadlock  # off by default: the episode runs to the turn limit
+    assert make_world("sokoban", end_on_deadlock=True).config.end_on_deadlock
 
 
 def test_turn_limit_ends_with_reward_zero():

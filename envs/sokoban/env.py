@@ -78,6 +78,9 @@ class SokobanConfig:
     max_turns: int = 15
     min_solution: int = 4  # keep only rooms whose shortest solution takes at least this many moves
     gen_steps: int | None = None  # steps of the walk that carves the room; None: TextArena's 1.7 x 2 x size (20 at 6)
+    # a deadlocking push ends the episode (reward 0): no later move can win the room, so the turns after it
+    # only fill the turn limit. Success is the same either way; what changes is what an update trains on
+    end_on_deadlock: bool = False
 
     def check(self) -> None:
         limits = {"size": 4, "boxes": 1, "max_turns": 1, "min_solution": 1, "gen_steps": 1}
@@ -208,7 +211,7 @@ class SokobanEpisode:
         self.turns += 1
         won = self.state[1] == self.room.goals
         truncated = not won and self.turns >= self.max_turns
-        self.done = won or truncated
+        self.done = won or truncated or (deadlock is not None and self.world.config.end_on_deadlock)
         invalid = feedback.error is not None and deadlock is None
         return self._result(
             1.0 if won else 0.0, feedback, {"truncated": truncated, "invalid": invalid, "deadlock": deadlock}

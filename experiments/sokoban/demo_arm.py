@@ -29,9 +29,8 @@ from pathlib import Path
 
 from serl_cli.cli.common import save_resolved
 from serl_cli.config import resolve
-from serl_cli.rollout.worlds import EnvConfig
-from serl_cli.stages.demo import DemoConfig, _online_arm, best_iteration
-from serl_cli.stages.evaluate import EvalConfig, run_eval
+from serl_cli.stages.demo import DemoConfig, _online_arm, best_iteration, panel_eval_config
+from serl_cli.stages.evaluate import run_eval
 
 EVAL_SEED = 0  # every policy on the same draws, whatever the arm's seed
 
@@ -63,20 +62,11 @@ def deadlocks(run: Path) -> dict:
 
 
 def test_panel(cfg: DemoConfig, model: str, episodes: int, out: Path) -> dict:
-    """``model`` on the first ``episodes`` rooms of the test panel, as the demo's last step plays them."""
-    ecfg = EvalConfig(
-        env=EnvConfig(cfg.env.name, None, None, cfg.env.settings),  # the evaluation split, its own turn limit
-        policy="model",
-        model=model,
-        episodes=episodes,
-        seed=EVAL_SEED,
-        temperature=cfg.eval_temperature,
-        history_turns=cfg.prompt.history_turns,
-        max_new_tokens=cfg.eval_max_new_tokens,
-        threads=cfg.threads,
-        out=str(out),
-    )
-    r = run_eval(ecfg, overwrite=True)
+    """``model`` on the first ``episodes`` rooms of the test panel, as the demo's last step plays them
+    (``stages.demo.panel_eval_config``), but with sampling seed 0 and the environment's own turn limit."""
+    env = dataclasses.replace(cfg.env, max_turns=None)
+    panel = dataclasses.replace(cfg, env=env, eval_episodes=episodes, seed=EVAL_SEED)
+    r = run_eval(panel_eval_config(panel, model, out), overwrite=True)
     return {"success": r["success_rate"], "ci95": [round(x, 3) for x in r["success_ci95"]]}
 
 

@@ -47,11 +47,8 @@ floating-point summation order.
 from __future__ import annotations
 
 import copy
-import multiprocessing
 import os
-import queue
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -67,6 +64,7 @@ from serl_cli.rollout.worlds import EnvConfig, build_world
 from serl_cli.stages.evaluate import EvalConfig, run_eval
 from serl_cli.stages.online_config import OnlineConfig, OnlineEvalConfig
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
+from serl_cli.stages.side_by_side import progress_line, run_side_by_side
 from serl_cli.stages.warm_start import BELOW, IN_BAND, STEPPED_OVER, WarmStartConfig, check_warm_start, sft_to_band
 from serl_cli.training.train_config import OptimConfig, TrainConfig
 
@@ -218,10 +216,10 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
         f"{', side by side' if side_by_side else ''}"
     )
     if side_by_side:
-        _run_side_by_side(arms, log)
+        run_side_by_side(arms, log)
     else:
         for arm in arms:
-            run_online(arm, overwrite=True, on_iteration=lambda h, algo=arm.train.algo: log(_progress(algo, h)))
+            run_online(arm, overwrite=True, on_iteration=lambda h, algo=arm.train.algo: log(progress_line(algo, h)))
     kept = {arm.train.algo: best_iteration(Path(arm.out)) for arm in arms}
     for algo, best in kept.items():
         if best is not None:
@@ -325,53 +323,11 @@ def _online_arm(cfg: DemoConfig, algo: str, warm_start: str) -> OnlineConfig:
     return online
 
 
-def _progress(algo: str, h: dict) -> str:
-    return f"      {algo} iteration {h['iteration']}: reward {h['mean_reward']:.3f}, success {h['success_rate']:.3f}"
-
-
-def _run_side_by_side(arms: list[OnlineConfig], log) -> None:
-    """Every arm in its own process at once, their progress lines passed back to ``log``: on
-    a 2-core machine GRPO and SERL together take the wall time of one."""
-    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state forked mid-use
-    with ctx.Manager() as manager:
-        lines = manager.Queue()
-        with ProcessPoolExecutor(len(arms), mp_context=ctx) as pool:
-            futures = [pool.submit(_run_arm, arm, lines, os.getpid()) for arm in arms]
-            while not all(f.done() for f in futures) or not lines.empty():
-                try:
-                    log(lines.get(timeout=0.5))
-                except queue.Empty:
-                    pass
-            for f in futures:
-                f.result()  # an arm's error, raised here
-
-
-def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
-    """End this process once ``parent`` (the pid of the process that started it) is gone: a
-    ``serl demo`` stopped by a signal that reaches it alone (``kill PID``, a scheduler's SIGTERM)
-    must not leave its arms training on, orphaned. A daemon thread watches this process's parent."""
-    import threading
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="serl-exit-with-parent").start()
-
-
-def _run_arm(arm: OnlineConfig, lines, parent: int) -> None:
-    from serl_cli.stages.online import run_online
-
-    exit_with_parent(parent)
-    run_online(arm, overwrite=True, on_iteration=lambda h: lines.put(_progress(arm.train.algo, h)))
-
-
-def _evaluate(cfg: DemoConfig, name: str, model_dir: str | None, log, steps: int) -> dict:
-    """One row of the table: ``name`` on the first ``eval_episodes`` tasks of the test panel."""
-    test = EnvConfig(cfg.env.name, None, cfg.env.max_turns, cfg.env.settings)  # None: the evaluation split
-    ecfg = EvalConfig(
-        env=test,
+def panel_eval_config(cfg: DemoConfig, model_dir: str | None, out: str | Path) -> EvalConfig:
+    """How the demo scores a policy (None: the expert): the first ``eval_episodes`` tasks of the
+    test panel, at ``eval_temperature`` with the demo's seed, as the arms were prompted."""
+    return EvalConfig(
+        env=EnvConfig(cfg.env.name, None, cfg.env.max_turns, cfg.env.settings),  # None: the evaluation split
         policy="expert" if model_dir is None else "model",
         model=model_dir,
         episodes=cfg.eval_episodes,
@@ -380,9 +336,14 @@ def _evaluate(cfg: DemoConfig, name: str, model_dir: str | None, log, steps: int
         history_turns=cfg.prompt.history_turns,
         max_new_tokens=cfg.eval_max_new_tokens,
         threads=cfg.threads,
-        out=str(Path(cfg.out) / f"eval_{name.replace(' + ', '+').replace(' ', '_')}"),
+        out=str(out),
     )
-    result = run_eval(ecfg, overwrite=True)
+
+
+def _evaluate(cfg: DemoConfig, name: str, model_dir: str | None, log, steps: int) -> dict:
+    """One row of the table: ``name`` on the test panel (:func:`panel_eval_config`)."""
+    out = Path(cfg.out) / f"eval_{name.replace(' + ', '+').replace(' ', '_')}"
+    result = run_eval(panel_eval_config(cfg, model_dir, out), overwrite=True)
     log(f"[{steps}/{steps}] eval {name}: success {result['success_rate']:.3f}")
     return result
 

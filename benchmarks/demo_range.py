@@ -22,7 +22,7 @@ from pathlib import Path
 
 from benchmarks.common import report
 from serl_cli.artifacts import io
-from serl_cli.stages.demo import ARM_PREFIX, gains_over_warm_start
+from serl_cli.stages.demo import ARM_PREFIX
 
 
 def run_one(seed: int, threads: str, out: Path, extra: list[str]) -> dict:
@@ -35,7 +35,7 @@ def run_one(seed: int, threads: str, out: Path, extra: list[str]) -> dict:
     wall = time.perf_counter() - started
     demo = io.read_json(out / "demo.json")
     results = demo["results"]
-    gains = {algo: round(points, 1) for algo, points in gains_over_warm_start(results).items()}
+    gains = {algo: round(g["points"], 1) for algo, g in demo["gains"].items()}
     return {
         "seed": seed,
         "threads": threads,
@@ -45,8 +45,17 @@ def run_one(seed: int, threads: str, out: Path, extra: list[str]) -> dict:
         "warm_start": results["warm start"]["success_rate"],
         "final": {algo: results[ARM_PREFIX + algo]["success_rate"] for algo in gains},
         "gain_points": gains,
+        # paired over the test rooms (stages.demo.paired_gain)
+        "gain_ci95_points": {algo: g["ci95"] and [round(x, 1) for x in g["ci95"]] for algo, g in demo["gains"].items()},
         "kept_iterations": demo.get("kept_iterations"),
     }
+
+
+def _gain_cell(run: dict, arm: str) -> str:
+    if arm not in run["gain_points"]:
+        return "-"
+    ci = run["gain_ci95_points"].get(arm)
+    return f"{run['gain_points'][arm]:+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,14 +75,15 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
             print(f"seed {seed}, threads {threads}: {run['gain_points']} points, {run['wall_s']:.0f} s", flush=True)
     arms = sorted({a for r in runs for a in r["gain_points"]})
-    columns = ["seed", "threads", "SFT step", "warm start", *[f"{a} gain (points)" for a in arms], "wall (min:s)"]
+    gains = [f"{a} gain [95% CI] (points)" for a in arms]
+    columns = ["seed", "threads", "SFT step", "warm start", *gains, "wall (min:s)"]
     rows = [
         [
             r["seed"],
             r["threads"],
             r["sft_step"],
             r["warm_start"],
-            *[r["gain_points"].get(a, "-") for a in arms],
+            *[_gain_cell(r, a) for a in arms],
             f"{int(r['wall_s'] // 60)}:{int(r['wall_s'] % 60):02d}",
         ]
         for r in runs

@@ -170,5 +170,7 @@ def test_demo_range_runs_each_demo_and_reports_its_gains(tmp_path, capsys):
         gain = round(100 * (demo["results"][f"warm start + {arm}"]["success_rate"] - warm), 1)
         assert run["gain_points"][arm] == gain
         assert data["gain_range_points"][arm] == [gain, gain]
+        lo, hi = run["gain_ci95_points"][arm]  # paired over the quick run's 4 test rooms
+        assert lo <= gain <= hi and demo["gains"][arm]["rooms"] == 4
     assert run["seed"] == 0 and run["threads"] == "1" and run["wall_s"] > 0
     assert "gain over the warm start" in capsys.readouterr().out

@@ -15,7 +15,7 @@ from serl_cli.models.tiny import init_model
 from serl_cli.rollout.default_model import tokenizer_corpus
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig
-from serl_cli.stages.demo import DemoConfig, _online_arm, best_iteration, demo_defaults, quick
+from serl_cli.stages.demo import DemoConfig, _online_arm, best_iteration, demo_defaults, paired_gain, quick
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 from serl_cli.stages.warm_start import (
     BELOW,
@@ -110,17 +110,33 @@ def test_the_demo_ends_in_plain_words():
             "warm start + grpo": _result(0.5),
             "warm start + serl": _result(0.55),
         },
+        "gains": {
+            "grpo": {"points": 20.0, "ci95": [13.2, 26.8], "rooms": 200},
+            "serl": {"points": 25.0, "ci95": None, "rooms": 1},
+        },
         "warm_start": {"step": 275},
         "kept_iterations": {"grpo": 35, "serl": None},
         "teacher_signal": {"turns": 900, "iterations": 40, "right_direction": 0.61, "expert_prob_gain": -0.182},
     }
     text = "\n".join(in_words(cfg, summary))
     assert "The warm start (SFT stopped at step 275) solved 30% of 200 test rooms" in text
-    assert "GRPO (its best round on train rooms, round 35) solved 50%: +20 points" in text
-    assert "SERL solved 55%: +25 points" in text
+    assert "GRPO (its best round on train rooms, round 35) solved 50%: +20 points (95% interval +13 to +27)." in text
+    assert "SERL solved 55%: +25 points." in text  # no interval from a single room: none shown
+    assert "where it reaches down to 0, the gain could be luck" in text
     assert "rated the expert's move 18 points less likely" in text
     assert "serl show runs/demo/serl/iter_0079 --episode 0" in text  # the last of the 80 rounds
     assert "-0.182" not in text and "with the block" not in text  # no jargon
+
+
+def test_a_gain_is_paired_room_by_room_with_its_t_interval():
+    # per-room differences in points: 0, +100, 0, 0 (room 9 only the arm played: left out);
+    # mean 25, sample sd 50, se 25, t(0.975, 3 df) = 3.182446 -> 25 +- 79.561
+    gain = paired_gain({0: 1.0, 1: 0.0, 2: 0.0, 3: 1.0}, {0: 1.0, 1: 1.0, 2: 0.0, 3: 1.0, 9: 1.0})
+    assert gain["points"] == 25.0 and gain["rooms"] == 4
+    assert gain["ci95"] == pytest.approx([25 - 79.5612, 25 + 79.5612], abs=1e-3)
+    # every room the same way: the gain and a zero-width interval; one room: no interval
+    assert paired_gain({0: 1.0, 1: 0.0}, {0: 1.0, 1: 0.0}) == {"points": 0.0, "ci95": [0.0, 0.0], "rooms": 2}
+    assert paired_gain({0: 1.0}, {0: 0.0})["ci95"] is None
 
 
 def test_each_arm_keeps_its_best_checkpoint_on_train_rooms(tmp_path):

@@ -53,7 +53,7 @@ class Turn:
     def invalid_action(self) -> bool:
         """Whether the action was invalid: the authors' rule where the policy judged its reply by
         it (``prompt.style: authors`` records ``invalid``), else the environment's ``feedback.error``."""
-        return bool(self.invalid) if self.invalid is not None else bool((self.feedback or {}).get("error"))
+        return bool(self.invalid) if self.invalid is not None else bool(self.feedback.get("error"))
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "turn", *, need_tokens: bool = True) -> Turn:

@@ -10,7 +10,7 @@ from rich.table import Table
 from serl_cli import config as cfgmod
 from serl_cli.cli.common import resolve, save_resolved
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
-from serl_cli.stages.demo import ARM_PREFIX, DemoConfig, demo_defaults, gains_over_warm_start, quick, run_demo
+from serl_cli.stages.demo import ARM_PREFIX, DemoConfig, demo_defaults, quick, run_demo
 
 
 @app.command("demo")
@@ -70,13 +70,13 @@ def results_table(cfg: DemoConfig, summary: dict) -> Table:
         title=f"{cfg.env.name} test panel, first {cfg.eval_episodes} tasks, {decoding} "
         f"({summary['wall_time_s']:.0f} s in all)"
     )
-    for col in ("policy", "success", "95% interval", "vs warm start", "score", "invalid actions", "mean turns"):
+    for col in ("policy", "success", "95% interval", "gain, points", "score", "invalid actions", "mean turns"):
         table.add_column(col, justify="left" if col == "policy" else "right")
-    gains = gains_over_warm_start(summary["results"])
+    gains = summary["gains"]
     for name, r in summary["results"].items():
         lo, hi = r["success_ci95"]
         gain = gains.get(name.removeprefix(ARM_PREFIX)) if name.startswith(ARM_PREFIX) else None
-        change = "" if gain is None else f"{gain:+.1f} pts"
+        change = "" if gain is None else f"{gain['points']:+.1f}{_interval(gain['ci95'], '.1f', ' [', ']', ', ')}"
         table.add_row(
             name,
             f"{r['success_rate']:.3f}",
@@ -99,14 +99,17 @@ def in_words(cfg: DemoConfig, summary: dict, quick_run: bool = False) -> list[st
     where = f" (SFT stopped at step {warm['step']})" if "step" in warm else ""
     lines.append(f"  The warm start{where} solved {start:.0%} of {rooms} it never trained on.")
     kept = summary.get("kept_iterations") or {}
-    for algo, gain in gains_over_warm_start(results).items():
+    for algo, gain in summary["gains"].items():
         rate = results[ARM_PREFIX + algo]["success_rate"]
         best = f" (its best round on train rooms, round {kept[algo]})" if kept.get(algo) else ""
         lines.append(
-            f"  After {cfg.online.iterations} rounds of RL, {algo.upper()}{best} solved {rate:.0%}: {gain:+.0f} points."
+            f"  After {cfg.online.iterations} rounds of RL, {algo.upper()}{best} solved {rate:.0%}: "
+            f"{gain['points']:+.0f} points{_interval(gain['ci95'], '.0f', ' (95% interval ', ')')}."
         )
-    spread = max(r["success_ci95"][1] - r["success_rate"] for r in results.values())
-    lines.append(f"  Each rate is known to about +/-{100 * spread:.0f} points on {rooms}: smaller gaps can be luck.")
+    lines.append(
+        f"  Each gain's interval compares the two policies room by room on the same {rooms}: "
+        "where it reaches down to 0, the gain could be luck."
+    )
     signal = summary.get("teacher_signal")
     if signal:
         gain = signal["expert_prob_gain"]
@@ -128,6 +131,11 @@ def in_words(cfg: DemoConfig, summary: dict, quick_run: bool = False) -> list[st
         f"  Everything this run wrote is in {cfg.out}/ (demo.json: the numbers above).",
     ]
     return lines
+
+
+def _interval(ci: list[float] | None, spec: str, before: str, after: str, between: str = " to ") -> str:
+    """A gain's 95 % interval in points as text ("" where there is none: a single room)."""
+    return "" if ci is None else f"{before}{ci[0]:+{spec}}{between}{ci[1]:+{spec}}{after}"
 
 
 def _env_in(config: str | None, overrides: list[str] | None) -> str | None:

@@ -216,7 +216,7 @@ class Error(TurnField):
     name, title, pooled_title = "error", "Environment error at the current step:", "Errors other attempts got here:"
 
     def value(self, turn):
-        return (turn.feedback or {}).get("error")
+        return turn.feedback.get("error")
 
     def bad(self, turn):
         return bool(self.value(turn))
@@ -227,7 +227,7 @@ class Diff(TurnField):
     name, title, pooled_title = "diff", "What changed after the current step:", "What other attempts changed here:"
 
     def value(self, turn):
-        return (turn.feedback or {}).get("diff")
+        return turn.feedback.get("diff")
 
     def bad(self, turn):
         return same_action(self.value(turn), "no change")

@@ -26,7 +26,8 @@ On Sokoban, the default (no data download), it shows a model learning:
 5. the expert (a reference), the warm start and every arm on the first tasks of the test
    panel, with 95 % Wilson intervals: sampled at ``eval_temperature`` (0.4, the paper's
    validation setting; greedy decoding of a small model repeats a bump into a wall until
-   the turn limit), and SERL's teacher signal where the annotation measured it.
+   the turn limit); each arm's gain over the warm start with its 95 % interval, paired room
+   by room (:func:`paired_gain`); and SERL's teacher signal where the annotation measured it.
 
 Any other environment (``--env webshop``) runs the original demo: the tiny model, plain
 expert data, SFT, two GRPO iterations and a greedy evaluation (:func:`demo_defaults`).
@@ -235,9 +236,12 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
         }
     )
 
-    results = {name: _evaluate(cfg, name, model_dir, log, steps) for name, model_dir in policies.items()}
+    results, by_room = {}, {}
+    for name, model_dir in policies.items():
+        results[name], by_room[name] = _evaluate(cfg, name, model_dir, log, steps)
     summary = {
         "results": results,
+        "gains": {algo: paired_gain(by_room["warm start"], by_room[ARM_PREFIX + algo]) for algo in cfg.algos},
         "warm_start": warm,
         "iterations": cfg.online.iterations,
         "kept_iterations": {algo: best and best["iteration"] for algo, best in kept.items()},
@@ -254,14 +258,16 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
 ARM_PREFIX = "warm start + "  # an online arm's row in demo.json's results: "warm start + grpo"
 
 
-def gains_over_warm_start(results: dict) -> dict[str, float]:
-    """Each online arm's success on the test panel minus the warm start's, in points: {algo: points}."""
-    start = results["warm start"]["success_rate"]
-    return {
-        name.removeprefix(ARM_PREFIX): 100 * (r["success_rate"] - start)
-        for name, r in results.items()
-        if name.startswith(ARM_PREFIX)
-    }
+def paired_gain(warm_start: dict[int, float], arm: dict[int, float]) -> dict:
+    """An arm's gain over the warm start, each a {task_id: success} of the same test rooms:
+    {"points", "ci95" (points), "rooms"}. Both played the same rooms, so the interval is the paired
+    t-interval of the per-room differences: a room's difficulty cancels, and the interval is
+    narrower than the two rates' own Wilson intervals put together would suggest."""
+    from serl_cli.stats.summary import describe  # scipy: once the demo has run, not when it is configured
+
+    rooms = sorted(warm_start.keys() & arm.keys())
+    d = describe([100 * (arm[r] - warm_start[r]) for r in rooms])
+    return {"points": d["mean"], "ci95": d["ci95"], "rooms": len(rooms)}
 
 
 def _warm_start(cfg: DemoConfig, model: str, run: Path, log, steps: int) -> dict:
@@ -340,12 +346,14 @@ def panel_eval_config(cfg: DemoConfig, model_dir: str | None, out: str | Path) -
     )
 
 
-def _evaluate(cfg: DemoConfig, name: str, model_dir: str | None, log, steps: int) -> dict:
-    """One row of the table: ``name`` on the test panel (:func:`panel_eval_config`)."""
+def _evaluate(cfg: DemoConfig, name: str, model_dir: str | None, log, steps: int) -> tuple[dict, dict[int, float]]:
+    """One row of the table: ``name`` on the test panel (:func:`panel_eval_config`), with its
+    success room by room ({task_id: 0 or 1}), which the gains pair."""
     out = Path(cfg.out) / f"eval_{name.replace(' + ', '+').replace(' ', '_')}"
     result = run_eval(panel_eval_config(cfg, model_dir, out), overwrite=True)
     log(f"[{steps}/{steps}] eval {name}: success {result['success_rate']:.3f}")
-    return result
+    rooms = {row["task_id"]: float(row["success"]) for row in io.iter_jsonl(out / "episodes.jsonl")}
+    return result, rooms
 
 
 def teacher_signal(run: Path) -> dict | None:

@@ -301,6 +301,32 @@ def test_update_figures_at_lambda_zero_are_grpo(episodes, micro):
     torch.testing.assert_close(f["cos_serl_sft"], f["cos_grpo_sft"])
 
 
+def test_update_diagnostics_script_annotates_a_saved_run_as_an_online_iteration_would(episodes, micro, tmp_path):
+    """experiments/sokoban/update_diagnostics.py on a run on disk: the prompt settings come from its
+    manifest, and at lambda 0 SERL's update is GRPO's, as in the test above."""
+    import importlib.util
+    from pathlib import Path
+
+    from serl_cli.artifacts import io
+    from serl_cli.artifacts.schema import write_rollouts
+
+    model_dir = tmp_path / "micro"
+    micro[0].save_pretrained(model_dir)
+    micro[1].save_pretrained(model_dir)
+    run = tmp_path / "run"
+    run.mkdir()
+    write_rollouts(run, episodes[:8])
+    rollout = {"env": SOKOBAN, "prompt": {"bare_replies": True}}
+    io.write_json(run / "manifest.json", io.new_manifest("rollout", rollout, seed=0))
+    script = Path(__file__).parents[1] / "experiments" / "sokoban" / "update_diagnostics.py"
+    spec = importlib.util.spec_from_file_location("update_diagnostics", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    f = module.main([str(run), "--model", str(model_dir), "--mixing-lambda", "0"])
+    assert f["cos_serl_grpo"] == pytest.approx(1.0) and f["advantage_mass_moved"] == 0.0
+    assert f["sft_turns"] > 0 and f["settings"]["sources"] == "expert"
+
+
 # -- study v4's grid -------------------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ from serl_cli.models.loading import load_model
 from serl_cli.training.train_config import TrainConfig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run")
     ap.add_argument("--model", required=True)
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--weight-clip", type=float, default=0.2)
     ap.add_argument("--mixing-lambda", type=float, default=0.5)
     ap.add_argument("--group-norm", default="cross_steps")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rollout = io.load_manifest(args.run)["stages"]["rollout"]["config"]
     bare = bool((rollout.get("prompt") or {}).get("bare_replies"))
     episodes = read_rollouts(args.run)
@@ -58,7 +58,9 @@ def main() -> None:
     figures = update_figures(
         model, tokenizer, episodes, records, weight_clip=args.weight_clip, lam=args.mixing_lambda, bare_replies=bare
     )
-    print(json.dumps({"run": args.run, "model": args.model, "settings": vars(args), **figures}, indent=2))
+    result = {"run": args.run, "model": args.model, "settings": vars(args), **figures}
+    print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":

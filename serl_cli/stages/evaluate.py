@@ -205,16 +205,16 @@ def write_eval(cfg: EvalConfig, world, records: list[Episode], wall: float) -> d
         **summarize(records, task_types),
         "wall_time_s": round(wall, 3),
     }
-    if task_types is None:
-        rows = [_episode_row(r) for r in records]
-    else:
-        rows = [_episode_row(r, task_type=kind) for r, kind in zip(records, task_types)]
+    rows = [_episode_row(r, None if task_types is None else task_types[i]) for i, r in enumerate(records)]
     io.write_jsonl(out / "episodes.jsonl", rows)
     io.write_json(out / "eval.json", summary)
     return summary
 
 
-def _episode_row(rec: Episode, **task_type) -> dict:
+def _episode_row(rec: Episode, task_type: str | None) -> dict:
     """One line of ``episodes.jsonl``; ``task_type``: the environment's name for the task's kind, where it has one."""
     keep = ("task_id", "instruction", "reward", "success", "num_turns", "invalid_actions", "truncated")
-    return {**{k: getattr(rec, k) for k in keep}, **task_type, "actions": [t.action for t in rec.turns]}
+    row = {k: getattr(rec, k) for k in keep}
+    if task_type is not None:
+        row["task_type"] = task_type
+    return {**row, "actions": [t.action for t in rec.turns]}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from benchmarks.common import report
 from serl_cli.artifacts import io
-from serl_cli.stages.demo import ARM_PREFIX
+from serl_cli.stages.demo import ARM_PREFIX, gain_text
 
 
 def run_one(seed: int, threads: str, out: Path, extra: list[str]) -> dict:
@@ -51,13 +51,6 @@ def run_one(seed: int, threads: str, out: Path, extra: list[str]) -> dict:
     }
 
 
-def _gain_cell(run: dict, arm: str) -> str:
-    if arm not in run["gain_points"]:
-        return "-"
-    ci = run["gain_ci95_points"].get(arm)
-    return f"{run['gain_points'][arm]:+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -83,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             r["threads"],
             r["sft_step"],
             r["warm_start"],
-            *[_gain_cell(r, a) for a in arms],
+            *[gain_text(r["gain_points"][a], r["gain_ci95_points"][a]) if a in r["gain_points"] else "-" for a in arms],
             f"{int(r['wall_s'] // 60)}:{int(r['wall_s'] % 60):02d}",
         ]
         for r in runs

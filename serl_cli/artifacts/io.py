@@ -47,6 +47,24 @@ def write_failed(path: str | Path, e: Exception, kept: str = "the previous versi
     return SerlError(f"could not write {path}: {reason}{hint}; {kept}")
 
 
+def torch_save(obj, path: str | Path) -> None:
+    """``torch.save`` into a file serl opens, so that a failed write (a full disk) is the
+    ``OSError`` it is: given a path, torch's zip writer reports it as a ``RuntimeError``
+    ("unexpected pos ...") that has lost the errno; given a file, that error's context keeps it."""
+    import torch
+
+    with open(path, "wb") as f:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:
+            cause = e.__context__
+            while cause is not None and not isinstance(cause, OSError):
+                cause = cause.__context__
+            if cause is None:
+                raise
+            raise cause from None
+
+
 def current_umask() -> int:
     mask = os.umask(0)  # reading it means setting it: put it straight back
     os.umask(mask)

@@ -52,6 +52,7 @@ from typing import get_args
 
 import torch
 
+from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import ActionSpans, Tokens, Unparsed
 from serl_cli.rollout.prompts import (
@@ -297,7 +298,7 @@ class TeacherSnapshot:
     def save(self, directory: Path) -> None:
         """The snapshot into a checkpoint directory (every process calls it)."""
         if self.backend.sharded or self.backend.is_main:
-            torch.save(self.state_dict(), self.state_file(directory))
+            io.torch_save(self.state_dict(), self.state_file(directory))
 
     def load(self, directory: Path) -> bool:
         """The snapshot a checkpoint holds, if it holds one (every process calls it)."""

@@ -142,14 +142,8 @@ def _train_on_run(
     if cfg.hindsight_sft is not None:
         metrics["hindsight_examples"] = sum(len(e.turns) for e in examples)
     timing = metrics.pop("timing")  # wall-clock figures apart, so metrics.jsonl is deterministic
-    from safetensors import SafetensorError
-
-    try:
-        learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
-    except (OSError, SafetensorError) as e:  # disk full: the old checkpoint, if any, is still in place
-        if main:
-            io.clear_debris(checkpoint.parent)  # and the half-written new one goes
-        raise io.write_failed(checkpoint, e) from None
+    # a full disk here is one clear error; the old checkpoint, if any, is still in place
+    learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
     if not main:
         return metrics
     io.append_jsonl(metrics_path, metrics)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from serl_cli.artifacts.io import follow_umask
+from serl_cli.artifacts.io import follow_umask, torch_save
 from serl_cli.models.device import precision_of, tag
 
 
@@ -59,7 +59,7 @@ def write_model_files(
     model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     if extra_state is not None:
-        torch.save(extra_state, directory / "trainer_state.pt")
+        torch_save(extra_state, directory / "trainer_state.pt")
     for name, text in (extra_files or {}).items():
         (directory / name).write_text(text, encoding="utf-8")
 
@@ -103,6 +103,6 @@ def write_policy(module, tokenizer, directory: Path, lora=None, state: dict | No
         module.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
         if state is not None:
-            torch.save(state, directory / "trainer_state.pt")
+            torch_save(state, directory / "trainer_state.pt")
         for name, text in files.items():
             (directory / name).write_text(text, encoding="utf-8")

@@ -20,6 +20,7 @@ import torch
 
 from serl_cli.algos.batch import make_micro_batches, micro_batch_groups
 from serl_cli.algos.objectives import UpdateInputs, default_advantages, get_objective, turn_advantages
+from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
@@ -330,9 +331,24 @@ class Learner:
         ``path`` only when complete. ``extra(directory)``: what every process adds to the
         staging directory (the teacher snapshot). ``weights_only``: only what an engine reads
         to serve the policy (``vllm.weight_sync: disk``): the model files and tokenizer, no
-        resume state."""
+        resume state. A write that fails (a full disk) is one :class:`SerlError` naming
+        ``path``; the previous checkpoint there is untouched and the staging folder removed."""
+        from safetensors import SafetensorError
+
         path = Path(path)
         staging = path.with_name(f".{path.name}.partial")  # one name every process of a job agrees on
+        try:
+            self._write_checkpoint(staging, prompt, extra, weights_only)
+            if self.is_main:
+                commit_dir(staging, path)
+        except (OSError, SafetensorError) as e:
+            if self.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise io.write_failed(path, e) from None
+        self.barrier()
+        return path
+
+    def _write_checkpoint(self, staging: Path, prompt: PromptConfig | None, extra, weights_only: bool) -> None:
         if self.is_main:
             if staging.exists():
                 shutil.rmtree(staging)
@@ -351,10 +367,6 @@ class Learner:
             if self.is_main:
                 write_policy(module, self.tokenizer, staging, self.cfg.lora if self.uses_lora else None, state, files)
         self.barrier()
-        if self.is_main:
-            commit_dir(staging, path)
-        self.barrier()
-        return path
 
 
 def _check_annotated_advantages(

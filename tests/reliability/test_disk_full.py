@@ -12,7 +12,7 @@ import os
 import shutil
 
 import pytest
-from faults import cli_exit_code, run_with_file_size_limit, tree_hash
+from faults import cli_exit_code, run_with_file_size_limit, same_weights, tree_hash
 from support import rollout_config, synthetic_env
 
 from serl_cli.artifacts import io
@@ -85,6 +85,34 @@ def test_disk_full_while_saving_a_checkpoint_keeps_the_old_one(tiny_model_dir, t
     assert not (run / "metrics.jsonl").exists()  # the failed update is not logged as done
     assert not [p for p in run.iterdir() if p.name.startswith(".")]
     assert io.load_manifest(run)["stages"]["train:sft"]["status"] == "running"
+
+
+def test_disk_full_at_an_online_checkpoint_is_one_line_and_resume_finishes(tiny_model_dir, tmp_path):
+    """Iteration 0's checkpoint under a 20 MB file limit: the model (13 MB) fits, the resume
+    state (torch.save, 27 MB) does not. torch reports that write as a RuntimeError ("unexpected
+    pos") that has lost its errno; it is one line all the same, and the loop resumes."""
+    import dataclasses
+
+    import yaml
+    from test_resume_kill import online_cfg
+
+    from serl_cli.stages.online import run_online
+
+    ref = tmp_path / "ref"
+    run_online(online_cfg(tiny_model_dir, ref))
+    run = tmp_path / "run"
+    cfg_file = tmp_path / "online.yaml"
+    cfg_file.write_text(yaml.safe_dump(dataclasses.asdict(online_cfg(tiny_model_dir, run))))
+    err = tmp_path / "stderr.txt"
+    code = run_with_file_size_limit(lambda: cli_exit_code("train", "--config", str(cfg_file), "-q"), 20_000_000, err)
+    line = one_line(err)
+    assert code == 2 and f"could not write {run / 'iter_0000' / 'checkpoint'}: File too large (disk full?)" in line
+    assert (run / "iter_0000" / "rollouts.jsonl").is_file()  # the iteration got as far as its checkpoint
+    assert not (run / "iter_0000" / "checkpoint").exists() and not list(run.rglob(".*.partial"))
+    assert not (run / "metrics.jsonl").exists()  # the iteration is not logged as done
+    run_online(online_cfg(tiny_model_dir, run), resume=True)  # room again
+    assert (run / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
+    assert same_weights(run / "checkpoint", ref / "checkpoint")
 
 
 def test_enospc_on_an_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):

@@ -162,7 +162,7 @@ def make_half_successful(run) -> None:
 
 
 # -- the CLI, run as a user runs it ---------------------------------------------------------
-def serl(*args: str, env: dict | None = None, input: str | None = None) -> subprocess.CompletedProcess:
+def serl(*args: str, env: dict | None = None, input: str | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
     # as from a user's shell: without the progress-bar switch an in-process CLI test leaves in os.environ
     base = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
     full_env = {**base, "COLUMNS": "200", **(env or {})}
@@ -173,7 +173,21 @@ def serl(*args: str, env: dict | None = None, input: str | None = None) -> subpr
         env=full_env,
         input=input,
         timeout=300,
+        preexec_fn=preexec_fn,
     )
+
+
+def file_size_limit(limit: int):
+    """For ``serl(..., preexec_fn=...)``: the child's files cannot grow past ``limit`` bytes
+    (RLIMIT_FSIZE: the write that crosses it fails part-way with EFBIG, as on a full disk)."""
+    import resource
+    import signal
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write() instead of death
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    return apply
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepspeed_worker import full_parameters, make_episodes, run, train_config
-from support import assert_one_line_error, serl
+from support import assert_one_line_error, file_size_limit, serl
 
 from serl_cli.errors import SerlError
 from serl_cli.training.deepspeed_config import DeepSpeedConfig, default_config, resolve_config
@@ -85,7 +85,7 @@ def test_resolve_refuses_bad_files(tmp_path, content, needle):
 
 
 # -- bad input at the command line: one line, exit 2, nothing written ------------------------------
-def _online(model_dir, out, *extra, env=None):
+def _online(model_dir, out, *extra, env=None, preexec_fn=None):
     return serl(
         "train",
         "--iterations",
@@ -104,6 +104,7 @@ def _online(model_dir, out, *extra, env=None):
         "env.settings.catalog=synthetic",
         *extra,
         env=env,
+        preexec_fn=preexec_fn,
     )
 
 
@@ -121,6 +122,19 @@ def test_cli_bad_deepspeed_input(tiny_model_dir, tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
     assert_one_line_error(_online(tiny_model_dir, out, env=env), "--backend deepspeed needs DeepSpeed")
     assert not out.exists()
+
+
+@needs_deepspeed
+def test_disk_full_in_deepspeeds_checkpoint_is_one_line(tiny_model_dir, tmp_path):
+    """DeepSpeed writes its engine state with torch.save to a path, and torch reports a failed
+    write there as a RuntimeError without an errno ("unexpected pos"). Under a 10 MB file limit
+    its model states (13 MB, the first file it writes) do not fit; that is still one line naming
+    the checkpoint, with no staging folder left."""
+    out = tmp_path / "run"
+    p = _online(tiny_model_dir, out, "-q", preexec_fn=file_size_limit(10_000_000))
+    checkpoint = out / "iter_0000" / "checkpoint"
+    assert_one_line_error(p, f"could not write {checkpoint}: torch.save's write failed (disk full?)")
+    assert not checkpoint.exists() and not list(out.rglob(".*.partial"))
 
 
 # -- equivalence ----------------------------------------------------------------------------------

@@ -33,6 +33,14 @@ MAX_RECORD_BYTES = 64 * 2**20  # a JSONL line longer than this is refused unread
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# torch.save to a path (as DeepSpeed's checkpoints are written) reports a failed write in these
+# words and keeps no errno: the write itself, then the zip's end that no longer lines up
+TORCH_WRITE_FAILED = ("PytorchStreamWriter failed writing file", "unexpected pos", "iostream error")
+
+
+def torch_write_failed(e: BaseException) -> bool:
+    """Whether ``e`` is torch's report of a write that failed (most likely a full disk)."""
+    return isinstance(e, RuntimeError) and any(words in str(e) for words in TORCH_WRITE_FAILED)
 
 
 def write_failed(path: str | Path, e: Exception, kept: str = "the previous version, if any, is intact") -> SerlError:
@@ -40,6 +48,8 @@ def write_failed(path: str | Path, e: Exception, kept: str = "the previous versi
     Libraries that write in native code (safetensors) report the OS error in their text."""
     if isinstance(e, OSError):
         reason, full = e.strerror or str(e), e.errno in FULL_DISK
+    elif torch_write_failed(e):
+        reason, full = "torch.save's write failed", True
     else:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         full = any(f"os error {n})" in reason for n in FULL_DISK)

@@ -341,7 +341,9 @@ class Learner:
             self._write_checkpoint(staging, prompt, extra, weights_only)
             if self.is_main:
                 commit_dir(staging, path)
-        except (OSError, SafetensorError) as e:
+        except (OSError, SafetensorError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not io.torch_write_failed(e):
+                raise
             if self.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
             raise io.write_failed(path, e) from None

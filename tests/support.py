@@ -178,8 +178,9 @@ def serl(*args: str, env: dict | None = None, input: str | None = None, preexec_
 
 
 def file_size_limit(limit: int):
-    """For ``serl(..., preexec_fn=...)``: the child's files cannot grow past ``limit`` bytes
-    (RLIMIT_FSIZE: the write that crosses it fails part-way with EFBIG, as on a full disk)."""
+    """What makes a process's files unable to grow past ``limit`` bytes, for ``serl(...,
+    preexec_fn=...)`` or a forked child (RLIMIT_FSIZE: the write that crosses it fails part-way
+    with EFBIG, as on a full disk)."""
     import resource
     import signal
 

@@ -123,7 +123,7 @@ def run_with_file_size_limit(work: Callable[[], int], limit: int, stderr_path: P
     """Run ``work()`` in a forked child whose files cannot grow past ``limit`` bytes
     (RLIMIT_FSIZE: the kernel fails the write that crosses it, part-way, as a full disk
     would); the child's stderr goes to ``stderr_path``. Returns the child's exit code."""
-    import resource
+    from support import file_size_limit
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -134,8 +134,7 @@ def run_with_file_size_limit(work: Callable[[], int], limit: int, stderr_path: P
             fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(fd, 2)
             sys.stderr = open(2, "w", closefd=False)
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of dying
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+            file_size_limit(limit)()
             code = work()
         except BaseException:  # noqa: BLE001
             traceback.print_exc()

@@ -175,6 +175,28 @@ def _seeds(value) -> list[int]:
     raise SerlError(f"grid.seeds must be a count or a list of integers, got {value!r}")
 
 
+# the grid file's sections a --set path may start with (base.iterations=30, grid.seeds=5,
+# slurm.partition=gpu); any other path is the base's (iterations=30), as --config is
+GRID_FILE_SECTIONS = tuple(k for k in TOP_KEYS if k not in ("base", "base_config"))
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """``--set`` of ``serl ablate`` as (paths into the grid file, paths into the base). A path is
+    the grid file's own: ``base.X`` is the base's ``X`` (the same as ``X`` alone, which names the
+    online loop's settings as ``--config`` does), ``grid.``/``slurm.``/``final_eval.``... the
+    grid file's other sections."""
+    on_file, on_base = [], []
+    for text in overrides:
+        path, _ = cfgmod.parse_override(text)
+        if path[0] == "base" and len(path) > 1:
+            on_base.append(text.split(".", 1)[1])
+        elif path[0] in GRID_FILE_SECTIONS:
+            on_file.append(text)
+        else:
+            on_base.append(text)
+    return on_file, on_base
+
+
 def load_grid(
     path: str | None = None,
     *,
@@ -188,8 +210,11 @@ def load_grid(
     if path:
         data = cfgmod.load_yaml(path)
         _fail_unknown(data, TOP_KEYS, "")
-        if not isinstance(data.get("grid"), dict) or not data["grid"]:
-            raise SerlError(f"empty grid in {path}: give grid: with at least one axis ({', '.join(AXES)})")
+    on_file, overrides = split_overrides(list(overrides or []))
+    data = cfgmod.apply_overrides(data, on_file)
+    _fail_unknown(data, TOP_KEYS, "")
+    if path and (not isinstance(data.get("grid"), dict) or not data["grid"]):
+        raise SerlError(f"empty grid in {path}: give grid: with at least one axis ({', '.join(AXES)})")
     base = data.get("base") or {}
     if not isinstance(base, dict):
         raise SerlError("base: must be a mapping of online-loop settings")
@@ -197,7 +222,7 @@ def load_grid(
         base = cfgmod.merge(_base_configs(Path(path), data["base_config"]), base)
     if config_file:
         base = cfgmod.merge(base, cfgmod.load_yaml(config_file))
-    base = cfgmod.apply_overrides(base, list(overrides or []))
+    base = cfgmod.apply_overrides(base, overrides)
     if "iterations" in flags:
         base = cfgmod.merge(base, {"iterations": flags.pop("iterations")})
     from serl_cli.stages.online_config import OnlineConfig

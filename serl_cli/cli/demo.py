@@ -39,6 +39,7 @@ def demo_command(
         DemoConfig,
         config_file=config,
         overrides=set_,
+        out_dir=True,
         base=dataclasses.asdict(quick(defaults) if quick_run else defaults),
         flags={
             "env.name": env,

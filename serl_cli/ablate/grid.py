@@ -82,9 +82,16 @@ from ``OUT/grid.json`` (so an edit to the grid file mid-run changes no cell); :f
 ``OUT/ablate.sbatch``, a job array whose task i runs the same command with ``--cell
 "$SLURM_ARRAY_TASK_ID"`` (under torchrun or the deepspeed launcher across the cell's GPUs),
 ``OUT/report.sbatch`` (``serl ablate --report OUT``) and ``OUT/submit.sh``, which submits the
-array and the report as a job that depends on it (``afterany``). The program is
-``${SERL:-serl}`` so a cluster can point it at a virtual environment
-(``SERL=/path/venv/bin/serl sbatch OUT/ablate.sbatch``).
+array and the report as a job that depends on it (``afterany``). The scripts run from the
+directory ``serl ablate`` ran in (``#SBATCH --chdir``), and models the grid names by a local
+path relative to it are recorded absolute. The program is ``${SERL:-python -m serl_cli}``: the
+python of the environment ``slurm.setup`` activates, else the interpreter that wrote the script
+(by its absolute path); ``SERL=... sbatch OUT/ablate.sbatch`` points it elsewhere.
+
+**--set.** A path is the grid file's: ``--set base.iterations=30`` sets the base's
+``iterations`` (every cell; ``--set iterations=30`` is the same: a path outside the grid file's
+sections is the base's, as ``--config`` is), ``--set grid.seeds=5``, ``--set
+slurm.partition=gpu``, ``--set final_eval.episodes=20`` the grid file's other sections.
 """
 
 from __future__ import annotations
@@ -285,11 +292,13 @@ def load_grid(
     _fail_unknown(slurm, SLURM_KEYS, "slurm.")
     _check_slurm(slurm)
     explicit = _explicit_arms(data.get("arms"), base_plain, OnlineConfig)
+    for arm in explicit:
+        arm["set"] = absolute_local_paths(arm["set"])
     axis_given = any(k != "seeds" for k in raw) or any(
         k in flags for k in ("env", "algo", "sources", "granularity", "placement")
     )
     grid = Grid(
-        base=base_plain,
+        base=absolute_local_paths(base_plain),
         axes=axes,
         final_eval=final_eval,
         slurm=slurm,
@@ -310,6 +319,26 @@ def load_grid(
             )
     grid.contrasts = _contrasts(data.get("contrasts"), names)
     return grid
+
+
+# the settings that name a model: a local directory or a hub name (Qwen/Qwen2.5-7B-Instruct)
+MODEL_PATHS = (("model",), ("annotate", "teacher"), ("train", "model"))
+
+
+def absolute_local_paths(settings: dict) -> dict:
+    """``settings`` with each model that names an existing local path relative to this directory
+    made absolute: a cell runs from wherever its runner starts it (a SLURM task, another shell),
+    and reads the grid from OUT/grid.json. A hub name, or a path not there yet, is left as it is
+    (the job array runs from this directory: ``#SBATCH --chdir``)."""
+    out = cfgmod.merge({}, settings)
+    for path in MODEL_PATHS:
+        node = out
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node.get(key), dict) else {}
+        value = node.get(path[-1])
+        if isinstance(value, str) and value and not Path(value).is_absolute() and Path(value).exists():
+            node[path[-1]] = str(Path(value).resolve())
+    return out
 
 
 def _contrasts(value, names: list[str]) -> list[dict]:

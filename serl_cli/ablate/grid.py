@@ -82,9 +82,16 @@ from ``OUT/grid.json`` (so an edit to the grid file mid-run changes no cell); :f
 ``OUT/ablate.sbatch``, a job array whose task i runs the same command with ``--cell
 "$SLURM_ARRAY_TASK_ID"`` (under torchrun or the deepspeed launcher across the cell's GPUs),
 ``OUT/report.sbatch`` (``serl ablate --report OUT``) and ``OUT/submit.sh``, which submits the
-array and the report as a job that depends on it (``afterany``). The program is
-``${SERL:-serl}`` so a cluster can point it at a virtual environment
-(``SERL=/path/venv/bin/serl sbatch OUT/ablate.sbatch``).
+array and the report as a job that depends on it (``afterany``). The scripts run from the
+directory ``serl ablate`` ran in (``#SBATCH --chdir``), and models the grid names by a local
+path relative to it are recorded absolute. The program is ``${SERL:-python -m serl_cli}``: the
+python of the environment ``slurm.setup`` activates, else the interpreter that wrote the script
+(by its absolute path); ``SERL=... sbatch OUT/ablate.sbatch`` points it elsewhere.
+
+**--set.** A path is the grid file's: ``--set base.iterations=30`` sets the base's
+``iterations`` (every cell; ``--set iterations=30`` is the same: a path outside the grid file's
+sections is the base's, as ``--config`` is), ``--set grid.seeds=5``, ``--set
+slurm.partition=gpu``, ``--set final_eval.episodes=20`` the grid file's other sections.
 """
 
 from __future__ import annotations
@@ -175,6 +182,28 @@ def _seeds(value) -> list[int]:
     raise SerlError(f"grid.seeds must be a count or a list of integers, got {value!r}")
 
 
+# the grid file's sections a --set path may start with (base.iterations=30, grid.seeds=5,
+# slurm.partition=gpu); any other path is the base's (iterations=30), as --config is
+GRID_FILE_SECTIONS = tuple(k for k in TOP_KEYS if k not in ("base", "base_config"))
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """``--set`` of ``serl ablate`` as (paths into the grid file, paths into the base). A path is
+    the grid file's own: ``base.X`` is the base's ``X`` (the same as ``X`` alone, which names the
+    online loop's settings as ``--config`` does), ``grid.``/``slurm.``/``final_eval.``... the
+    grid file's other sections."""
+    on_file, on_base = [], []
+    for text in overrides:
+        path, _ = cfgmod.parse_override(text)
+        if path[0] == "base" and len(path) > 1:
+            on_base.append(text.split(".", 1)[1])
+        elif path[0] in GRID_FILE_SECTIONS:
+            on_file.append(text)
+        else:
+            on_base.append(text)
+    return on_file, on_base
+
+
 def load_grid(
     path: str | None = None,
     *,
@@ -188,8 +217,11 @@ def load_grid(
     if path:
         data = cfgmod.load_yaml(path)
         _fail_unknown(data, TOP_KEYS, "")
-        if not isinstance(data.get("grid"), dict) or not data["grid"]:
-            raise SerlError(f"empty grid in {path}: give grid: with at least one axis ({', '.join(AXES)})")
+    on_file, overrides = split_overrides(list(overrides or []))
+    data = cfgmod.apply_overrides(data, on_file)
+    _fail_unknown(data, TOP_KEYS, "")
+    if path and (not isinstance(data.get("grid"), dict) or not data["grid"]):
+        raise SerlError(f"empty grid in {path}: give grid: with at least one axis ({', '.join(AXES)})")
     base = data.get("base") or {}
     if not isinstance(base, dict):
         raise SerlError("base: must be a mapping of online-loop settings")
@@ -197,7 +229,7 @@ def load_grid(
         base = cfgmod.merge(_base_configs(Path(path), data["base_config"]), base)
     if config_file:
         base = cfgmod.merge(base, cfgmod.load_yaml(config_file))
-    base = cfgmod.apply_overrides(base, list(overrides or []))
+    base = cfgmod.apply_overrides(base, overrides)
     if "iterations" in flags:
         base = cfgmod.merge(base, {"iterations": flags.pop("iterations")})
     from serl_cli.stages.online_config import OnlineConfig
@@ -260,11 +292,13 @@ def load_grid(
     _fail_unknown(slurm, SLURM_KEYS, "slurm.")
     _check_slurm(slurm)
     explicit = _explicit_arms(data.get("arms"), base_plain, OnlineConfig)
+    for arm in explicit:
+        arm["set"] = absolute_local_paths(arm["set"])
     axis_given = any(k != "seeds" for k in raw) or any(
         k in flags for k in ("env", "algo", "sources", "granularity", "placement")
     )
     grid = Grid(
-        base=base_plain,
+        base=absolute_local_paths(base_plain),
         axes=axes,
         final_eval=final_eval,
         slurm=slurm,
@@ -285,6 +319,26 @@ def load_grid(
             )
     grid.contrasts = _contrasts(data.get("contrasts"), names)
     return grid
+
+
+# the settings that name a model: a local directory or a hub name (Qwen/Qwen2.5-7B-Instruct)
+MODEL_PATHS = (("model",), ("annotate", "teacher"), ("train", "model"))
+
+
+def absolute_local_paths(settings: dict) -> dict:
+    """``settings`` with each model that names an existing local path relative to this directory
+    made absolute: a cell runs from wherever its runner starts it (a SLURM task, another shell),
+    and reads the grid from OUT/grid.json. A hub name, or a path not there yet, is left as it is
+    (the job array runs from this directory: ``#SBATCH --chdir``)."""
+    out = cfgmod.merge({}, settings)
+    for path in MODEL_PATHS:
+        node = out
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node.get(key), dict) else {}
+        value = node.get(path[-1])
+        if isinstance(value, str) and value and not Path(value).is_absolute() and Path(value).exists():
+            node[path[-1]] = str(Path(value).resolve())
+    return out
 
 
 def _contrasts(value, names: list[str]) -> list[dict]:

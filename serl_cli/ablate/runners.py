@@ -7,6 +7,7 @@ cell runs the same way everywhere; a finished cell is skipped and a killed one r
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -20,12 +21,24 @@ from serl_cli.errors import PREEMPTED_EXIT, SerlError
 SELF_CMD = [sys.executable, "-m", "serl_cli"]  # how a subprocess runs serl itself
 
 # What the emitted scripts run by default: this interpreter (its virtual environment's python, by
-# its absolute path, not resolved), never a `serl` found on the job's PATH. SERL=..., TORCHRUN=...
+# its absolute path, not resolved), never a `serl` found on the job's PATH -- unless the grid's
+# slurm.setup activates an environment (the paper grids: source "$SERL_VENV/bin/activate"), and
+# then that environment's `python`, for serl, torchrun and deepspeed alike. SERL=..., TORCHRUN=...
 # and DEEPSPEED=... still override them.
 PYTHON = os.path.abspath(sys.executable)
-SERL_DEFAULT = f"{PYTHON} -m serl_cli"
-TORCHRUN_DEFAULT = f"{PYTHON} -m torch.distributed.run"
-DEEPSPEED_DEFAULT = f"{PYTHON} -m deepspeed.launcher.runner"
+ACTIVATED_PYTHON = "python"  # first on PATH once the setup lines have activated the environment
+
+
+def activates_environment(setup: list[str]) -> bool:
+    """Whether the setup lines activate a Python environment (a venv's bin/activate, conda activate)."""
+    return any(re.search(r"\bactivate\b", line) for line in setup)
+
+
+def job_python(record: dict) -> str:
+    """The interpreter the job's scripts run: the activated environment's, else this one."""
+    setup = (record.get("slurm") or {}).get("setup") or []
+    return ACTIVATED_PYTHON if activates_environment(setup) else PYTHON
+
 
 # A grid without these in its `slurm:` section gets them, per cell (docs: serl_cli.ablate.grid):
 # a day of wall time, and per GPU of the cell (at least one) 4 CPUs and 32 GB of host memory --
@@ -98,11 +111,13 @@ DEFAULT_SBATCH = """#!/bin/bash
 #SBATCH --array={array}
 #SBATCH --output={logs}/%A_%a.out
 #SBATCH --open-mode=append
+#SBATCH --chdir={workdir}
 {resources}
 # serl ablate job array: task i trains and evaluates cell i of {grid}
-# (a finished cell is skipped, a killed one resumes). serl runs with the interpreter that wrote
-# this script ({python}); override it with SERL="/path/to/python -m serl_cli" (torchrun, deepspeed:
-# TORCHRUN=..., DEEPSPEED=...). Submit it with its report job: bash {submit}
+# (a finished cell is skipped, a killed one resumes), run from {workdir} (where it was written).
+# serl runs with {python};
+# override it with SERL="/path/to/python -m serl_cli" (torchrun, deepspeed: TORCHRUN=..., DEEPSPEED=...).
+# Submit it with its report job: bash {submit}
 set -euo pipefail
 {setup}
 {launch}
@@ -111,7 +126,8 @@ set -euo pipefail
 # The cell runs in the background so that this shell can pass a signal on to it: SLURM sends
 # SIGUSR1 {grace} s before the time limit (--signal=B:USR1@...), the cell checkpoints at its next
 # safe point and exits (serl: 75), and the task is requeued; its rerun resumes the cell.
-LAUNCH = """cell="$SLURM_ARRAY_TASK_ID"
+LAUNCH = """cd {workdir}
+cell="$SLURM_ARRAY_TASK_ID"
 {prepare}{command} &
 child=$!
 stopped=""
@@ -135,6 +151,7 @@ port=$((29500 + SLURM_ARRAY_TASK_ID % 1000))
 REPORT_SBATCH = """#!/bin/bash
 #SBATCH --job-name=serl-ablate-report
 #SBATCH --output={logs}/report_%j.out
+#SBATCH --chdir={workdir}
 {resources}
 # The ablation's report, once every task of the array has ended (submitted by {submit} with
 # --dependency=afterany:<array job id>): report.md, report.csv, curves.png in {out}.
@@ -178,18 +195,21 @@ def choose_launcher(record: dict) -> str:
 
 def launch_command(record: dict, out: Path, *, grace: int) -> tuple[str, str]:
     """(preparation lines, the command) of one array task: the cell's command on one
-    process, or under torchrun / the deepspeed launcher across the cell's GPUs."""
+    process, or under torchrun / the deepspeed launcher across the cell's GPUs, each run by
+    :func:`job_python`."""
+    python = job_python(record)
+    serl, torchrun = f"{python} -m serl_cli", f"{python} -m torch.distributed.run"
     args = shlex.join(["ablate", "--out", str(Path(out).resolve()), "--cell"])  # the grid from OUT/grid.json
     args += ' "$SLURM_ARRAY_TASK_ID"'
     nodes, per_node = cell_processes(record)
     launcher = choose_launcher(record)
     if launcher == "none":
-        return "", f"${{SERL:-{SERL_DEFAULT}}} {args}"
+        return "", f"${{SERL:-{serl}}} {args}"
     if launcher == "deepspeed":
         hosts = "" if nodes == 1 else ' --hostfile "$SERL_HOSTFILE"'
         return (
             "",
-            f"${{DEEPSPEED:-{DEEPSPEED_DEFAULT}}}{hosts} --num_nodes {nodes} --num_gpus {per_node} "
+            f"${{DEEPSPEED:-{python} -m deepspeed.launcher.runner}}{hosts} --num_nodes {nodes} --num_gpus {per_node} "
             f"--module serl_cli {args}",
         )
     # torchrun passes SIGUSR1/SIGTERM on to its workers and gives them the grace period to stop
@@ -198,13 +218,13 @@ def launch_command(record: dict, out: Path, *, grace: int) -> tuple[str, str]:
         f"--shutdown-timeout {max(grace - 60, 30)}"
     )
     if nodes == 1:
-        return "", f"${{TORCHRUN:-{TORCHRUN_DEFAULT}}} --standalone {common} -m serl_cli {args}"
+        return "", f"${{TORCHRUN:-{torchrun}}} --standalone {common} -m serl_cli {args}"
     rdzv = '--rdzv_backend c10d --rdzv_endpoint "$head:$port" --rdzv_id "$SLURM_JOB_ID"'
     # srun of Slurm 22.05-23.02 does not inherit sbatch's --cpus-per-task (nor read
     # SLURM_CPUS_PER_TASK): without it each node's launcher would get one CPU
     cpus = "${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}"
     return MULTI_NODE, (
-        f"srun --ntasks-per-node=1 {cpus} --kill-on-bad-exit=1 ${{TORCHRUN:-{TORCHRUN_DEFAULT}}} --nnodes {nodes} "
+        f"srun --ntasks-per-node=1 {cpus} --kill-on-bad-exit=1 ${{TORCHRUN:-{torchrun}}} --nnodes {nodes} "
         f"{rdzv} {common} -m serl_cli {args}"
     )
 
@@ -245,6 +265,8 @@ def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, pa
     the tasks that run at once (``%N``). Time, CPUs and memory the grid leaves unset get
     :func:`default_resources` (not with a template, which asks for its own)."""
     out = Path(out).resolve()
+    workdir = shlex.quote(str(Path.cwd()))  # relative paths the grid names resolve as they did here
+    python = job_python(record)
     n = len(record["cells"])
     s = {**default_resources(record), **(record.get("slurm") or {})}
     cap = parallel if parallel and parallel > 0 else int(s.get("max_parallel") or 0)
@@ -258,7 +280,9 @@ def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, pa
         if requeue
         else ": # slurm.requeue is false: rerun the task to resume it"
     )
-    launch = LAUNCH.format(prepare=prepare, command=command, grace=grace, preempted=PREEMPTED_EXIT, requeue=requeue_cmd)
+    launch = LAUNCH.format(
+        workdir=workdir, prepare=prepare, command=command, grace=grace, preempted=PREEMPTED_EXIT, requeue=requeue_cmd
+    )
     template = template or s.get("template")
     submit = out / "submit.sh"
     if template:
@@ -276,7 +300,10 @@ def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, pa
         if requeue:
             resources += [f"#SBATCH --signal=B:USR1@{grace}", "#SBATCH --requeue"]
         script = DEFAULT_SBATCH.format(
-            python=PYTHON,
+            python="the python of the environment the setup lines activate"
+            if python == ACTIVATED_PYTHON
+            else f"the interpreter that wrote this script ({PYTHON})",
+            workdir=workdir,
             array=array,
             logs=shlex.quote(str(out / "logs")),
             resources="\n".join(resources),
@@ -291,7 +318,8 @@ def emit_slurm(record: dict, out: str | Path, *, template: str | None = None, pa
         submit=submit,
         setup=setup,
         out=shlex.quote(str(out)),
-        serl=SERL_DEFAULT,
+        serl=f"{python} -m serl_cli",
+        workdir=workdir,
     )
     (out / "logs").mkdir(parents=True, exist_ok=True)
     path = out / "ablate.sbatch"

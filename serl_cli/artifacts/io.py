@@ -94,6 +94,7 @@ def follow_umask(tree: Path) -> None:
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     tmp = None
+    check_output_dir(path.parent)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -257,10 +258,38 @@ def mark_stage(run_dir: str | Path, stage: str, status: str, **extra) -> None:
     write_json(path, manifest)
 
 
+def not_a_directory(folder: str | Path) -> Path | None:
+    """The first of ``folder`` and its parents that exists but is not a directory (a file where
+    an output folder should go: ``--out runs/f`` with ``runs/f`` a file), else None."""
+    folder = Path(folder)
+    for p in (folder, *folder.parents):
+        if p.exists() or p.is_symlink():
+            return None if p.is_dir() else p
+    return None
+
+
+def check_output_dir(folder: str | Path) -> None:
+    """Refuse, in one line, an output folder that a file stands in the way of (``mkdir`` would
+    raise FileExistsError or NotADirectoryError with a traceback)."""
+    blocker = not_a_directory(folder)
+    if blocker is not None:
+        where = "" if blocker == Path(folder) else f" (in the way of {folder})"
+        raise SerlError(f"output folder {blocker} is a file, not a directory{where}: choose another --out")
+
+
+def make_dir(folder: str | Path) -> Path:
+    """``mkdir -p`` that refuses a file in the way in one line (:func:`check_output_dir`)."""
+    check_output_dir(folder)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return Path(folder)
+
+
 def prepare_output(path: str | Path, *, overwrite: bool, what: str, resumable: bool = False) -> Path:
     """Refuse to write over finished output unless told ``--overwrite`` (``resumable``: the
-    command also has ``--resume``, and the refusal names it)."""
+    command also has ``--resume``, and the refusal names it), or into a folder a file stands in
+    the way of."""
     path = Path(path)
+    check_output_dir(path.parent)
     if path.exists() and not overwrite:
         also = " (or --resume to keep it)" if resumable else ""
         raise SerlError(f"{what} already exists at {path}: pass --overwrite to replace it{also}")

@@ -60,6 +60,7 @@ def annotate_command(
         AnnotateConfig,
         config_file=config,
         overrides=set_,
+        out_dir=True,
         flags={
             "train.algo": algo,
             "sources": sources,

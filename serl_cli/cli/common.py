@@ -54,12 +54,17 @@ def resolve(
     command: str | None = None,
     quiet: bool = False,
     reader=None,
+    out_dir: bool = False,
 ):
     """``cls`` from defaults < ``base`` < ``--config`` files < flags < ``--set``. With ``command``
     (one of :data:`READS_RUN_FILES`) a run file is read too, and the keys of it the command does
     not use are named in one note on stderr (not under ``-q``); ``reader``: a
-    :class:`~serl_cli.stages.run_file.RunFileReader` of the caller's (which keeps the run config)."""
-    if reader is None and command in READS_RUN_FILES and config_file:  # a run file only ever comes from --config
+    :class:`~serl_cli.stages.run_file.RunFileReader` of the caller's (which keeps the run config).
+    ``out_dir``: ``cfg.out`` is the folder the command writes, refused in one line where a file
+    stands in its way."""
+    # the run file's layout is read from --config files and from --set alike: the same full dotted
+    # path (rollout.prompt.bare_replies) works with or without a run file given
+    if reader is None and command in READS_RUN_FILES:
         from serl_cli.stages.run_file import RunFileReader
 
         reader = RunFileReader(command, cls)
@@ -69,6 +74,8 @@ def resolve(
     note = reader.note() if reader is not None else None
     if note and not quiet:
         err_console.print(note, highlight=False, markup=False, soft_wrap=True)
+    if out_dir and cfg.out:
+        io.check_output_dir(cfg.out)
     return cfg
 
 

@@ -27,7 +27,7 @@ def demo_command(
     out: str | None = typer.Option(None, "--out", help="Directory for every artifact of the demo."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier demo in --out."),
     quick_run: bool = typer.Option(False, "--quick", help="A smoke run: every stage at sizes that take seconds."),
-    config: str | None = ConfigOpt,
+    config: list[str] | None = ConfigOpt,
     set_: list[str] | None = SetOpt,
     seed: int | None = SeedOpt,
     quiet: bool = QuietOpt,
@@ -39,6 +39,7 @@ def demo_command(
         DemoConfig,
         config_file=config,
         overrides=set_,
+        out_dir=True,
         base=dataclasses.asdict(quick(defaults) if quick_run else defaults),
         flags={
             "env.name": env,
@@ -137,11 +138,12 @@ def _in_words_interval(ci: list[float] | None) -> str:
     return "" if ci is None else f" (95% interval {ci[0]:+.0f} to {ci[1]:+.0f})"
 
 
-def _env_in(config: str | None, overrides: list[str] | None) -> str | None:
-    """The environment a config file or ``--set env.name=...`` asks for, to pick the demo's defaults."""
+def _env_in(config: list[str] | None, overrides: list[str] | None) -> str | None:
+    """The environment the config files (the last that names one) or ``--set env.name=...`` ask
+    for, to pick the demo's defaults."""
     name = None
-    if config:
-        name = (cfgmod.load_yaml(config).get("env") or {}).get("name")
+    for path in config or []:
+        name = (cfgmod.load_yaml(path).get("env") or {}).get("name") or name
     for text in overrides or []:
         path, value = cfgmod.parse_override(text)
         if path == ["env", "name"]:

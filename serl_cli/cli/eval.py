@@ -51,6 +51,7 @@ def eval_command(
         EvalConfig,
         config_file=config,
         overrides=set_,
+        out_dir=True,
         flags={
             "env.name": env,
             "env.split": split,

@@ -50,6 +50,7 @@ def init(
         ModelInitConfig,
         config_file=config,
         overrides=set_,
+        out_dir=True,
         flags={"preset": preset, "out": out, "env.name": env, "seed": seed},
     )
     if cfg.preset not in PRESETS:

@@ -14,7 +14,13 @@ from serl_cli.training.plan import HEADROOM, Plan
 @app.command("plan")
 def plan_command(
     config: list[str] = typer.Argument(..., help="The run's config file(s), composed left to right."),
-    gpus: int = typer.Option(8, "--gpus", help="GPUs per node."),
+    gpus: int | None = typer.Option(
+        None,
+        "--gpus",
+        help="GPUs per node (default: as many as the config's layout names, else 8); fewer than the "
+        "layout names replans it for that many (vLLM keeps its GPUs while the trainer has one left, "
+        "else runs colocated), and says how.",
+    ),
     gpu_memory: float = typer.Option(80.0, "--gpu-memory", help="Memory of one GPU, GiB."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes."),
     model: str | None = typer.Option(
@@ -28,11 +34,18 @@ def plan_command(
     """Per-rank memory of an iteration (weights, gradients, optimizer, activations, logits, teacher,
     vLLM), the disk per checkpoint, and whether the layout fits, before anything is loaded."""
     from serl_cli.stages.online_config import OnlineConfig
-    from serl_cli.stages.plan import Machine, check_machine, describe, plan_run
+    from serl_cli.stages.plan import Machine, check_machine, describe, fit_layout, gpus_named, plan_run
 
+    if gpus is not None:
+        check_machine(Machine(gpus=gpus, gpu_memory_gb=gpu_memory, nodes=nodes))
+    cfg = resolve(OnlineConfig, config_file=config, overrides=set_, flags={"model": model})
+    if gpus is None:
+        gpus = gpus_named(cfg) or 8
     machine = Machine(gpus=gpus, gpu_memory_gb=gpu_memory, nodes=nodes, prompt_tokens=prompt_tokens)
     check_machine(machine)
-    cfg = resolve(OnlineConfig, config_file=config, overrides=set_, flags={"model": model})
+    cfg, replanned = fit_layout(cfg, gpus)
+    if replanned:
+        err_console.print(f"note: {replanned}", highlight=False, soft_wrap=True)
     plan = plan_run(cfg, machine)
     console.print(memory_table(plan, f"{describe(plan.shape)}: {layout_line(plan)}"))
     console.print(peak_line(plan), highlight=False)

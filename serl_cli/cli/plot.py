@@ -15,6 +15,6 @@ def plot_command(
     out: str | None = typer.Option(None, "--out", help="PNG to write (default: RUN/curves.png)."),
 ):
     """Plot reward, success, loss, KL, clip fraction, SERL weights and the teacher signal of a run
-    (matplotlib: the plots extra, pip install 'serl[plots]')."""
+    (matplotlib: the plots extra, pip install 'serl\\[plots]')."""  # escaped: rich markup would eat [plots]
     path = plot_run(run, x=x, out=out)
     console.print(f"wrote {path}", highlight=False)

@@ -61,6 +61,7 @@ def rollout_command(
         RolloutConfig,
         config_file=config,
         overrides=set_,
+        out_dir=True,
         flags={
             "env.name": env,
             "env.split": split,

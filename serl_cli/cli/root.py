@@ -30,6 +30,25 @@ app.add_typer(env_app, name="env")
 console = Console()
 err_console = Console(stderr=True)
 
+
+def _switches_show_no_type() -> None:
+    """``--help`` lists a switch (``--overwrite``, ``--quick``, ``--help``) without a value type:
+    typer's rich help shows ``--overwrite <bool>``, which reads as if it took a value, while
+    ``--overwrite true`` is refused. Options that take a value keep theirs."""
+    option = getattr(typer.core, "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if shown is None or getattr(shown, "_serl_switches", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag or self.count else shown(self, ctx)
+
+    display_type_rich._serl_switches = True
+    option.display_type_rich = display_type_rich
+
+
+_switches_show_no_type()
+
 # Options every command shares (README.md, "The pipeline").
 ConfigOpt = typer.Option(
     None,

@@ -111,6 +111,7 @@ def train_command(
         OnlineConfig,
         config_file=config,
         overrides=set_,
+        out_dir=True,
         flags={
             "train.algo": algo,
             "model": model,

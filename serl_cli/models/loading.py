@@ -155,7 +155,22 @@ def _check_hub_reachable(name: str, timeout_s: float = 3.0) -> None:
 
 def set_torch_threads(n: int | None) -> None:
     """``n`` threads; unset: ``$SERL_THREADS`` if set (the tests set 1), else :func:`default_threads`."""
-    torch.set_num_threads(n or int(os.environ.get("SERL_THREADS") or 0) or default_threads())
+    torch.set_num_threads(n or env_threads() or default_threads())
+
+
+def env_threads() -> int | None:
+    """``$SERL_THREADS``: a count of at least 1, or None where it is unset or empty; anything
+    else is refused in one line (not a ValueError from int())."""
+    raw = os.environ.get("SERL_THREADS", "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SerlError(f"SERL_THREADS must be a whole number of threads, at least 1 (or unset), got {raw!r}")
+    return n
 
 
 def default_threads() -> int:

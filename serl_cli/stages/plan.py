@@ -94,6 +94,50 @@ def plan_run(cfg: OnlineConfig, machine: Machine, *, model: str | None = None, o
     return estimate(model_shape(name), layout_of(cfg, machine, online=online))
 
 
+def gpus_named(cfg: OnlineConfig) -> int:
+    """GPUs per node the config's layout names (``train.gpus``, vLLM's ``rollout.gpus``): the
+    highest index + 1; 0 where it names none (the trainer takes the node's GPUs)."""
+    named = list(cfg.train.gpus or []) + (list(cfg.rollout.gpus or []) if cfg.rollout.engine == "vllm" else [])
+    return max(named) + 1 if named else 0
+
+
+def fit_layout(cfg: OnlineConfig, gpus: int) -> tuple[OnlineConfig, str | None]:
+    """The config's layout replanned for ``gpus`` GPUs per node where it names more (``serl plan
+    --gpus 1`` of a config with the trainer on 0-5 and vLLM on 6-7), and a note saying how; the
+    config as it is where its GPUs are there. vLLM keeps its GPUs (the last ones) and the trainer
+    takes the rest while at least one is left for it; else vLLM is colocated with the trainer."""
+    named = gpus_named(cfg)
+    if named <= gpus:
+        return cfg, None
+    own = len(cfg.rollout.gpus or []) if cfg.rollout.engine == "vllm" else 0
+    rollout, train = cfg.rollout, cfg.train
+    if own and gpus > own:
+        trainer = gpus - own
+        rollout = replace(rollout, gpus=list(range(trainer, gpus)))
+        engine = f"vLLM on {_gpu_list(rollout.gpus)}"
+    else:
+        trainer = gpus
+        rollout = replace(rollout, gpus=None, vllm=replace(rollout.vllm, tensor_parallel_size=1))
+        engine = "vLLM colocated with the trainer (tensor parallelism 1)" if own else ""
+    if train.gpus:
+        train = replace(train, gpus=list(range(trainer)))
+    was = f"trainer on {_gpu_list(cfg.train.gpus)}" if cfg.train.gpus else "trainer on the node's GPUs"
+    if own:
+        was += f", vLLM on {_gpu_list(cfg.rollout.gpus)}"
+    now = f"trainer on {_gpu_list(list(range(trainer)))}" + (f", {engine}" if engine else "")
+    note = f"--gpus {gpus}: the config's layout ({was}) needs {named} GPUs per node; planned for {gpus}: {now}"
+    return replace(cfg, rollout=rollout, train=train), note
+
+
+def _gpu_list(gpus: list[int]) -> str:
+    gpus = list(gpus)
+    if len(gpus) == 1:
+        return f"GPU {gpus[0]}"
+    if gpus == list(range(gpus[0], gpus[-1] + 1)):
+        return f"GPUs {gpus[0]}-{gpus[-1]}"
+    return f"GPUs {', '.join(map(str, gpus))}"
+
+
 def check_machine(machine: Machine) -> None:
     if machine.gpus < 1 or machine.nodes < 1:
         raise SerlError(f"--gpus and --nodes must be at least 1, got {machine.gpus} and {machine.nodes}")
@@ -161,4 +205,12 @@ def run_model(run: str | None) -> str | None:
 
 
 def describe(shape: ModelShape) -> str:
-    return f"{shape.name or 'the model'} ({shape.params / 1e9:.2f}B parameters)"
+    return f"{shape.name or 'the model'} ({count(shape.params)} parameters)"
+
+
+def count(n: float) -> str:
+    """A parameter count in three significant figures with its unit: 7.62B, 494M, 0.4M is 400K, 1.2K."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"

@@ -171,7 +171,7 @@ def write_rollout(cfg: RolloutConfig, records: list[Episode], wall: float) -> di
     """A finished rollout into ``cfg.out`` at once (the online loop's: its episodes were
     collected in memory, perhaps by several processes): the manifest, ``rollouts.jsonl``."""
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    io.make_dir(out)
     io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed))
     write_rollouts(out, records)
     summary = rollout_summary(records, wall)
@@ -318,7 +318,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
     if resuming:
         io.mark_stage(out, "rollout", "running", resumed_from_round=len(replay))
     else:
-        out.mkdir(parents=True, exist_ok=True)
+        io.make_dir(out)
         io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed, world_info(world)))
         io.start_journal(journal, header)
     started = time.time()

@@ -72,6 +72,11 @@ def resolve(
     return cfg
 
 
+def plural(n: int, word: str) -> str:
+    """``1 round``, ``2 rounds``: a count and its noun, agreeing."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def save_resolved(out_dir: str | Path, name: str, cfg) -> None:
     """The resolved configuration (a settings dataclass, or its plain form), next to the artifacts it produced."""
     import yaml

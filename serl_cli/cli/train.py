@@ -14,7 +14,15 @@ from rich.table import Table
 
 from serl_cli.artifacts import runlock
 from serl_cli.artifacts.tracking import Tracker, check_backends
-from serl_cli.cli.common import plural, require_run_to_resume, resolve, save_resolved, show_defaults, summary_table
+from serl_cli.cli.common import (
+    LogProgress,
+    plural,
+    require_run_to_resume,
+    resolve,
+    save_resolved,
+    show_defaults,
+    summary_table,
+)
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console, resumable_at
 from serl_cli.errors import PREEMPTED_EXIT
 from serl_cli.stages.derive import READS, train_config
@@ -232,7 +240,8 @@ def train_command(
 @contextlib.contextmanager
 def update_bar(out: Console, quiet: bool):
     """A progress bar over an update's micro-batches, with an ETA, on a terminal (nothing under
-    ``-q`` or in a log); yields the ``progress(done, total)`` callback for ``Learner.update``."""
+    ``-q``; in a log a line every ``LOG_EVERY_S``); yields the ``progress(done, total)`` callback for
+    ``Learner.update``."""
     with Progress(
         TextColumn("[bold]update"),
         BarColumn(),
@@ -245,7 +254,13 @@ def update_bar(out: Console, quiet: bool):
         transient=True,
     ) as bar:
         task = bar.add_task("micro-batches", total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+        lines = LogProgress(out, "update", "micro-batches", quiet=quiet)  # SFT's minutes, in a log file
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+            lines.update(done, total)
+
+        yield progress
 
 
 def warn_if_no_gradient(m: dict) -> None:

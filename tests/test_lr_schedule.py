@@ -132,3 +132,17 @@ def test_the_schedule_resumes_where_it_stopped(episodes, stopping_model_dir, tmp
     assert got["lr"] == pytest.approx(expected["lr"]) and got["lr"] > 0
     for name, value in _weights(straight).items():
         torch.testing.assert_close(_weights(resumed)[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_deepspeed_scheduler_section_and_serls_schedule_are_not_both_taken(tmp_path):
+    """DeepSpeed would silently prefer serl's scheduler over its file's: one of them is refused."""
+    import json
+
+    from serl_cli.training.deepspeed_config import DeepSpeedConfig, resolve_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "scheduler": {"type": "WarmupLR"}}))
+    ds = DeepSpeedConfig(config=str(path))
+    resolve_config(ds, OptimConfig(), bf16_available=False)  # the file's own scheduler alone: fine
+    with pytest.raises(SerlError, match=r"has a scheduler section and train\.optim\.schedule/warmup_steps"):
+        resolve_config(ds, OptimConfig(warmup_steps=1), bf16_available=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import typing
@@ -63,6 +64,21 @@ def test_config_reference_is_current():
     """docs/CONFIG.md is generated from the fields' docs: regenerate it with
     `serl config reference > docs/CONFIG.md` after changing a setting."""
     assert (ROOT / "docs" / "CONFIG.md").read_text(encoding="utf-8") == reference()
+
+
+def _github_anchor(heading: str) -> str:
+    """The id GitHub gives a heading: lower case, punctuation but - and _ dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_config_reference_links_land_on_headings():
+    """Each in-page link of docs/CONFIG.md (a section's type: [`TrainConfig`](#trainconfig))
+    names a heading's anchor: the headings once carried the command after the class name, so
+    no link found its table."""
+    page = reference()
+    anchors = {_github_anchor(h) for h in re.findall(r"^#+ (.+)$", page, flags=re.M)}
+    links = set(re.findall(r"\]\(#([^)]+)\)", page))
+    assert links and links <= anchors, sorted(links - anchors)
 
 
 @pytest.mark.parametrize("command", COMMANDS)

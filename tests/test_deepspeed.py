@@ -279,3 +279,26 @@ def test_a_child_of_a_group_of_one_makes_its_own_group(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     child_port, parent_port = p.stdout.split()[-2:]
     assert child_port != parent_port
+
+
+@needs_deepspeed
+def test_the_lr_schedule_runs_in_the_engine_and_resumes_from_its_checkpoint(tiny_model_dir, tmp_path):
+    """train.optim.schedule under DeepSpeed: the engine steps serl's scheduler after each applied
+    step (the lrs the torch backend reports) and keeps its step in the engine's checkpoint."""
+    import dataclasses
+
+    from serl_cli.training.learner import Learner
+
+    optim = {"lr": 1e-3, "schedule": "linear", "warmup_steps": 2, "total_steps": 8}
+
+    def config(backend, stage=None):
+        cfg = train_config(backend, stage)
+        return dataclasses.replace(cfg, mini_batches=2, optim=dataclasses.replace(cfg.optim, **optim))
+
+    episodes = make_episodes(str(tiny_model_dir))
+    torch_lrs = [Learner(str(tiny_model_dir), config("torch")).update(episodes, 1.0)["lr"]]
+    learner = Learner(str(tiny_model_dir), config("deepspeed", 1))
+    assert learner.update(episodes, 1.0)["lr"] == pytest.approx(torch_lrs[0]) == 1e-3 * 0.25  # steps 0, 1: 0, 1/2
+    ckpt = learner.save(tmp_path / "ckpt")
+    resumed = Learner(str(ckpt), config("deepspeed", 1), state_file=ckpt / "trainer_state.pt")
+    assert resumed.update(episodes, 1.0)["lr"] == pytest.approx(1e-3 * (1 + 5 / 6) / 2)  # steps 2, 3

@@ -220,3 +220,15 @@ def test_quick_keeps_a_warm_start_band_at_smoke_sizes():
     assert (q.warm_start.every, q.warm_start.every_near, q.warm_start.rooms) == (1, 1, 4)
     assert q.warm_start.band == DemoConfig().warm_start.band
     assert DemoConfig().threads == 1  # one thread per process unless --threads (stages.demo)
+
+
+def test_the_demo_says_one_round_not_1_rounds():
+    """`serl demo --quick` runs one iteration: its words said "After 1 rounds of RL"."""
+    cfg = DemoConfig(out="runs/demo")
+    cfg.online.iterations = 1
+    summary = {
+        "results": {"warm start": _result(0.3), "warm start + grpo": _result(0.5)},
+        "gains": {"grpo": {"points": 20.0, "ci95": None, "rooms": 1}},
+    }
+    text = "\n".join(in_words(cfg, summary, quick_run=True))
+    assert "After 1 round of RL, GRPO solved 50%" in text

@@ -294,3 +294,31 @@ def test_cli_exits_2_with_one_line(tmp_path):
     code = f"import sys; from serl_cli.cli import main; sys.argv = ['serl', 'show', {str(tmp_path / 'nope')!r}]; main()"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "run directory not found" in out.stderr
+
+
+def test_an_ablation_folder_points_to_its_report(tmp_path):
+    """`serl show` on `serl ablate`'s output (grid.json and one folder per cell) said "not a serl
+    run directory"; it names the command that shows an ablation."""
+    (tmp_path / "grid.json").write_text("{}")
+    (tmp_path / "grpo_s0").mkdir()
+    assert _bad(tmp_path, []) == (
+        f"{tmp_path} is an ablation directory (grid.json), not a run: use serl ablate --report {tmp_path}"
+    )
+
+
+def test_an_online_runs_folders_are_never_cut_at_80_columns():
+    """The iteration folders' names are what `serl show RUN/iter_XXXX` takes: at 80 columns they
+    were cut to iter_00…; the numbers' columns give way instead."""
+    from serl_cli.stages import show_online
+
+    rows = [
+        {"folder": f"iter_{k:04d}", "status": "done", "episodes": 128, "checkpoint": k == 11}
+        | {key: 0.123456 for _, key in show_online.ITERATION_COLUMNS}
+        for k in range(12)
+    ]
+    manifest = {"stages": {"online": {"status": "done", "config": {"iterations": 12}}}}
+    for width in (80, 60):
+        console = Console(width=width, record=True)
+        console.print(show_online.online_view("runs/sokoban/serl", manifest, rows))
+        text = console.export_text()
+        assert all(f"iter_{k:04d}" in text for k in range(12)), text

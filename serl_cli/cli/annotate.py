@@ -6,7 +6,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from serl_cli.algos.registry import apply_algorithm, objective
-from serl_cli.cli.common import resolve, save_resolved, show_defaults, summary_table
+from serl_cli.cli.common import LogProgress, resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig, validate
@@ -94,14 +94,13 @@ def annotate_command(
         transient=True,
     ) as bar:
         task = bar.add_task("turns", total=None)
-        s = run_annotate(
-            run,
-            cfg,
-            train=train,
-            overwrite=overwrite,
-            resume=resume,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-        )
+        lines = LogProgress(console, "teacher", "turns", quiet=quiet)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+            lines.update(done, total)
+
+        s = run_annotate(run, cfg, train=train, overwrite=overwrite, resume=resume, progress=progress)
     save_resolved(run, "annotate.yaml", cfg)
     rep = s["report"]
     rows = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 from pathlib import Path
 
 from rich.table import Table
@@ -77,6 +78,43 @@ def resolve(
     if out_dir and cfg.out:
         io.check_output_dir(cfg.out)
     return cfg
+
+
+LOG_EVERY_S = 30.0  # a progress line in a log file at most this often
+
+
+class LogProgress:
+    """A long step's progress where a rich bar draws nothing (output to a file, not a terminal):
+    a plain line at most every ``LOG_EVERY_S`` seconds (``rollout: 120/256 episodes, 45 s``), and
+    nothing on a terminal (the bar is there) or under ``-q``. ``advance()`` counts one item;
+    ``update(done, total)`` sets the count."""
+
+    clock = staticmethod(time.monotonic)
+
+    def __init__(self, out, label: str, unit: str, *, total: int | None = None, quiet: bool = False):
+        self.out, self.label, self.unit, self.total = out, label, unit, total
+        self.on = not quiet and not out.is_terminal
+        self.done = 0
+        self.start = self.last = self.clock()
+
+    def advance(self, n: int = 1) -> None:
+        self.update(self.done + n)
+
+    def update(self, done: int, total: int | None = None) -> None:
+        self.done, self.total = done, total if total is not None else self.total
+        if not self.on:
+            return
+        now = self.clock()
+        if now - self.last < LOG_EVERY_S:
+            return
+        self.last = now
+        of = f"/{self.total}" if self.total else ""
+        self.out.print(f"{self.label}: {done}{of} {self.unit}, {now - self.start:.0f} s", highlight=False)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 round``, ``2 rounds``: a count and its noun, agreeing."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def save_resolved(out_dir: str | Path, name: str, cfg) -> None:

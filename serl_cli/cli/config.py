@@ -181,8 +181,11 @@ def reference() -> str:
         "as the online loop does (`serl_cli/stages/derive.py`).",
     ]
     for cls in settings_classes():
-        title = f"`{cls.__name__}`" + (f": {used_by[cls]}" if cls in used_by else "")
-        lines += ["", f"## {title}", "", "| setting | type | default | |", "| --- | --- | --- | --- |"]
+        # the heading is the class name alone: its anchor (#trainconfig) is what the tables link to
+        lines += ["", f"## `{cls.__name__}`", ""]
+        if cls in used_by:
+            lines += [f"Settings of {used_by[cls]}.", ""]
+        lines += ["| setting | type | default | |", "| --- | --- | --- | --- |"]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             section = _section_class(hints[f.name])

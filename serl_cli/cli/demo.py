@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from serl_cli import config as cfgmod
-from serl_cli.cli.common import resolve, save_resolved
+from serl_cli.cli.common import plural, resolve, save_resolved
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
 from serl_cli.stages.demo import ARM_PREFIX, DemoConfig, demo_defaults, gain_text, quick, run_demo
 
@@ -104,7 +104,7 @@ def in_words(cfg: DemoConfig, summary: dict, quick_run: bool = False) -> list[st
         rate = results[ARM_PREFIX + algo]["success_rate"]
         best = f" (its best round on train rooms, round {kept[algo]})" if kept.get(algo) else ""
         lines.append(
-            f"  After {cfg.online.iterations} rounds of RL, {algo.upper()}{best} solved {rate:.0%}: "
+            f"  After {plural(cfg.online.iterations, 'round')} of RL, {algo.upper()}{best} solved {rate:.0%}: "
             f"{gain['points']:+.0f} points{_in_words_interval(gain['ci95'])}."
         )
     lines.append(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from serl_cli.cli.common import eval_rows, resolve, save_resolved, show_defaults, summary_table
+from serl_cli.cli.common import LogProgress, eval_rows, resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
 from serl_cli.stages.evaluate import EvalConfig, run_eval
 
@@ -81,7 +81,13 @@ def eval_command(
         transient=True,
     ) as bar:
         task = bar.add_task("episodes", total=cfg.episodes)
-        summary = run_eval(cfg, overwrite=overwrite, progress=lambda rec: bar.advance(task))
+        lines = LogProgress(console, "eval", "episodes", total=cfg.episodes, quiet=quiet)
+
+        def progress(rec) -> None:
+            bar.advance(task)
+            lines.advance()
+
+        summary = run_eval(cfg, overwrite=overwrite, progress=progress)
     save_resolved(cfg.out, "eval_config.yaml", cfg)
     console.print(summary_table(f"{summary['env']} {summary['split']}: {summary['policy']} policy", eval_rows(summary)))
     if not quiet:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from serl_cli.cli.common import require_run_to_resume, resolve, save_resolved, show_defaults, summary_table
+from serl_cli.cli.common import LogProgress, require_run_to_resume, resolve, save_resolved, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, resumable_at
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 
@@ -96,7 +96,13 @@ def rollout_command(
         transient=True,
     ) as bar:
         task = bar.add_task("episodes", total=cfg.tasks * cfg.group_size)
-        s = run_rollout(cfg, overwrite=overwrite, resume=resume, progress=lambda rec: bar.advance(task))
+        lines = LogProgress(console, "rollout", "episodes", total=cfg.tasks * cfg.group_size, quiet=quiet)
+
+        def progress(rec) -> None:
+            bar.advance(task)
+            lines.advance()
+
+        s = run_rollout(cfg, overwrite=overwrite, resume=resume, progress=progress)
     save_resolved(cfg.out, "rollout.yaml", cfg)
     console.print(
         summary_table(

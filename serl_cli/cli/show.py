@@ -39,6 +39,9 @@ def show_command(
     if turn is not None and episode is None:
         raise SerlError("--turn needs --episode")
     out = Console(width=width) if width else console
+    if (Path(run) / "grid.json").is_file() and not (Path(run) / "manifest.json").is_file():
+        # an ablation's folder holds runs, one per cell: its view is the report over them
+        raise SerlError(f"{run} is an ablation directory (grid.json), not a run: use serl ablate --report {run}")
     manifest = io.load_manifest(run)
     if show_online.is_online_run(run, manifest):  # the online loop's run: its episodes are in its iterations
         rows = show_online.iteration_rows(run, manifest)

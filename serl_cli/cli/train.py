@@ -14,7 +14,15 @@ from rich.table import Table
 
 from serl_cli.artifacts import runlock
 from serl_cli.artifacts.tracking import Tracker, check_backends
-from serl_cli.cli.common import require_run_to_resume, resolve, save_resolved, show_defaults, summary_table
+from serl_cli.cli.common import (
+    LogProgress,
+    plural,
+    require_run_to_resume,
+    resolve,
+    save_resolved,
+    show_defaults,
+    summary_table,
+)
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console, resumable_at
 from serl_cli.errors import PREEMPTED_EXIT
 from serl_cli.stages.derive import READS, train_config
@@ -181,11 +189,14 @@ def train_command(
     recent: list[dict] = []
     live = Live(console=console, auto_refresh=False) if console.is_terminal and not quiet else None
 
+    empty: list[int] = []  # iterations whose update changed nothing: one line for all of them under -q
+
     def show(m: dict) -> None:
         tracker.log(m, step=m["iteration"])
-        warn_if_no_gradient(m)
         if quiet:
+            empty.extend([m["iteration"]] if m.get("optimizer_steps") == 0 else [])
             return
+        warn_if_no_gradient(m)
         if live is None:  # a log file: one line per iteration
             extra = f"  eval success {m['eval_success_rate']:.3f}" if "eval_success_rate" in m else ""
             console.print(
@@ -214,6 +225,13 @@ def train_command(
     finally:
         tracker.close()
     save_resolved(cfg.out, "online.yaml", run_settings(cfg))
+    if empty:
+        err_console.print(
+            f"[yellow]warning:[/] {plural(len(empty), 'update')} of {len(history)} had no gradient (every group's "
+            f"rewards were equal): iteration {', '.join(map(str, empty))}",
+            highlight=False,
+            soft_wrap=True,
+        )
     if history:
         last = history[-1]
         console.print(summary_table(f"online {cfg.train.algo}: {cfg.out}", [(k, _fmt(v)) for k, v in last.items()]))
@@ -223,7 +241,8 @@ def train_command(
 @contextlib.contextmanager
 def update_bar(out: Console, quiet: bool):
     """A progress bar over an update's micro-batches, with an ETA, on a terminal (nothing under
-    ``-q`` or in a log); yields the ``progress(done, total)`` callback for ``Learner.update``."""
+    ``-q``; in a log a line every ``LOG_EVERY_S``); yields the ``progress(done, total)`` callback for
+    ``Learner.update``."""
     with Progress(
         TextColumn("[bold]update"),
         BarColumn(),
@@ -236,7 +255,13 @@ def update_bar(out: Console, quiet: bool):
         transient=True,
     ) as bar:
         task = bar.add_task("micro-batches", total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+        lines = LogProgress(out, "update", "micro-batches", quiet=quiet)  # SFT's minutes, in a log file
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+            lines.update(done, total)
+
+        yield progress
 
 
 def warn_if_no_gradient(m: dict) -> None:
@@ -247,6 +272,7 @@ def warn_if_no_gradient(m: dict) -> None:
             f"[yellow]warning:[/] {it}no turn had a gradient (every group's rewards were equal): "
             f"the update changed nothing",
             highlight=False,
+            soft_wrap=True,  # one line in a log, however narrow the terminal it thinks it has
         )
 
 

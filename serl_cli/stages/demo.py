@@ -212,8 +212,9 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
 
     arms = [_online_arm(cfg, algo, policies["warm start"]) for algo in cfg.algos]
     side_by_side = cfg.parallel_arms and len(arms) > 1
+    n = cfg.online.iterations
     log(
-        f"[4/{steps}] online: {', '.join(cfg.algos)}, {cfg.online.iterations} iterations each"
+        f"[4/{steps}] online: {', '.join(cfg.algos)}, {n} iteration{'' if n == 1 else 's'} each"
         f"{', side by side' if side_by_side else ''}"
     )
     if side_by_side:

@@ -196,6 +196,7 @@ class Loop:
 
     def iterations(self, start: int, on_iteration) -> list[dict]:
         cfg, run, learner, main = self.cfg, self.run, self.learner, self.main
+        self.out.sized = start > 0  # the checkpoint's size is said when a run starts, not again on resume
         history = []
         for k in range(start, cfg.iterations):
             t0 = time.perf_counter()

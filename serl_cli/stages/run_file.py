@@ -45,7 +45,8 @@ class RunFileReader:
     stage's command: a config resolver's ``reader`` (``config.resolve``). What it claims merges
     over ``base`` into one run config, checked as a whole (an unknown key fails with the closest
     known one), and becomes the stage's settings by :func:`stage_settings`; :attr:`run` keeps it.
-    ``ignored``: the run file's top-level keys the command does not read, for :meth:`note`."""
+    ``ignored``: the top-level keys of ``--set`` in the run layout that the command does not read,
+    for :meth:`note` (the sections of a file it does not read are expected, and not named)."""
 
     def __init__(self, command: str, cls, base: dict | None = None):
         self.command, self.base = command, base or {}
@@ -67,6 +68,8 @@ class RunFileReader:
                 f"{where} mixes the online loop's layout ({theirs}) with serl {self.command}'s own "
                 f"({', '.join(mixed)}): use one layout per file"
             )
+        if where != "--set":
+            return  # a run file always holds the loop's other sections: taking one step of it is the point
         reads = READS[self.command]
         self.ignored += [key for key in data if key not in reads and key not in self.ignored]
 
@@ -79,4 +82,4 @@ class RunFileReader:
     def note(self) -> str | None:
         if not self.ignored:
             return None
-        return f"note: ignoring {', '.join(self.ignored)} of the run config (not used by serl {self.command})"
+        return f"note: ignoring --set {', '.join(self.ignored)} of the run config (not used by serl {self.command})"

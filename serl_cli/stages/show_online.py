@@ -73,8 +73,11 @@ def online_view(run_dir: str | Path, manifest: dict, rows: list[dict]) -> Render
         style="bold",
     )
     table = Table(title="iterations", title_justify="left", header_style="bold")
-    for col in ("folder", "status", "episodes", *(name for name, _ in ITERATION_COLUMNS), "checkpoint"):
-        table.add_column(col, justify="left" if col in ("folder", "status") else "right")
+    # a folder's name is what a person copies into the next command: never cut (iter_00…); the
+    # numbers' headers wrap instead when the terminal is narrow
+    table.add_column("folder", no_wrap=True, min_width=max((len(r["folder"]) for r in rows), default=6))
+    for col in ("status", "episodes", *(name for name, _ in ITERATION_COLUMNS), "checkpoint"):
+        table.add_column(col, justify="left" if col == "status" else "right")
     for r in rows:
         numbers = [f"{r[key]:.3f}" if isinstance(r[key], (int, float)) else "" for _, key in ITERATION_COLUMNS]
         table.add_row(

@@ -24,7 +24,7 @@ from serl_cli.algos.batch import MicroBatch
 from serl_cli.errors import SerlError
 from serl_cli.models.device import grad_scaler, tag
 from serl_cli.models.device import resolve as resolve_precision
-from serl_cli.training.step import LossFn, accumulate_step, make_optimizer
+from serl_cli.training.step import LossFn, accumulate_step, make_optimizer, make_scheduler
 
 
 def is_main_process() -> bool:
@@ -54,6 +54,7 @@ class TorchBackend:
         self.scaler = grad_scaler(self.precision)
         self.model = None
         self.optimizer = None
+        self.scheduler = None
 
     @property
     def device(self) -> torch.device:
@@ -64,6 +65,7 @@ class TorchBackend:
             model = model.to(self.device)
         self.model = tag(model, self.precision)
         self.optimizer = make_optimizer(model, self.cfg.optim)
+        self.scheduler = make_scheduler(self.optimizer, self.cfg.optim)
 
     @property
     def module(self):
@@ -78,7 +80,8 @@ class TorchBackend:
         temperature: float,
         entropy: bool = False,
     ) -> dict:
-        return accumulate_step(
+        lr = self.optimizer.param_groups[0]["lr"]
+        stats = accumulate_step(
             self.model,
             self.optimizer,
             micro_batches,
@@ -89,6 +92,10 @@ class TorchBackend:
             entropy=entropy,
             scaler=self.scaler,
         )
+        if self.scheduler is not None and not stats.get("skipped"):
+            stats["lr"] = lr  # the step's own lr; a skipped step applied nothing and does not advance it
+            self.scheduler.step()
+        return stats
 
     @contextmanager
     def full_model(self):
@@ -109,6 +116,8 @@ class TorchBackend:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.scaler is not None:
             state["grad_scaler"] = self.scaler.state_dict()
+        if self.scheduler is not None:
+            state["lr_scheduler"] = self.scheduler.state_dict()
         return state
 
     def save_engine_state(self, directory: Path) -> None:
@@ -118,6 +127,7 @@ class TorchBackend:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
+        load_scheduler(self.scheduler, state)
 
     def all_gather(self, obj) -> list:
         """``obj`` of every process, in rank order."""
@@ -125,6 +135,19 @@ class TorchBackend:
 
     def barrier(self) -> None:
         pass
+
+
+def load_scheduler(scheduler, state: dict) -> None:
+    """Put the schedule's step count back. A checkpoint without one was trained at a constant
+    lr: a schedule added on resume starts at its step 0 (its warmup), which the optimizer's
+    own restored lr is set to."""
+    if scheduler is None:
+        return
+    if "lr_scheduler" in state:
+        scheduler.load_state_dict(state["lr_scheduler"])
+        return
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(0)
 
 
 def _deepspeed_backend(cfg):

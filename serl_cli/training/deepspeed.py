@@ -38,6 +38,7 @@ import os
 import socket
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,7 +47,8 @@ import torch
 from serl_cli.algos.batch import MicroBatch
 from serl_cli.errors import SerlError
 from serl_cli.training.deepspeed_config import MISSING, resolve_config, uses_bf16, uses_fp16, zero_stage
-from serl_cli.training.step import ADDITIVE_STATS, LossFn, forward, make_optimizer
+from serl_cli.training.step import ADDITIVE_STATS, LossFn, forward, make_optimizer, make_scheduler
+from serl_cli.training.train_config import scheduled
 
 ENGINE_DIR = "deepspeed"  # inside a checkpoint: the engine's own resume files
 ENGINE_TAG = "state"
@@ -215,7 +217,13 @@ class DeepSpeedBackend:
         )
         try:
             self.engine, self.optimizer, _, _ = self._deepspeed.initialize(
-                args=args, model=model, optimizer=client_optimizer, model_parameters=trainable, config=self.config
+                args=args,
+                model=model,
+                optimizer=client_optimizer,
+                model_parameters=trainable,
+                config=self.config,
+                # the engine steps it after each applied step and keeps it in its checkpoint
+                lr_scheduler=partial(make_scheduler, cfg=self.cfg.optim) if scheduled(self.cfg.optim) else None,
             )
         except (ValueError, AssertionError, TypeError, KeyError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -256,6 +264,7 @@ class DeepSpeedBackend:
                 share = mb.reply_mask.sum().item() / max(run_tokens, 1)
                 for key, v in s.items():
                     stats[key] = stats.get(key, 0.0) + (v if key in ADDITIVE_STATS else v * share)
+        lr = self.engine.get_lr()[0] if self.engine.lr_scheduler is not None else None
         self.engine.step()
         applied = self.engine.was_step_applied()
         if self.world > 1:
@@ -274,6 +283,8 @@ class DeepSpeedBackend:
         if not applied:
             return {"skipped": 1.0, "loss": total_loss, "grad_norm": float("nan")}
         stats.update(loss=total_loss, grad_norm=grad_norm, skipped=0.0)
+        if lr is not None:
+            stats["lr"] = lr
         return stats
 
     @contextmanager

@@ -108,6 +108,11 @@ def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool, dtype: s
     config.setdefault("zero_force_ds_cpu_optimizer", False)  # ... also with CPU offload
     config.setdefault("steps_per_print", 2**31 - 1)  # serl reports its own metrics
 
+    if "scheduler" in config and (optim.schedule != "constant" or optim.warmup_steps > 0):
+        raise SerlError(
+            f"DeepSpeed config {where} has a scheduler section and train.optim.schedule/warmup_steps set one too: "
+            "keep one of them"
+        )
     optimizer = config.get("optimizer")
     if optimizer is not None:
         if not isinstance(optimizer, dict) or not isinstance(optimizer.get("params", {}), dict):

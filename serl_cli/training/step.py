@@ -15,7 +15,7 @@ import torch
 from serl_cli.algos.batch import MicroBatch
 from serl_cli.models.device import autocast, model_device
 from serl_cli.training.token_logprobs import token_logprobs
-from serl_cli.training.train_config import OptimConfig
+from serl_cli.training.train_config import OptimConfig, scheduled
 
 
 def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0, entropy: bool = False):
@@ -117,3 +117,28 @@ def make_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (all of them, or only the adapters under LoRA)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=False)
+
+
+def lr_factor(step: int, cfg: OptimConfig) -> float:
+    """The multiple of ``cfg.lr`` the optimizer step after ``step`` applied steps runs at:
+    transformers' ``get_{constant,linear,cosine}_schedule_with_warmup`` (a linear warmup from 0,
+    then constant, or down to 0 at ``total_steps``), except that cosine stays at 0 past
+    ``total_steps`` rather than rising again."""
+    if step < cfg.warmup_steps:
+        return step / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_scheduler(optimizer, cfg: OptimConfig):
+    """The lr schedule of ``optimizer`` (stepped once per applied optimizer step; its state is
+    resume state), or None when the lr never changes: no scheduler, not a constant one."""
+    if not scheduled(cfg):
+        return None
+    # a closure, not a callable object: LambdaLR's state_dict then holds only the step count,
+    # so a resumed run follows the schedule its settings give now
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))

@@ -24,6 +24,7 @@ Backend = Literal["torch", "deepspeed"]  # training.backends.BACKENDS
 BACKENDS = get_args(Backend)
 LoraSave = Literal["merged", "adapter"]
 SAVE_MODES = get_args(LoraSave)
+Schedule = Literal["constant", "linear", "cosine"]  # training.step.lr_factor
 
 
 @dataclass
@@ -33,6 +34,19 @@ class OptimConfig:
     betas: tuple = setting((0.9, 0.999), "AdamW's betas")
     grad_clip: float = setting(1.0, "the gradient's norm is clipped to this")
     micro_batch_tokens: int = setting(16384, "padded tokens per forward pass: bounds memory")
+    schedule: Schedule = setting(
+        "constant",
+        "the lr after warmup, by applied optimizer step (transformers' get_*_schedule_with_warmup): constant | "
+        "linear (down to 0 at total_steps) | cosine (half a cosine down to 0 at total_steps)",
+    )
+    warmup_steps: int = setting(
+        0, "optimizer steps over which the lr rises linearly from 0 to lr (0: none; step s runs at lr * s / warmup)"
+    )
+    total_steps: int = setting(
+        0,
+        "linear, cosine: the optimizer step where the lr reaches 0 and stays (the online loop with epochs 1 and "
+        "mini_batches 1: its iterations); 0 with constant",
+    )
 
 
 @dataclass
@@ -205,6 +219,28 @@ def _check_optim(optim: OptimConfig) -> None:
         raise SerlError(f"train.optim.betas must be two numbers in [0, 1), got {optim.betas}")
     if optim.micro_batch_tokens < 1:
         raise SerlError(f"train.optim.micro_batch_tokens must be at least 1, got {optim.micro_batch_tokens}")
+    _check_schedule(optim)
+
+
+def _check_schedule(optim: OptimConfig) -> None:
+    for name in ("warmup_steps", "total_steps"):
+        value = getattr(optim, name)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise SerlError(f"train.optim.{name} must be a whole number of optimizer steps (0 or more), got {value}")
+    if optim.schedule == "constant":
+        return
+    if optim.total_steps <= optim.warmup_steps:
+        raise SerlError(
+            f"train.optim.schedule {optim.schedule} decays until train.optim.total_steps, which must be above "
+            f"train.optim.warmup_steps ({optim.warmup_steps}), got {optim.total_steps}: set it to the run's "
+            "optimizer steps (the online loop: iterations x epochs x mini_batches)"
+        )
+
+
+def scheduled(optim: OptimConfig) -> bool:
+    """Whether the lr changes over the run: without, no scheduler exists at all (a default run
+    is exactly what it was before schedules existed, its trainer_state.pt included)."""
+    return optim.schedule != "constant" or optim.warmup_steps > 0
 
 
 def recompute_enabled(cfg: TrainConfig, engine: str | None, rollout_half: bool | None = None) -> bool:

@@ -60,7 +60,6 @@ def annotate_command(
         AnnotateConfig,
         config_file=config,
         overrides=set_,
-        out_dir=True,
         flags={
             "train.algo": algo,
             "sources": sources,

@@ -75,7 +75,7 @@ def resolve(
     note = reader.note() if reader is not None else None
     if note and not quiet:
         err_console.print(note, highlight=False, markup=False, soft_wrap=True)
-    if out_dir and cfg.out:
+    if out_dir and getattr(cfg, "out", None):
         io.check_output_dir(cfg.out)
     return cfg
 

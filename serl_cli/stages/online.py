@@ -48,7 +48,12 @@ same code) an iteration runs on all of them (:mod:`serl_cli.stages.online_ranks`
    ``weight_sync: disk`` writes only the weights vLLM reads when no checkpoint is due.
 7. Each process logs one stderr line per phase with its counts and seconds when W > 1
    (``serl: rank 1/2: rollout 2 group(s), 4 episode(s), 9 turn(s), 3.1 s``), and every
-   process's phases and peak memory go to ``timings.jsonl`` (``ranks``).
+   process's phases and peak memory go to ``timings.jsonl`` (``ranks``); the annotate stage's
+   split, the teacher's forward passes against the rest, in ``update.annotate``.
+8. *The teacher goes* once lambda is 0 for good (``method.annotation.teacher_wanted``; lambda
+   never rises again): before that iteration the snapshot is dropped, later checkpoints hold
+   no teacher state and the annotation runs without it, every weight 1 as it was with the
+   teacher unused, so the update is unchanged. A run resumed at or past that point builds none.
 
 **Checkpoints.** Iteration k writes ``iter_k/checkpoint`` when ``(k + 1) % save_every == 0``,
 at the last iteration, and when the run is stopped; then only the newest ``keep_last`` of

@@ -65,6 +65,35 @@ def test_resolve_fills_serls_keys_and_overrides_the_stage(tmp_path):
     assert default["bf16"] == {"enabled": True, "check_grad_overflow": True}  # "auto" on a bf16 accelerator
 
 
+@needs_deepspeed
+@pytest.mark.parametrize("source", ["default", "zero3.json", "zero2.json --zero-stage 3", "own choice"])
+def test_zero3_accumulates_and_reduces_gradients_in_fp32(tmp_path, source):
+    """What serl writes for ZeRO-3, read by DeepSpeed's own config parser: fp32 gradient
+    accumulation and reduce-scatter under bf16 (without the keys, the model's dtype: bf16)."""
+    from deepspeed.runtime.config import DtypeEnum, get_communication_data_type, get_data_types_params
+
+    own = tmp_path / "own.json"
+    own.write_text(
+        json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "communication_data_type": "bf16"})
+    )
+    ds = {
+        "default": DeepSpeedConfig(zero_stage=3),
+        "zero3.json": DeepSpeedConfig(config=str(ROOT / "experiments/deepspeed/zero3.json")),
+        "zero2.json --zero-stage 3": DeepSpeedConfig(
+            config=str(ROOT / "experiments/deepspeed/zero2.json"), zero_stage=3
+        ),
+        "own choice": DeepSpeedConfig(config=str(own)),
+    }[source]
+    cfg = resolve_config(ds, OptimConfig(), bf16_available=True)
+    assert cfg["bf16"]["enabled"] is True
+    # the engine's get_data_types: DtypeEnum(grad_accum_dtype).value, the model's dtype when absent
+    assert DtypeEnum(get_data_types_params(cfg)["grad_accum_dtype"]).value == torch.float32
+    want = torch.bfloat16 if source == "own choice" else torch.float32  # a file's explicit choice stands
+    assert get_communication_data_type(cfg) == want
+    stage2 = resolve_config(DeepSpeedConfig(zero_stage=2), OptimConfig(), bf16_available=True)
+    assert "data_types" not in stage2 and "communication_data_type" not in stage2  # ZeRO-3's keys only
+
+
 @pytest.mark.parametrize(
     "content, needle",
     [

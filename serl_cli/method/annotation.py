@@ -88,6 +88,14 @@ def action_masks(
     return masks, len(failed)
 
 
+def teacher_wanted(cfg: AnnotateConfig) -> bool:
+    """Whether the teacher runs for update ``cfg.update_step``: the weights are 1 at lambda = 0,
+    so it is skipped unless its log-probs are wanted for themselves (``skip_zero_advantage``
+    off). Lambda never rises again (``algos.serl.mixing_lambda``), so once this is False it is
+    False for every later update too: the online loop then drops its teacher for good."""
+    return mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps) > 0 or not cfg.skip_zero_advantage
+
+
 def annotate_episodes(
     episodes: list[Episode],
     cfg: AnnotateConfig,
@@ -132,8 +140,7 @@ def annotate_episodes(
         raise SerlError(f"annotate: {len(advantages)} advantages for {len(samples)} turns")
     masks, parse_failures = action_masks(tokenizer, episodes, cfg.unparsed, env_cfg, cfg.action_spans)
     lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
-    # the weights are 1 at lambda = 0: skip the teacher unless its log-probs are wanted for themselves
-    use_teacher = lam > 0 or not cfg.skip_zero_advantage
+    use_teacher = teacher_wanted(cfg)
 
     records = []
     i = 0

@@ -48,7 +48,12 @@ same code) an iteration runs on all of them (:mod:`serl_cli.stages.online_ranks`
    ``weight_sync: disk`` writes only the weights vLLM reads when no checkpoint is due.
 7. Each process logs one stderr line per phase with its counts and seconds when W > 1
    (``serl: rank 1/2: rollout 2 group(s), 4 episode(s), 9 turn(s), 3.1 s``), and every
-   process's phases and peak memory go to ``timings.jsonl`` (``ranks``).
+   process's phases and peak memory go to ``timings.jsonl`` (``ranks``); the annotate stage's
+   split, the teacher's forward passes against the rest, in ``update.annotate``.
+8. *The teacher goes* once lambda is 0 for good (``method.annotation.teacher_wanted``; lambda
+   never rises again): before that iteration the snapshot is dropped, later checkpoints hold
+   no teacher state and the annotation runs without it, every weight 1 as it was with the
+   teacher unused, so the update is unchanged. A run resumed at or past that point builds none.
 
 **Checkpoints.** Iteration k writes ``iter_k/checkpoint`` when ``(k + 1) % save_every == 0``,
 at the last iteration, and when the run is stopped; then only the newest ``keep_last`` of
@@ -76,7 +81,7 @@ from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
-from serl_cli.method.annotation import annotate_episodes
+from serl_cli.method.annotation import annotate_episodes, teacher_wanted
 from serl_cli.method.teacher import TeacherSnapshot
 from serl_cli.models.loading import set_torch_threads
 from serl_cli.rollout.engines import ModelPolicy, close_engine, make_engine, sleep_engine
@@ -171,7 +176,8 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
         objective = get_objective(cfg.train.algo)
         acfg = annotate_config(cfg)  # with what the algorithm needs of it (rlsd: every turn and reply token...)
         teacher = None
-        if objective.needs_annotations:
+        # no teacher where lambda is already 0 for good (Loop.drop_teacher): a run resumed past that point
+        if objective.needs_annotations and teacher_wanted(annotate_config(cfg, start, learner.updates)):
             teacher = TeacherSnapshot(learner)  # a copy of what the update changes (sharded under ZeRO-3)
             if last is not None:
                 teacher.load(last)
@@ -188,6 +194,7 @@ class Loop:
     def __init__(self, cfg: OnlineConfig, run: Path, learner: Learner, objective, acfg, teacher, engine, stop, world):
         self.cfg, self.run, self.learner, self.objective = cfg, run, learner, objective
         self.acfg, self.teacher, self.engine, self.stop, self.world = acfg, teacher, engine, stop, world
+        self.annotating = objective.needs_annotations
         self.rank, self.size, self.main = learner.backend.rank, learner.backend.world, learner.is_main
         # pi_old by the trainer before anything reads it (the teacher's weights and the PPO ratio)
         self.recompute = objective.uses_behaviour_logprobs and recompute_enabled(cfg.train, cfg.rollout.engine)
@@ -204,6 +211,8 @@ class Loop:
             rcfg = rollout_config(cfg, k, it)
             temperature = rcfg.sampling.temperature if rcfg.sampling.temperature > 0 else 1.0
             log = PhaseLog(self.rank, self.size, learner.backend.device)
+            if self.teacher is not None and not teacher_wanted(annotate_config(cfg, k, learner.updates)):
+                self.drop_teacher()
             if self.teacher is not None and learner.updates % max(self.acfg.teacher_sync_interval, 1) == 0:
                 self.teacher.sync()  # the teacher becomes this rollout policy
             episodes, rollout_wall, abandon = self.rollout(rcfg, log)
@@ -213,7 +222,7 @@ class Loop:
                     sleep_engine(self.engine)  # vLLM with sleep: true frees its GPU memory for the trainer
                 if self.recompute:
                     recomputed = self.recompute_logp_old(episodes, temperature, log)
-                if self.teacher is not None:
+                if self.annotating:
                     annotations, meta = self.annotate(episodes, rcfg, it, k, temperature, log)
             signum = self.agreed_signal()  # a stop any process was asked for, before the update: abandon
             if abandon or signum is not None:  # iteration k is redone on resume; k - 1 must have its checkpoint
@@ -228,6 +237,7 @@ class Loop:
             log.phase("update", timing["update_s"])
             if meta:
                 timing["teacher_s"] = meta["stats"]["teacher_s"]
+                timing["annotate"] = meta["timing"]
             metrics.update(iteration=k, env_steps=sum(e.num_turns for e in episodes))
             signum = self.agreed_signal()  # every process stops together
             saved = checkpoint_due(cfg, k) or signum is not None
@@ -324,7 +334,8 @@ class Loop:
         # the weights are signed by the update's own advantages (group_norm, penalty, reward scale)
         adv = annotation_advantages(turn_samples(episodes), train_config(cfg))
         scorer = CountingScorer(learner.scorer, self.rank, self.size)
-        with self.teacher.scoring() as teacher_model:
+        t0 = time.perf_counter()
+        with self.teacher.scoring() if self.teacher is not None else nullcontext() as teacher_model:
             annotations, stats = annotate_episodes(
                 episodes,
                 acfg,
@@ -337,10 +348,25 @@ class Loop:
                 bare_replies=rcfg.prompt.bare_replies,
                 scorer=scorer,
             )
+        seconds = time.perf_counter() - t0
         log.phase("teacher", scorer.seconds, f"{scorer.own} item(s) of {scorer.total}", items=scorer.own)
         if self.main:
             write_annotations(it, annotations, episodes, acfg, stats)
-        return annotations, {"config": io.to_plain(acfg), "stats": stats}
+        # this process's annotate stage: the teacher's forward passes (the teacher signal's
+        # included) and the rest -- blocks, prompts, masks, placement, weights, the weight swap
+        timing = {
+            "annotate_s": round(seconds, 4),
+            "teacher_forward_s": round(scorer.seconds, 4),
+            "rest_s": round(seconds - scorer.seconds, 4),
+            "teacher_items": scorer.total,
+        }
+        return annotations, {"config": io.to_plain(acfg), "stats": stats, "timing": timing}
+
+    def drop_teacher(self) -> None:
+        """Lambda is 0 from this update on and nothing else reads the teacher (``teacher_wanted``):
+        its snapshot goes (memory), later checkpoints hold none, and the annotation runs without
+        it (every weight 1, as it was with the teacher unused); the update is unchanged."""
+        self.teacher = self.out.teacher = None
 
     def agreed_signal(self) -> int | None:
         """The stop signal the first process that got one got (None: no process got one)."""

@@ -31,15 +31,24 @@ class DeepSpeedConfig:
     offload: bool = setting(False, "optimizer states (and, at stage 3, parameters) in CPU memory")
 
 
+# ZeRO-3 accumulates gradients and reduce-scatters them in the model's dtype unless told otherwise
+# (DeepSpeed's engine.get_data_types, communication_data_type): in bf16, a sum over micro-batches and
+# processes loses the low bits of every gradient. verl reduces in fp32; so does serl.
+FP32_GRADIENTS = {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
+
+
 def default_config(stage: int) -> dict:
     """serl's DeepSpeed config for a ZeRO stage; experiments/deepspeed/zero{stage}.json is it, written out."""
     zero: dict = {"stage": stage}
     if stage >= 2:
         zero.update(contiguous_gradients=True, overlap_comm=stage == 3, reduce_bucket_size=int(5e8))
+    config: dict = {"zero_optimization": zero}
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=int(5e7), stage3_param_persistence_threshold=int(1e5))
+        config.update(FP32_GRADIENTS)
     # "auto": bf16 where the accelerator has it (CUDA), fp32 elsewhere
-    return {"zero_optimization": zero, "bf16": {"enabled": "auto"}}
+    config["bf16"] = {"enabled": "auto"}
+    return config
 
 
 def load_config_file(path: str | Path) -> dict:
@@ -90,6 +99,12 @@ def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool, dtype: s
     stage = zero["stage"]
     if stage not in ZERO_STAGES:
         raise SerlError(f"ZeRO stage must be 1, 2 or 3, got {stage!r} (zero_optimization.stage in {where})")
+    if stage == 3:  # a file's own choice stands; where it makes none, fp32 (FP32_GRADIENTS)
+        data_types = config.setdefault("data_types", {})
+        if not isinstance(data_types, dict):
+            raise SerlError(f"DeepSpeed config {where}: data_types must be an object")
+        data_types.setdefault("grad_accum_dtype", FP32_GRADIENTS["data_types"]["grad_accum_dtype"])
+        config.setdefault("communication_data_type", FP32_GRADIENTS["communication_data_type"])
     if ds.offload:
         zero.setdefault("offload_optimizer", {"device": "cpu"})
         if stage == 3:

@@ -11,6 +11,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SERL_THREADS", "1")
+# an xdist worker starts with COLUMNS=80, which rich would fix as the width of serl's consoles when
+# they are created; without it they read COLUMNS per print, as tests that set it expect
+os.environ.pop("COLUMNS", None)
 sys.path.insert(0, str(Path(__file__).parent))
 
 try:

@@ -224,6 +224,14 @@ def test_plan_names_a_tiny_models_size(tiny_model_dir, tmp_path, monkeypatch, ca
 
 
 def _commands():
+    # every command registered (a command module registers itself when imported, and which ones a
+    # worker has imported depends on the tests it ran) and in one order: xdist workers must agree
+    import importlib
+
+    from serl_cli.cli import COMMAND_MODULES
+
+    for name in sorted(set(COMMAND_MODULES.values())):
+        importlib.import_module(f"serl_cli.cli.{name}")
     root = typer.main.get_command(app)
 
     def walk(cmd, path):
@@ -233,7 +241,7 @@ def _commands():
         else:
             yield path, cmd
 
-    return list(walk(root, []))
+    return sorted(walk(root, []), key=lambda pc: pc[0])
 
 
 SAMPLES = {"bool": "true", "int": "100", "float": "0.5", "str": "x", "text": "x"}  # by the shown type's first word

@@ -144,7 +144,7 @@ def train_command(
         check_train_config(train)
     from serl_cli.stages.online import run_online
     from serl_cli.stages.online_stop import Preempted
-    from serl_cli.stages.train import train_on_run
+    from serl_cli.stages.train import books_dir, train_on_run
     from serl_cli.training.backends import is_main_process
 
     if not no_plan_check:  # before anything loads: a layout that cannot fit is one line, not an OOM an hour in
@@ -168,7 +168,7 @@ def train_command(
             return
         with update_bar(console, quiet) as progress:
             m = train_on_run(run, train, overwrite=overwrite, resume=resume, progress=progress)
-        tracker = Tracker(trackers, run, Path(run).name, dataclasses.asdict(train))
+        tracker = Tracker(trackers, books_dir(run, train), Path(run).name, dataclasses.asdict(train))
         tracker.log(m, step=m.get("update", 1))
         tracker.close()
         console.print(

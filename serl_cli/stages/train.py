@@ -146,7 +146,7 @@ def check_checkpoint_is_ours(checkpoint: Path, record: dict | None, identity: di
         )
     if not resume:
         raise SerlError(
-            f"this update already wrote the checkpoint at {checkpoint}: pass --resume to keep it, "
+            f"a checkpoint of this same update already exists at {checkpoint}: pass --resume to keep it, "
             f"or --overwrite to train again"
         )
 

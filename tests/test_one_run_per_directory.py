@@ -15,6 +15,7 @@ from reliability.faults import cli, cli_exit_code, one_line_error, tree_hash
 from support import rollout_config, synthetic_env
 
 from serl_cli.artifacts import runlock
+from serl_cli.errors import SerlError
 from serl_cli.stages.resume_settings import RESUMABLE_CHANGES
 from serl_cli.stages.rollout import run_rollout
 from serl_cli.stages.train import UPDATE_RECORD, train_on_run
@@ -150,3 +151,19 @@ def test_two_updates_read_one_run_at_once(expert_run, tmp_path):
     assert tree_hash(run) == before and not runlock.lock_path(run).exists()
     # resuming an update whose checkpoint is elsewhere returns its metrics from the record
     assert train_on_run(str(run), cfg("a"), resume=True) == first
+
+
+def test_resume_of_a_finished_rollout_with_other_settings_is_refused(expert_run, tiny_model_dir):
+    """Before, ``--resume`` handed back the finished rollout's summary as if it were the one asked for."""
+    before = tree_hash(expert_run)
+    other = rollout_config(
+        tiny_model_dir, expert_run, policy="expert", tasks=3, group_size=1, env=synthetic_env(max_turns=3)
+    )
+    with pytest.raises(SerlError, match=r"with other settings \(tasks: stored 2, now 3\).*--out.*--overwrite"):
+        run_rollout(other, resume=True)
+    assert tree_hash(expert_run) == before
+    same = rollout_config(
+        tiny_model_dir, expert_run, policy="expert", tasks=2, group_size=1, env=synthetic_env(max_turns=3)
+    )
+    same.threads = 2  # not a setting of what is made
+    assert run_rollout(same, resume=True)["episodes"] == 2

@@ -81,7 +81,8 @@ def train_command(
     out: str | None = typer.Option(
         None,
         "--out",
-        help="Online loop: the run directory. One update: where its checkpoint goes (default RUN/checkpoint).",
+        help="Online loop: the run directory. One update: where its checkpoint goes (default RUN/checkpoint; "
+        "elsewhere, RUN is only read).",
     ),
     resume: bool = typer.Option(
         False,

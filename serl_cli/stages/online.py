@@ -14,6 +14,8 @@ Layout of ``RUN``::
 An iteration counts as finished once the manifest says so; ``--resume`` restarts after
 the newest iteration with a checkpoint (model, optimizer, update counter, teacher), redoing
 any finished iterations after it, so a resumed run's artifacts equal an uninterrupted run's.
+It resumes with the settings the run was made with: another setting is refused, bar those
+:mod:`serl_cli.stages.resume_settings` lets a resume change, which the manifest records.
 Iteration k's rollouts use seed ``seed * 1000 + k``; the update is seeded by ``seed``.
 
 **Every process works.** Under torchrun / the deepspeed launcher (W processes; W = 1 is the

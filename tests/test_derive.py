@@ -158,7 +158,8 @@ def test_staged_annotate_and_train_make_the_loops_update(loop_run, tmp_path):
     p = serl("train", str(staged), "--config", run_file, "--out", str(tmp_path / "ckpt"), "-q")
     assert p.returncode == 0, p.stderr
     loop_m = json.loads((loop_run / "metrics.jsonl").read_text().splitlines()[0])
-    staged_m = json.loads((staged / "metrics.jsonl").read_text().splitlines()[0])
+    # a checkpoint outside the run: the update only read it, and its metrics are in the checkpoint's record
+    staged_m = json.loads((tmp_path / "ckpt" / "serl_update.json").read_text())["metrics"]
     for key in ("loss", "pg_loss", "mean_abs_advantage", "weight_mean", "advantage_mass_moved", "turns_with_gradient"):
         assert staged_m[key] == pytest.approx(loop_m[key], rel=1e-6, abs=1e-9), key
 

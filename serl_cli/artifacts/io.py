@@ -296,6 +296,11 @@ def prepare_output(path: str | Path, *, overwrite: bool, what: str, resumable: b
     return path
 
 
+def json_copy(value):
+    """``value`` as JSON reads it back (tuples become lists; a deep copy)."""
+    return json.loads(json.dumps(value))
+
+
 def to_plain(obj) -> dict:
     """A config dataclass as plain JSON-able data."""
     import dataclasses
@@ -405,11 +410,46 @@ def _check_header(path: Path, found, expected: dict) -> None:
         return
     if not isinstance(found, dict):
         raise SerlError(f"{path} is not a serl journal: delete it or pass --overwrite to start again")
-    key = next(k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k))
+    # the stage's settings first, named as the user sets them (sampling.temperature), then the rest
+    settings = first_difference(found.get("config"), expected.get("config"))
+    rest = first_difference(*({k: v for k, v in h.items() if k != "config"} for h in (found, expected)))
+    key, old, new = settings or rest or ("config", found.get("config"), expected.get("config"))
+    key = key or "config"  # a config that is not a mapping at all
     raise SerlError(
-        f"{path} belongs to an interrupted run with a different {key}: resume with the same settings, "
-        f"or pass --overwrite to start again"
+        f"{path} belongs to an interrupted run with a different setting ({difference_text(key, old, new)}): "
+        f"resume with the same settings, or pass --overwrite to start again"
     )
+
+
+_ABSENT = object()
+
+
+def first_difference(stored, now, prefix: str = "") -> tuple[str, Any, Any] | None:
+    """The first setting (dotted path, in ``stored``'s order, then ``now``'s) whose value differs
+    between two plain configs, compared as JSON sees them; None when they are equal."""
+    stored, now = json.loads(json.dumps(stored)), json.loads(json.dumps(now))
+    if not (isinstance(stored, dict) and isinstance(now, dict)):
+        return None if stored == now else (prefix.rstrip("."), stored, now)
+    for key in [*stored, *(k for k in now if k not in stored)]:
+        a, b = stored.get(key, _ABSENT), now.get(key, _ABSENT)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            found = first_difference(a, b, f"{prefix}{key}.")
+            if found is not None:
+                return found
+            continue
+        return f"{prefix}{key}", a, b
+    return None
+
+
+def difference_text(key: str, stored, now) -> str:
+    """``train.algo: stored grpo, now serl`` (a value one side lacks: ``unset``)."""
+
+    def shown(v) -> str:
+        return "unset" if v is _ABSENT else json.dumps(v) if not isinstance(v, str) else v
+
+    return f"{key}: stored {shown(stored)}, now {shown(now)}"
 
 
 DEBRIS = (".*.tmp", ".*.partial")  # temporary files of atomic writes, staging folders of checkpoints

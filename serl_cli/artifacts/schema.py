@@ -7,7 +7,8 @@ A run directory (``serl rollout --out RUN``)::
     RUN/rollout.yaml        the resolved rollout config
     RUN/rollouts.jsonl      one record per episode, each with its turns: artifacts.records.Episode, Turn
     RUN/annotations.jsonl   one record per turn (serl annotate)
-    RUN/checkpoint/         a Hugging Face model directory (serl train)
+    RUN/checkpoint/         a Hugging Face model directory (serl train), with serl_update.json:
+                            what made it (settings, the rollouts' sha256) and its metrics
     RUN/metrics.jsonl       one record per update (serl train)
 
 Token ids are stored exactly as generated and never rebuilt from text: ``prompt_ids`` is

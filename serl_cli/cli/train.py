@@ -89,7 +89,8 @@ def train_command(
     out: str | None = typer.Option(
         None,
         "--out",
-        help="Online loop: the run directory. One update: where its checkpoint goes (default RUN/checkpoint).",
+        help="Online loop: the run directory. One update: where its checkpoint goes (default RUN/checkpoint; "
+        "elsewhere, RUN is only read).",
     ),
     resume: bool = typer.Option(
         False,
@@ -153,7 +154,7 @@ def train_command(
         check_train_config(train)
     from serl_cli.stages.online import run_online
     from serl_cli.stages.online_stop import Preempted
-    from serl_cli.stages.train import train_on_run
+    from serl_cli.stages.train import books_dir, train_on_run
     from serl_cli.training.backends import is_main_process
 
     if not no_plan_check:  # before anything loads: a layout that cannot fit is one line, not an OOM an hour in
@@ -177,7 +178,7 @@ def train_command(
             return
         with update_bar(console, quiet) as progress:
             m = train_on_run(run, train, overwrite=overwrite, resume=resume, progress=progress)
-        tracker = Tracker(trackers, run, Path(run).name, dataclasses.asdict(train))
+        tracker = Tracker(trackers, books_dir(run, train), Path(run).name, dataclasses.asdict(train))
         tracker.log(m, step=m.get("update", 1))
         tracker.close()
         console.print(

@@ -14,6 +14,8 @@ Layout of ``RUN``::
 An iteration counts as finished once the manifest says so; ``--resume`` restarts after
 the newest iteration with a checkpoint (model, optimizer, update counter, teacher), redoing
 any finished iterations after it, so a resumed run's artifacts equal an uninterrupted run's.
+It resumes with the settings the run was made with: another setting is refused, bar those
+:mod:`serl_cli.stages.resume_settings` lets a resume change, which the manifest records.
 Iteration k's rollouts use seed ``seed * 1000 + k``; the update is seeded by ``seed``.
 
 **Every process works.** Under torchrun / the deepspeed launcher (W processes; W = 1 is the
@@ -111,6 +113,7 @@ from serl_cli.stages.online_ranks import (
 )
 from serl_cli.stages.online_stop import Abandon, Preempted, StoppableEngine, StopSignal
 from serl_cli.stages.online_sync import PolicyOut
+from serl_cli.stages.resume_settings import check_online_resume, record_resume
 from serl_cli.stages.rollout import RolloutConfig, collect, resolve_model, rollout_specs, validate, write_rollout
 from serl_cli.stages.run_file import run_settings
 from serl_cli.training.backends import is_main_process
@@ -135,16 +138,18 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
     # directory (only once the learner's process group is up and a barrier has passed).
     main = is_main_process()
     train_cfg = train_config(cfg)  # the update is seeded by the run's seed (stages.derive)
-    start = 0
+    start, changed = 0, None
+    cfg.model = resolve_model(rollout_config(cfg), world)  # as the manifest records it
     if resume and (run / "manifest.json").exists():
         manifest = io.load_manifest(run)
-        start = resume_point(run, cfg, finished_iterations(manifest))
+        finished = finished_iterations(manifest)
+        stored = manifest["stages"].get("online", {}).get("config")
+        changed = check_online_resume(run, stored, run_settings(cfg), finished)  # before anything is written
+        start = resume_point(run, cfg, finished)
     elif main and run.exists() and any(run.iterdir()) and not overwrite:
         raise SerlError(
             f"run directory {run} already exists: pass --resume to continue it or --overwrite to replace it"
         )
-    if start == 0:
-        cfg.model = resolve_model(rollout_config(cfg), world)
     last = iter_dir(run, start - 1) / "checkpoint" if start > 0 else None
     policy_dir = cfg.model if last is None else str(last)
     # vLLM (rank 0's, serving every process) loads its own copy of the policy; it starts before
@@ -167,6 +172,8 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
             io.write_json(
                 run / "manifest.json", io.new_manifest("online", run_settings(cfg), cfg.seed, world_info(world))
             )
+        if changed is not None and main:
+            record_resume(run, run_settings(cfg), start, changed)
         if resume and main:
             # a kill between appending an iteration's metrics and marking it done leaves a line
             # for an unfinished iteration, and iterations past the newest checkpoint are redone:

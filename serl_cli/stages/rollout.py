@@ -234,6 +234,24 @@ def journal_header(cfg: RolloutConfig, episodes: int) -> dict:
     return {"stage": "rollout", "config": plain, "episodes": episodes}
 
 
+def check_same_rollout(out: Path, cfg: RolloutConfig) -> None:
+    """``--resume`` of a finished rollout keeps it only if it was made with these settings (as
+    an interrupted one's journal header is checked: all but ``threads`` and ``out``)."""
+    stored = io.load_manifest(out)["stages"]["rollout"].get("config")
+    if not isinstance(stored, dict):
+        return
+    now = io.to_plain(cfg)
+    if cfg.model is None:  # the manifest holds the model it resolved to
+        now["model"] = resolve_model(cfg, build_world(cfg.env))
+    stored, now = ({k: v for k, v in c.items() if k not in ("threads", "out")} for c in (stored, now))
+    diff = io.first_difference(stored, now)
+    if diff is not None:
+        raise SerlError(
+            f"cannot resume {out} with other settings ({io.difference_text(*diff)}): it holds a finished "
+            f"rollout made with the stored ones; pass a new --out for another, or --overwrite to run it again"
+        )
+
+
 def _finished_summary(out: Path) -> dict | None:
     try:
         stage = io.load_manifest(out).get("stages", {}).get("rollout", {})
@@ -284,6 +302,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         records_of=lambda summary: summary.get("episodes"),
     )
     if finished is not None:
+        check_same_rollout(out, cfg)
         return finished
     validate(cfg)
     world = build_world(cfg.env)

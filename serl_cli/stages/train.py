@@ -7,37 +7,63 @@ bookkeeping: the run lock, resume, the metrics and timings journals, the checkpo
 from __future__ import annotations
 
 import functools
-import json
+import os
 from pathlib import Path
 
 from serl_cli.algos.objectives import get_objective
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.records import Episode
-from serl_cli.artifacts.schema import read_rollouts, rollout_temperature
+from serl_cli.artifacts.schema import ROLLOUTS_FILE, read_rollouts, rollout_temperature, rollouts_fingerprint
 from serl_cli.errors import SerlError
 from serl_cli.method.feedback import parse_sources
 from serl_cli.method.hindsight_sft import examples_for_run
 from serl_cli.method.reading_sft import is_reading, parse_reading, reading_examples_for_run
 from serl_cli.rollout.prompts import PromptConfig
+from serl_cli.stages.resume_settings import without_changeable
 from serl_cli.training.backends import is_main_process
 from serl_cli.training.learner import Learner, training_episodes
 from serl_cli.training.train_config import TrainConfig, check_train_config
+
+UPDATE_RECORD = "serl_update.json"  # in a single update's checkpoint: what made it, and its metrics
+
+
+def checkpoint_of(run: Path, cfg: TrainConfig) -> Path:
+    """Where the update's checkpoint goes: ``train.checkpoint`` (``--out``), else ``RUN/checkpoint``."""
+    return Path(cfg.checkpoint) if cfg.checkpoint else run / "checkpoint"
+
+
+def writes_into_run(run: Path, checkpoint: Path) -> bool:
+    """Whether the update writes into ``run`` (its checkpoint lies inside it): then it is the run's
+    writer, holds its lock and keeps its books there (the manifest's ``train:ALGO``, ``metrics.jsonl``,
+    ``timings.jsonl``). Otherwise it only *reads* the run: it locks and writes its checkpoint alone,
+    whose :data:`UPDATE_RECORD` holds its metrics, so any number of updates read one run at once."""
+    run, checkpoint = Path(os.path.abspath(run)), Path(os.path.abspath(checkpoint))
+    return checkpoint == run or run in checkpoint.parents
+
+
+def books_dir(run_dir: str, cfg: TrainConfig) -> Path:
+    """Where the update's records go: the run it writes into, else its own checkpoint."""
+    run = Path(run_dir)
+    checkpoint = checkpoint_of(run, cfg)
+    return run if writes_into_run(run, checkpoint) else checkpoint
 
 
 def train_on_run(
     run_dir: str, cfg: TrainConfig, *, overwrite: bool = False, resume: bool = False, progress=None
 ) -> dict:
-    """One update on a run's rollouts, under the run's lock. The update is the unit of work:
-    a killed one reruns from the start (the checkpoint is written atomically and the
-    metrics lines of an unfinished attempt are dropped); ``resume`` returns a finished
-    update's metrics without redoing it. ``progress(done, total)``: the update's micro-batches
+    """One update on a run's rollouts, under the lock of what it writes (:func:`writes_into_run`).
+    The update is the unit of work: a killed one reruns from the start (the checkpoint is written
+    atomically and the metrics lines of an unfinished attempt are dropped); ``resume`` returns a
+    finished update's metrics without redoing it. A checkpoint another training wrote is never
+    replaced without ``overwrite``. ``progress(done, total)``: the update's micro-batches
     (:meth:`Learner.update`). Under torchrun / the deepspeed launcher every process calls it:
     all of them run the update and the save (their collectives need every process), and the
-    main one alone keeps the run's books (the lock, the manifest, the metrics journals)."""
+    main one alone keeps the books (the lock, the manifest, the metrics journals)."""
     run = Path(run_dir)
     if not is_main_process():
         return _train_on_run(run, cfg, overwrite=overwrite, resume=resume, main=False)
-    with runlock.run_lock(run):
+    checkpoint = checkpoint_of(run, cfg)
+    with runlock.run_lock(run if writes_into_run(run, checkpoint) else checkpoint):
         return _train_on_run(run, cfg, overwrite=overwrite, resume=resume, progress=progress)
 
 
@@ -84,10 +110,45 @@ def hindsight_sft_examples(episodes: list[Episode], cfg: TrainConfig, tokenizer,
     )
 
 
-def _comparable(cfg: TrainConfig) -> dict:
-    plain = io.to_plain(cfg)
-    plain.pop("threads")
-    return plain
+def update_identity(run: Path, cfg: TrainConfig, model_name: str | None) -> dict:
+    """What makes two single updates the same one: their settings (bar those a resume may change:
+    :data:`~serl_cli.stages.resume_settings.RESUMABLE_CHANGES`), the starting policy, the rollouts."""
+    train = {**io.to_plain(cfg), "model": model_name}
+    train.pop("checkpoint")
+    rollouts = rollouts_fingerprint(run) if (run / ROLLOUTS_FILE).is_file() else None
+    return {"train": without_changeable(train, "train."), "rollouts_sha256": rollouts}
+
+
+def read_update_record(checkpoint: Path) -> dict | None:
+    """The :data:`UPDATE_RECORD` of a checkpoint; None where there is none (another kind of
+    checkpoint, an online run's policy, or one from before serl kept the record)."""
+    path = checkpoint / UPDATE_RECORD
+    if not path.is_file():
+        return None
+    record = io.read_json(path)
+    return record if isinstance(record, dict) and isinstance(record.get("train"), dict) else None
+
+
+def check_checkpoint_is_ours(checkpoint: Path, record: dict | None, identity: dict, resume: bool) -> None:
+    """A checkpoint already at ``checkpoint``: refused unless it is this very update's and
+    ``resume`` keeps it. The way out never replaces another training's checkpoint silently."""
+    elsewhere = "pass --out DIR to write this update elsewhere, or --overwrite to replace it"
+    if record is None:
+        raise SerlError(
+            f"a checkpoint already exists at {checkpoint} and no single update of this run wrote it "
+            f"(it has no {UPDATE_RECORD}): {elsewhere}"
+        )
+    diff = io.first_difference({k: record.get(k) for k in identity}, identity)
+    if diff is not None:
+        raise SerlError(
+            f"a checkpoint already exists at {checkpoint}, written by another update "
+            f"({io.difference_text(*diff)}): {elsewhere}"
+        )
+    if not resume:
+        raise SerlError(
+            f"a checkpoint of this same update already exists at {checkpoint}: pass --resume to keep it, "
+            f"or --overwrite to train again"
+        )
 
 
 def _train_on_run(
@@ -97,20 +158,22 @@ def _train_on_run(
     check_train_config(cfg)  # before the manifest says "running": a refused setting changes nothing on disk
     check_hindsight_sft(cfg)
     stage_name = f"train:{cfg.algo}"
-    stage = manifest["stages"].get(stage_name, {})
-    checkpoint = Path(cfg.checkpoint) if cfg.checkpoint else run / "checkpoint"
+    checkpoint = checkpoint_of(run, cfg)
+    books = writes_into_run(run, checkpoint)  # else a reader of run: nothing is written into it
+    stage = manifest["stages"].get(stage_name, {}) if books else {}
     metrics_path, timings_path = run / "metrics.jsonl", run / "timings.jsonl"
     rollout_cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
     model_name = cfg.model or rollout_cfg.get("model")
-    if resume and not overwrite:
-        if stage.get("status") == "done" and (checkpoint / "config.json").is_file():
-            stored = {k: v for k, v in (stage.get("config") or {}).items() if k != "threads"}
-            if stored != json.loads(json.dumps({**_comparable(cfg), "model": model_name})):
-                raise SerlError(f"{run} finished {stage_name} with other settings: pass --overwrite to train again")
+    identity = update_identity(run, cfg, model_name)
+    if checkpoint.exists() and not overwrite:
+        record = read_update_record(checkpoint)
+        check_checkpoint_is_ours(checkpoint, record, identity, resume)
+        if not books:  # the record is written with the weights: the update finished
+            return record["metrics"]
+        if stage.get("status") == "done":
             records = list(io.iter_jsonl(metrics_path))
             return records[stage.get("metrics_line", len(records) - 1)]
-    else:
-        io.prepare_output(checkpoint, overwrite=overwrite, what="a checkpoint", resumable=True)
+        # killed between its checkpoint and its books: run again (the same update, the same result)
     episodes = training_episodes(read_rollouts(run), cfg, run)
     if not model_name:
         raise SerlError(f"no model to train: {run}/manifest.json names none; pass --model")
@@ -121,11 +184,11 @@ def _train_on_run(
 
         annotations = read_annotations(run)
         meta = manifest["stages"]["annotate"]
-    if main and stage.get("status") == "running":  # an earlier attempt was killed: forget what it may have written
+    if main and books and stage.get("status") == "running":  # an earlier attempt was killed: drop what it wrote
         io.truncate_jsonl(metrics_path, stage.get("metrics_line", 0))
         io.truncate_jsonl(timings_path, stage.get("timings_line", 0))
-    line, timings_line = io.count_jsonl(metrics_path), io.count_jsonl(timings_path)
-    if main:
+    line, timings_line = (io.count_jsonl(metrics_path), io.count_jsonl(timings_path)) if books else (0, 0)
+    if main and books:
         io.mark_stage(run, stage_name, "running", metrics_line=line, timings_line=timings_line)
     learner = Learner(model_name, cfg)
     examples = hindsight_sft_examples(episodes, cfg, learner.tokenizer, rollout_cfg)
@@ -142,9 +205,16 @@ def _train_on_run(
     if cfg.hindsight_sft is not None:
         metrics["hindsight_examples"] = sum(len(e.turns) for e in examples)
     timing = metrics.pop("timing")  # wall-clock figures apart, so metrics.jsonl is deterministic
+    record = {**identity, "stage": stage_name, "rollouts": str(run), "metrics": metrics, "timing": timing}
+
+    def add_record(staging: Path) -> None:  # into the checkpoint, so it is there exactly when the weights are
+        if main:
+            io.write_json(staging / UPDATE_RECORD, record)
+
     # a full disk here is one clear error; the old checkpoint, if any, is still in place
-    learner.save(checkpoint, prompt=PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None)
-    if not main:
+    prompt = PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None
+    learner.save(checkpoint, prompt=prompt, extra=add_record)
+    if not main or not books:
         return metrics
     io.append_jsonl(metrics_path, metrics)
     io.append_jsonl(timings_path, {"update": line, "algo": cfg.algo, **timing})

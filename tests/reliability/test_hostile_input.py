@@ -245,7 +245,7 @@ CASES = [
     (
         "journal-of-other-settings",
         lambda t, r, m: (_other_settings_journal(r), _resume(r, m))[1],
-        ["belongs to an interrupted run with a different config", "--overwrite"],
+        ["belongs to an interrupted run with a different setting (", "--overwrite"],
     ),
     # --- model directories ------------------------------------------------------------------------
     (

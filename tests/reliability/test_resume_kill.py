@@ -108,7 +108,8 @@ def test_rollout_resume_refuses_other_settings(tiny_model_dir, tmp_path):
     assert _kill_rollout_at(tiny_model_dir, out, 1, delay=0.0)
     other = rollout_cfg(tiny_model_dir, out)
     other.sampling.temperature = 0.5
-    with pytest.raises(SerlError, match="different config"):
+    # the line names the setting, as the user sets it
+    with pytest.raises(SerlError, match=r"different setting \(sampling.temperature: stored 1.0, now 0.5\)"):
         run_rollout(other, resume=True)
 
 

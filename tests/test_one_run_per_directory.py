@@ -167,3 +167,20 @@ def test_resume_of_a_finished_rollout_with_other_settings_is_refused(expert_run,
     )
     same.threads = 2  # not a setting of what is made
     assert run_rollout(same, resume=True)["episodes"] == 2
+
+
+def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default():
+    """A setting added to serl after the run started is compared at its default (which computes
+    what the run computed), so an upgrade does not lock a run; a changed value is still refused."""
+    from serl_cli.errors import SerlError
+    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.stages.resume_settings import check_online_resume
+    from serl_cli.stages.run_file import run_settings
+
+    now = run_settings(OnlineConfig())
+    older = run_settings(OnlineConfig())
+    del older["train"]["optim"]["schedule"]  # as a run of a serl without learning-rate schedules
+    assert check_online_resume("RUN", older, now, 0) == {}
+    older["train"]["optim"]["lr"] = now["train"]["optim"]["lr"] * 10
+    with pytest.raises(SerlError, match=r"train\.optim\.lr: stored"):
+        check_online_resume("RUN", older, now, 0)

@@ -76,6 +76,7 @@ def check_online_resume(run, stored: dict | None, now: dict, finished: int) -> d
     how many iterations the run has finished (``--iterations`` may not go below them)."""
     if stored is None:  # a manifest from before the settings were recorded: nothing to hold it to
         return {}
+    stored = with_defaults(stored)
     diff = io.first_difference(without_changeable(stored), without_changeable(now))
     if diff is not None:
         raise SerlError(
@@ -88,6 +89,20 @@ def check_online_resume(run, stored: dict | None, now: dict, finished: int) -> d
             f"iterations; pass at least {finished}, or a new --out to start another run"
         )
     return changed_settings(stored, now)
+
+
+def with_defaults(stored: dict) -> dict:
+    """``stored`` with the settings this version of serl has and the run's own serl did not, at
+    their defaults (a new setting's default computes what the run computed): a run resumes after
+    an upgrade. Settings this version does not know are kept, and so differ."""
+    from serl_cli import config as cfgmod
+    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.stages.run_file import run_settings
+
+    try:
+        return run_settings(cfgmod.from_dict(OnlineConfig, io.json_copy(stored), "the stored run settings"))
+    except SerlError:
+        return stored
 
 
 def record_resume(run, now: dict, start: int, changed: dict) -> None:

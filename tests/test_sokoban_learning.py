@@ -210,6 +210,6 @@ def test_other_environments_keep_the_webshop_demo():
 
 def test_demo_reads_the_environment_from_config_and_set(tmp_path):
     (tmp_path / "c.yaml").write_text("env: {name: webshop}\n")
-    assert _env_in(str(tmp_path / "c.yaml"), None) == "webshop"
-    assert _env_in(str(tmp_path / "c.yaml"), ["env.name=sokoban"]) == "sokoban"
+    assert _env_in([str(tmp_path / "c.yaml")], None) == "webshop"
+    assert _env_in([str(tmp_path / "c.yaml")], ["env.name=sokoban"]) == "sokoban"
     assert _env_in(None, ["seed=3"]) is None

@@ -115,7 +115,7 @@ class Stages:
             value = fn(*args, **kw)
             self.records[name] = {"status": "ok", "seconds": round(time.perf_counter() - t0, 3)}
             return value
-        except Exception as e:  # noqa: BLE001 -- the check reports every failure and goes on
+        except Exception as e:  # the check reports every failure and goes on
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             self.records[name] = {
                 "status": "error",

@@ -139,7 +139,7 @@ def run_episodes(
         ]
         decisions = policy.act([step for _, _, step, _ in live], contexts)
         still_live = []
-        for (i, ep, step, rec), d in zip(live, decisions):
+        for (i, ep, step, rec), d in zip(live, decisions, strict=True):
             try:
                 with time_limit(step_timeout_s):
                     nxt = ep.step(d.action)

@@ -270,3 +270,23 @@ def test_run_annotate_reports_teacher_progress(run_dir, tmp_path):
     )
     assert calls and calls[-1] == (summary["teacher_turns_scored"],) * 2  # the bar ends full
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_a_journal_unit_short_of_log_probs_is_refused(tmp_path):
+    """A resumed annotation reuses the journal's units; one whose log-probs do not cover its
+    items (a hand-edited or foreign journal) is refused, not paired up short (a turn left empty)."""
+    from types import SimpleNamespace
+
+    from serl_cli.stages.annotate import journaled_scorer
+    from serl_cli.training.scoring import ScoreItem, score_units
+
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=0)
+    items = [ScoreItem([1, 2], [3]), ScoreItem([1, 2, 5], [4, 6])]
+    (index,) = score_units(tok, items, 16384)
+    logprobs = [[-0.5] * len(items[i].action_ids) for i in index]
+    # a whole unit is reused as it is: no model is asked (None would fail)
+    whole = journaled_scorer(tmp_path / "a.jsonl", [{"unit": 0, "items": index, "logprobs": logprobs}])
+    assert whole(None, tok, items, 1.0, 16384) == [logprobs[index.index(i)] for i in range(len(items))]
+    short = journaled_scorer(tmp_path / "b.jsonl", [{"unit": 0, "items": index, "logprobs": logprobs[:1]}])
+    with pytest.raises(SerlError, match="teacher batch 0"):
+        short(None, tok, items, 1.0, 16384)

@@ -82,7 +82,7 @@ def measure(cfg: AlfBench) -> dict:
         rss1 = rss_mb()
         if rss0 is not None and rss1 is not None:
             rss_per_engine.append((rss1 - rss0) / cfg.group)
-        for i, (ep, step) in enumerate(zip(group, steps)):
+        for i, (ep, step) in enumerate(zip(group, steps, strict=True)):
             if i == 0:  # one invalid command per game: answered without stepping the engine
                 _, dt = _timed(ep.step, "take the moon from the sky")
                 times["invalid step"].append(dt)

@@ -115,7 +115,7 @@ class Stages:
             value = fn(*args, **kw)
             self.records[name] = {"status": "ok", "seconds": round(time.perf_counter() - t0, 3)}
             return value
-        except Exception as e:  # noqa: BLE001 -- the check reports every failure and goes on
+        except Exception as e:  # the check reports every failure and goes on
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             self.records[name] = {
                 "status": "error",
@@ -310,7 +310,8 @@ def sync_and_verify(engine, learner, model_dir: Path, args) -> dict:
     prompts = _prompts(16, 64, len(tok), seed=5)
     gens = engine.generate(prompts, SamplingConfig(1.0, 1.0, 16), seed=9)
     turns = [
-        make_turn(prompt_ids=p, action_ids=g.token_ids, behaviour_logprobs=g.logprobs) for p, g in zip(prompts, gens)
+        make_turn(prompt_ids=p, action_ids=g.token_ids, behaviour_logprobs=g.logprobs)
+        for p, g in zip(prompts, gens, strict=True)
     ]
     episodes = [make_episode(turns)]
     after = learner.recompute_logp_old(episodes, 1.0)

@@ -75,7 +75,7 @@ def measure(args) -> dict:
         for r in range(args.rounds):
             order = ["serl", "grpo"] if r % 2 == 0 else ["grpo", "serl"]
             found = {arm: run_arm(arm, args, work / f"round{r}-{arm}") for arm in order}
-            for s, g in zip(found["serl"], found["grpo"]):
+            for s, g in zip(found["serl"], found["grpo"], strict=True):
                 pairs.append(
                     {"round": r, "iteration": s["iteration"], "serl_s": s["iteration_s"], "grpo_s": g["iteration_s"]}
                 )

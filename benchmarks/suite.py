@@ -397,7 +397,7 @@ def run(cfg: SuiteConfig) -> tuple[dict, list[Figure]]:
                     status = "ok"
                 except Skipped as e:
                     figs, data, status = [Figure(name, "skipped", None, "", "", str(e))], {"skipped": str(e)}, "skipped"
-                except Exception as e:  # noqa: BLE001 -- one broken section must not lose the others' figures
+                except Exception as e:  # one broken section must not lose the others' figures
                     traceback.print_exc()
                     line = f"{type(e).__name__}: {e}".splitlines()[0]
                     figs, data, status = [Figure(name, "FAILED", None, "", "", line)], {"error": line}, "failed"

@@ -197,7 +197,7 @@ class ScriptedPolicy:
 
         prompt_ids = self._prompter.prompts(steps, contexts)
         out = []
-        for step, ctx, ids in zip(steps, contexts, prompt_ids):
+        for step, ctx, ids in zip(steps, contexts, prompt_ids, strict=True):
             ep = self._episode.setdefault(id(ctx["turns"]), len(self._episode))  # run_episodes starts specs in order
             turn = len(ctx["turns"])
             failing = ep % self.group_size >= self.group_size // 2
@@ -210,7 +210,7 @@ class ScriptedPolicy:
         logps = score(
             self.model, self.tokenizer, [ScoreItem(d.prompt_ids, d.action_ids) for d in out], self.temperature
         )
-        for d, lp in zip(out, logps):
+        for d, lp in zip(out, logps, strict=True):
             d.logprobs = lp
         return out
 

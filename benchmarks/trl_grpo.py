@@ -295,7 +295,7 @@ def measure(cfg: PeerBench, batch: Batch, temperature: float = 1.0, log=print) -
             "version": _version("trl"),
         },
         "ratio_serl_over_trl": med_serl / med_trl,
-        "pair_ratios": [s / t for s, t in zip(serl_s, trl_s)],
+        "pair_ratios": [s / t for s, t in zip(serl_s, trl_s, strict=True)],
         "first_loss_abs_diff": abs(first["loss"] - trl_first_loss),
         # same weights, same batch, same objective: the first step's gradients must agree
         "first_grad_norm_rel_diff": abs(first["grad_norm"] - trainer.grad_norms[0]) / max(trainer.grad_norms[0], 1e-12),

@@ -79,7 +79,7 @@ def _entry_points() -> list:
 
     try:
         return list(entry_points(group=ENTRY_POINT_GROUP))
-    except Exception:  # noqa: BLE001 -- a broken distribution's metadata must not break the built-ins
+    except Exception:  # a broken distribution's metadata must not break the built-ins
         return []
 
 
@@ -128,7 +128,7 @@ def _load(spec: str, name: str) -> Callable[..., World]:
             else ""
         )
         raise EnvError(f"environment {name!r}: cannot import module {module_name!r}: {_first_line(e)}{hint}") from e
-    except Exception as e:  # noqa: BLE001 -- the module itself fails on import: name the error, not a traceback
+    except Exception as e:  # the module itself fails on import: name the error, not a traceback
         raise EnvError(
             f"environment {name!r}: importing module {module_name!r} raised {type(e).__name__}: {_first_line(e)}"
         ) from e

@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover
 
 # tests run the CLI in-process (and in forked children): keep library progress bars off
 # stderr, as a fresh `serl` process does, so "one line" means one line
-from transformers.utils import logging as hf_logging  # noqa: E402
+from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()
 

@@ -17,12 +17,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serl_cli.training.deepspeed_config import DeepSpeedConfig  # noqa: E402
-from serl_cli.training.learner import Learner  # noqa: E402
-from serl_cli.training.lora import LoraConfig  # noqa: E402
-from serl_cli.training.scoring import ScoreItem, score  # noqa: E402
-from serl_cli.training.step import OptimConfig  # noqa: E402
-from serl_cli.training.train_config import TrainConfig  # noqa: E402
+from serl_cli.training.deepspeed_config import DeepSpeedConfig
+from serl_cli.training.learner import Learner
+from serl_cli.training.lora import LoraConfig
+from serl_cli.training.scoring import ScoreItem, score
+from serl_cli.training.step import OptimConfig
+from serl_cli.training.train_config import TrainConfig
 
 
 def make_episodes(model_dir: str, seed: int = 0, groups: int = 2, group_size: int = 4) -> list[dict]:

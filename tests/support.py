@@ -218,7 +218,7 @@ def serl_in_process(*args: str, env: dict | None = None) -> subprocess.Completed
                 main()
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except Exception:  # noqa: BLE001 -- an uncaught error is what the caller checks for
+            except Exception:  # an uncaught error is what the caller checks for
                 traceback.print_exc()
                 code = 1
     finally:

@@ -95,7 +95,7 @@ BASE = frozenset(
 
 def moved(facts, **changes):
     out = set(facts)
-    for pred, (old, new) in changes.items():
+    for old, new in changes.values():
         if old:
             out.discard(old)
         if new:

@@ -61,7 +61,7 @@ def test_action_mask_excludes_reasoning_tags_and_end(model_and_tokenizer):
         tok.eos_token_id
     ]
     mask = action_span_mask(tok, ids)
-    inside = tok.decode([i for i, m in zip(ids, mask) if m])
+    inside = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
     assert "click[buy now]" in inside and "think" not in inside and "look" not in inside
     assert mask[-1] == 0  # the end-of-turn token keeps weight 1
     bare = tok.encode("search[red shoes]", add_special_tokens=False)
@@ -93,7 +93,7 @@ def test_feedback_placement_selects_fired_turns_and_scores_only_those(run_dir, m
         assert scored == (r["selected"] and r["advantage"] != 0)  # A = 0 keeps weight 1: not scored
         if r["weights"] is not None:
             assert len(r["weights"]) == len(r["teacher_logprobs"]) == len(r["action_mask"])
-            for w, m in zip(r["weights"], r["action_mask"]):
+            for w, m in zip(r["weights"], r["action_mask"], strict=True):
                 assert (0.9 - 1e-9 <= w <= 1.1 + 1e-9) if m else w == 1.0  # lambda 0.5, c 0.2
     assert stats["teacher_turns_scored"] == sum(r["teacher_logprobs"] is not None for r in records)
 
@@ -144,10 +144,18 @@ def test_rlsd_weights_every_reply_token(run_dir, model_and_tokenizer):
     _, records, _ = annotate(
         run_dir, model_and_tokenizer, sources="obs", tokens="reply", mixing_lambda=1.0, unparsed="whole"
     )
-    off_action = [w for r in records if r["weights"] for w, m in zip(r["weights"], r["action_mask"]) if not m]
+    off_action = [
+        w for r in records if r["weights"] for w, m in zip(r["weights"], r["action_mask"], strict=True) if not m
+    ]
     assert off_action and any(w != 1.0 for w in off_action)  # reasoning, tags and the end token are reweighted too
     _, serl_records, _ = annotate(run_dir, model_and_tokenizer, sources="obs", mixing_lambda=1.0, unparsed="whole")
-    assert all(w == 1.0 for r in serl_records if r["weights"] for w, m in zip(r["weights"], r["action_mask"]) if not m)
+    assert all(
+        w == 1.0
+        for r in serl_records
+        if r["weights"]
+        for w, m in zip(r["weights"], r["action_mask"], strict=True)
+        if not m
+    )
     with pytest.raises(SerlError, match="tokens"):
         annotate(run_dir, model_and_tokenizer, tokens="reasoning")
 
@@ -160,13 +168,13 @@ def test_weights_follow_the_formula(run_dir, model_and_tokenizer):
     )
     turns = [t for e in episodes for t in e.turns]
     checked = 0
-    for r, t in zip(records, turns):
+    for r, t in zip(records, turns, strict=True):
         if r["weights"] is None:
             continue
         lp_t = torch.tensor(r["teacher_logprobs"], dtype=torch.float64)
         lp_o = torch.tensor(t.behaviour_logprobs, dtype=torch.float64)
         expect = blend_weights(hindsight_weights(lp_t, lp_o, torch.tensor(r["advantage"]), 0.2), 0.5)
-        for w, e, m in zip(r["weights"], expect.tolist(), r["action_mask"]):
+        for w, e, m in zip(r["weights"], expect.tolist(), r["action_mask"], strict=True):
             assert w == pytest.approx(e if m else 1.0, abs=1e-12)
         checked += 1
     assert checked > 0
@@ -262,3 +270,23 @@ def test_run_annotate_reports_teacher_progress(run_dir, tmp_path):
     )
     assert calls and calls[-1] == (summary["teacher_turns_scored"],) * 2  # the bar ends full
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_a_journal_unit_short_of_log_probs_is_refused(tmp_path):
+    """A resumed annotation reuses the journal's units; one whose log-probs do not cover its
+    items (a hand-edited or foreign journal) is refused, not paired up short (a turn left empty)."""
+    from types import SimpleNamespace
+
+    from serl_cli.stages.annotate import journaled_scorer
+    from serl_cli.training.scoring import ScoreItem, score_units
+
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=0)
+    items = [ScoreItem([1, 2], [3]), ScoreItem([1, 2, 5], [4, 6])]
+    (index,) = score_units(tok, items, 16384)
+    logprobs = [[-0.5] * len(items[i].action_ids) for i in index]
+    # a whole unit is reused as it is: no model is asked (None would fail)
+    whole = journaled_scorer(tmp_path / "a.jsonl", [{"unit": 0, "items": index, "logprobs": logprobs}])
+    assert whole(None, tok, items, 1.0, 16384) == [logprobs[index.index(i)] for i in range(len(items))]
+    short = journaled_scorer(tmp_path / "b.jsonl", [{"unit": 0, "items": index, "logprobs": logprobs[:1]}])
+    with pytest.raises(SerlError, match="teacher batch 0"):
+        short(None, tok, items, 1.0, 16384)

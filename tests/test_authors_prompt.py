@@ -45,7 +45,7 @@ def templates() -> dict[str, str]:
     """NAME -> template, exactly as between the source's triple quotes."""
     text = FIXTURE.read_text(encoding="utf-8")
     parts = re.split(r"^=== (\w+) \S+\n", text, flags=re.MULTILINE)
-    return dict(zip(parts[1::2], parts[2::2]))
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 T = templates()
@@ -277,7 +277,7 @@ def test_authors_action_spans_by_hand(text, spans):
 def test_authors_mask_marks_every_tagged_action_and_keeps_reasoning_at_one(qwen):
     reply = "<think>the mug is red</think><action>click[b01]</action><action>click[buy now]</action>"
     ids = qwen.encode(reply, add_special_tokens=False)
-    text_of = lambda mask: "".join(qwen.decode([i]) for i, m in zip(ids, mask) if m)  # noqa: E731
+    text_of = lambda mask: "".join(qwen.decode([i]) for i, m in zip(ids, mask, strict=True) if m)  # noqa: E731
     theirs, last = text_of(action_span_mask(qwen, ids, spans="authors")), text_of(action_span_mask(qwen, ids))
     assert "click[b01]" in theirs and "click[buy now]" in theirs and "mug" not in theirs  # reasoning keeps 1
     assert "click[b01]" not in last and "click[buy now]" in last  # serl's: the last tag only

@@ -54,7 +54,7 @@ def test_step_flops_by_hand():
     assert matmul_flops(1000, 2.0) == 1e9  # 2 x 1000^3 FLOPs in 2 s
 
 
-def test_non_embedding_parameters_leave_out_the_tied_embedding(tiny_model_dir):  # noqa: F811
+def test_non_embedding_parameters_leave_out_the_tied_embedding(tiny_model_dir):
     from serl_cli.models.loading import load_model
 
     model, _ = load_model(str(tiny_model_dir))
@@ -122,7 +122,7 @@ def test_suite_quick_section_writes_table_and_json(tmp_path, capsys):
     assert "serl benchmark suite (quick)" in capsys.readouterr().out
 
 
-def test_trl_and_serl_take_the_same_first_gradient(tiny_model_dir, tmp_path):  # noqa: F811
+def test_trl_and_serl_take_the_same_first_gradient(tiny_model_dir, tmp_path):
     """Same weights, same batch, same loss: TRL's GRPOTrainer and serl's Learner must agree on
     the first step's gradient norm -- the comparison times the same update on both sides."""
     pytest.importorskip("trl")

@@ -180,7 +180,7 @@ def zero_results(tiny_model_dir):
 
 def assert_same_run(a: dict, b: dict, tol: float) -> None:
     assert len(a["losses"]) == len(b["losses"]) == 3
-    for x, y in zip(a["losses"], b["losses"]):
+    for x, y in zip(a["losses"], b["losses"], strict=True):
         assert abs(x - y) <= tol, (a["losses"], b["losses"])
     assert sorted(a["params"]) == sorted(b["params"])
     worst = max((a["params"][k] - b["params"][k]).abs().max().item() for k in a["params"])

@@ -181,7 +181,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, expert_epi
     assert not any(getattr(m, "gradient_checkpointing", False) for m in plain.model.modules())
     a, b = _update(plain, expert_episodes), _update(ckpt, expert_episodes)
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    for (k, p), q in zip(plain.model.state_dict().items(), ckpt.model.state_dict().values()):
+    for (k, p), q in zip(plain.model.state_dict().items(), ckpt.model.state_dict().values(), strict=True):
         assert torch.allclose(p, q, atol=1e-6), k
 
 
@@ -297,5 +297,5 @@ def test_annotate_scores_with_the_teacher_in_bf16(tiny_model_dir, tmp_path):
         rows = [json.loads(line) for line in (run / "annotations.jsonl").read_text().splitlines()]
         scores[dtype] = [x for r in rows for x in (r.get("teacher_logprobs") or [])]
     assert scores["fp32"] and len(scores["fp32"]) == len(scores["bf16"])
-    gap = max(abs(a - b) for a, b in zip(scores["fp32"], scores["bf16"]))
+    gap = max(abs(a - b) for a, b in zip(scores["fp32"], scores["bf16"], strict=True))
     assert 0 < gap < 0.5

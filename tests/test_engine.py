@@ -133,7 +133,7 @@ def test_rescoring_right_padded_batch(runs, hf_models):
     model, tok = hf_models[model_name]
     turns = _turns(runs[run])
     assert len({len(t.prompt_ids) + len(t.action_ids) for t in turns}) > 1  # padding really happens
-    for t, rescored in zip(turns, _score_right_padded(model, tok.pad_token_id, turns, temperature)):
+    for t, rescored in zip(turns, _score_right_padded(model, tok.pad_token_id, turns, temperature), strict=True):
         stored = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
         assert (rescored - stored).abs().max().item() < TOL
 
@@ -213,10 +213,10 @@ def test_batched_greedy_equals_one_by_one(runs, hf_models, model_name):
     prompts = _prompts_of_many_lengths(runs["greedy"], tok)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
     batched = engine.generate(prompts, greedy, seed=0)
-    for prompt, b in zip(prompts, batched):
+    for prompt, b in zip(prompts, batched, strict=True):
         (single,) = engine.generate([prompt], greedy, seed=123)  # greedy: the seed plays no part
         assert b.token_ids == single.token_ids
-        assert max(abs(x - y) for x, y in zip(b.logprobs, single.logprobs)) < TOL
+        assert max(abs(x - y) for x, y in zip(b.logprobs, single.logprobs, strict=True)) < TOL
 
 
 def test_same_seed_same_generations_other_seed_differs(runs, hf_models):
@@ -294,7 +294,7 @@ def test_coupled_rows_draw_the_same_alone_or_in_a_batch(runs, hf_models):
     for k in (0, len(prompts) - 1):
         (alone,) = engine.generate([prompts[k]], sampling, seed=99, row_seeds=[rows[k]])
         assert alone.token_ids == batched[k].token_ids
-        assert max(abs(x - y) for x, y in zip(alone.logprobs, batched[k].logprobs)) < TOL
+        assert max(abs(x - y) for x, y in zip(alone.logprobs, batched[k].logprobs, strict=True)) < TOL
     shifted = engine.generate(prompts, sampling, seed=7, row_seeds=[r + 1 for r in rows])
     assert [g.token_ids for g in shifted] != [g.token_ids for g in batched]
 

@@ -9,13 +9,13 @@ import torch
 
 pytest.importorskip("peft")
 
-from deepspeed_worker import make_episodes, train_config  # noqa: E402
+from deepspeed_worker import make_episodes, train_config
 
-from serl_cli.errors import SerlError  # noqa: E402
-from serl_cli.method.teacher import TeacherSnapshot  # noqa: E402
-from serl_cli.models.loading import load_model  # noqa: E402
-from serl_cli.training.learner import Learner  # noqa: E402
-from serl_cli.training.scoring import ScoreItem, score  # noqa: E402
+from serl_cli.errors import SerlError
+from serl_cli.method.teacher import TeacherSnapshot
+from serl_cli.models.loading import load_model
+from serl_cli.training.learner import Learner
+from serl_cli.training.scoring import ScoreItem, score
 
 BACKENDS = [
     "torch",

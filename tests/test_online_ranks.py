@@ -139,9 +139,12 @@ def test_two_processes_share_the_work_and_equal_one(tiny_model_dir, tmp_path):
         a = [json.loads(x) for x in (one / it / "rollouts.jsonl").read_text().splitlines()]
         b = [json.loads(x) for x in (two / it / "rollouts.jsonl").read_text().splitlines()]
         assert [[t["action_ids"] for t in e["turns"]] for e in a] == [[t["action_ids"] for t in e["turns"]] for e in b]
-        for ea, eb in zip(a, b):
-            for ta, tb in zip(ea["turns"], eb["turns"]):
-                assert max(abs(x - y) for x, y in zip(ta["behaviour_logprobs"], tb["behaviour_logprobs"])) < TOL
+        for ea, eb in zip(a, b, strict=True):
+            for ta, tb in zip(ea["turns"], eb["turns"], strict=True):
+                assert (
+                    max(abs(x - y) for x, y in zip(ta["behaviour_logprobs"], tb["behaviour_logprobs"], strict=True))
+                    < TOL
+                )
 
     # the same evaluation, written by rank 0 alone
     assert (one / "iter_0001" / "episodes.jsonl").read_text() == (two / "iter_0001" / "episodes.jsonl").read_text()
@@ -150,8 +153,8 @@ def test_two_processes_share_the_work_and_equal_one(tiny_model_dir, tmp_path):
     # the same update: the metrics and the weights after each iteration
     ma = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     mb = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
-    assert len(ma) == len(mb) == 2 and all(a.keys() == b.keys() for a, b in zip(ma, mb))
-    for a, b in zip(ma, mb):
+    assert len(ma) == len(mb) == 2 and all(a.keys() == b.keys() for a, b in zip(ma, mb, strict=True))
+    for a, b in zip(ma, mb, strict=True):
         for key, value in a.items():
             if isinstance(value, float):
                 assert abs(value - b[key]) <= TOL, (key, value, b[key])

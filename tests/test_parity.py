@@ -240,7 +240,9 @@ def test_cross_step_grpo_with_the_invalid_penalty_equals_the_authors(std_norm):
     theirs = authors_grpo_cross_steps(rows, std_norm=std_norm)
     assert ours.tolist() == pytest.approx(theirs, abs=1e-5)
     # with the penalty a turn's advantage depends on its own validity, not only its episode's outcome
-    assert any(len({round(a, 6) for a, s in zip(ours.tolist(), samples) if s.episode == e}) > 1 for e in range(12))
+    assert any(
+        len({round(a, 6) for a, s in zip(ours.tolist(), samples, strict=True) if s.episode == e}) > 1 for e in range(12)
+    )
 
 
 def test_faulted_episodes_leave_their_group_statistics():
@@ -251,5 +253,5 @@ def test_faulted_episodes_leave_their_group_statistics():
     without = [s for s in with_fault if not s.faulted]
     for fn in (episode_advantages, cross_step_advantages):
         a, b = fn(with_fault, 1e-6).tolist(), fn(without, 1e-6).tolist()
-        assert [x for x, s in zip(a, with_fault) if not s.faulted] == pytest.approx(b)
-        assert all(x == 0.0 for x, s in zip(a, with_fault) if s.faulted)
+        assert [x for x, s in zip(a, with_fault, strict=True) if not s.faulted] == pytest.approx(b)
+        assert all(x == 0.0 for x, s in zip(a, with_fault, strict=True) if s.faulted)

@@ -210,13 +210,13 @@ def test_serl_annotate_defaults_reweight_exactly_the_turns_with_a_block_on_their
         assert r["selected"] == has_block == (r["hindsight"] is not None)
         assert r["hindsight"] is None or r["hindsight"].startswith("Immediate feedback from the current step:\n")
         parsed = turn.action_text == THINK_AND_ACT
-        inside = tokenizer.decode([i for i, m in zip(turn.action_ids, r["action_mask"]) if m])
+        inside = tokenizer.decode([i for i, m in zip(turn.action_ids, r["action_mask"], strict=True) if m])
         assert ("click[b01]" in inside and "think" not in inside and "red" not in inside) if parsed else inside == ""
         if not (has_block and parsed and r["advantage"] != 0):
             assert r["weights"] is None or all(w == 1.0 for w in r["weights"])
             continue
         assert r["weights"] is not None
-        for w, m in zip(r["weights"], r["action_mask"]):
+        for w, m in zip(r["weights"], r["action_mask"], strict=True):
             assert (w != 1.0) if m else (w == 1.0)  # teacher -1 vs student -2: every action token moves
         reweighted += 1
     assert reweighted >= 2
@@ -260,7 +260,7 @@ def test_weights_are_the_authors_formula_on_action_tokens(run_dir, tokenizer):
             continue
         checked += 1
         expect = (1 - lam) + lam * ((1 + c) if r["advantage"] > 0 else (1 - c))
-        assert [w for w, m in zip(r["weights"], r["action_mask"]) if m] == pytest.approx(
+        assert [w for w, m in zip(r["weights"], r["action_mask"], strict=True) if m] == pytest.approx(
             [expect] * sum(r["action_mask"]), abs=1e-12
         )
     assert checked >= 2 and {r["advantage"] > 0 for r in records if r["weights"]} == {True, False}

@@ -106,7 +106,7 @@ def test_random_matches_feedback_on_scored_turns():
     # feedback's 5 fired turns only 0 and 4 are scored; random must score 2 as well, among scorable turns
     turns = [TurnInfo((0, i), i % 4 == 0, None, has_block=i < 14, scorable=i < 8) for i in range(20)]
     fb = select("feedback", turns)
-    scored_fb = sum(1 for t, s in zip(turns, fb) if s and t.scorable)
+    scored_fb = sum(1 for t, s in zip(turns, fb, strict=True) if s and t.scorable)
     assert scored_fb == 2
     for seed in range(50):
         rnd = select("random", turns, seed=seed)

@@ -120,8 +120,9 @@ def _history(n: int, obs_len: int = 20) -> list[dict]:
     ]
 
 
-def _user(history, cfg=PromptConfig(), observation="PAGE NOW", admissible=("click[buy now]",), instruction="buy a mug"):
-    messages = build_messages(RULES, instruction, history, observation, list(admissible), cfg)
+def _user(history, cfg=None, observation="PAGE NOW", admissible=("click[buy now]",), instruction="buy a mug"):
+    # a fresh default config per call: PromptConfig is mutable, a shared default instance could leak between tests
+    messages = build_messages(RULES, instruction, history, observation, list(admissible), cfg or PromptConfig())
     assert [m["role"] for m in messages] == ["system", "user"]
     return messages[1]["content"]
 

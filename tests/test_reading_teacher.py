@@ -206,8 +206,8 @@ def test_a_perfect_teacher_blames_every_failed_rollouts_off_expert_tokens_more(e
         turn = episodes[r["episode"]].turns[r["turn"]]
         if not turn.expert_action or r["advantage"] == 0:
             continue
-        weights = [w for w, m in zip(r["weights"], r["action_mask"]) if m]
-        assert weights and all(w == 1.0 for w, m in zip(r["weights"], r["action_mask"]) if not m)
+        weights = [w for w, m in zip(r["weights"], r["action_mask"], strict=True) if m]
+        assert weights and all(w == 1.0 for w, m in zip(r["weights"], r["action_mask"], strict=True) if not m)
         on = turn.action == turn.expert_action
         blame = [abs(w * r["advantage"]) for w in weights]  # |w A| against GRPO's |A|
         failed = r["advantage"] < 0

@@ -92,5 +92,5 @@ def test_reference_step_equals_the_pipeline(group, stopping_model_dir, sources, 
     ref = reference_step(policy, teacher, tokenizer, group, acfg)
     ref.backward()
     assert ref.item() == pytest.approx(loss, rel=1e-4, abs=1e-6)
-    for g_pipe, p in zip(grads, policy.parameters()):
+    for g_pipe, p in zip(grads, policy.parameters(), strict=True):
         torch.testing.assert_close(p.grad, g_pipe, rtol=1e-3, atol=1e-6)

@@ -52,7 +52,7 @@ def test_equal_items_are_scored_once_in_cpu_sized_micro_batches(model_and_tokeni
     assert sum(rows for rows, _ in forwards.shapes) == 150  # the 50 repeats were not run again
     assert max(rows * width for rows, width in forwards.shapes) <= CPU_MICRO_BATCH_TOKENS
     assert len(forwards.shapes) > 1
-    for it, lp in zip(batch, got):
+    for it, lp in zip(batch, got, strict=True):
         alone = score(model, tok, [it], 1.0, 16384)[0]
         assert len(lp) == len(it.action_ids)
         assert torch.allclose(torch.tensor(lp), torch.tensor(alone), atol=1e-5)

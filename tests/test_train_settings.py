@@ -267,7 +267,7 @@ def test_faulted_episodes_are_out_of_the_groups_and_the_loss(episodes, stopping_
     assert metrics["mean_abs_advantage"] == pytest.approx(reference["mean_abs_advantage"])
     assert metrics["pg_loss"] == pytest.approx(reference["pg_loss"], rel=1e-5)
     adv = turn_advantages(turn_samples(eps), TrainConfig())
-    assert all(a == 0 for a, s in zip(adv.tolist(), turn_samples(eps)) if s.faulted)
+    assert all(a == 0 for a, s in zip(adv.tolist(), turn_samples(eps), strict=True) if s.faulted)
 
 
 def test_recomputed_pi_old_matches_hf_rollouts_and_reports_the_mismatch(episodes, stopping_model_dir):
@@ -279,8 +279,8 @@ def test_recomputed_pi_old_matches_hf_rollouts_and_reports_the_mismatch(episodes
     metrics = learner.update(eps, 1.0)
     recomputed = [t.behaviour_logprobs for e in eps for t in e.turns]
     assert [t.engine_logprobs for e in eps for t in e.turns] == stored
-    for a, b in zip(recomputed, stored):
-        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    for a, b in zip(recomputed, stored, strict=True):
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
     assert metrics["logp_old_recomputed_turns"] == len(stored)
     assert 0 < metrics["logp_mismatch_max"] < 1e-4 and metrics["logp_mismatch_mean"] <= metrics["logp_mismatch_max"]
     # not recomputed by default on hf rollouts: no such metrics, the stored log-probs stand

@@ -281,7 +281,7 @@ def rescore(model, prompt: list[int], reply: list[int], temperature: float) -> t
 def _worst_gap(model, prompts, gens, temperature) -> float:
     return max(
         (rescore(model, p, g.token_ids, temperature) - torch.tensor(g.logprobs)).abs().max().item()
-        for p, g in zip(prompts, gens)
+        for p, g in zip(prompts, gens, strict=True)
     )
 
 
@@ -440,7 +440,10 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(
     finally:
         fresh_engine.close()
     assert [g.token_ids for g in live] == [g.token_ids for g in fresh]
-    assert max(abs(a - b) for x, y in zip(live, fresh) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
+    assert (
+        max(abs(a - b) for x, y in zip(live, fresh, strict=True) for a, b in zip(x.logprobs, y.logprobs, strict=True))
+        < 1e-5
+    )
     start, _ = load_model(str(tiny_model_dir))  # ... and the update really moved the policy
     assert _worst_gap(start.eval(), prompts, live[: len(prompts)], 1.0) > 1e-2
 

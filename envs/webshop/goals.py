@@ -62,7 +62,7 @@ def build_goals(catalog: Catalog) -> tuple[list[dict], dict[str, float]]:
         upper, price_text = price_bound(prices[product["asin"]], rng)
         names = sorted(product["options"])
         for combination in itertools.product(*(product["options"][n] for n in names)):
-            goal_options = dict(zip(names, combination))
+            goal_options = dict(zip(names, combination, strict=True))
             option_text = ", and ".join(f"{k}: {v}" for k, v in goal_options.items())
             goals.append(
                 {

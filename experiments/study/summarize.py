@@ -95,12 +95,12 @@ def versus_table(rows: list[dict], arm: str) -> str:
     by_arm = {r["arm"]: r for r in rows}
     if arm not in by_arm:
         raise SystemExit(f"error: no arm {arm!r} here (arms: {', '.join(by_arm)})")
-    mine = dict(zip(by_arm[arm]["seeds"], by_arm[arm]["final_score_exact"]))
+    mine = dict(zip(by_arm[arm]["seeds"], by_arm[arm]["final_score_exact"], strict=True))
     lines = [f"| {arm} minus | pairs | Δ score (mean) | 95 % CI | p (paired t) |", "| --- " * 5 + "|"]
     for other in rows:
         if other["arm"] == arm:
             continue
-        theirs = dict(zip(other["seeds"], other["final_score_exact"]))
+        theirs = dict(zip(other["seeds"], other["final_score_exact"], strict=True))
         seeds = sorted(set(mine) & set(theirs))
         diffs = [mine[s] - theirs[s] for s in seeds]
         n, mean = len(diffs), sum(diffs) / max(len(diffs), 1)

@@ -39,7 +39,7 @@ def contrast_rows(data: dict) -> list[dict]:
             )
         rows.append(row)
     for label in CONTRASTED:  # the contrasts are one family per metric
-        for r, adjusted in zip(rows, holm([r[f"p_{label}"] for r in rows])):
+        for r, adjusted in zip(rows, holm([r[f"p_{label}"] for r in rows]), strict=True):
             r[f"p_{label}_holm"] = adjusted
     return rows
 

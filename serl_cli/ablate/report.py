@@ -109,7 +109,8 @@ def curve_auc(points: list[tuple[float, float]]) -> float | None:
         return None
     if len(points) == 1 or points[-1][0] == points[0][0]:
         return points[-1][1]
-    area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(points, points[1:]))
+    # pairwise (each point with the next): points[1:] is one shorter by design
+    area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False))
     return area / (points[-1][0] - points[0][0])
 
 
@@ -257,7 +258,7 @@ def summarize(data: dict) -> list[dict]:
         rows.append(row)
     # the comparisons with the baseline are one family per metric: Holm keeps its error rate at 5 %
     for label in COMPARED:
-        for r, adjusted in zip(rows, holm([r[f"p_{label}"] for r in rows])):
+        for r, adjusted in zip(rows, holm([r[f"p_{label}"] for r in rows]), strict=True):
             r[f"p_{label}_holm"] = adjusted
     return rows
 

@@ -184,7 +184,7 @@ def plot_curves(data: dict, path: Path) -> str | None:
         curves = [c["curve"] for c in arm["cells"].values() if c["curve"]]
         if not curves:
             continue
-        for ax, key in zip(axes, ("success_rate", "mean_reward")):
+        for ax, key in zip(axes[:2], ("success_rate", "mean_reward"), strict=True):
             band(
                 ax,
                 [[p["env_steps"] for p in c] for c in curves],
@@ -200,7 +200,9 @@ def plot_curves(data: dict, path: Path) -> str | None:
         axes[2].set_xlabel("cumulative environment steps")
         axes[2].set_ylabel("test-panel success (evaluations)")
         axes[2].grid(alpha=0.3)
-    for ax, label in zip(axes, ("success rate (training rollouts)", "mean reward (training rollouts)")):
+    for ax, label in zip(
+        axes[:2], ("success rate (training rollouts)", "mean reward (training rollouts)"), strict=True
+    ):
         ax.set_xlabel("cumulative environment steps")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -76,7 +76,7 @@ def collate(samples: list, index: list[int], pad_id: int, per_turn: PerTurn | No
     attn = torch.zeros((len(seqs), width), dtype=torch.long)
     reply_mask = torch.zeros((len(seqs), k), dtype=torch.float32)
     reply_ids = torch.full((len(seqs), k), pad_id, dtype=torch.long)
-    for row, (i, s) in enumerate(zip(index, seqs)):
+    for row, (i, s) in enumerate(zip(index, seqs, strict=True)):
         ids[row, width - len(s) :] = torch.tensor(s)
         attn[row, width - len(s) :] = 1
         a = samples[i].action_ids
@@ -85,7 +85,7 @@ def collate(samples: list, index: list[int], pad_id: int, per_turn: PerTurn | No
     positions = (attn.cumsum(-1) - 1).clamp_min(0)
     mb = MicroBatch(ids, attn, positions, reply_mask, reply_ids, list(index))
     behaviour = [getattr(samples[i], "behaviour_logprobs", None) for i in index]
-    if all(b is not None and len(b) == len(samples[i].action_ids) for b, i in zip(behaviour, index)):
+    if all(b is not None and len(b) == len(samples[i].action_ids) for b, i in zip(behaviour, index, strict=True)):
         mb.logp_old = right_aligned(behaviour, k)
     if per_turn is not None:
         mb.advantages = per_turn.advantages[index]

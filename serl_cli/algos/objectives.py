@@ -78,7 +78,7 @@ def episode_advantages(
     groups = torch.tensor([group_index.setdefault(episodes[e][1], len(group_index)) for e in ep_ids])
     rewards = torch.tensor([episodes[e][0] for e in ep_ids], dtype=torch.float64)
     adv = core.group_advantages(rewards, groups, eps=eps, std_norm=std_norm)
-    by_episode = dict(zip(ep_ids, adv.tolist()))
+    by_episode = dict(zip(ep_ids, adv.tolist(), strict=True))
     return torch.tensor([by_episode.get(s.episode, 0.0) for s in samples], dtype=torch.float32)
 
 
@@ -202,12 +202,15 @@ def _annotated(samples, inputs: UpdateInputs, cfg, *, weights: bool, distill: bo
     prep = PerTurn(advantages=torch.zeros_like(adv) if distill and not weights else adv)
     if weights:
         prep.token_weights = [
-            a["weights"] if a["weights"] is not None else [1.0] * len(s.action_ids) for a, s in zip(ann, samples)
+            a["weights"] if a["weights"] is not None else [1.0] * len(s.action_ids)
+            for a, s in zip(ann, samples, strict=True)
         ]
     if distill or cfg.distill_coef:
-        prep.teacher_logprobs = [a["teacher_logprobs"] or [0.0] * len(s.action_ids) for a, s in zip(ann, samples)]
+        prep.teacher_logprobs = [
+            a["teacher_logprobs"] or [0.0] * len(s.action_ids) for a, s in zip(ann, samples, strict=True)
+        ]
         prep.distill = [bool(a["distill"]) and a["teacher_logprobs"] is not None for a in ann]
-        prep.stats["distill_tokens"] = sum(len(s.action_ids) for s, d in zip(samples, prep.distill) if d)
+        prep.stats["distill_tokens"] = sum(len(s.action_ids) for s, d in zip(samples, prep.distill, strict=True) if d)
     prep.stats.update(_annotation_stats(ann, adv, inputs.annotate_config or {}, inputs.annotate_stats or {}))
     return prep
 
@@ -215,14 +218,14 @@ def _annotated(samples, inputs: UpdateInputs, cfg, *, weights: bool, distill: bo
 def _annotation_stats(ann, adv, acfg: dict, astats: dict) -> dict:
     """Per-update metrics of METHOD.md 6: lambda, selected fraction, weight spread, teacher gap."""
     selected = [a for a in ann if a["selected"]]
-    w = [x for a in ann if a["weights"] for x, m in zip(a["weights"], a["action_mask"]) if m]
+    w = [x for a in ann if a["weights"] for x, m in zip(a["weights"], a["action_mask"], strict=True) if m]
     gaps = [abs(a["log_ratio_mean"]) for a in ann if a["log_ratio_mean"] is not None]
     # the share of the update's advantage mass the weights move: sum |A (w - 1)| / sum |A| over every
     # action token (an unweighted turn counts with w = 1); 0: the update is GRPO's
     moved = total = 0.0
-    for a, turn_adv in zip(ann, adv.tolist()):
+    for a, turn_adv in zip(ann, adv.tolist(), strict=True):
         weights = a["weights"] or [1.0] * len(a["action_mask"])
-        for x, m in zip(weights, a["action_mask"]):
+        for x, m in zip(weights, a["action_mask"], strict=True):
             if m:
                 moved, total = moved + abs(turn_adv) * abs(x - 1.0), total + abs(turn_adv)
     # the teacher signal (method.teacher_signal), where the annotation measured one: `serl plot`'s panel
@@ -290,7 +293,7 @@ def gigpo_prepare(samples, inputs, cfg) -> PerTurn:
         rewards = [t.turn_reward for t in turns]
         if success_reward:  # the authors' reward: success_reward on the winning turn, 0 elsewhere
             rewards = [0.0] * (len(turns) - 1) + [success_reward if turns[-1].success else 0.0]
-        for s, r in zip(turns, gigpo.discounted_returns(rewards, cfg.gamma)):
+        for s, r in zip(turns, gigpo.discounted_returns(rewards, cfg.gamma), strict=True):
             # the penalty comes off the invalid turn's return, after discounting (ray_trainer.py:217-218)
             ret_of[id(s)] = r - penalty if penalty and s.invalid else r
     kept = [i for i, s in enumerate(samples) if not s.faulted]

@@ -193,7 +193,9 @@ def annotate_episodes(
     if need_scores_first:
         to_score = [k for k, r in enumerate(records) if r["hindsight"] is not None]
     else:
-        for r, c in zip(records, placement.select(cfg.placement, turn_infos(), rho=cfg.rho, seed=cfg.seed)):
+        for r, c in zip(
+            records, placement.select(cfg.placement, turn_infos(), rho=cfg.rho, seed=cfg.seed), strict=True
+        ):
             r["selected"] = bool(c)
         to_score = [k for k, r in enumerate(records) if r["selected"] and scorable(r)]
     if not use_teacher:
@@ -203,16 +205,20 @@ def annotate_episodes(
     prompts = teacher_prompts(records, [s.prompt_ids for s in samples], tokenizer, to_score, chat_template_kwargs)
     items = [ScoreItem(prompts[k], samples[k].action_ids, records[k]["group_id"]) for k in to_score]
     scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens) if items else []
-    for k, lp in zip(to_score, scored):
+    for k, lp in zip(to_score, scored, strict=True):
         old = samples[k].behaviour_logprobs
         records[k]["teacher_logprobs"] = lp
         mask = records[k]["action_mask"]
-        diffs = [a - b for a, b, m in zip(lp, old, mask) if m] or [a - b for a, b in zip(lp, old)]
+        diffs = [a - b for a, b, m in zip(lp, old, mask, strict=True) if m] or [
+            a - b for a, b in zip(lp, old, strict=True)
+        ]
         records[k]["log_ratio_mean"] = sum(diffs) / len(diffs) if diffs else 0.0
     teacher_s = time.perf_counter() - t0
 
     if need_scores_first:
-        for r, c in zip(records, placement.select(cfg.placement, turn_infos(), rho=cfg.rho, seed=cfg.seed)):
+        for r, c in zip(
+            records, placement.select(cfg.placement, turn_infos(), rho=cfg.rho, seed=cfg.seed), strict=True
+        ):
             r["selected"] = bool(c)
 
     for k, r in enumerate(records):

@@ -60,7 +60,7 @@ def reference_step(
     # 1. advantages: the sign of every update comes from the task reward alone
     rewards = torch.tensor([ep.reward for ep in group], dtype=torch.float64)
     episode_adv = core.group_advantages(rewards, torch.zeros(len(group), dtype=torch.long), eps=adv_eps)
-    adv = {id(ep): float(a) for ep, a in zip(group, episode_adv)}
+    adv = {id(ep): float(a) for ep, a in zip(group, episode_adv, strict=True)}
 
     # 2. hindsight: what the environment said, rendered for the teacher's context, cut as a whole
     sources = feedback.parse_sources(cfg.sources)
@@ -78,17 +78,17 @@ def reference_step(
     ]
     scorable = [
         text is not None and adv[id(ep)] != 0 and (cfg.tokens == "reply" or any(m))
-        for (ep, _), (text, _, _), m in zip(turns, blocks, masks)
+        for (ep, _), (text, _, _), m in zip(turns, blocks, masks, strict=True)
     ]
     infos = [
         placement.TurnInfo(k, bool(fired), None, text is not None, ok)
-        for k, ((text, _, fired), ok) in enumerate(zip(blocks, scorable))
+        for k, ((text, _, fired), ok) in enumerate(zip(blocks, scorable, strict=True))
     ]
     selected = placement.select(cfg.placement, infos, rho=cfg.rho, seed=cfg.seed)
 
     lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
     pg_terms, reply_tokens = [], 0
-    for (ep, t), (text, _, _), in_s, ok, mask in zip(turns, blocks, selected, scorable, masks):
+    for (ep, t), (text, _, _), in_s, ok, mask in zip(turns, blocks, selected, scorable, masks, strict=True):
         step = ep.turns[t]
         prompt, reply = step.prompt_ids, step.action_ids
         logp_old = torch.tensor(step.behaviour_logprobs, dtype=torch.float64)

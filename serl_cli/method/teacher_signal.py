@@ -161,8 +161,8 @@ def span_logprobs(items: list[tuple[list[int], str]], how: SpanScoring) -> list[
         how.temperature,
         how.micro_batch_tokens,
     )
-    for j, lp in zip(keep, scored):
-        out[j] = [x for x, m in zip(lp, span[items[j][1]]) if m]
+    for j, lp in zip(keep, scored, strict=True):
+        out[j] = [x for x, m in zip(lp, span[items[j][1]], strict=True) if m]
     return out
 
 

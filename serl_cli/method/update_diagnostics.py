@@ -34,16 +34,16 @@ from serl_cli.method.teacher_signal import expert_reply_ids
 
 def weight_figures(records: list[dict], weight_clip: float, lam: float) -> dict:
     """The distribution of the weights on selected action tokens, the fraction at the clip, the mass moved."""
-    w = [x for r in records if r["weights"] for x, m in zip(r["weights"], r["action_mask"]) if m]
+    w = [x for r in records if r["weights"] for x, m in zip(r["weights"], r["action_mask"], strict=True) if m]
     moved = total = 0.0
     for r in records:
-        for x, m in zip(r["weights"] or [1.0] * len(r["action_mask"]), r["action_mask"]):
+        for x, m in zip(r["weights"] or [1.0] * len(r["action_mask"]), r["action_mask"], strict=True):
             if m:
                 moved, total = moved + abs(r["advantage"]) * abs(x - 1.0), total + abs(r["advantage"])
     out = {"weighted_tokens": len(w), "advantage_mass_moved": moved / total if total else 0.0}
     if w:
         q = np.percentile(w, [0, 5, 25, 50, 75, 95, 100]).tolist()
-        out["weight_quantiles"] = dict(zip(("min", "p5", "q1", "median", "q3", "p95", "max"), q))
+        out["weight_quantiles"] = dict(zip(("min", "p5", "q1", "median", "q3", "p95", "max"), q, strict=True))
         out["weight_mean"] = float(np.mean(w))
         bound = lam * weight_clip * (1 - 1e-6)
         out["at_clip_fraction"] = sum(lam > 0 and abs(x - 1.0) >= bound for x in w) / len(w)
@@ -53,7 +53,9 @@ def weight_figures(records: list[dict], weight_clip: float, lam: float) -> dict:
 
 def _flat_grad(loss: torch.Tensor, params: list[torch.nn.Parameter], retain: bool = False) -> torch.Tensor:
     grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=retain)
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)])
+    return torch.cat(
+        [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params, strict=True)]
+    )
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
@@ -69,7 +71,7 @@ def policy_gradients(model, episodes: list[Episode], records: list[dict], temper
     n_tokens = sum(len(t.action_ids) for t in turns)
     grpo = torch.zeros(sum(p.numel() for p in params))
     serl = torch.zeros_like(grpo)
-    for turn, r in zip(turns, records):
+    for turn, r in zip(turns, records, strict=True):
         if not r["advantage"]:
             continue  # no gradient from a zero advantage, weighted or not
         logp = token_logprobs(model, turn.prompt_ids, turn.action_ids, temperature)

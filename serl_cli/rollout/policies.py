@@ -60,7 +60,7 @@ class ExpertPolicy:
         rng = random.Random(self.seed * 1_000_003 + self.calls)
         self.calls += 1
         out = []
-        for step, ctx in zip(steps, contexts):
+        for step, ctx in zip(steps, contexts, strict=True):
             action, off = self._choose(step, ctx.get("episode"), rng)
             out.append(Decision(action=action, text=action, off_expert=off))
         return out
@@ -93,7 +93,7 @@ class RandomPolicy:
 
     def act(self, steps: list[Step], contexts: list[dict]) -> list[Decision]:
         out = []
-        for step, ctx in zip(steps, contexts):
+        for step, ctx in zip(steps, contexts, strict=True):
             choices = [a for a in step.admissible_actions if not a.endswith("[<query>]")]
             if len(choices) < len(step.admissible_actions) or not choices:
                 words = re.findall(r"[a-z0-9']+", ctx.get("instruction", "").lower()) or ["item"]

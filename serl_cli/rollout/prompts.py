@@ -226,7 +226,7 @@ def _probe_end_of_turn(tokenizer) -> int:
             [{"role": "user", "content": "Probe message"}, {"role": "assistant", "content": _REPLY_PROBE}],
             tokenize=False,
         )
-    except Exception:  # noqa: BLE001 - a template that cannot render this conversation: keep eos
+    except Exception:  # a template that cannot render this conversation: keep eos
         return eos
     at = text.rfind(_REPLY_PROBE)
     if at < 0:

@@ -114,7 +114,7 @@ def run_episodes(
                     step = ep.reset(specs[i].task_id)
             except EnvError:
                 raise
-            except Exception as e:  # noqa: BLE001 -- any failure of the environment ends this episode only
+            except Exception as e:  # any failure of the environment ends this episode only
                 _fail(rec, _describe(e))
                 close(i, rec)
                 continue
@@ -139,11 +139,11 @@ def run_episodes(
         ]
         decisions = policy.act([step for _, _, step, _ in live], contexts)
         still_live = []
-        for (i, ep, step, rec), d in zip(live, decisions):
+        for (i, ep, step, rec), d in zip(live, decisions, strict=True):
             try:
                 with time_limit(step_timeout_s):
                     nxt = ep.step(d.action)
-            except Exception as e:  # noqa: BLE001 -- the episode ends with the error; the run goes on
+            except Exception as e:  # the episode ends with the error; the run goes on
                 _fail(rec, _describe(e))
                 close(i, rec)
                 continue

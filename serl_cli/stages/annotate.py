@@ -46,7 +46,8 @@ def journaled_scorer(journal: Path, done: list[dict], progress=None):
         start, first[0] = first[0], first[0] + len(units)
         for u, index in enumerate(units, start):
             if u < len(done):
-                if done[u].get("items") != index:
+                # one log-prob list per item, or the journal was not written by this scorer
+                if done[u].get("items") != index or len(done[u].get("logprobs") or []) != len(index):
                     raise SerlError(
                         f"{journal}: teacher batch {u} covers other turns than this run's: "
                         f"pass --overwrite to annotate from scratch"
@@ -55,7 +56,7 @@ def journaled_scorer(journal: Path, done: list[dict], progress=None):
             else:
                 logprobs = score(model, tokenizer, [items[i] for i in index], temperature, micro_batch_tokens)
                 io.append_journal(journal, {"unit": u, "items": index, "logprobs": logprobs})
-            for i, lp in zip(index, logprobs):
+            for i, lp in zip(index, logprobs, strict=True):
                 out[i] = lp
             finished += len(index)
             if progress is not None:

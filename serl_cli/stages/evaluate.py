@@ -87,7 +87,7 @@ def summarize(records: list[Episode], task_types: list[str | None] | None = None
     }
     if task_types:
         groups: dict[str, list[Episode]] = {}
-        for r, kind in zip(records, task_types):
+        for r, kind in zip(records, task_types, strict=True):
             groups.setdefault(kind or "unknown", []).append(r)
         summary["by_task_type"] = {k: summarize(v) for k, v in sorted(groups.items())}
     return summary

@@ -405,7 +405,7 @@ class Loop:
                     step_timeout_s=ecfg.env.step_timeout_s,
                 )
         log.phase("eval", time.perf_counter() - t0, f"{len(index)} episode(s) of {len(specs)}", episodes=len(index))
-        found = dict(kv for part in self.learner.all_gather(list(zip(index, records))) for kv in part)
+        found = dict(kv for part in self.learner.all_gather(list(zip(index, records, strict=True))) for kv in part)
         if not self.main:
             return {}
         ev = write_eval(ecfg, world, [found[i] for i in range(len(specs))], time.perf_counter() - t0)

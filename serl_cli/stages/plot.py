@@ -78,7 +78,8 @@ def plot_run(run_dir: str, *, x: str = "iteration", out: str | None = None) -> P
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
-    for ax, (title, lines) in zip(axes.flat, panels):
+    # the grid may hold more cells than panels: the spare ones are switched off below
+    for ax, (title, lines) in zip(axes.flat, panels, strict=False):
         for key, (xs, ys) in lines:
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
         ax.set_title(title)

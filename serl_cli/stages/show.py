@@ -179,7 +179,7 @@ def load_tokenizer(manifest: dict):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path) if path.exists() else name), ""
-    except Exception as e:  # noqa: BLE001 -- any failure just means: show numbers instead
+    except Exception as e:  # any failure just means: show numbers instead
         return None, f"cannot load the tokenizer of {name} ({type(e).__name__})"
 
 
@@ -192,7 +192,7 @@ def weight_style(w: float, clip: float) -> str:
 
 def weights_text(action_ids: list[int], weights: list[float], mask: list | None, tokenizer, clip: float) -> Text:
     text = Text()
-    for i, (tid, w) in enumerate(zip(action_ids, weights)):
+    for i, (tid, w) in enumerate(zip(action_ids, weights, strict=True)):
         style = weight_style(w, clip) + (" dim" if mask and i < len(mask) and not mask[i] else "")
         piece = tokenizer.decode([tid]).replace("\n", "⏎") if tokenizer is not None else f"{i}:{w:.3f}"
         text.append(piece, style=style.strip() or None)

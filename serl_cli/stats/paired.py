@@ -11,7 +11,7 @@ def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.
     """Paired t-test of ``a - b``; ``a[i]`` and ``b[i]`` must belong together (same seed)."""
     if len(a) != len(b):
         raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
-    d = [float(x) - float(y) for x, y in zip(a, b)]
+    d = [float(x) - float(y) for x, y in zip(a, b, strict=True)]
     n = len(d)
     out = {"n": n, "mean_diff": mean(d), "std_diff": std(d), "ci95": t_interval(d, confidence), "t": None, "p": None}
     if n < 2 or not out["std_diff"]:
@@ -25,7 +25,7 @@ def wilcoxon_signed_rank(a: Sequence[float], b: Sequence[float], min_n: int = 6)
     """Two-sided Wilcoxon signed-rank test of ``a - b``; None below ``min_n`` pairs or all-zero differences."""
     if len(a) != len(b):
         raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
-    d = [float(x) - float(y) for x, y in zip(a, b)]
+    d = [float(x) - float(y) for x, y in zip(a, b, strict=True)]
     if len(d) < min_n or all(x == 0 for x in d):
         return None
     res = scipy_stats().wilcoxon(d)

@@ -146,7 +146,9 @@ def load_scheduler(scheduler, state: dict) -> None:
     if "lr_scheduler" in state:
         scheduler.load_state_dict(state["lr_scheduler"])
         return
-    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+    for group, base, factor in zip(
+        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
         group["lr"] = base * factor(0)
 
 

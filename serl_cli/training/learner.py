@@ -195,8 +195,8 @@ class Learner:
         items = [ScoreItem(t.prompt_ids, t.action_ids, group) for group, t in owned]
         new = self.scorer(self.model, self.tokenizer, items, temperature, self.cfg.optim.micro_batch_tokens)
         total, worst, count = 0.0, 0.0, 0
-        for t, lp in zip(turns, new):
-            deltas = [abs(a - b) for a, b in zip(lp, t.behaviour_logprobs)]
+        for t, lp in zip(turns, new, strict=True):
+            deltas = [abs(a - b) for a, b in zip(lp, t.behaviour_logprobs, strict=True)]
             total, count = total + sum(deltas), count + len(deltas)
             worst = max([worst, *deltas])
             t.engine_logprobs, t.behaviour_logprobs = t.behaviour_logprobs, lp
@@ -385,7 +385,9 @@ def _check_annotated_advantages(
     )
     if not torch.allclose(used, expected, rtol=0, atol=1e-6):
         raise SerlError(f"--algo {cfg.algo} does not compute its advantages with {settings} (docs/PARITY.md)")
-    for a, adv in zip(annotations or [], expected.tolist()):
+    if annotations is None:
+        return
+    for a, adv in zip(annotations, expected.tolist(), strict=True):
         if a["weights"] is not None and a["advantage"] * adv < 0:
             raise SerlError(
                 f"the annotations' weights were signed by advantages computed without {settings}: "

@@ -31,7 +31,7 @@ def kill_during(
         code = 0
         try:
             work()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             traceback.print_exc()
             code = 1
         os._exit(code)
@@ -136,7 +136,7 @@ def run_with_file_size_limit(work: Callable[[], int], limit: int, stderr_path: P
             sys.stderr = open(2, "w", closefd=False)
             file_size_limit(limit)()
             code = work()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             traceback.print_exc()
         finally:
             sys.stderr.flush()

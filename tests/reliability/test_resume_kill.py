@@ -156,11 +156,11 @@ def test_annotate_resumes_identical_after_sigkill(reference_rollout, reference_a
     for n, point in enumerate(points):
         run = copy_run(reference_rollout[0], tmp_path / f"a{n}")
         when = (
-            (lambda: lines(run / AJ) >= 1 + point)
+            (lambda run=run, point=point: lines(run / AJ) >= 1 + point)
             if point is not None
-            else (lambda: (run / "annotations.jsonl").exists())
+            else (lambda run=run: (run / "annotations.jsonl").exists())
         )
-        assert kill_during(lambda: run_annotate(str(run), annotate_cfg()), when, delay=rng.uniform(0, 0.05))
+        assert kill_during(lambda run=run: run_annotate(str(run), annotate_cfg()), when, delay=rng.uniform(0, 0.05))
         todo = 0 if stage_status(run, "annotate") == "done" else units - max(lines(run / AJ) - 1, 0)
         with units_written() as scored:
             run_annotate(str(run), annotate_cfg(), resume=True)
@@ -233,8 +233,8 @@ def test_single_update_resumes_identical_after_sigkill(expert_run, reference_upd
     points = [rng.uniform(0.1, 0.9) * duration for _ in range(3)] + [None]
     for n, point in enumerate(points):
         run = copy_run(expert_run, tmp_path / f"t{n}")
-        when = (lambda: True) if point is not None else (lambda: (run / "checkpoint" / "config.json").exists())
-        kill_during(lambda: train_on_run(str(run), train_cfg()), when, delay=point or 0.0)
+        when = (lambda: True) if point is not None else (lambda run=run: (run / "checkpoint" / "config.json").exists())
+        kill_during(lambda run=run: train_on_run(str(run), train_cfg()), when, delay=point or 0.0)
         train_on_run(str(run), train_cfg(), resume=True)
         assert same_weights(run / "checkpoint", ref / "checkpoint"), f"kill at {point}"
         assert (run / "metrics.jsonl").read_bytes() == (ref / "metrics.jsonl").read_bytes()
@@ -290,8 +290,8 @@ def test_online_loop_resumes_identical_after_sigkill(tiny_model_dir, reference_o
         out = tmp_path / name
         # iteration 0 is killed before its metrics line is written (see the xfail below); the rest anywhere
         assert kill_during(
-            lambda: run_online(online_cfg(tiny_model_dir, out)),
-            lambda: point(out),
+            lambda out=out: run_online(online_cfg(tiny_model_dir, out)),
+            lambda point=point, out=out: point(out),
             delay=0.0 if name == "it0" else rng.uniform(0, 0.3),
         )
         run_online(online_cfg(tiny_model_dir, out), resume=True)
@@ -371,7 +371,9 @@ def test_ablate_cell_resumes_identical_after_sigkill(grid_record, reference_cell
         ab_record.write_grid(out, grid_record)
         d = ab_cells.cell_dir(out, grid_record["cells"][0])
         assert kill_during(
-            lambda: ab_cells.run_cell(grid_record, out, 0, log=lambda m: None), lambda: point(d), delay=delay
+            lambda out=out: ab_cells.run_cell(grid_record, out, 0, log=lambda m: None),
+            lambda point=point, d=d: point(d),
+            delay=delay,
         )
         assert name == "eval" or not ab_cells.is_done(out, grid_record["cells"][0])
         assert ab_cells.run_cell(grid_record, out, 0, log=lambda m: None) == "done"

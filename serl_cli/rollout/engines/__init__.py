@@ -78,7 +78,7 @@ class ModelPolicy:
 
     def prompts(self, steps: list[Step], contexts: list[dict]) -> list[list[int]]:
         out = []
-        for step, ctx in zip(steps, contexts):
+        for step, ctx in zip(steps, contexts, strict=True):
             history = [{"observation": t.observation, "action": t.action} for t in ctx["turns"]]
             if self.prompt.style == "authors":
                 messages = authors_messages(
@@ -115,7 +115,7 @@ class ModelPolicy:
             gens = self.engine.generate(prompt_ids, self.sampling, seed=seed)
         self.calls += 1
         decisions = []
-        for ids, gen, ctx in zip(prompt_ids, gens, contexts):
+        for ids, gen, ctx in zip(prompt_ids, gens, contexts, strict=True):
             text = self.engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             invalid = None
             if self.prompt.style == "authors":  # their projection: the action, and whether the reply is invalid
@@ -161,7 +161,7 @@ class TokenizedExpertPolicy:
         prompt_ids = self._prompter.prompts(steps, contexts)
         out = []
         bare = self.prompt.bare_replies
-        for ids, d in zip(prompt_ids, self.expert.act(steps, contexts)):
+        for ids, d in zip(prompt_ids, self.expert.act(steps, contexts), strict=True):
             out.append(
                 Decision(
                     action=d.action,

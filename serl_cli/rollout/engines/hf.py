@@ -56,7 +56,7 @@ class HFEngine:
         new_tokens = out.sequences[:, width:]
         logprobs = recorder.finish(out.sequences)
         gens = []
-        for row, lp in zip(new_tokens.tolist(), logprobs.tolist()):
+        for row, lp in zip(new_tokens.tolist(), logprobs.tolist(), strict=True):
             stops = [i for i, t in enumerate(row) if t in self.stop_ids]
             n = stops[0] + 1 if stops else len(row)  # keep the stop token: the policy learns to end its turn
             gens.append(Generation(token_ids=row[:n], logprobs=lp[:n]))

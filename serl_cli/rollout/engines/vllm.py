@@ -248,7 +248,9 @@ class VLLMEngine:
         for out in outputs:  # in prompt order
             sample = out.outputs[0]
             ids = list(sample.token_ids)
-            gens.append(Generation(token_ids=ids, logprobs=[lp[t].logprob for t, lp in zip(ids, sample.logprobs)]))
+            gens.append(
+                Generation(token_ids=ids, logprobs=[lp[t].logprob for t, lp in zip(ids, sample.logprobs, strict=True)])
+            )
         return gens
 
     def load_weights(self, checkpoint_dir: str | Path) -> None:

@@ -247,3 +247,14 @@ def test_online_run_with_tis_writes_the_mismatch_metrics(stopping_model_dir, tmp
     assert abs(m["logp_mismatch_k1"]) < 1e-5 and 0 <= m["logp_mismatch_k3"] < 1e-8
     assert m["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert m["is_clipped_frac"] == 0.0 and m["is_masked_frac"] == 0.0
+
+
+def test_plot_draws_the_mismatch_and_weight_panels_only_when_logged():
+    from serl_cli.stages.plot import drawn_panels
+
+    plain = [{"iteration": i, "loss": 1.0} for i in range(3)]
+    corrected = [{**r, "logp_mismatch_k1": 0.01, "logp_mismatch_k3": 1e-4, "is_weight_mean": 1.0} for r in plain]
+    assert [t for t, _ in drawn_panels(plain, "iteration")] == ["loss"]
+    panels = dict(drawn_panels(corrected, "iteration"))
+    assert [k for k, _ in panels["engine mismatch"]] == ["logp_mismatch_k1", "logp_mismatch_k3"]
+    assert [k for k, _ in panels["off-policy weights"]] == ["is_weight_mean"]

@@ -212,7 +212,8 @@ def test_the_weight_reaches_the_update(episodes, stopping_model_dir):
             t.behaviour_logprobs = [x - 0.05 for x in t.behaviour_logprobs]
 
     def update(**offpolicy):
-        cfg = TrainConfig(optim=OptimConfig(lr=0.0), threads=1, offpolicy=OffPolicyConfig(**offpolicy))
+        # on the CPU in fp32 wherever the suite runs: the trainer's numerics are then the hf engine's
+        cfg = TrainConfig(device="cpu", optim=OptimConfig(lr=0.0), threads=1, offpolicy=OffPolicyConfig(**offpolicy))
         return Learner(str(stopping_model_dir), cfg).update(copy.deepcopy(skewed), 1.0, engine="vllm")
 
     plain, tis = update(correction="none"), update(correction="tis")
@@ -237,9 +238,8 @@ def test_online_run_with_tis_writes_the_mismatch_metrics(stopping_model_dir, tmp
     cfg.model, cfg.iterations, cfg.out = str(stopping_model_dir), 1, str(tmp_path / "run")
     cfg.rollout.tasks, cfg.rollout.group_size, cfg.rollout.threads = 1, 2, 1
     cfg.rollout.sampling.max_new_tokens = 8
-    cfg.train = TrainConfig(
-        algo="grpo", threads=1, optim=OptimConfig(lr=0.0), offpolicy=OffPolicyConfig(correction="tis")
-    )
+    tis = OffPolicyConfig(correction="tis")
+    cfg.train = TrainConfig(algo="grpo", device="cpu", threads=1, optim=OptimConfig(lr=0.0), offpolicy=tis)
     run_online(cfg)
     m = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert m["logp_old_recomputed_turns"] == m["turns"]

@@ -23,6 +23,7 @@ class PerTurn:
     token_weights: list[list[float]] | None = None  # per reply token: SERL weights (1 off the action span)
     teacher_logprobs: list[list[float]] | None = None  # per reply token: log pi_T, for the distillation term
     distill: list[bool] | None = None  # turns whose tokens carry the distillation term
+    is_weights: list[list[float]] | None = None  # per reply token: the off-policy correction's weight (train.offpolicy)
     stats: dict = field(default_factory=dict)  # per-update metrics
 
 
@@ -39,6 +40,7 @@ class MicroBatch:
     weights: torch.Tensor | None = None  # [B, K] token weights, 1 on padding; None: all 1 (GRPO)
     logp_teacher: torch.Tensor | None = None  # [B, K]
     distill: torch.Tensor | None = None  # [B] bool: the row carries the distillation term
+    is_weights: torch.Tensor | None = None  # [B, K] off-policy correction weights, 1 on padding; None: no correction
     entropy: torch.Tensor | None = None  # [B, K] the current policy's entropy per reply token, set by the
     #                                      forward pass only when train.entropy_coef > 0 (training.step.forward)
 
@@ -93,6 +95,8 @@ def collate(samples: list, index: list[int], pad_id: int, per_turn: PerTurn | No
             mb.weights = right_aligned([per_turn.token_weights[i] for i in index], k, pad=1.0)
         if per_turn.teacher_logprobs is not None:
             mb.logp_teacher = right_aligned([per_turn.teacher_logprobs[i] for i in index], k)
+        if per_turn.is_weights is not None:
+            mb.is_weights = right_aligned([per_turn.is_weights[i] for i in index], k, pad=1.0)
         if per_turn.distill is not None:
             mb.distill = torch.tensor([per_turn.distill[i] for i in index], dtype=torch.bool)
     return mb

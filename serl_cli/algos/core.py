@@ -60,6 +60,79 @@ def kl_k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
+def offpolicy_weights(
+    logp_prox: Tensor,
+    logp_behav: Tensor,
+    mask: Tensor,
+    correction: str,
+    level: str = "token",
+    *,
+    episode_ids: Tensor | None = None,
+    tis_cap: float = 2.0,
+    mis_low: float = 0.5,
+    mis_high: float = 2.0,
+) -> tuple[Tensor, dict]:
+    """Importance weights pi_prox / pi_behav for the policy-gradient term, and their statistics.
+
+    pi_prox is the trainer's own log-prob of each reply token (the recomputed pi_old the PPO
+    ratio is taken against), pi_behav the rollout engine's (vLLM's, or a bf16 decode's): the
+    weight corrects for the tokens having been sampled from pi_behav (decoupled PPO). Shapes
+    [B, T], one row per turn; ``episode_ids`` [B] says which rows are one episode (``level``
+    episode). The log-ratio of a unit is its tokens' summed log-ratio (the product of their
+    ratios, SkyRL's sequence level), ``token``: each token alone, ``turn``: a row, ``episode``:
+    every row of the episode; each token of a unit gets the unit's weight.
+
+    correction: ``tis`` w = min(ratio, tis_cap) (truncated IS: verl's token TIS, slime's
+    --use-tis); ``mis`` w = ratio inside [mis_low, mis_high], else 0 (masked IS, "icepop"):
+    a masked token stays in the loss's token count, it only carries no gradient; ``none``
+    w = 1. Weights are constants (no gradient), 1 off the mask.
+
+    Stats over the masked tokens: the mismatch as k1 and k3 estimates of KL(pi_behav ||
+    pi_prox) (the samples are pi_behav's), the mean weight, and the fraction of tokens the
+    TIS cap clipped or MIS masked.
+    """
+    if correction not in ("none", "tis", "mis"):
+        raise ValueError(f"unknown off-policy correction {correction!r}")
+    m = mask.bool()
+    # float64: a turn's or an episode's sum of hundreds of log-ratios keeps its digits
+    log_ratio = _zero_outside(logp_prox.detach().double() - logp_behav.detach().double(), m)
+    if level == "token":
+        unit = log_ratio
+    elif level == "turn":
+        unit = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    elif level == "episode":
+        if episode_ids is None:
+            raise ValueError("episode-level correction needs episode_ids")
+        _, inv = torch.unique(episode_ids, return_inverse=True)
+        per_episode = torch.zeros(int(inv.max()) + 1 if inv.numel() else 0, dtype=log_ratio.dtype)
+        per_episode.index_add_(0, inv, log_ratio.sum(-1))
+        unit = per_episode[inv].unsqueeze(-1).expand_as(log_ratio)
+    else:
+        raise ValueError(f"unknown off-policy correction level {level!r}")
+    ratio = torch.exp(unit)
+    clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    masked = torch.zeros_like(ratio, dtype=torch.bool)
+    if correction == "tis":
+        clipped = ratio > tis_cap
+        w = torch.clamp(ratio, max=tis_cap)
+    elif correction == "mis":
+        masked = (ratio < mis_low) | (ratio > mis_high)
+        w = torch.where(masked, torch.zeros_like(ratio), ratio)
+    else:
+        w = torch.ones_like(ratio)
+    w = torch.where(m, w, torch.ones_like(w)).to(logp_prox.dtype)
+    f = mask.to(torch.float64)
+    stats = {
+        "logp_mismatch_k1": masked_mean(-log_ratio, f).item(),
+        # kl_k3(logp, logp_ref) estimates KL(pi || ref) from pi's samples: pi = behav, ref = prox
+        "logp_mismatch_k3": masked_mean(kl_k3(torch.zeros_like(log_ratio), log_ratio), f).item(),
+        "is_weight_mean": masked_mean(w.double(), f).item(),
+        "is_clipped_frac": masked_mean(clipped.double(), f).item(),
+        "is_masked_frac": masked_mean(masked.double(), f).item(),
+    }
+    return w.detach(), stats
+
+
 def ppo_clip_loss(
     logp: Tensor,
     logp_old: Tensor,
@@ -69,6 +142,7 @@ def ppo_clip_loss(
     clip_eps: float = 0.2,
     num_tokens: float | None = None,
     dual_clip: float = 0.0,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict]:
     """Token-level PPO clip on the reweighted advantage w * A (METHOD.md section 6).
 
@@ -81,6 +155,10 @@ def ppo_clip_loss(
     dual_clip c > 1 (Ye et al. 2019, arXiv 1912.09729; verl's ``clip_ratio_c``, 3.0 in the
     authors' runs): where w A < 0 the per-token loss is also capped at -c w A, so a ratio
     far above 1 on a penalized token cannot blow the loss up. 0 (default) = off.
+
+    is_weights: [B, T] off-policy correction weights (:func:`offpolicy_weights`, constants)
+    multiplying each token's clipped term, after the dual clip; None: no correction, and no
+    multiplication at all, so the loss is bit for bit what it was without the option.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
@@ -97,6 +175,8 @@ def ppo_clip_loss(
         capped = torch.minimum(per_token, -dual_clip * wa)
         lower = ((wa < 0) & (capped < per_token)).to(logp.dtype)
         per_token = torch.where(wa < 0, capped, per_token)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
     loss = masked_sum(per_token, mask) / n
     with torch.no_grad():
         # The clipped branch binds where it is strictly smaller: A>0 and r>1+eps, or
@@ -130,6 +210,7 @@ def policy_loss(
     dual_clip: float = 0.0,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict]:
     """The one loss every algorithm trains on:
 
@@ -147,8 +228,9 @@ def policy_loss(
     dual_clip: see ppo_clip_loss. entropy: [B, T] the policy's entropy at each reply
     position (differentiable), needed only when entropy_coef > 0; its term has the PPO
     term's normalizer (the authors' token-mean, verl dp_actor.py:564-568).
+    is_weights: the off-policy correction (see ppo_clip_loss); it weights the PPO term only.
     """
-    pg, stats = ppo_clip_loss(logp, logp_old, advantages, weights, mask, clip_eps, num_tokens, dual_clip)
+    pg, stats = ppo_clip_loss(logp, logp_old, advantages, weights, mask, clip_eps, num_tokens, dual_clip, is_weights)
     loss = pg
     stats["pg_loss"] = pg.item()
     if entropy_coef:

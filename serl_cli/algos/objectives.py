@@ -169,6 +169,7 @@ def policy_gradient_loss(
         dual_clip=cfg.dual_clip,
         entropy=mb.entropy,
         entropy_coef=cfg.entropy_coef,
+        is_weights=mb.is_weights,
     )
 
 

@@ -68,6 +68,7 @@ class TurnSample:
     invalid: bool = False  # the action was invalid (Turn.invalid_action): the invalid-action penalty's target
     faulted: bool = False  # the episode was ended by an environment fault (crash, timeout): it teaches nothing
     observation: str = ""  # the raw observation the turn acted on (GiGPO's anchor key train.gigpo_anchor observation)
+    engine_logprobs: list[float] | None = None  # the engine's log-probs (pi_behav) where the trainer recomputed pi_old
 
 
 def turn_samples(episodes: list[Episode]) -> list[TurnSample]:
@@ -90,6 +91,7 @@ def turn_samples(episodes: list[Episode]) -> list[TurnSample]:
                     invalid=t.invalid_action,
                     faulted=bool(ep.error),
                     observation=t.observation,
+                    engine_logprobs=t.engine_logprobs,
                 )
             )
     return out

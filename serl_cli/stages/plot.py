@@ -2,9 +2,10 @@
 
 Reads ``RUN/metrics.jsonl`` (one record per update: the online loop's, or a single
 update's) and draws one panel per quantity that the run logged -- reward, success, loss,
-KL to the reference, clip fraction, SERL weight statistics, the teacher signal (an annotated
-update's ``teacher_right_direction`` and ``teacher_expert_prob_gain``, where its turns had an
-expert action: ``method.teacher_signal``), periodic evaluation -- against iterations or
+KL to the reference, clip fraction, the rollout engine's mismatch with the trainer and the
+off-policy correction's weights (``train.offpolicy``), SERL weight statistics, the teacher
+signal (an annotated update's ``teacher_right_direction`` and ``teacher_expert_prob_gain``,
+where its turns had an expert action: ``method.teacher_signal``), periodic evaluation -- against iterations or
 environment steps. A panel whose metric the run never logged is left out, so a GRPO run has
 no weight panel. matplotlib is an optional extra (``serl[plots]``).
 """
@@ -23,6 +24,9 @@ PANELS = [
     ("loss", ["loss", "pg_loss"]),
     ("KL", ["kl_ref", "approx_kl"]),  # k3 to the reference; PPO's approx KL to the behaviour policy
     ("clip fraction", ["clip_frac"]),
+    # the rollout engine against the trainer (train.recompute_logp_old) and the off-policy correction's weights
+    ("engine mismatch", ["logp_mismatch_k1", "logp_mismatch_k3"]),
+    ("off-policy weights", ["is_weight_mean", "is_clipped_frac", "is_masked_frac"]),
     ("SERL weights", ["weight_mean", "weight_min", "weight_max"]),
     ("|advantage|", ["mean_abs_advantage"]),
     ("teacher signal", ["teacher_right_direction", "teacher_expert_prob_gain"]),

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from serl_cli.algos.batch import make_micro_batches, micro_batch_groups
+from serl_cli.algos import core
+from serl_cli.algos.batch import make_micro_batches, micro_batch_groups, right_aligned
 from serl_cli.algos.objectives import UpdateInputs, default_advantages, get_objective, turn_advantages
 from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Episode
@@ -32,7 +33,7 @@ from serl_cli.training.backends import make_backend
 from serl_cli.training.checkpoint import commit_dir, frozen_copy, write_policy
 from serl_cli.training.scoring import ScoreItem, score
 from serl_cli.training.step import action_logprobs
-from serl_cli.training.train_config import TrainConfig, check_train_config, recompute_enabled
+from serl_cli.training.train_config import TrainConfig, check_train_config, recompute_enabled, resolve_correction
 from serl_cli.training.update_report import Ticker, episode_stats, mean_step_stats
 
 
@@ -45,6 +46,38 @@ def training_episodes(episodes: list[Episode], cfg: TrainConfig, run: Path) -> l
     if not kept:
         raise SerlError(f"{run} holds no successful episode to clone (train.sft_successful_only is on)")
     return kept
+
+
+def offpolicy_correction(samples: list, cfg: TrainConfig) -> tuple[list[list[float]] | None, dict]:
+    """The off-policy correction of an update's turns (``train.offpolicy``): each turn's per-token
+    weights pi_prox / pi_behav (None: no correction) and the mismatch statistics, over every
+    turn the trainer recomputed pi_old of (no statistics where it recomputed none: a run
+    without the recompute logs what it always did)."""
+    correction, level = resolve_correction(cfg.offpolicy)  # staleness 0: every serl loop is synchronous
+    recomputed = [s.engine_logprobs is not None and len(s.engine_logprobs) == len(s.action_ids) for s in samples]
+    if not any(recomputed):
+        if correction != "none" and samples:
+            raise SerlError(
+                f"train.offpolicy.correction {correction} needs the trainer's recomputed pi_old, and these turns "
+                "have none: set train.recompute_logp_old to true"
+            )
+        return None, {}
+    if correction != "none" and not all(recomputed):
+        raise SerlError(f"train.offpolicy.correction {correction}: some turns' pi_old was not recomputed")
+    rows = [i for i, ok in enumerate(recomputed) if ok]
+    k = max(len(samples[i].action_ids) for i in rows)
+    prox = right_aligned([samples[i].behaviour_logprobs for i in rows], k)
+    behav = right_aligned([samples[i].engine_logprobs for i in rows], k)
+    mask = right_aligned([[1.0] * len(samples[i].action_ids) for i in rows], k)
+    episodes = torch.tensor([samples[i].episode for i in rows])
+    op = cfg.offpolicy
+    bounds = {"tis_cap": op.tis_cap, "mis_low": op.mis_low, "mis_high": op.mis_high}
+    weights, stats = core.offpolicy_weights(prox, behav, mask, correction, level, episode_ids=episodes, **bounds)
+    mismatch = {key: stats[key] for key in ("logp_mismatch_k1", "logp_mismatch_k3")}
+    if correction == "none":
+        return None, mismatch
+    per_turn = [weights[r, k - len(samples[i].action_ids) :].tolist() for r, i in enumerate(rows)]
+    return per_turn, stats
 
 
 def load_policy(
@@ -244,6 +277,9 @@ class Learner:
         meta = annotate_meta or {}
         inputs = UpdateInputs(episodes, annotations, meta.get("config"), meta.get("stats"))
         prepared = objective.prepare(samples, inputs, cfg)
+        offpolicy = {}
+        if objective.uses_behaviour_logprobs:
+            prepared.is_weights, offpolicy = offpolicy_correction(samples, cfg)
         if prepared.token_weights is not None and not default_advantages(cfg):
             _check_annotated_advantages(prepared.advantages, annotations, turn_advantages(samples, cfg), cfg)
         num_tokens = float(sum(len(s.action_ids) for s in samples))
@@ -303,6 +339,7 @@ class Learner:
         metrics.update(prepared.stats)
         metrics.update(episode_stats(episodes))
         metrics.update(recomputed)
+        metrics.update(offpolicy)
         metrics["timing"] = {
             "update_s": round(wall, 4),
             "action_tokens_per_s": round(num_tokens * cfg.epochs / wall, 2) if wall else 0.0,

@@ -25,6 +25,8 @@ BACKENDS = get_args(Backend)
 LoraSave = Literal["merged", "adapter"]
 SAVE_MODES = get_args(LoraSave)
 Schedule = Literal["constant", "linear", "cosine"]  # training.step.lr_factor
+Correction = Literal["auto", "none", "tis", "mis"]  # algos.core.offpolicy_weights, after resolve_correction
+CorrectionLevel = Literal["token", "turn", "episode"]
 
 
 @dataclass
@@ -58,6 +60,26 @@ class LoraConfig:
     )
     dropout: float = setting(0.0, "dropout on the adapters' input")
     save: LoraSave = setting("merged", "checkpoints: merged (a plain HF model) | adapter (the adapter alone)")
+
+
+@dataclass
+class OffPolicyConfig:
+    correction: Correction = setting(
+        "auto",
+        "weight each token's policy-gradient term by pi_prox / pi_behav (the trainer's recomputed pi_old over the "
+        "rollout engine's log-prob), detached: none | tis (truncated: min(ratio, tis_cap)) | mis (masked: the ratio "
+        "inside [mis_low, mis_high], else 0; masked tokens stay in the token count) | auto (none while rollouts are "
+        "on-policy, staleness 0, as every serl loop is today; tis once stale). tis, mis need the "
+        "recompute: train.recompute_logp_old null turns it on, false is refused",
+    )
+    level: CorrectionLevel = setting(
+        "token",
+        "what one ratio covers: token | turn (the product of the turn's token ratios, exp of their summed "
+        "log-ratio) | episode (the product over all its turns' tokens)",
+    )
+    tis_cap: float = setting(2.0, "tis: the weight's upper bound (verl's token TIS: 2.0; SkyRL's sequence level: 5.0)")
+    mis_low: float = setting(0.5, "mis: ratios below this are masked out (icepop: 0.5)")
+    mis_high: float = setting(2.0, "mis: ratios above this are masked out (icepop: 2.0)")
 
 
 @dataclass
@@ -144,6 +166,10 @@ class TrainConfig:
         "rollouts came from an engine other than hf (vLLM's numerics differ from the trainer's) or from hf in "
         "half precision (a KV-cached bf16 decode rounds otherwise than the trainer's forward), true, false",
     )
+    offpolicy: OffPolicyConfig = setting(
+        factory=OffPolicyConfig,
+        doc="off-policy correction of the rollout engine's log-probs against the trainer's (docs/ALGORITHMS.md)",
+    )
     sft_successful_only: bool = setting(False, "sft: clone successful episodes only (filtered behaviour cloning)")
     seed: int = setting(0, "the update's seed (the online loop: the run's seed)")
     threads: int | None = setting(None, "torch threads; null: all cores (the online loop: every stage's)")
@@ -205,6 +231,40 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
     if not (_number(cfg.dist_timeout_s) and cfg.dist_timeout_s > 0):
         raise SerlError(f"train.dist_timeout_s must be positive (seconds), got {cfg.dist_timeout_s}")
     _check_optim(cfg.optim)
+    _check_offpolicy(cfg)
+
+
+def _check_offpolicy(cfg: TrainConfig) -> None:
+    """The correction's bounds, and what it needs: the trainer's pi_prox (the recompute) and
+    behaviour log-probs at all (not sft). ``auto`` is checked where it resolves to a correction."""
+    op = cfg.offpolicy
+    if not (_number(op.tis_cap) and op.tis_cap >= 1):
+        raise SerlError(f"train.offpolicy.tis_cap must be a number of at least 1, got {op.tis_cap}")
+    if not (_number(op.mis_low) and _number(op.mis_high) and 0 <= op.mis_low <= 1 <= op.mis_high):
+        raise SerlError(
+            f"train.offpolicy.mis_low and mis_high must bracket 1 (0 <= low <= 1 <= high), got "
+            f"[{op.mis_low}, {op.mis_high}]"
+        )
+    if op.correction not in ("tis", "mis"):
+        return
+    if cfg.recompute_logp_old is False:
+        raise SerlError(
+            f"train.offpolicy.correction {op.correction} weighs by the trainer's recomputed pi_old: "
+            "set train.recompute_logp_old to null or true"
+        )
+    if not objective(cfg.algo).uses_behaviour_logprobs:
+        raise SerlError(
+            f"train.offpolicy.correction {op.correction} needs behaviour log-probs: --algo {cfg.algo} has none"
+        )
+
+
+def resolve_correction(cfg: OffPolicyConfig, staleness: int = 0) -> tuple[str, str]:
+    """``(correction, level)`` an update applies, for rollouts ``staleness`` policy versions old
+    (every serl loop is synchronous today: 0). ``auto``: none on-policy, TIS once stale (an
+    asynchronous loop's default), at ``cfg.level`` (token by default); the other words stand."""
+    if cfg.correction != "auto":
+        return cfg.correction, cfg.level
+    return ("tis" if staleness > 0 else "none"), cfg.level
 
 
 def _check_optim(optim: OptimConfig) -> None:
@@ -249,9 +309,12 @@ def recompute_enabled(cfg: TrainConfig, engine: str | None, rollout_half: bool |
     precision (a KV-cached bf16 decode and the trainer's full forward round differently).
     ``rollout_half``: whether the rollouts ran in half precision; None: they ran with the
     trainer's own model in its precision (the online loop's hf engine). ``engine`` None: the
-    log-probs' source is unknown, and they stand."""
+    log-probs' source is unknown, and they stand. An off-policy correction (tis, mis) turns
+    the null setting on: its weight is the trainer's log-prob over the engine's."""
     if cfg.recompute_logp_old is not None:
         return bool(cfg.recompute_logp_old)
+    if resolve_correction(cfg.offpolicy)[0] != "none":  # the correction's pi_prox is the recompute
+        return True
     if engine is None:
         return False
     if engine != "hf":

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"expert data: {expert.summary['episodes']} episodes, {expert.summary['turns']} turns")
 
     sft = api.train(
-        expert.path,
+        expert,  # a Run goes wherever a path does
         api.TrainConfig(
             algo="sft",
             epochs=1,

@@ -231,9 +231,10 @@ def annotate(
     train, cfg = prepare_annotation(cfg or AnnotateConfig(), train or TrainConfig(algo="serl"))
     from serl_cli.stages.annotate import run_annotate  # torch: once the settings are checked
 
+    run = Path(run)  # a path, or a Run
     summary = run_annotate(str(run), cfg, train=train, overwrite=overwrite, resume=resume, progress=progress)
     save_resolved(run, "annotate.yaml", cfg)
-    return Run(Path(run), summary)
+    return Run(run, summary)
 
 
 def train(
@@ -255,6 +256,7 @@ def train(
     from serl_cli.stages.train import checkpoint_of, train_on_run
     from serl_cli.training.train_config import check_train_config
 
+    run = Path(run)  # a path, or a Run
     cfg, _ = apply_algorithm(cfg)  # a copy: the caller's config is left as it is
     check_train_config(cfg)  # before torch loads, and before anything is written
     if plan_check:
@@ -264,7 +266,7 @@ def train(
     if cfg.checkpoint:
         io.check_output_dir(cfg.checkpoint)
     metrics = train_on_run(str(run), cfg, overwrite=overwrite, resume=resume, progress=progress)
-    return Run(checkpoint_of(Path(run), cfg), metrics)
+    return Run(checkpoint_of(run, cfg), metrics)
 
 
 def train_online(

@@ -51,6 +51,15 @@ def test_the_example_script_runs_and_writes_every_stage(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "grpo iteration 1:" in printed and "warm start + grpo" in printed
 
+    # annotate (not in the script: its loop is GRPO's) on the warm start's own rollouts, as serl annotate would
+    cfg = api.load_config("rollout", overrides=["env.name=sokoban", "tasks=1", "group_size=2", "threads=1"])
+    cfg.model, cfg.out, cfg.sampling.max_new_tokens = str(result["sft"].path), str(tmp_path / "sampled"), 3
+    sampled = api.rollout(cfg)
+    annotated = api.annotate(sampled, api.AnnotateConfig(sources="error,diff", placement="feedback", threads=1))
+    turns = sum(e.num_turns for e in api.read_rollouts(sampled))
+    assert len(api.read_annotations(sampled)) == turns == annotated.summary["turns"]
+    assert yaml.safe_load((tmp_path / "sampled" / "annotate.yaml").read_text())["placement"] == "feedback"
+
 
 def test_a_missing_model_raises_serl_error(tmp_path):
     cfg = api.RolloutConfig(

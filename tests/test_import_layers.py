@@ -1,7 +1,9 @@
 """The package's house rules: no import cycles, and imports only run down the layers.
 
-    cli -> ablate -> stages -> {method, training, rollout} -> {algos, models, envs}
+    cli -> api -> ablate -> stages -> {method, training, rollout} -> {algos, models, envs}
         -> {artifacts, config, stats, errors}
+
+(``api``: the Python API, which the CLI is a thin layer over; it never imports the CLI.)
 
 A module may import from its own layer or any layer below it, never above. The graph is
 built with ``ast`` from every ``import`` in the source, lazy ones inside functions included:
@@ -21,6 +23,7 @@ PACKAGE = ROOT / "serl_cli"
 # top layer first; a module's layer is its first folder under serl_cli/ (or its own name)
 LAYERS = [
     {"__main__", "cli"},
+    {"api"},
     {"ablate"},
     {"stages"},
     {"method", "training", "rollout"},

@@ -5,12 +5,11 @@ from __future__ import annotations
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from serl_cli.algos.registry import apply_algorithm, objective
-from serl_cli.cli.common import LogProgress, resolve, save_resolved, show_defaults, summary_table
+from serl_cli import api
+from serl_cli.cli.common import LogProgress, resolve, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
-from serl_cli.errors import SerlError
-from serl_cli.method.annotate_config import AnnotateConfig, validate
-from serl_cli.stages.derive import train_config
+from serl_cli.method.annotate_config import AnnotateConfig
+from serl_cli.stages.derive import prepare_annotation, train_config
 from serl_cli.stages.run_file import RunFileReader
 
 
@@ -75,13 +74,8 @@ def annotate_command(
         quiet=quiet,
         reader=reader,
     )
-    train = train_config(reader.run)
-    if not objective(train.algo).needs_annotations:
-        raise SerlError(f"--algo {train.algo} learns from no annotations: annotate for serl, rlsd or sdpo (--algo)")
-    _, cfg = apply_algorithm(train, cfg)  # over the command's own flags too, as the loop does
-    validate(cfg)  # before the teacher loads
-    from serl_cli.stages.annotate import run_annotate
-
+    # the algorithm's needs over the command's own flags too, as the loop does; checked before the teacher loads
+    train, cfg = prepare_annotation(cfg, train_config(reader.run))
     with Progress(
         TextColumn("[bold]teacher"),
         BarColumn(),
@@ -99,8 +93,7 @@ def annotate_command(
             bar.update(task, completed=done, total=total)
             lines.update(done, total)
 
-        s = run_annotate(run, cfg, train=train, overwrite=overwrite, resume=resume, progress=progress)
-    save_resolved(run, "annotate.yaml", cfg)
+        s = api.annotate(run, cfg, train=train, overwrite=overwrite, resume=resume, progress=progress).summary
     rep = s["report"]
     rows = [
         ("turns", str(s["turns"])),

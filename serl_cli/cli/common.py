@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
-from pathlib import Path
 
 from rich.table import Table
 
 from serl_cli import config as cfgmod
+from serl_cli.api import require_run_to_resume as require_run_to_resume  # the commands import them from here too
+from serl_cli.api import resolve_config
+from serl_cli.api import save_resolved as save_resolved
 from serl_cli.artifacts import io
 from serl_cli.cli.root import err_console
-from serl_cli.errors import SerlError
 
 
 def show_defaults(cls, **flag_keys: str):
@@ -40,11 +41,6 @@ def show_defaults(cls, **flag_keys: str):
     return wrap
 
 
-# The commands that also take a run file (the online loop's layout: `serl train --config`'s) as
-# --config, and run its step as the loop does (stages.run_file, stages.derive).
-READS_RUN_FILES = ("rollout", "eval", "annotate")
-
-
 def resolve(
     cls,
     *,
@@ -57,22 +53,16 @@ def resolve(
     reader=None,
     out_dir: bool = False,
 ):
-    """``cls`` from defaults < ``base`` < ``--config`` files < flags < ``--set``. With ``command``
-    (one of :data:`READS_RUN_FILES`) a run file is read too, and the keys of it the command does
-    not use are named in one note on stderr (not under ``-q``); ``reader``: a
+    """``cls`` from defaults < ``base`` < ``--config`` files < flags < ``--set``
+    (:func:`serl_cli.api.resolve_config`). With ``command`` (one of
+    :data:`~serl_cli.api.READS_RUN_FILES`) a run file is read too, and the keys of it the command
+    does not use are named in one note on stderr (not under ``-q``); ``reader``: a
     :class:`~serl_cli.stages.run_file.RunFileReader` of the caller's (which keeps the run config).
     ``out_dir``: ``cfg.out`` is the folder the command writes, refused in one line where a file
     stands in its way."""
-    # the run file's layout is read from --config files and from --set alike: the same full dotted
-    # path (rollout.prompt.bare_replies) works with or without a run file given
-    if reader is None and command in READS_RUN_FILES:
-        from serl_cli.stages.run_file import RunFileReader
-
-        reader = RunFileReader(command, cls)
-    cfg = cfgmod.resolve(
-        cls, config_file=config_file, flags=flags, overrides=list(overrides or []), base=base, reader=reader
+    cfg, note = resolve_config(
+        cls, config_file=config_file, overrides=overrides, flags=flags, base=base, command=command, reader=reader
     )
-    note = reader.note() if reader is not None else None
     if note and not quiet:
         err_console.print(note, highlight=False, markup=False, soft_wrap=True)
     if out_dir and getattr(cfg, "out", None):
@@ -117,14 +107,6 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def save_resolved(out_dir: str | Path, name: str, cfg) -> None:
-    """The resolved configuration (a settings dataclass, or its plain form), next to the artifacts it produced."""
-    import yaml
-
-    plain = cfg if isinstance(cfg, dict) else dataclasses.asdict(cfg)
-    io.atomic_write_text(Path(out_dir) / name, yaml.safe_dump(plain, sort_keys=False))
-
-
 def summary_table(title: str, rows: list[tuple[str, str]]) -> Table:
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
@@ -146,14 +128,3 @@ def eval_rows(s: dict) -> list[tuple[str, str]]:
     for group, sub in s.get("by_task_type", {}).items():
         rows.append((f"  success: {group}", f"{sub['success_rate']:.3f} (n={sub['episodes']})"))
     return rows
-
-
-def require_run_to_resume(out: str | Path, what: str) -> None:
-    """``--resume`` continues a run that is there: a misspelt ``--out`` is refused in one line
-    instead of silently starting a fresh run somewhere else."""
-    if not (Path(out) / "manifest.json").is_file():
-        where = "does not exist" if not Path(out).exists() else "holds no serl run (no manifest.json)"
-        raise SerlError(
-            f"--resume: {out} {where}, so there is no {what} to continue: "
-            "check --out, or leave out --resume to start one"
-        )

@@ -21,6 +21,7 @@ import typing
 import typer
 import yaml
 
+from serl_cli import api
 from serl_cli.cli.common import resolve
 from serl_cli.cli.root import SetOpt, app, console
 from serl_cli.errors import SerlError
@@ -30,23 +31,14 @@ app.add_typer(config_app, name="config")
 
 
 def config_class(command: str):
-    """The settings dataclass behind each command (imported only when asked for)."""
-    if command == "rollout":
-        from serl_cli.stages.rollout import RolloutConfig as cls
-    elif command == "annotate":
-        from serl_cli.method.annotation import AnnotateConfig as cls
-    elif command == "train":  # the online loop's config; a single update reads its `train` section
-        from serl_cli.stages.online_config import OnlineConfig as cls
-    elif command == "eval":
-        from serl_cli.stages.evaluate import EvalConfig as cls
-    elif command == "demo":
-        from serl_cli.stages.demo import DemoConfig as cls
-    elif command == "data":
+    """The settings dataclass behind each command (imported only when asked for): the Python
+    API's (:func:`serl_cli.api.config_class`), and the CLI's own commands' (data, model)."""
+    if command == "data":
         from serl_cli.cli.data import PrepareConfig as cls
     elif command == "model":
         from serl_cli.cli.model import ModelInitConfig as cls
-    elif command == "env":
-        from serl_cli.rollout.worlds import EnvConfig as cls
+    elif command in COMMANDS:
+        cls = api.config_class(command)
     else:
         raise SerlError(f"unknown command {command!r}: choose one of {', '.join(COMMANDS)}")
     return cls

@@ -5,9 +5,10 @@ from __future__ import annotations
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from serl_cli.cli.common import LogProgress, eval_rows, resolve, save_resolved, show_defaults, summary_table
+from serl_cli import api
+from serl_cli.cli.common import LogProgress, eval_rows, resolve, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console
-from serl_cli.stages.evaluate import EvalConfig, run_eval
+from serl_cli.stages.evaluate import EvalConfig
 
 
 @app.command("eval")
@@ -87,8 +88,7 @@ def eval_command(
             bar.advance(task)
             lines.advance()
 
-        summary = run_eval(cfg, overwrite=overwrite, progress=progress)
-    save_resolved(cfg.out, "eval_config.yaml", cfg)
+        summary = api.evaluate(cfg, overwrite=overwrite, progress=progress)
     console.print(summary_table(f"{summary['env']} {summary['split']}: {summary['policy']} policy", eval_rows(summary)))
     if not quiet:
         console.print(f"wrote {cfg.out}/eval.json")

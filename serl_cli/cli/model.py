@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import typer
 
 from serl_cli.cli.common import resolve, summary_table
 from serl_cli.cli.root import ConfigOpt, SetOpt, app, console
 from serl_cli.config import setting
-from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.rollout.worlds import EnvConfig
 
 
 @dataclass
@@ -42,9 +41,9 @@ def init(
     set_: list[str] | None = SetOpt,
 ):
     """Random-init a Qwen2 model with a byte-level BPE tokenizer trained on environment text."""
-    from serl_cli.models.loading import ModelError, load_model
-    from serl_cli.models.tiny import PRESETS, count_parameters, init_model
-    from serl_cli.rollout.default_model import tokenizer_corpus
+    from serl_cli import api
+    from serl_cli.models.loading import load_model
+    from serl_cli.models.tiny import count_parameters
 
     cfg = resolve(
         ModelInitConfig,
@@ -53,13 +52,7 @@ def init(
         out_dir=True,
         flags={"preset": preset, "out": out, "env.name": env, "seed": seed},
     )
-    if cfg.preset not in PRESETS:
-        raise ModelError(f"unknown preset {cfg.preset!r}: choose one of {', '.join(PRESETS)}")
-    target = Path(cfg.out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
-        raise ModelError(f"{target} already exists and is not empty: pass --overwrite to replace it")
-    world = build_world(cfg.env)
-    path = init_model(cfg.preset, cfg.out, tokenizer_corpus(world), seed=cfg.seed, overwrite=overwrite)
+    path = api.init_model(cfg.out, preset=cfg.preset, env=cfg.env, seed=cfg.seed, overwrite=overwrite)
     model, tokenizer = load_model(str(path))
     console.print(
         summary_table(

@@ -5,9 +5,10 @@ from __future__ import annotations
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from serl_cli.cli.common import LogProgress, require_run_to_resume, resolve, save_resolved, show_defaults, summary_table
+from serl_cli import api
+from serl_cli.cli.common import LogProgress, resolve, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, resumable_at
-from serl_cli.stages.rollout import RolloutConfig, run_rollout
+from serl_cli.stages.rollout import RolloutConfig
 
 
 @app.command("rollout")
@@ -83,7 +84,7 @@ def rollout_command(
         quiet=quiet,
     )
     if resume and not overwrite:
-        require_run_to_resume(cfg.out, "rollout")
+        api.require_run_to_resume(cfg.out, "rollout")  # before the Ctrl-C line names it
     resumable_at(cfg.out)  # what Ctrl-C says
     with Progress(
         TextColumn("[bold]rollout"),
@@ -102,8 +103,7 @@ def rollout_command(
             bar.advance(task)
             lines.advance()
 
-        s = run_rollout(cfg, overwrite=overwrite, resume=resume, progress=progress)
-    save_resolved(cfg.out, "rollout.yaml", cfg)
+        s = api.rollout(cfg, overwrite=overwrite, resume=resume, progress=progress).summary
     console.print(
         summary_table(
             f"rollout: {cfg.env.name} {cfg.env.split}, {cfg.policy} policy",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from pathlib import Path
 
 import typer
@@ -12,17 +13,9 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from serl_cli.artifacts import runlock
+from serl_cli import api
 from serl_cli.artifacts.tracking import Tracker, check_backends
-from serl_cli.cli.common import (
-    LogProgress,
-    plural,
-    require_run_to_resume,
-    resolve,
-    save_resolved,
-    show_defaults,
-    summary_table,
-)
+from serl_cli.cli.common import LogProgress, plural, resolve, show_defaults, summary_table
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, VerboseOpt, app, console, err_console, resumable_at
 from serl_cli.errors import PREEMPTED_EXIT
 from serl_cli.stages.derive import READS, train_config
@@ -146,38 +139,36 @@ def train_command(
             "train.gradient_checkpointing": gradient_checkpointing,
         },
     )
-    # every setting is checked before torch loads (a typo costs no start-up) and before anything is written
+    # every setting is checked before torch loads (a typo costs no start-up) and before anything is
+    # written: here, and again by the API (serl_cli.api) the command runs
     train = train_config(cfg)
     if online:
         check_online_config(cfg)
     else:
         check_train_config(train)
-    from serl_cli.stages.online import run_online
     from serl_cli.stages.online_stop import Preempted
-    from serl_cli.stages.train import books_dir, train_on_run
+    from serl_cli.stages.plan import run_model
+    from serl_cli.stages.train import books_dir
     from serl_cli.training.backends import is_main_process
 
-    if not no_plan_check:  # before anything loads: a layout that cannot fit is one line, not an OOM an hour in
-        from serl_cli.stages.plan import preflight, run_model
-
-        planned = cfg if online else dataclasses.replace(cfg, train=train)
-        preflight(planned, online=online, model=cfg.model if online else train.model or model or run_model(run))
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
-    if online and resume:
-        require_run_to_resume(cfg.out, "online run")
-    resumable_at(cfg.out if online else run)  # what Ctrl-C says
     trackers = check_backends(report_to) if main else []
     if not online:
-        note = single_update_note(config, set_)
-        if note and main and not quiet:
-            err_console.print(note, highlight=False, markup=False, soft_wrap=True)
         train.model = train.model or model
         train.checkpoint = out or train.checkpoint
+        if main and not quiet:
+            note = single_update_note(config, set_)
+            if note:
+                err_console.print(note, highlight=False, markup=False, soft_wrap=True)
+        resumable_at(run)  # what Ctrl-C says
+        plan_check = not no_plan_check
         if not main:  # its part of the update; the main process keeps the books and reports
-            train_on_run(run, train, overwrite=overwrite, resume=resume)
+            api.train(run, train, overwrite=overwrite, resume=resume, plan_check=plan_check)
             return
         with update_bar(console, quiet) as progress:
-            m = train_on_run(run, train, overwrite=overwrite, resume=resume, progress=progress)
+            done = api.train(run, train, overwrite=overwrite, resume=resume, progress=progress, plan_check=plan_check)
+        m = done.summary
+        train.model = train.model or run_model(run)  # the hyperparameters name the model it updated
         tracker = Tracker(trackers, books_dir(run, train), Path(run).name, dataclasses.asdict(train))
         tracker.log(m, step=m.get("update", 1))
         tracker.close()
@@ -209,23 +200,25 @@ def train_command(
         recent.append(m)
         live.update(iterations_table(recent[-LIVE_ROWS:], cfg.iterations), refresh=True)
 
+    resumable_at(cfg.out)  # what Ctrl-C says
+    online_run = functools.partial(
+        api.train_online, cfg, resume=resume, overwrite=overwrite, plan_check=not no_plan_check
+    )
     if not main:
         try:
-            run_online(cfg, resume=resume, overwrite=overwrite)
+            online_run()
         except Preempted:
             raise typer.Exit(PREEMPTED_EXIT) from None
         return
     tracker = Tracker(trackers, cfg.out, Path(cfg.out).name, run_settings(cfg))
     try:
-        with runlock.run_lock(cfg.out), live or contextlib.nullcontext():  # one writer per run directory
-            history = run_online(cfg, resume=resume, overwrite=overwrite, on_iteration=show)
+        with live or contextlib.nullcontext():
+            history = online_run(on_iteration=show)
     except Preempted as e:  # SIGTERM/SIGUSR1: checkpointed; the same command with --resume continues
-        save_resolved(cfg.out, "online.yaml", run_settings(cfg))
         err_console.print(f"[yellow]preempted:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(PREEMPTED_EXIT) from None
     finally:
         tracker.close()
-    save_resolved(cfg.out, "online.yaml", run_settings(cfg))
     if empty:
         err_console.print(
             f"[yellow]warning:[/] {plural(len(empty), 'update')} of {len(history)} had no gradient (every group's "

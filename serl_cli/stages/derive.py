@@ -19,8 +19,9 @@ import copy
 import dataclasses
 from pathlib import Path
 
-from serl_cli.algos.registry import apply_algorithm
-from serl_cli.method.annotate_config import AnnotateConfig
+from serl_cli.algos.registry import apply_algorithm, objective
+from serl_cli.errors import SerlError
+from serl_cli.method.annotate_config import AnnotateConfig, validate
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.evaluate import EvalConfig
 from serl_cli.stages.online_config import OnlineConfig
@@ -74,6 +75,18 @@ def annotate_config(run: OnlineConfig, iteration: int | None = None, updates: in
     cfg.device, cfg.dtype, cfg.threads = run.train.device, run.train.dtype, run.train.threads
     _, cfg = apply_algorithm(train_config(run), cfg)
     return cfg
+
+
+def prepare_annotation(cfg: AnnotateConfig, train: TrainConfig) -> tuple[TrainConfig, AnnotateConfig]:
+    """An annotation by hand (``serl annotate RUN``) for an update under ``train``: refused in one
+    line where ``train.algo`` learns from none, else ``(train, cfg)`` with the algorithm's needs
+    applied over ``cfg``'s own settings, as the loop applies them, and checked before the teacher
+    loads. Copies; the inputs are left as they are."""
+    if not objective(train.algo).needs_annotations:
+        raise SerlError(f"--algo {train.algo} learns from no annotations: annotate for serl, rlsd or sdpo (--algo)")
+    train, cfg = apply_algorithm(train, cfg)
+    validate(cfg)
+    return train, cfg
 
 
 def eval_config(run: OnlineConfig, out: str | Path, model: str | None = None) -> EvalConfig:

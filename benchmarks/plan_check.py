@@ -9,11 +9,15 @@ Each config builds its preset (``serl model init --preset``), then in processes 
 measurement at a time, one torch thread each; ZeRO configs as two gloo ranks under torchrun)
 loads a :class:`~serl_cli.training.learner.Learner` and runs one GRPO update of two micro-batches
 of ``micro_batch_tokens`` padded tokens each (rows of ``prompt`` + ``reply`` tokens; every
-reply scored, entropy bonus on), fp32 as on any CPU. The measured figure is each rank's peak
-resident memory above its RSS just before the learner was built (after a throw-away update on
-one row, so that the libraries' lazy set-up is not counted; ``benchmarks.peak``). The plan's
-figure is :func:`serl_cli.training.plan.estimate` for the same shape and settings with
-``device="cpu"``: the largest of its start and update phases. The ratio is measured / plan.
+reply scored, entropy bonus on), fp32 as on any CPU, then saves a resumable checkpoint
+(``Learner.save``: under ZeRO-3 every rank gathers the whole model). The measured figures are
+each rank's peak resident memory above its RSS just before the learner was built (after a
+throw-away update on one row and a throw-away save, so that the libraries' lazy set-up -- a
+first ``save_pretrained`` holds one more copy of the weights -- is not counted;
+``benchmarks.peak``): over loading and the update, and over the save (the peak restarted when
+it begins). The plan's figures are :func:`serl_cli.training.plan.estimate` for the same shape
+and settings with ``device="cpu"``: the largest of its start and update phases, and its save
+phase. The ratios are measured / plan.
 """
 
 from __future__ import annotations
@@ -82,7 +86,8 @@ def planned(check: Check, model_dir: str) -> dict:
     figures = {p.name: p.bytes / 2**20 for p in plan.phases}
     update = next(p for p in plan.phases if p.name == "update")
     return {
-        "plan_mb": max(figures.values()),
+        "plan_mb": max(mb for name, mb in figures.items() if name != "save"),
+        "plan_save_mb": figures["save"],
         "plan_phases_mb": figures,
         "plan_items_mb": {i.name: i.bytes / 2**20 for i in update.items},
         "params": plan.shape.params,
@@ -144,6 +149,8 @@ def one(check: Check, model_dir: str) -> dict:
     warm = Learner(model_dir, cfg)
     vocab = len(warm.tokenizer)
     warm.update(episodes(check, vocab, 2 * check.ranks), 1.0)
+    with tempfile.TemporaryDirectory(prefix="serl-plan-save-") as tmp:
+        warm.save(Path(tmp) / "checkpoint")  # the first save's lazy set-up (transformers, safetensors)
     del warm
     gc.collect()
     rows = check.micro_batch_tokens // (check.prompt + check.reply)
@@ -151,8 +158,16 @@ def one(check: Check, model_dir: str) -> dict:
     with BlockPeak() as peak:
         learner = Learner(model_dir, cfg)
         metrics = learner.update(batch, 1.0)
+    with tempfile.TemporaryDirectory(prefix="serl-plan-save-") as tmp, BlockPeak() as save:
+        learner.save(Path(tmp) / "checkpoint")  # every rank enters; rank 0 writes the model files
     rank = int(os.environ.get("RANK", "0"))
-    return {"rank": rank, "peak_mb": peak.extra_mb, "rss_before_mb": peak.start_mb, "turns": metrics["turns"]}
+    return {
+        "rank": rank,
+        "peak_mb": peak.extra_mb,
+        "save_mb": save.peak_mb - peak.start_mb,  # above the same baseline as the update's
+        "rss_before_mb": peak.start_mb,
+        "turns": metrics["turns"],
+    }
 
 
 def measure(check: Check, model_dir: str, timeout_s: float = 3600) -> dict:
@@ -172,7 +187,11 @@ def measure(check: Check, model_dir: str, timeout_s: float = 3600) -> dict:
             lines = (proc.stderr or proc.stdout).strip().splitlines()
             return {"error": f"exit {proc.returncode}: {lines[-1] if lines else 'no output'}"}
         ranks = [json.loads(f.read_text()) for f in files]
-    return {"rank_figures": ranks, "measured_mb": max(r["peak_mb"] for r in ranks)}
+    return {
+        "rank_figures": ranks,
+        "measured_mb": max(r["peak_mb"] for r in ranks),
+        "measured_save_mb": max(r["save_mb"] for r in ranks),
+    }
 
 
 # -- published per-parameter figures at 1.5B and 7B ------------------------------------------------
@@ -235,7 +254,7 @@ def main(argv=None) -> dict:
     if args.source:  # the measurements do not depend on the estimate: re-plan them
         for r in json.loads(Path(args.source).read_text())["results"]:
             if "measured_mb" in r:
-                earlier[r["name"]] = {"rank_figures": r.get("rank_figures", []), "measured_mb": r["measured_mb"]}
+                earlier[r["name"]] = {k: r[k] for k in ("rank_figures", "measured_mb", "measured_save_mb") if k in r}
     results = []
     with tempfile.TemporaryDirectory(prefix="serl-plan-models-") as tmp:
         models = {}
@@ -246,8 +265,12 @@ def main(argv=None) -> dict:
             r = {**asdict(check), **planned(check, model), **(earlier.get(check.name) or measure(check, model))}
             if "measured_mb" in r:
                 r["ratio"] = r["measured_mb"] / r["plan_mb"]
+            if "measured_save_mb" in r:
+                r["save_ratio"] = r["measured_save_mb"] / r["plan_save_mb"]
             results.append(r)
             got = f"{r['measured_mb']:.0f} MB measured" if "measured_mb" in r else r["error"]
+            if "measured_save_mb" in r:
+                got += f"; save: plan {r['plan_save_mb']:.0f} MB, {r['measured_save_mb']:.0f} MB measured"
             print(f"{check.name}: plan {r['plan_mb']:.0f} MB, {got}", flush=True)
     rows = [
         [
@@ -259,10 +282,14 @@ def main(argv=None) -> dict:
             f"{r['plan_mb']:.0f}",
             f"{r['measured_mb']:.0f}" if "measured_mb" in r else r.get("error", "-"),
             f"{r['ratio']:.2f}" if "ratio" in r else "-",
+            f"{r['plan_save_mb']:.0f}",
+            f"{r['measured_save_mb']:.0f}" if "measured_save_mb" in r else "-",
+            f"{r['save_ratio']:.2f}" if "save_ratio" in r else "-",
         ]
         for r in results
     ]
     columns = ["config", "params", "backend", "micro-batch tokens", "checkpointing", "plan MB", "measured MB", "ratio"]
+    columns += ["save: plan MB", "save: measured MB", "save: ratio"]
     figures = published()
     from benchmarks.common import print_table
 

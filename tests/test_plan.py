@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import assert_one_line_error, serl
+from support import assert_one_line_error, serl, serl_in_process
 
 from serl_cli import config as cfgmod
 from serl_cli.errors import SerlError
 from serl_cli.models.shapes import KNOWN_SHAPES, ModelShape, model_shape
 from serl_cli.stages.online_config import OnlineConfig
-from serl_cli.stages.plan import Machine, layout_of, plan_run, uses_cuda
+from serl_cli.stages.plan import ENV_MAX_TURNS, Machine, layout_of, plan_run, uses_cuda
 from serl_cli.training.launch import check_launch
 from serl_cli.training.memory import GiB, Layout, activation_bytes, layer_activation_bytes, model_states
 from serl_cli.training.plan import HEADROOM
@@ -141,11 +141,85 @@ def test_serl_plan_prints_the_items_and_exits_1_when_it_does_not_fit():
     path = str(ROOT / "experiments/alfworld/paper/serl.yaml")
     ok = serl("plan", path)
     assert ok.returncode == 0, ok.stderr
-    for needle in ("optimizer", "activations", "logits", "teacher", "fits, with", "disk per checkpoint", "vLLM GPU"):
+    needles = ("optimizer", "activations", "logits", "teacher", "fits, with", "disk per checkpoint", "vLLM GPU")
+    needles += ("save", "peak: the save phase", "gathered for the save", "disk for the run", "rollouts")
+    for needle in needles:
         assert needle in ok.stdout, needle
     bad = serl("plan", path, "--set", "train.backend=torch", "--gpu-memory", "40")
     assert bad.returncode == 1 and "torch backend" in bad.stderr
     assert_one_line_error(serl("plan", path, "--gpus", "0"), "--gpus and --nodes must be at least 1")
+
+
+def test_serl_plan_json_has_every_phase_per_rank_and_the_runs_disk():
+    """The paper's ALFWorld SERL layout (6 ranks ZeRO-3, bf16): DeepSpeed moves the whole 16-bit
+    model onto each GPU at start (serl does not load under zero.Init), and the checkpoint save
+    gathers it whole on every rank, so the save is the peak; the run's disk counts the
+    checkpoints kept, the final policy and every iteration's rollouts and annotations."""
+    path = str(ROOT / "experiments/alfworld/paper/serl.yaml")
+    out = serl_in_process("plan", path, "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)  # stdout is the one JSON object and nothing else
+    phases = {p["name"]: p for p in plan["phases"]}
+    assert list(phases) == ["start", "generate", "score", "update", "save"]
+    for phase in phases.values():
+        assert phase["bytes"] == pytest.approx(sum(i["bytes"] for i in phase["items"]), abs=len(phase["items"]))
+    model16 = 2 * Q7B.params / GiB  # the whole model in bf16: 14.2 GiB
+    start = {i["name"]: i["gib"] for i in phases["start"]["items"]}
+    assert start["model load"] == pytest.approx(model16, abs=0.01) and 15 < phases["start"]["gib"] < 16
+    save = {i["name"]: i["gib"] for i in phases["save"]["items"]}
+    assert save["gathered for the save"] == pytest.approx(model16, rel=0.01)
+    update = {i["name"]: i["bytes"] for i in phases["update"]["items"]}
+    transient = update["activations"] + update["logits"]  # the update's own, gone by the save
+    gathered = save["gathered for the save"] * GiB
+    assert phases["save"]["bytes"] == pytest.approx(phases["update"]["bytes"] - transient + gathered, rel=1e-4)
+    assert phases["save"]["bytes"] > phases["update"]["bytes"] > phases["score"]["bytes"]
+    assert plan["peak"]["phase"] == "save" and 41 < plan["peak"]["gib"] < 41.3  # the issue's ~41 GiB
+    assert plan["verdict"] == "fits" and plan["fits"] and plan["problems"] == []
+    assert plan["ranks"] == 6 and plan["headroom"] == pytest.approx(
+        1 - plan["peak"]["bytes"] / plan["gpu_bytes"], abs=1e-4
+    )
+
+    run = plan["disk"]["run"]
+    items = {i["name"]: i["bytes"] for i in run["items"]}
+    assert set(items) == {"checkpoints", "final policy", "rollouts", "annotations"}
+    assert run["bytes"] == pytest.approx(sum(items.values()), abs=4)
+    assert items["checkpoints"] == pytest.approx(3 * plan["disk"]["checkpoint"]["bytes"], abs=2)  # keep_last 2 + 1
+    # 2400 iterations x 16 tasks x 8 episodes x 50 turns (ALFWorld's limit) of 2048 + 512 tokens
+    per_turn = items["rollouts"] / (2400 * 128 * 50)
+    assert 2560 * 7 < per_turn < 2560 * 7 + 512 * 27 + 2048 + 1  # ids of up to 6 digits, log-probs, text
+    assert items["rollouts"] > items["checkpoints"]  # never pruned: the largest thing a run leaves
+
+    typical = json.loads(serl_in_process("plan", path, "--json", "--turns", "25").stdout)
+    rollouts = {i["name"]: i["bytes"] for i in typical["disk"]["run"]["items"]}["rollouts"]
+    assert rollouts == pytest.approx(items["rollouts"] / 2, abs=2)
+    assert_one_line_error(serl_in_process("plan", path, "--turns", "0"), "--turns must be at least 1")
+
+
+def test_the_run_disk_of_an_algorithm_without_annotations_and_keep_last_0():
+    cfg = paper(ROOT / "experiments/webshop/paper/grpo.yaml", keep_last=0, iterations=12, save_every=5)
+    plan = plan_run(cfg, Machine(gpus=8, gpu_memory_gb=80))
+    items = {i.name: i.bytes for i in plan.run_disk}
+    assert "annotations" not in items  # grpo writes none
+    assert items["checkpoints"] == pytest.approx(3 * sum(i.bytes for i in plan.disk))  # iterations 4, 9 and the last
+    assert ENV_MAX_TURNS["webshop"] == 15 and str(15) in next(i.note for i in plan.run_disk if i.name == "rollouts")
+
+
+def test_env_turn_limits_are_the_environments_own():
+    from envs.alfworld.env import DEFAULT_MAX_TURNS as alfworld
+    from envs.sokoban.env import SokobanConfig
+    from envs.webshop.env import DEFAULT_MAX_TURNS as webshop
+
+    assert ENV_MAX_TURNS == {"alfworld": alfworld, "webshop": webshop, "sokoban": SokobanConfig().max_turns}
+
+
+def test_a_colocated_vllm_is_awake_while_the_trainer_starts():
+    cfg = paper(ROOT / "experiments/alfworld/paper/serl.yaml", **{"rollout.gpus": None, "train.gpus": None})
+    cfg.rollout.vllm.sleep = True
+    plan = plan_run(cfg, Machine(gpus=8, gpu_memory_gb=80))
+    start = {i.name: i.bytes for i in plan.phases[0].items}
+    save = {i.name for i in next(p for p in plan.phases if p.name == "save").items}
+    assert start["vLLM (colocated, awake)"] == 0.6 * 80 * GiB  # asleep only once the loop runs
+    assert not any(name.startswith("vLLM") for name in save)
 
 
 # -- serl train's guards --------------------------------------------------------------------------
@@ -206,16 +280,19 @@ def test_ablate_parallel_refuses_cells_on_gpus(tmp_path):
 @pytest.mark.slow
 def test_the_plan_is_within_25_percent_of_a_measured_peak(tiny_model_dir, tmp_path):
     """The tiny preset, torch backend, one GRPO update of 4096-token micro-batches in a fresh
-    process (benchmarks.plan_check's measurement, as docs/SCALING.md's table has it)."""
+    process, then a checkpoint save (benchmarks.plan_check's measurement, as docs/SCALING.md's
+    table has it)."""
     model = repr(str(tiny_model_dir))
     code = (
         "import json, sys; from benchmarks.plan_check import Check, one, planned; c = Check('t', 'tiny');"
-        f"print(json.dumps([one(c, {model})['peak_mb'], planned(c, {model})['plan_mb']]))"
+        f"m, p = one(c, {model}), planned(c, {model});"
+        "print(json.dumps([m['peak_mb'], p['plan_mb'], m['save_mb'], p['plan_save_mb']]))"
     )
     from benchmarks.peak import MALLOC_ENV
 
     env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
-    measured, planned = json.loads(out.stdout.strip().splitlines()[-1])
+    measured, planned, measured_save, planned_save = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0.75 <= measured / planned <= 1.25, (measured, planned)
+    assert 0.75 <= measured_save / planned_save <= 1.25, (measured_save, planned_save)  # the checkpoint save

@@ -1,12 +1,16 @@
-"""``serl plan CONFIG``: memory per GPU item by item, the disk per checkpoint, and whether it fits."""
+"""``serl plan CONFIG``: memory per GPU item by item and phase by phase, the disk per checkpoint
+and per run, and whether it fits; ``--json``: the same as one JSON object on stdout."""
 
 from __future__ import annotations
+
+import json
 
 import typer
 from rich.table import Table
 
 from serl_cli.cli.common import resolve
 from serl_cli.cli.root import SetOpt, app, console, err_console
+from serl_cli.errors import SerlError
 from serl_cli.training.memory import GiB
 from serl_cli.training.plan import HEADROOM, Plan
 
@@ -29,12 +33,22 @@ def plan_command(
     prompt_tokens: int = typer.Option(
         2048, "--prompt-tokens", help="A typical prompt's length in tokens (rows per micro-batch, KV cache)."
     ),
+    turns: int | None = typer.Option(
+        None,
+        "--turns",
+        help="A typical episode's turns, for the rollouts' disk (default: the turn limit, an upper bound).",
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object (phases per rank, disk, verdict) on stdout, no table."
+    ),
     set_: list[str] | None = SetOpt,
 ):
-    """Per-rank memory of an iteration (weights, gradients, optimizer, activations, logits, teacher,
-    vLLM), the disk per checkpoint, and whether the layout fits, before anything is loaded."""
+    """Per-rank memory of each phase of a run (start-up, generation, scoring, update, checkpoint
+    save: weights, gradients, optimizer, activations, logits, teacher, vLLM), the disk per
+    checkpoint and for the whole run (rollouts included), and whether the layout fits, before
+    anything is loaded."""
     from serl_cli.stages.online_config import OnlineConfig
-    from serl_cli.stages.plan import Machine, check_machine, describe, fit_layout, gpus_named, plan_run
+    from serl_cli.stages.plan import Machine, check_machine, fit_layout, gpus_named, plan_run
 
     if gpus is not None:
         check_machine(Machine(gpus=gpus, gpu_memory_gb=gpu_memory, nodes=nodes))
@@ -43,10 +57,25 @@ def plan_command(
         gpus = gpus_named(cfg) or 8
     machine = Machine(gpus=gpus, gpu_memory_gb=gpu_memory, nodes=nodes, prompt_tokens=prompt_tokens)
     check_machine(machine)
+    if turns is not None and turns < 1:
+        raise SerlError(f"--turns must be at least 1, got {turns}")
     cfg, replanned = fit_layout(cfg, gpus)
     if replanned:
         err_console.print(f"note: {replanned}", highlight=False, soft_wrap=True)
-    plan = plan_run(cfg, machine)
+    plan = plan_run(cfg, machine, turns=turns)
+    if as_json:
+        typer.echo(json.dumps(plan_json(plan, replanned), indent=2))
+    else:
+        print_plan(plan)
+    for problem in plan.problems:
+        err_console.print(f"[red]does not fit:[/] {problem}", highlight=False, soft_wrap=True)
+    if plan.problems:
+        raise typer.Exit(1)
+
+
+def print_plan(plan: Plan) -> None:
+    from serl_cli.stages.plan import describe
+
     console.print(memory_table(plan, f"{describe(plan.shape)}: {layout_line(plan)}"))
     console.print(peak_line(plan), highlight=False)
     if plan.vllm:
@@ -55,19 +84,41 @@ def plan_command(
         console.print(
             item_line(f"one vLLM GPU, its share {share:.1f} GiB", plan.vllm) + f"; KV cache: {kv.note}", highlight=False
         )
-    disk = sum(i.bytes for i in plan.disk)
-    kept = cfg.keep_last + 1 if cfg.keep_last else None
-    also = (
-        f"; keep_last {cfg.keep_last}: up to {kept} at once while one is written, {kept * disk / GiB:.0f} GiB"
-        if kept
-        else ""
-    )
-    console.print(item_line("disk per checkpoint", plan.disk) + also, highlight=False)
+    console.print(item_line("disk per checkpoint", plan.disk), highlight=False)
+    console.print(item_line("disk for the run", plan.run_disk), highlight=False)
     console.print(item_line("CPU memory per node", plan.host), highlight=False)
-    for problem in plan.problems:
-        err_console.print(f"[red]does not fit:[/] {problem}", highlight=False, soft_wrap=True)
-    if plan.problems:
-        raise typer.Exit(1)
+
+
+def items_json(items) -> list[dict]:
+    return [{"name": i.name, "bytes": round(i.bytes), "gib": round(i.bytes / GiB, 3), "note": i.note} for i in items]
+
+
+def total_json(items) -> dict:
+    total = sum(i.bytes for i in items)
+    return {"items": items_json(items), "bytes": round(total), "gib": round(total / GiB, 3)}
+
+
+def plan_json(plan: Plan, replanned: str | None = None) -> dict:
+    """The plan as data: each phase's items per trainer rank, the peak, the verdict, vLLM's own
+    GPU, the disk (one checkpoint, the whole run) and a node's CPU memory. Bytes are exact
+    counts, GiB rounded."""
+    lay = plan.layout
+    return {
+        "model": {"name": plan.shape.name, "params": plan.shape.params},
+        "layout": layout_line(plan),
+        "ranks": lay.ranks,
+        "gpu_bytes": round(lay.gpu_bytes),
+        "phases": [{"name": p.name, **total_json(p.items)} for p in plan.phases],
+        "peak": {"phase": plan.peak.name, "bytes": round(plan.peak.bytes), "gib": round(plan.peak.bytes / GiB, 3)},
+        "headroom": round(plan.headroom, 4),
+        "verdict": plan.verdict,
+        "fits": not plan.problems,
+        "problems": plan.problems,
+        "vllm_gpu": total_json(plan.vllm) if plan.vllm else None,
+        "disk": {"checkpoint": total_json(plan.disk), "run": total_json(plan.run_disk)},
+        "host": total_json(plan.host),
+        "note": replanned,
+    }
 
 
 def layout_line(plan: Plan) -> str:

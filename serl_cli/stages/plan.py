@@ -20,7 +20,7 @@ from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.training.deepspeed_config import resolve_config, uses_bf16, uses_fp16, zero_stage
 from serl_cli.training.launch import check_launch, processes
 from serl_cli.training.memory import LORA_TARGETS, REDUCE_BUCKET, GiB, Layout
-from serl_cli.training.plan import Plan, estimate
+from serl_cli.training.plan import Plan, Storage, estimate
 
 
 @dataclass
@@ -73,6 +73,7 @@ def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, devic
         reply_tokens=r.sampling.max_new_tokens,
         prompt_tokens=machine.prompt_tokens,
         lora_rank=lora,
+        lora_merged=t.lora.save == "merged",
         lora_targets=targets,
         reference=t.kl_coef > 0 and not lora,
         teacher=get_objective(t.algo).needs_annotations,
@@ -87,11 +88,32 @@ def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, devic
     )
 
 
-def plan_run(cfg: OnlineConfig, machine: Machine, *, model: str | None = None, online: bool = True) -> Plan:
+# each environment's own turn limit where env.max_turns is null (envs/*/env.py's configs)
+ENV_MAX_TURNS = {"webshop": 15, "alfworld": 50, "sokoban": 15}
+
+
+def storage_of(cfg: OnlineConfig, turns: int | None = None) -> Storage:
+    """The run's disk settings; ``turns`` a typical episode's length, else the turn limit."""
+    from serl_cli.algos.objectives import get_objective
+
+    limit = cfg.env.max_turns or ENV_MAX_TURNS.get(cfg.env.name, 50)
+    return Storage(
+        iterations=cfg.iterations,
+        save_every=cfg.save_every,
+        keep_last=cfg.keep_last,
+        episodes=cfg.rollout.tasks * cfg.rollout.group_size,
+        turns=min(turns, limit) if turns else limit,
+        annotated=get_objective(cfg.train.algo).needs_annotations,
+    )
+
+
+def plan_run(
+    cfg: OnlineConfig, machine: Machine, *, model: str | None = None, online: bool = True, turns: int | None = None
+) -> Plan:
     name = model or cfg.model
     if not name:
         raise SerlError("the config names no model to plan for: pass --model DIR (or a hub name)")
-    return estimate(model_shape(name), layout_of(cfg, machine, online=online))
+    return estimate(model_shape(name), layout_of(cfg, machine, online=online), storage_of(cfg, turns))
 
 
 def gpus_named(cfg: OnlineConfig) -> int:

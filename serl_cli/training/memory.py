@@ -49,6 +49,7 @@ class Layout:
     prompt_tokens: int = 2048  # a typical prompt; decides rows per micro-batch and the KV cache
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_merged: bool = True  # train.lora.save merged: checkpoints fold the adapters in
     reference: bool = False  # kl_coef > 0 without LoRA: a frozen copy of the starting policy
     teacher: bool = False  # serl, rlsd, sdpo: the hindsight teacher
     engine: str = "hf"  # hf | vllm | none (a single update on stored rollouts)

@@ -11,13 +11,18 @@ are added up per phase of an iteration, per rank:
   ZeRO-3, sharded like the policy (1/N of its 16-bit weights, always on the GPU); under ZeRO-1/2
   and torch held in CPU memory and on the GPU (whole, 16-bit) only while it scores;
 * **update**: the resident states plus one micro-batch's activations and logits;
+* **save**: a checkpoint written: the resident states plus, under ZeRO-3, the whole 16-bit
+  model gathered on every rank (``Learner.save`` writes the Hugging Face files inside
+  ``full_model()``, a ``GatheredParameters`` over every weight: each rank's GPU holds all of
+  them, not only rank 0's), and under LoRA saved merged rank 0's merged copy;
 
 each with the CUDA runtime (context, NCCL buffers). The peak is the largest phase; a layout
 fits with headroom when it is at most 90 % of the GPU's memory. Also: one GPU of vLLM's own
-(its weights' shard, workspace and KV cache), the disk of one checkpoint, the CPU memory of a
-node. ``device="cpu"`` describes the CPU runs that ``benchmarks/plan_check.py`` measures to
-validate the estimate (there DeepSpeed's buffers are touched, not reserved, and the model
-file's pages count while it loads).
+(its weights' shard, workspace and KV cache), the disk of one checkpoint and of a whole run
+(the checkpoints kept, the final policy, every iteration's rollouts and annotations, which
+are never pruned), the CPU memory of a node. ``device="cpu"`` describes the CPU runs that
+``benchmarks/plan_check.py`` measures to validate the estimate (there DeepSpeed's buffers are
+touched, not reserved, and the model file's pages count while it loads).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from serl_cli.training.memory import (
     logit_bytes,
     logit_positions,
     model_states,
+    persistent_params,
     trainable_params,
 )
 
@@ -60,6 +66,7 @@ class Plan:
     phases: list[Phase]
     vllm: list[Item] = field(default_factory=list)  # one GPU of vLLM's own (split layout)
     disk: list[Item] = field(default_factory=list)  # one checkpoint
+    run_disk: list[Item] = field(default_factory=list)  # the whole run (needs a Storage)
     host: list[Item] = field(default_factory=list)  # CPU memory of one node
     problems: list[str] = field(default_factory=list)  # why the layout cannot run, one line each
 
@@ -100,7 +107,9 @@ def reference_resident(shape: ModelShape, layout: Layout) -> list[Item]:
 def phases(shape: ModelShape, layout: Layout) -> list[Phase]:
     resident = model_states(shape, layout) + teacher_resident(shape, layout) + reference_resident(shape, layout)
     resident += runtime(layout)
-    out = [Phase("start", start_items(shape, layout) + runtime(layout))]
+    # a colocated vLLM starts before the trainer loads (stages.online) and sleeps only later
+    awake = [Item("vLLM (colocated, awake)", layout.vllm_utilization * layout.gpu_bytes, "started first")]
+    out = [Phase("start", start_items(shape, layout) + (awake if layout.colocated else []) + runtime(layout))]
     if layout.engine != "none":
         out.append(Phase("generate", resident + generation_items(shape, layout)))
     scoring = [Item("forward pass", forward_bytes(shape, layout), "pi_old, teacher: no gradients")]
@@ -116,19 +125,40 @@ def phases(shape: ModelShape, layout: Layout) -> list[Phase]:
         Item("logits", logit_bytes(shape, layout, backward=True), f"{logit_positions(layout)} positions + gradient"),
     ]
     out.append(Phase("update", resident + update + vllm_asleep(layout)))
+    out.append(Phase("save", resident + save_items(shape, layout) + vllm_asleep(layout)))
     return out
+
+
+def save_items(shape: ModelShape, layout: Layout) -> list[Item]:
+    """What writing a checkpoint adds on a rank. Under ZeRO-3 ``Learner.save`` gathers every
+    weight whole on every rank (``full_model``: DeepSpeed's ``GatheredParameters``, on the
+    rank's device) while rank 0 writes the Hugging Face files; DeepSpeed's own checkpoint
+    (``save_checkpoint``) writes each rank's partitions as they are, without gathering. Under
+    LoRA saved merged, rank 0 also builds the merged weights as new tensors
+    (``lora.merged_state_dict``). The safetensors copy to CPU memory is host memory
+    (:func:`host_memory`), not the GPU's."""
+    w, items = layout.module_bytes, []
+    if layout.backend == "deepspeed" and layout.zero_stage == 3:
+        whole = shape.params - persistent_params(shape)
+        items.append(Item("gathered for the save", w * whole, "every rank gathers the whole model"))
+    if layout.lora_rank > 0 and layout.lora_merged:
+        items.append(Item("merged copy", w * shape.params, "rank 0: W + BA as new tensors"))
+    return items
 
 
 def start_items(shape: ModelShape, layout: Layout) -> list[Item]:
     """Loading and wrapping. On a CPU the model and its file's pages, plus DeepSpeed's flat copy
     at stages 1-2; on a GPU the module moved there and, at stages 1-2, flattened into a copy
-    (twice its size for a moment); at stage 3 each tensor is partitioned as it arrives."""
+    (twice its size for a moment); at stage 3 too the whole module is moved there first (it is
+    not built under ``deepspeed.zero.Init``), then partitioned tensor by tensor."""
     p, w = shape.params, layout.module_bytes
     flat = layout.backend == "deepspeed" and layout.zero_stage < 3
     if layout.device == "cpu":
         return [Item("model load", 2 * w * p + (w * p if flat else 0), "weights + the file's pages (+ flat copy)")]
     if layout.backend == "deepspeed" and layout.zero_stage == 3:
-        return [Item("model load", w * shape.largest_tensor, "one tensor at a time")]
+        # serl loads without deepspeed.zero.Init, so deepspeed.initialize moves the whole module
+        # to the GPU (engine._configure_distributed_model) before ZeRO-3 partitions it
+        return [Item("model load", w * p, "the module moved whole, then partitioned")]
     return [Item("model load", (2 if flat else 1) * w * p, "the module (+ its flat copy)" if flat else "the module")]
 
 
@@ -189,7 +219,9 @@ def checkpoint_disk(shape: ModelShape, layout: Layout) -> list[Item]:
 
 def host_memory(shape: ModelShape, layout: Layout) -> list[Item]:
     """CPU memory of one node: each rank loads the model there before it moves to its GPU; the
-    offloaded states and a teacher held off the GPU stay there."""
+    offloaded states and a teacher held off the GPU stay there. (A checkpoint save copies the
+    gathered weights to rank 0's CPU memory for safetensors, one ``model loading`` share: the
+    loading's copies are gone by then, so the sum below covers it.)"""
     k, p, pt = layout.ranks_per_node, shape.params, trainable_params(shape, layout)
     items = [Item("model loading", k * layout.module_bytes * p, f"{k} rank(s) x the loaded model")]
     if layout.offload and layout.backend == "deepspeed":
@@ -199,11 +231,78 @@ def host_memory(shape: ModelShape, layout: Layout) -> list[Item]:
     return items
 
 
-def estimate(shape: ModelShape, layout: Layout) -> Plan:
+# -- the run's disk --------------------------------------------------------------------------------
+# Bytes a turn takes in rollouts.jsonl, measured on a tiny Sokoban run (docs/SCALING.md): each
+# token id as JSON digits and a comma (the widest id of the vocabulary is assumed: an upper
+# bound), each reply token's behaviour log-prob as a JSON float, the reply's text twice (action
+# text and parsed action) and the turn's other text (observations, feedback, info).
+LOGPROB_JSON = 19  # "-0.6931471805599453," (measured: 19.0 bytes per log-prob)
+REPLY_TEXT = 8  # action_text + action: ~4 bytes of text per token each (measured 7.8)
+TURN_TEXT = 2048  # observations, feedback, info, keys (measured 0.7 KB on Sokoban's boards; pages are longer)
+# annotations.jsonl, per turn: the action mask ("0," per reply token), the teacher's log-probs and
+# the weights (a JSON float each), the hindsight block and the fields
+ANNOTATION_PER_REPLY_TOKEN = 2 + 2 * LOGPROB_JSON
+ANNOTATION_TEXT = 2048
+
+
+@dataclass(frozen=True)
+class Storage:
+    """What the run's disk needs of its settings beyond the layout."""
+
+    iterations: int = 1
+    save_every: int = 1
+    keep_last: int = 1  # 0: every checkpoint kept
+    episodes: int = 1  # per iteration: tasks x group_size
+    turns: int = 1  # per episode: the turn limit (an upper bound) or a typical count
+    annotated: bool = False  # the algorithm writes annotations.jsonl each iteration
+
+
+def id_bytes(shape: ModelShape) -> int:
+    """A token id in JSON with its comma: the vocabulary's widest id (an upper bound)."""
+    return len(str(max(shape.vocab - 1, 0))) + 1
+
+
+def rollout_turn_bytes(shape: ModelShape, layout: Layout) -> float:
+    prompt, reply = layout.prompt_tokens, layout.reply_tokens
+    return (prompt + reply) * id_bytes(shape) + reply * (LOGPROB_JSON + REPLY_TEXT) + TURN_TEXT
+
+
+def annotation_turn_bytes(layout: Layout) -> float:
+    return layout.reply_tokens * ANNOTATION_PER_REPLY_TOKEN + ANNOTATION_TEXT
+
+
+def saves(storage: Storage) -> int:
+    """Iteration checkpoints written: every ``save_every``-th and the last."""
+    return storage.iterations // storage.save_every + (1 if storage.iterations % storage.save_every else 0)
+
+
+def run_disk(shape: ModelShape, layout: Layout, storage: Storage, checkpoint: float) -> list[Item]:
+    """The run directory at its largest: the iteration checkpoints kept (one more while the
+    next is written; every one with keep_last 0), the final policy, and every iteration's
+    rollouts and annotations, which nothing prunes."""
+    kept = min(storage.keep_last + 1, saves(storage)) if storage.keep_last else saves(storage)
+    turns = storage.iterations * storage.episodes * storage.turns
+    items = [
+        Item("checkpoints", kept * checkpoint, f"{kept} at once" + ("" if storage.keep_last else " (keep_last 0)")),
+        Item("final policy", layout.module_bytes * shape.params, "RUN/checkpoint: the weights"),
+        Item(
+            "rollouts",
+            turns * rollout_turn_bytes(shape, layout),
+            f"{storage.iterations} x {storage.episodes} episodes x {storage.turns} turns",
+        ),
+    ]
+    if storage.annotated:
+        items.append(Item("annotations", turns * annotation_turn_bytes(layout), "annotations.jsonl, every iteration"))
+    return items
+
+
+def estimate(shape: ModelShape, layout: Layout, storage: Storage | None = None) -> Plan:
     plan = Plan(shape, layout, phases(shape, layout))
     if layout.engine == "vllm" and not layout.colocated:
         plan.vllm = vllm_gpu(shape, layout)
     plan.disk = checkpoint_disk(shape, layout)
+    if storage is not None:
+        plan.run_disk = run_disk(shape, layout, storage, sum(i.bytes for i in plan.disk))
     plan.host = host_memory(shape, layout)
     plan.problems = problems(plan)
     return plan

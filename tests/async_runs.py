@@ -75,7 +75,7 @@ def mover_model(base: Path) -> Path:
         )
     )
     del probe
-    prompts = [t["prompt_ids"] for line in (base / "probe" / "rollouts.jsonl").open() for t in json.loads(line)["turns"]]
+    prompts = [t["prompt_ids"] for t in turns(base / "probe")]
     model, tokenizer = load_model(str(micro))
     boost_moves(model, tokenizer, prompts[:8])
     out = base / "mover"
@@ -104,6 +104,11 @@ def run_config(algo: str, model: Path, out: Path, **top) -> OnlineConfig:
     )
 
 
+def turns(rollout: Path) -> list[dict]:
+    """Every stored turn of ``rollout``/rollouts.jsonl, in order."""
+    return [t for line in (rollout / "rollouts.jsonl").open() for t in json.loads(line)["turns"]]
+
+
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -121,10 +126,10 @@ def summary(run: Path) -> dict:
     weights = load_file(run / "checkpoint" / "model.safetensors")
     return {
         "rollouts_sha256": [sha(it / "rollouts.jsonl") for it in its],
-        "annotations_sha256": [sha(it / "annotations.jsonl") if (it / "annotations.jsonl").exists() else None for it in its],
-        "actions": [
-            [t["action_ids"] for line in (it / "rollouts.jsonl").open() for t in json.loads(line)["turns"]] for it in its
+        "annotations_sha256": [
+            sha(it / "annotations.jsonl") if (it / "annotations.jsonl").exists() else None for it in its
         ],
+        "actions": [[t["action_ids"] for t in turns(it)] for it in its],
         "metrics": [json.loads(line) for line in (run / "metrics.jsonl").open()],
         "weights_sha256": sha(run / "checkpoint" / "model.safetensors"),
         "weight_sums": {name: float(t.double().sum()) for name, t in sorted(weights.items())},

@@ -179,7 +179,13 @@ def test_field_order_is_the_runners_key_order():
     assert [f.name for f in fields(Episode) if f.name != "extra"] == list(episode_record())
     turn_fields = [f.name for f in fields(Turn) if f.name != "extra"]
     assert turn_fields[: len(turn_record())] == list(turn_record())
-    assert turn_fields[len(turn_record()) :] == ["off_expert", "invalid", "engine_logprobs", "hindsight"]
+    assert turn_fields[len(turn_record()) :] == [
+        "off_expert",
+        "invalid",
+        "engine_logprobs",
+        "hindsight",
+        "policy_version",
+    ]
 
 
 # -- refused in one line, as read_rollouts always refused ------------------------------------------

@@ -47,6 +47,7 @@ class Turn:
     invalid: bool | None = None  # prompt.style authors: the reply broke the authors' rule; None: feedback decides
     engine_logprobs: list[float] | None = None  # the engine's log-probs where the trainer recomputed pi_old
     hindsight: str | None = None  # an SFT example's block in its prompt (method.hindsight_sft, reading_sft)
+    policy_version: int | None = None  # max_staleness > 0: the policy version (updates done) that wrote it
     extra: dict = field(default_factory=dict)  # keys this version does not know, written back as they came
 
     @property
@@ -161,9 +162,8 @@ _EPISODE_FIELDS = tuple(f.name for f in fields(Episode) if f.name != "extra")
 _TURN_FIELDS = tuple(f.name for f in fields(Turn) if f.name != "extra")
 # a turn's keys written only when set, with the default they are left out at: the runner writes
 # off_expert only when true and invalid only where the policy judged the reply
-_TURN_WHEN_SET = {
-    f.name: f.default for f in fields(Turn) if f.name in ("off_expert", "invalid", "engine_logprobs", "hindsight")
-}
+_WHEN_SET = ("off_expert", "invalid", "engine_logprobs", "hindsight", "policy_version")
+_TURN_WHEN_SET = {f.name: f.default for f in fields(Turn) if f.name in _WHEN_SET}
 
 
 def _known(d: dict, names: tuple[str, ...]) -> dict:

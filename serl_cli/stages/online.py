@@ -102,6 +102,16 @@ from serl_cli.stages.online_checkpoints import (
     resume_point,
 )
 from serl_cli.stages.online_config import OnlineConfig, check_online_config
+from serl_cli.stages.online_producer import (
+    ProducerSetup,
+    check_versions,
+    make_producer,
+    prune_versions,
+    publish_version,
+    rollout_version,
+    teacher_version,
+    version_weights,
+)
 from serl_cli.stages.online_ranks import (
     CountingScorer,
     PhaseLog,
@@ -155,7 +165,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
     # vLLM (rank 0's, serving every process) loads its own copy of the policy; it starts before
     # the trainer's state is on the GPU, so a colocated engine finds the memory it asks for
     vllm = cfg.rollout.engine == "vllm"
-    engine = None
+    engine = producer = None
     if vllm and main:
         engine = make_engine(
             "vllm", None, None, model_dir=policy_dir, vllm=cfg.rollout.vllm, seed=cfg.seed, gpus=cfg.rollout.gpus
@@ -188,18 +198,48 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
             teacher = TeacherSnapshot(learner)  # a copy of what the update changes (sharded under ZeRO-3)
             if last is not None:
                 teacher.load(last)
-        loop = Loop(cfg, run, learner, objective, acfg, teacher, engine, stop, world)
+        if cfg.max_staleness > 0:
+            producer = start_producer(cfg, run, learner, start, stop)
+        loop = Loop(cfg, run, learner, objective, acfg, teacher, engine, stop, world, producer)
         return loop.iterations(start, on_iteration)
     finally:
+        if producer is not None:
+            producer.close()  # an asynchronous run's producer never outlives its loop
         if main:
             close_engine(engine)  # vLLM's engine process and its GPU memory go now, not at exit
+
+
+def start_producer(cfg: OnlineConfig, run: Path, learner: Learner, start: int, stop: StopSignal):
+    """The rollout producer of ``max_staleness > 0`` (:mod:`serl_cli.stages.online_producer`):
+    version 0 published on a fresh run, the versions a resume reads checked, then started."""
+    if learner.backend.world > 1:
+        raise SerlError(
+            "max_staleness > 0 runs one trainer process beside its producer: the hf engine on several "
+            "trainer processes generates with the trainer's own weights and cannot overlap the update"
+        )
+    if start == 0:
+        publish_version(run, 0, learner.stream_weights())
+    else:
+        check_versions(run, start, cfg.max_staleness, cfg.annotate.teacher_sync_interval)
+    setup = ProducerSetup(
+        run=str(run),
+        model=str(cfg.model),
+        dtype=learner.backend.load_dtype,
+        device=str(learner.backend.device),
+        env=cfg.env,
+        threads=cfg.producer.threads or cfg.train.threads,
+    )
+    return make_producer(cfg.producer.mode, setup, stop)
 
 
 class Loop:
     """The iterations of one run, on one process (every process runs the same)."""
 
-    def __init__(self, cfg: OnlineConfig, run: Path, learner: Learner, objective, acfg, teacher, engine, stop, world):
+    def __init__(
+        self, cfg: OnlineConfig, run: Path, learner: Learner, objective, acfg, teacher, engine, stop, world, producer
+    ):
         self.cfg, self.run, self.learner, self.objective = cfg, run, learner, objective
+        self.producer, self.teacher_version = producer, None
         self.acfg, self.teacher, self.engine, self.stop, self.world = acfg, teacher, engine, stop, world
         self.annotating = objective.needs_annotations
         self.rank, self.size, self.main = learner.backend.rank, learner.backend.world, learner.is_main
@@ -212,6 +252,9 @@ class Loop:
         cfg, run, learner, main = self.cfg, self.run, self.learner, self.main
         self.out.sized = start > 0  # the checkpoint's size is said when a run starts, not again on resume
         history = []
+        if self.producer is not None:  # the first k + 1 iterations' versions are published already
+            for j in range(start, min(start + cfg.max_staleness + 1, cfg.iterations)):
+                self.request(j)
         for k in range(start, cfg.iterations):
             t0 = time.perf_counter()
             it = iter_dir(run, k)
@@ -220,17 +263,28 @@ class Loop:
             log = PhaseLog(self.rank, self.size, learner.backend.device)
             if self.teacher is not None and not teacher_wanted(annotate_config(cfg, k, learner.updates)):
                 self.drop_teacher()
-            if self.teacher is not None and learner.updates % max(self.acfg.teacher_sync_interval, 1) == 0:
-                self.teacher.sync()  # the teacher becomes this rollout policy
-            episodes, rollout_wall, abandon = self.rollout(rcfg, log)
+            staleness, waits = 0, {}
+            if self.producer is None:
+                if self.teacher is not None and learner.updates % max(self.acfg.teacher_sync_interval, 1) == 0:
+                    self.teacher.sync()  # the teacher becomes this rollout policy
+                episodes, rollout_wall, abandon = self.rollout(rcfg, log)
+            else:
+                staleness = k - rollout_version(k, cfg.max_staleness)
+                self.stale_teacher(k)
+                episodes, rollout_wall, abandon, waits = self.produced(k, rcfg, log)
             recomputed, annotations, meta = {}, None, None
             if not abandon:
                 if main:
                     sleep_engine(self.engine)  # vLLM with sleep: true frees its GPU memory for the trainer
-                if self.recompute:
+                # synchronous: pi_old recomputed first, and the teacher ratio reads it; stale rollouts are
+                # annotated against their own version's log-probs first, then pi_prox is recomputed
+                recompute = self.producer is None and self.recompute
+                if recompute:
                     recomputed = self.recompute_logp_old(episodes, temperature, log)
                 if self.annotating:
                     annotations, meta = self.annotate(episodes, rcfg, it, k, temperature, log)
+                if self.producer is not None and recompute_enabled(cfg.train, cfg.rollout.engine, staleness=staleness):
+                    recomputed = self.recompute_logp_old(episodes, temperature, log)
             signum = self.agreed_signal()  # a stop any process was asked for, before the update: abandon
             if abandon or signum is not None:  # iteration k is redone on resume; k - 1 must have its checkpoint
                 if k > 0 and not resumable(run, k - 1):
@@ -238,10 +292,18 @@ class Loop:
                 if main:
                     prune_checkpoints(run, cfg.keep_last)
                 raise Preempted(run, k, signum)
-            metrics = learner.update(episodes, temperature, annotations, meta, engine=cfg.rollout.engine)
+            metrics = learner.update(
+                episodes, temperature, annotations, meta, engine=cfg.rollout.engine, staleness=staleness
+            )
             metrics.update(recomputed)
             timing = metrics.pop("timing")
             log.phase("update", timing["update_s"])
+            if self.producer is not None:  # the new version out, and the rollouts that wait for it asked for
+                publish_version(run, k + 1, learner.stream_weights())
+                if k + 1 + cfg.max_staleness < cfg.iterations:
+                    self.request(k + 1 + cfg.max_staleness)
+                metrics.update(stale_stats(episodes, k))
+                timing.update(waits)
             if meta:
                 timing["teacher_s"] = meta["stats"]["teacher_s"]
                 timing["annotate"] = meta["timing"]
@@ -271,6 +333,8 @@ class Loop:
                 )
                 io.mark_stage(run, it.name, "done")
                 prune_checkpoints(run, cfg.keep_last)
+                if self.producer is not None:
+                    prune_versions(run, oldest_resume(run), cfg.max_staleness, self.acfg.teacher_sync_interval)
                 if on_iteration:
                     on_iteration(metrics)
             if signum is not None:
@@ -325,6 +389,41 @@ class Loop:
         if self.main:
             write_rollout(rcfg, episodes, wall)
         return episodes, wall, False
+
+    def request(self, j: int) -> None:
+        """Ask the producer for iteration ``j``'s rollouts, with the version the schedule names."""
+        rcfg = rollout_config(self.cfg, j, iter_dir(self.run, j))
+        self.producer.submit(j, rollout_version(j, self.cfg.max_staleness), rcfg)
+
+    def produced(self, k: int, rcfg: RolloutConfig, log: PhaseLog):
+        """Iteration ``k``'s rollouts from the producer (``max_staleness > 0``), written as
+        :meth:`rollout` writes its own; and how long each side waited for the other."""
+        t0 = time.perf_counter()
+        made, waited = self.producer.take(k)
+        if made is None or made.abandoned:
+            return [], 0.0, True, {}
+        episodes = as_stored(made.episodes)
+        log.phase("rollout", made.generate_s, f"version {made.version}, {len(episodes)} episode(s)")
+        if self.main:
+            write_rollout(rcfg, episodes, made.generate_s)
+        waits = {
+            "rollout_wait_s": round(waited, 3),  # the trainer, for the producer
+            "producer_idle_s": round(made.idle_s, 3),  # the producer, for this request's version
+            "producer_generate_s": round(made.generate_s, 3),
+            "take_s": round(time.perf_counter() - t0, 3),
+        }
+        return episodes, made.generate_s, False, waits
+
+    def stale_teacher(self, k: int) -> None:
+        """The teacher of iteration ``k``'s stale rollouts: the version the synchronous loop would
+        have made the teacher for the version that rolled out (``teacher_version``), read from the
+        published versions, so the teacher ratio compares one version on both sides."""
+        if self.teacher is None:
+            return
+        version = teacher_version(rollout_version(k, self.cfg.max_staleness), self.acfg.teacher_sync_interval)
+        if version != self.teacher_version:
+            self.teacher.load_state_dict(version_weights(self.run, version))
+            self.teacher_version = version
 
     def recompute_logp_old(self, episodes: list[Episode], temperature: float, log: PhaseLog) -> dict:
         t0 = time.perf_counter()
@@ -415,3 +514,17 @@ class Loop:
             "eval_invalid_action_rate": ev["invalid_action_rate"],
             "eval_mean_turns": ev["mean_turns"],
         }
+
+
+def stale_stats(episodes: list[Episode], k: int) -> dict:
+    """How old iteration ``k``'s rollouts were, in updates: per turn ``k - policy_version``."""
+    ages = [k - t.policy_version for e in episodes for t in e.turns if t.policy_version is not None]
+    if not ages:
+        return {}
+    return {"staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages)}
+
+
+def oldest_resume(run: Path) -> int:
+    """The earliest iteration the run can resume at: after its oldest kept checkpoint (0: none kept)."""
+    kept = [int(c.parent.name.split("_")[1]) for c in run.glob("iter_*/checkpoint") if c.is_dir()]
+    return min(kept) + 1 if kept else 0

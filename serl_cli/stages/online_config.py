@@ -8,6 +8,7 @@ checked -- ``serl config``, ``serl ablate``'s grids, a run file -- without the l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from serl_cli.config import setting
 from serl_cli.errors import SerlError
@@ -37,6 +38,24 @@ class OnlineEvalConfig:
     )
 
 
+ProducerMode = Literal["background", "inline"]
+
+
+@dataclass
+class ProducerConfig:
+    mode: ProducerMode = setting(
+        "background",
+        "with max_staleness > 0, where the rollouts are made: background (a separate process with its own copy "
+        "of the policy on the hf engine, generating while the trainer updates) | inline (the same rollouts in the "
+        "trainer's process, one after the other: the background producer's sequential reference)",
+    )
+    threads: int | None = setting(
+        None,
+        "the background producer's CPU threads; null: train.threads (or its default). With both sides busy at "
+        "once, train.threads + producer.threads at most the cores: oversubscribed torch threads run slower",
+    )
+
+
 @dataclass
 class OnlineConfig:
     env: EnvConfig = setting(factory=lambda: EnvConfig(split="train"), doc="the environment and its training split")
@@ -58,6 +77,14 @@ class OnlineConfig:
         1, "iteration k writes iter_k/checkpoint when (k + 1) % save_every == 0 (and at the end, and on a stop)"
     )
     keep_last: int = setting(1, "iteration checkpoints kept, newest first; 0: all of them")
+    max_staleness: int = setting(
+        0,
+        "k: iteration j rolls out with the policy after update j - 1 - k (version max(j - k, 0)), made by the "
+        "producer while the trainer updates on an earlier batch; a fixed lag, so a run stays deterministic and "
+        "resumable. 0: the synchronous loop (rollout, then update). train.offpolicy says how stale rollouts are "
+        "corrected (auto: token TIS)",
+    )
+    producer: ProducerConfig = setting(factory=ProducerConfig, doc="the rollout producer of max_staleness > 0")
     seed: int = setting(0, "the run's seed: iteration k's rollouts use seed * 1000 + k, the update seed")
     out: str = setting("runs/online", "the run directory")
 
@@ -86,8 +113,32 @@ def check_online_config(cfg: OnlineConfig) -> None:
                 "--engine vllm with vllm.weight_sync=disk needs train.lora.save=merged: it reloads the "
                 "policy's full weights from each saved checkpoint"
             )
+    check_staleness(cfg)
     check_style(cfg.rollout.prompt)
     check_engine(cfg.rollout.engine)  # an unknown engine or a missing extra, before any model loads
     check_train_config(cfg.train)  # the same for the backend, its DeepSpeed config, LoRA, device, dtype
     check_rollout_config(cfg.rollout)  # the rollouts' and the annotation's numbers, before the model loads
     check_annotate_config(cfg.annotate)
+
+
+def check_staleness(cfg: OnlineConfig) -> None:
+    """What an asynchronous loop (``max_staleness > 0``) cannot run, in one line each."""
+    k = cfg.max_staleness
+    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+        raise SerlError(f"max_staleness must be a whole number of updates, 0 (synchronous) or more, got {k}")
+    if cfg.producer.threads is not None and cfg.producer.threads < 1:
+        raise SerlError(f"producer.threads must be at least 1 (or null), got {cfg.producer.threads}")
+    if k == 0:
+        return
+    if cfg.rollout.engine != "hf":
+        raise SerlError(
+            "max_staleness > 0 makes its rollouts in a producer process on the hf engine; with --engine vllm the "
+            "loop is synchronous for now (docs/SCALING.md: asynchronous layouts)"
+        )
+    if cfg.train.lora.rank > 0:
+        raise SerlError("max_staleness > 0 with LoRA: the producer loads whole policy versions; train without LoRA")
+    if cfg.train.recompute_logp_old is False:
+        raise SerlError(
+            "max_staleness > 0 needs train.recompute_logp_old (null or true): stale rollouts are corrected by "
+            "the trainer's own log-probs (pi_prox) against the producer's (pi_behav)"
+        )

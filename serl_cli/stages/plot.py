@@ -27,6 +27,7 @@ PANELS = [
     # the rollout engine against the trainer (train.recompute_logp_old) and the off-policy correction's weights
     ("engine mismatch", ["logp_mismatch_k1", "logp_mismatch_k3"]),
     ("off-policy weights", ["is_weight_mean", "is_clipped_frac", "is_masked_frac"]),
+    ("staleness (updates)", ["staleness_mean", "staleness_max"]),
     ("SERL weights", ["weight_mean", "weight_min", "weight_max"]),
     ("|advantage|", ["mean_abs_advantage"]),
     ("teacher signal", ["teacher_right_direction", "teacher_expert_prob_gain"]),

@@ -33,6 +33,8 @@ RESUMABLE_CHANGES = (
     "rollout.vllm.gpu_memory_utilization",
     "rollout.vllm.enforce_eager",
     "rollout.vllm.sleep",
+    "producer.mode",  # where the stale rollouts are made: the same rollouts either way (max_staleness is not here)
+    "producer.threads",
 )
 
 

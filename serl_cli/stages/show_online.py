@@ -22,6 +22,10 @@ ITERATION_COLUMNS = [  # (column, metrics.jsonl key)
     ("loss", "loss"),
     ("eval success", "eval_success_rate"),
 ]
+STALE_COLUMNS = [  # an asynchronous run's (max_staleness > 0) too
+    ("staleness", "staleness_max"),
+    ("IS weight", "is_weight_mean"),
+]
 
 
 def is_online_run(run_dir: str | Path, manifest: dict) -> bool:
@@ -47,6 +51,7 @@ def iteration_rows(run_dir: str | Path, manifest: dict) -> list[dict]:
         except ValueError:
             continue
         m = metrics.get(k, {})
+        stale = {key: m.get(key) for _, key in STALE_COLUMNS}
         rows.append(
             {
                 "iteration": k,
@@ -54,6 +59,7 @@ def iteration_rows(run_dir: str | Path, manifest: dict) -> list[dict]:
                 "status": str((stages.get(d.name) or {}).get("status", "not finished")),
                 "episodes": m.get("episodes"),
                 **{key: m.get(key) for _, key in ITERATION_COLUMNS},
+                **stale,
                 "checkpoint": (d / "checkpoint").is_dir(),
             }
         )
@@ -66,9 +72,12 @@ def online_view(run_dir: str | Path, manifest: dict, rows: list[dict]) -> Render
     status = (manifest.get("stages", {}).get("online") or {}).get("status", "?")
     commit = (manifest.get("git_commit") or "unknown")[:10]
     algo, env = (cfg.get("train") or {}).get("algo", "?"), (cfg.get("env") or {}).get("name", "?")
+    staleness = cfg.get("max_staleness") or 0
+    columns = ITERATION_COLUMNS + (STALE_COLUMNS if staleness else [])
     head = Text(
         f"online run {run_dir}: {algo} on {env}, {cfg.get('iterations', '?')} iterations ({status}); "
-        f"serl {manifest.get('serl_version')}, "
+        + (f"rollouts up to {staleness} update(s) stale; " if staleness else "")
+        + f"serl {manifest.get('serl_version')}, "
         f"seed {manifest.get('seed')}, commit {commit}",
         style="bold",
     )
@@ -76,10 +85,10 @@ def online_view(run_dir: str | Path, manifest: dict, rows: list[dict]) -> Render
     # a folder's name is what a person copies into the next command: never cut (iter_00…); the
     # numbers' headers wrap instead when the terminal is narrow
     table.add_column("folder", no_wrap=True, min_width=max((len(r["folder"]) for r in rows), default=6))
-    for col in ("status", "episodes", *(name for name, _ in ITERATION_COLUMNS), "checkpoint"):
+    for col in ("status", "episodes", *(name for name, _ in columns), "checkpoint"):
         table.add_column(col, justify="left" if col == "status" else "right")
     for r in rows:
-        numbers = [f"{r[key]:.3f}" if isinstance(r[key], (int, float)) else "" for _, key in ITERATION_COLUMNS]
+        numbers = [f"{r[key]:.3f}" if isinstance(r[key], (int, float)) else "" for _, key in columns]
         table.add_row(
             Text(r["folder"]),
             Text(r["status"], style="green" if r["status"] == "done" else "yellow"),

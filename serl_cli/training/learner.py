@@ -48,12 +48,12 @@ def training_episodes(episodes: list[Episode], cfg: TrainConfig, run: Path) -> l
     return kept
 
 
-def offpolicy_correction(samples: list, cfg: TrainConfig) -> tuple[list[list[float]] | None, dict]:
-    """The off-policy correction of an update's turns (``train.offpolicy``): each turn's per-token
-    weights pi_prox / pi_behav (None: no correction) and the mismatch statistics, over every
-    turn the trainer recomputed pi_old of (no statistics where it recomputed none: a run
-    without the recompute logs what it always did)."""
-    correction, level = resolve_correction(cfg.offpolicy)  # staleness 0: every serl loop is synchronous
+def offpolicy_correction(samples: list, cfg: TrainConfig, staleness: int = 0) -> tuple[list[list[float]] | None, dict]:
+    """The off-policy correction of an update's turns (``train.offpolicy``) for rollouts
+    ``staleness`` updates old: each turn's per-token weights pi_prox / pi_behav (None: no
+    correction) and the mismatch statistics, over every turn the trainer recomputed pi_old of
+    (no statistics where it recomputed none: a run without the recompute logs what it always did)."""
+    correction, level = resolve_correction(cfg.offpolicy, staleness)
     recomputed = [s.engine_logprobs is not None and len(s.engine_logprobs) == len(s.action_ids) for s in samples]
     if not any(recomputed):
         if correction != "none" and samples:
@@ -248,16 +248,18 @@ class Learner:
         engine: str | None = None,
         progress=None,
         rollout_half: bool | None = None,
+        staleness: int = 0,
     ) -> dict:
         """Train on a batch of episodes; returns the update's metrics. ``engine``: what
         generated the rollouts (hf, vllm), and ``rollout_half`` whether in half precision (None:
         with this learner's model, in its precision), for ``train.recompute_logp_old: null``.
         ``progress(done, total)``: micro-batches run of the update's, once before the first
-        and after each one (a progress bar; its last call has ``done == total``)."""
+        and after each one (a progress bar; its last call has ``done == total``). ``staleness``: how
+        many updates behind this learner the rollouts' policy is (the online loop's ``max_staleness``)."""
         cfg = self.cfg
         objective = get_objective(cfg.algo)
         recomputed = {}
-        if objective.uses_behaviour_logprobs and recompute_enabled(cfg, engine, rollout_half):
+        if objective.uses_behaviour_logprobs and recompute_enabled(cfg, engine, rollout_half, staleness):
             recomputed = self.recompute_logp_old(episodes, temperature)
         samples = turn_samples(episodes)
         # an episode the environment broke (a crash, a timeout) says nothing about the policy:
@@ -279,7 +281,7 @@ class Learner:
         prepared = objective.prepare(samples, inputs, cfg)
         offpolicy = {}
         if objective.uses_behaviour_logprobs:
-            prepared.is_weights, offpolicy = offpolicy_correction(samples, cfg)
+            prepared.is_weights, offpolicy = offpolicy_correction(samples, cfg, staleness)
         if prepared.token_weights is not None and not default_advantages(cfg):
             _check_annotated_advantages(prepared.advantages, annotations, turn_advantages(samples, cfg), cfg)
         num_tokens = float(sum(len(s.action_ids) for s in samples))

@@ -69,7 +69,7 @@ class OffPolicyConfig:
         "weight each token's policy-gradient term by pi_prox / pi_behav (the trainer's recomputed pi_old over the "
         "rollout engine's log-prob), detached: none | tis (truncated: min(ratio, tis_cap)) | mis (masked: the ratio "
         "inside [mis_low, mis_high], else 0; masked tokens stay in the token count) | auto (none while rollouts are "
-        "on-policy, staleness 0, as every serl loop is today; tis once stale). tis, mis need the "
+        "on-policy, max_staleness 0; token tis once stale, max_staleness > 0). tis, mis need the "
         "recompute: train.recompute_logp_old null turns it on, false is refused",
     )
     level: CorrectionLevel = setting(
@@ -260,8 +260,8 @@ def _check_offpolicy(cfg: TrainConfig) -> None:
 
 def resolve_correction(cfg: OffPolicyConfig, staleness: int = 0) -> tuple[str, str]:
     """``(correction, level)`` an update applies, for rollouts ``staleness`` policy versions old
-    (every serl loop is synchronous today: 0). ``auto``: none on-policy, TIS once stale (an
-    asynchronous loop's default), at ``cfg.level`` (token by default); the other words stand."""
+    (the online loop's ``max_staleness``; 0: synchronous). ``auto``: none on-policy, TIS once
+    stale (an asynchronous loop's default), at ``cfg.level`` (token by default); the other words stand."""
     if cfg.correction != "auto":
         return cfg.correction, cfg.level
     return ("tis" if staleness > 0 else "none"), cfg.level
@@ -303,17 +303,21 @@ def scheduled(optim: OptimConfig) -> bool:
     return optim.schedule != "constant" or optim.warmup_steps > 0
 
 
-def recompute_enabled(cfg: TrainConfig, engine: str | None, rollout_half: bool | None = None) -> bool:
+def recompute_enabled(
+    cfg: TrainConfig, engine: str | None, rollout_half: bool | None = None, staleness: int = 0
+) -> bool:
     """Whether pi_old is recomputed by the trainer: the setting, or (null) whenever the rollouts'
     log-probs are not the trainer's numerics -- from an engine other than hf, or from hf in half
     precision (a KV-cached bf16 decode and the trainer's full forward round differently).
     ``rollout_half``: whether the rollouts ran in half precision; None: they ran with the
     trainer's own model in its precision (the online loop's hf engine). ``engine`` None: the
     log-probs' source is unknown, and they stand. An off-policy correction (tis, mis) turns
-    the null setting on: its weight is the trainer's log-prob over the engine's."""
+    the null setting on: its weight is the trainer's log-prob over the engine's; so do stale
+    rollouts (``staleness`` > 0, an asynchronous loop's): PPO's ratio is then taken against the
+    trainer's current policy (pi_prox), not the stale one that sampled."""
     if cfg.recompute_logp_old is not None:
         return bool(cfg.recompute_logp_old)
-    if resolve_correction(cfg.offpolicy)[0] != "none":  # the correction's pi_prox is the recompute
+    if staleness > 0 or resolve_correction(cfg.offpolicy, staleness)[0] != "none":  # pi_prox is the recompute
         return True
     if engine is None:
         return False

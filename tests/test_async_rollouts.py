@@ -1,0 +1,213 @@
+"""The asynchronous loop (``max_staleness``, :mod:`serl_cli.stages.online_producer`): at 0 it is
+the synchronous loop of the commit before it existed, byte for byte; at k > 0 the background
+producer equals the sequential reference that rolls out iteration j with version j - k, runs
+twice the same, resumes after a kill as if never stopped, and a crashed producer ends the run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from async_runs import ITERATIONS, REFERENCE, machine, mover_model, run_config, summary, turns
+
+from serl_cli.artifacts import io
+from serl_cli.errors import SerlError
+from serl_cli.stages import online_producer
+from serl_cli.stages.online import run_online
+from serl_cli.stages.online_config import ProducerConfig
+from serl_cli.stages.online_producer import rollout_version, teacher_version
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def mover(tmp_path_factory):
+    return mover_model(tmp_path_factory.mktemp("mover"))
+
+
+@pytest.fixture(scope="module")
+def runs(mover, tmp_path_factory):
+    """Each algorithm's run at k = 0, at k = 1 in the background (twice) and inline, and at k = 2."""
+    base = tmp_path_factory.mktemp("async")
+    out = {}
+    for algo in ("grpo", "serl"):
+        for name, top in {
+            "sync": {},
+            "k1": {"max_staleness": 1},
+            "k1_again": {"max_staleness": 1},
+            "k1_inline": {"max_staleness": 1, "producer": ProducerConfig(mode="inline")},
+        }.items():
+            run_online(run_config(algo, mover, base / f"{algo}_{name}", **top))
+            out[algo, name] = base / f"{algo}_{name}"
+    return out
+
+
+def numbers_close(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(numbers_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(numbers_close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7)
+    return a == b
+
+
+@pytest.mark.parametrize("algo", ["grpo", "serl"])
+def test_staleness_zero_is_the_synchronous_loop_of_before(runs, algo):
+    """Rollouts, metrics and final weights as the loop before the producer left them
+    (tests/async_runs.py wrote the reference): the same bytes on a machine whose CPU arithmetic
+    is the reference's, the same tokens and numbers to 1e-5 elsewhere."""
+    reference = json.loads(REFERENCE.read_text())[algo]
+    now = summary(runs[algo, "sync"])
+    assert now["actions"] == reference["actions"]
+    if json.loads(REFERENCE.read_text())["machine"] == machine():
+        assert now == reference
+    else:
+        assert numbers_close(now["metrics"], reference["metrics"])
+        assert numbers_close(now["weight_sums"], reference["weight_sums"])
+    run = runs[algo, "sync"]
+    assert not (run / "policy_versions").exists()  # nothing new starts at k = 0
+    assert all("policy_version" not in t for it in range(ITERATIONS) for t in turns(run / f"iter_{it:04d}"))
+
+
+@pytest.mark.parametrize("algo", ["grpo", "serl"])
+def test_one_step_stale_equals_its_sequential_reference_and_itself(runs, algo):
+    background, again, inline = runs[algo, "k1"], runs[algo, "k1_again"], runs[algo, "k1_inline"]
+    assert summary(background) == summary(again)
+    assert summary(background) == summary(inline)
+    versions = [{t["policy_version"] for t in turns(background / f"iter_{j:04d}")} for j in range(ITERATIONS)]
+    assert versions == [{0}, {0}, {1}, {2}]  # iteration j rolls out with the weights of update j - 2
+    # the first rollouts are the synchronous loop's (the same version 0, the same seed), the rest differ
+    sync = summary(runs[algo, "sync"])["actions"]
+    stale = summary(background)["actions"]
+    assert stale[0] == sync[0] and stale[2:] != sync[2:]
+    metrics = [json.loads(line) for line in (background / "metrics.jsonl").open()]
+    assert [m["staleness_max"] for m in metrics] == [0, 1, 1, 1]
+    # auto: no correction on-policy, token TIS once stale (pi_prox recomputed by the trainer)
+    assert "is_weight_mean" not in metrics[0] and all("is_weight_mean" in m for m in metrics[1:])
+    assert all(m["logp_old_recomputed_turns"] == m["turns"] for m in metrics[1:])
+
+
+def test_iteration_j_rolls_out_with_version_j_minus_k():
+    assert [rollout_version(j, 2) for j in range(6)] == [0, 0, 0, 1, 2, 3]
+    assert [rollout_version(j, 0) for j in range(3)] == [0, 1, 2]
+    assert [teacher_version(v, 10) for v in (0, 9, 10, 23)] == [0, 0, 10, 20]
+    assert teacher_version(7, 1) == 7
+
+
+def test_the_serl_teacher_is_the_version_that_rolled_out(mover, tmp_path, monkeypatch):
+    """At k = 2 with teacher_sync_interval 1 the teacher of iteration j reads version j - 2."""
+    read = []
+    real = online_producer.version_weights
+
+    def spy(run, version):
+        read.append(version)
+        return real(run, version)
+
+    monkeypatch.setattr("serl_cli.stages.online.version_weights", spy)
+    cfg = run_config("serl", mover, tmp_path / "run", max_staleness=2, keep_last=1)
+    cfg.annotate.teacher_sync_interval = 1
+    run_online(cfg)
+    assert read == [0, 1]  # iterations 0-2 roll out (and are taught) with version 0, iteration 3 with 1
+    kept = sorted(p.name for p in (tmp_path / "run" / "policy_versions").iterdir())
+    assert kept == ["v000002.safetensors", "v000003.safetensors", "v000004.safetensors"]  # a resume at 4 reads 2
+
+
+def test_refusals_in_one_line(mover, tmp_path):
+    cfg = run_config("grpo", mover, tmp_path / "a", max_staleness=1)
+    cfg.train.recompute_logp_old = False
+    with pytest.raises(SerlError, match="needs train.recompute_logp_old"):
+        run_online(cfg)
+    cfg = run_config("grpo", mover, tmp_path / "b", max_staleness=-1)
+    with pytest.raises(SerlError, match="max_staleness must be a whole number"):
+        run_online(cfg)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_crashed_producer_ends_the_run_with_its_error(mover, tmp_path):
+    """The producer's version file is unreadable: its error reaches the trainer as one line."""
+    cfg = run_config("grpo", mover, tmp_path / "run", max_staleness=1)
+    cfg.iterations = 3
+    started = time.perf_counter()
+    with pytest.MonkeyPatch.context() as mp:
+        real = online_producer.publish_version
+
+        def corrupt_later(run, version, weights):
+            path = real(run, version, weights)
+            if version == 1:
+                path.write_bytes(b"not a safetensors file")
+            return path
+
+        mp.setattr("serl_cli.stages.online.publish_version", corrupt_later)
+        with pytest.raises(SerlError, match="the rollout producer failed"):
+            run_online(cfg)
+    assert time.perf_counter() - started < 120
+
+
+KILL_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from async_runs import run_config
+from serl_cli.stages.online import run_online
+from serl_cli.stages.online_config import ProducerConfig
+cfg = run_config("serl", {model!r}, {out!r}, max_staleness=1)
+cfg.iterations = 6
+run_online(cfg, resume={resume})
+"""
+
+
+def producer_pids(parent: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def run_script(out: Path, model: Path, resume: bool, **popen):
+    tests = Path(__file__).parent
+    code = KILL_SCRIPT.format(tests=str(tests), model=str(model), out=str(out), resume=resume)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, **popen)
+
+
+@pytest.fixture(scope="module")
+def whole_run(mover, tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "run"
+    assert run_script(out, mover, False).wait() == 0
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_resume_after_a_kill_is_the_uninterrupted_run_and_leaves_no_producer(mover, whole_run, tmp_path, sig):
+    stopped = tmp_path / "stopped"
+    proc = run_script(stopped, mover, False)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (stopped / "iter_0002" / "checkpoint").is_dir():
+        time.sleep(0.05)
+    children = producer_pids(proc.pid)
+    assert children, "no producer process was running mid-run"
+    proc.send_signal(sig)
+    assert proc.wait(120) != 0
+    time.sleep(2)  # the kernel's parent-death signal, or the trainer's close, has ended it by now
+    alive = [p for p in children if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]
+    assert not alive, f"the producer outlived its stopped trainer: {alive}"
+    assert run_script(stopped, mover, True).wait() == 0
+    for j in range(6):
+        name = f"iter_{j:04d}/rollouts.jsonl"
+        assert (whole_run / name).read_bytes() == (stopped / name).read_bytes(), name
+    assert (whole_run / "metrics.jsonl").read_bytes() == (stopped / "metrics.jsonl").read_bytes()
+    final = "checkpoint/model.safetensors"
+    assert (whole_run / final).read_bytes() == (stopped / final).read_bytes()
+    assert io.read_json(stopped / "manifest.json")["stages"]["online"]["status"] == "done"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (OSError, IndexError):
+        return "gone"

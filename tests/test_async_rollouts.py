@@ -92,7 +92,8 @@ def test_one_step_stale_equals_its_sequential_reference_and_itself(runs, algo):
     assert [m["staleness_max"] for m in metrics] == [0, 1, 1, 1]
     # auto: no correction on-policy, token TIS once stale (pi_prox recomputed by the trainer)
     assert "is_weight_mean" not in metrics[0] and all("is_weight_mean" in m for m in metrics[1:])
-    assert all(m["logp_old_recomputed_turns"] == m["turns"] for m in metrics[1:])
+    # pi_prox of the episodes with a gradient, not of the others
+    assert all(m["turns_with_gradient"] <= m["logp_old_recomputed_turns"] <= m["turns"] for m in metrics[1:])
 
 
 def test_iteration_j_rolls_out_with_version_j_minus_k():
@@ -211,3 +212,26 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
     except (OSError, IndexError):
         return "gone"
+
+
+def test_pi_prox_only_where_a_gradient_is_changes_no_weight(mover, tmp_path, monkeypatch):
+    """Stale rollouts: the update recomputes pi_prox only for episodes with a gradient; recomputing
+    every episode's gives the same weights (the others add exactly 0), at more cost."""
+    from serl_cli.training.learner import Learner
+
+    inline = {"max_staleness": 1, "producer": ProducerConfig(mode="inline")}
+    run_online(run_config("grpo", mover, tmp_path / "some", **inline))
+    real = Learner._recompute_for
+    monkeypatch.setattr(
+        Learner, "_recompute_for", lambda self, s, active, e, t: real(self, s, list(range(len(s))), e, t)
+    )
+    run_online(run_config("grpo", mover, tmp_path / "all", **inline))
+    some = [json.loads(line) for line in (tmp_path / "some" / "metrics.jsonl").open()]
+    every = [json.loads(line) for line in (tmp_path / "all" / "metrics.jsonl").open()]
+    assert [m["logp_old_recomputed_turns"] for m in every[1:]] == [m["turns"] for m in every[1:]]
+    assert any(
+        a["logp_old_recomputed_turns"] < b["logp_old_recomputed_turns"]
+        for a, b in zip(some[1:], every[1:], strict=True)
+    )
+    final = "checkpoint/model.safetensors"
+    assert (tmp_path / "some" / final).read_bytes() == (tmp_path / "all" / final).read_bytes()

@@ -277,14 +277,12 @@ class Loop:
                 if main:
                     sleep_engine(self.engine)  # vLLM with sleep: true frees its GPU memory for the trainer
                 # synchronous: pi_old recomputed first, and the teacher ratio reads it; stale rollouts are
-                # annotated against their own version's log-probs first, then pi_prox is recomputed
-                recompute = self.producer is None and self.recompute
-                if recompute:
+                # annotated against their own version's log-probs, and the update recomputes pi_prox
+                # where a gradient needs it (Learner.update)
+                if self.producer is None and self.recompute:
                     recomputed = self.recompute_logp_old(episodes, temperature, log)
                 if self.annotating:
                     annotations, meta = self.annotate(episodes, rcfg, it, k, temperature, log)
-                if self.producer is not None and recompute_enabled(cfg.train, cfg.rollout.engine, staleness=staleness):
-                    recomputed = self.recompute_logp_old(episodes, temperature, log)
             signum = self.agreed_signal()  # a stop any process was asked for, before the update: abandon
             if abandon or signum is not None:  # iteration k is redone on resume; k - 1 must have its checkpoint
                 if k > 0 and not resumable(run, k - 1):

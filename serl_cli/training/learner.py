@@ -55,14 +55,14 @@ def offpolicy_correction(samples: list, cfg: TrainConfig, staleness: int = 0) ->
     (no statistics where it recomputed none: a run without the recompute logs what it always did)."""
     correction, level = resolve_correction(cfg.offpolicy, staleness)
     recomputed = [s.engine_logprobs is not None and len(s.engine_logprobs) == len(s.action_ids) for s in samples]
-    if not any(recomputed):
-        if correction != "none" and samples:
+    if not any(recomputed):  # stale rollouts with no gradient anywhere need no pi_prox (Learner.update)
+        if correction != "none" and samples and staleness == 0:
             raise SerlError(
                 f"train.offpolicy.correction {correction} needs the trainer's recomputed pi_old, and these turns "
                 "have none: set train.recompute_logp_old to true"
             )
         return None, {}
-    if correction != "none" and not all(recomputed):
+    if correction != "none" and staleness == 0 and not all(recomputed):
         raise SerlError(f"train.offpolicy.correction {correction}: some turns' pi_old was not recomputed")
     rows = [i for i, ok in enumerate(recomputed) if ok]
     k = max(len(samples[i].action_ids) for i in rows)
@@ -76,7 +76,10 @@ def offpolicy_correction(samples: list, cfg: TrainConfig, staleness: int = 0) ->
     mismatch = {key: stats[key] for key in ("logp_mismatch_k1", "logp_mismatch_k3")}
     if correction == "none":
         return None, mismatch
-    per_turn = [weights[r, k - len(samples[i].action_ids) :].tolist() for r, i in enumerate(rows)]
+    # stale rollouts recompute pi_prox only where a gradient is (Learner.update): elsewhere weight 1
+    per_turn = [[1.0] * len(s.action_ids) for s in samples]
+    for r, i in enumerate(rows):
+        per_turn[i] = weights[r, k - len(samples[i].action_ids) :].tolist()
     return per_turn, stats
 
 
@@ -209,7 +212,7 @@ class Learner:
             with lora_mod.reference_view(self.backend.module) as base:
                 return action_logprobs(base, mb, temperature)
 
-    def recompute_logp_old(self, episodes: list[Episode], temperature: float) -> dict:
+    def recompute_logp_old(self, episodes: list[Episode], temperature: float, only: set[int] | None = None) -> dict:
         """Replace every turn's ``behaviour_logprobs`` (pi_old) by the trainer's own log-probs
         of the same tokens, in place, before anything reads them (the annotate stage's
         weights and the PPO ratio); the engine's stay in ``engine_logprobs``. Under several
@@ -218,9 +221,13 @@ class Learner:
         model for it). Returns the engine-trainer mismatch over all reply tokens, mean and
         max |delta log p| (verl logs the same comparison in probabilities,
         ray_trainer.py:1170-1192). Turns already recomputed are left alone, so calling it
-        twice costs nothing."""
+        twice costs nothing. ``only``: the indices of the episodes to recompute (None: all)."""
         owned = [
-            (ep.group_id, t) for ep in episodes for t in ep.turns if t.behaviour_logprobs and t.engine_logprobs is None
+            (ep.group_id, t)
+            for e, ep in enumerate(episodes)
+            if only is None or e in only
+            for t in ep.turns
+            if t.behaviour_logprobs and t.engine_logprobs is None
         ]
         if not owned:
             return {}
@@ -259,7 +266,8 @@ class Learner:
         cfg = self.cfg
         objective = get_objective(cfg.algo)
         recomputed = {}
-        if objective.uses_behaviour_logprobs and recompute_enabled(cfg, engine, rollout_half, staleness):
+        recompute = objective.uses_behaviour_logprobs and recompute_enabled(cfg, engine, rollout_half, staleness)
+        if recompute and staleness == 0:
             recomputed = self.recompute_logp_old(episodes, temperature)
         samples = turn_samples(episodes)
         # an episode the environment broke (a crash, a timeout) says nothing about the policy:
@@ -279,13 +287,17 @@ class Learner:
         meta = annotate_meta or {}
         inputs = UpdateInputs(episodes, annotations, meta.get("config"), meta.get("stats"))
         prepared = objective.prepare(samples, inputs, cfg)
+        active = self._contributing(objective, samples, prepared)
+        if recompute and staleness > 0:
+            # stale rollouts: pi_prox only where it weighs a gradient -- the episodes with a turn
+            # that has one (an episode-level ratio covers all its turns); the rest add exactly 0
+            recomputed = self._recompute_for(samples, active, episodes, temperature)
         offpolicy = {}
         if objective.uses_behaviour_logprobs:
             prepared.is_weights, offpolicy = offpolicy_correction(samples, cfg, staleness)
         if prepared.token_weights is not None and not default_advantages(cfg):
             _check_annotated_advantages(prepared.advantages, annotations, turn_advantages(samples, cfg), cfg)
         num_tokens = float(sum(len(s.action_ids) for s in samples))
-        active = self._contributing(objective, samples, prepared)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         rng = random.Random(cfg.seed * 7919 + self.updates)
         n_mini = -(-len(samples) // cfg.mini_batch_turns) if cfg.mini_batch_turns else cfg.mini_batches
@@ -347,6 +359,16 @@ class Learner:
             "action_tokens_per_s": round(num_tokens * cfg.epochs / wall, 2) if wall else 0.0,
         }
         return metrics
+
+    def _recompute_for(self, samples: list, active: list[int], episodes: list[Episode], temperature: float) -> dict:
+        """pi_prox of the episodes with a turn in ``active``, into those turns and their samples."""
+        wanted = {samples[i].episode for i in active}
+        recomputed = self.recompute_logp_old(episodes, temperature, only=wanted)
+        for s in samples:
+            if s.episode in wanted:
+                turn = next(t for t in episodes[s.episode].turns if t.turn == s.turn)
+                s.behaviour_logprobs, s.engine_logprobs = turn.behaviour_logprobs, turn.engine_logprobs
+        return recomputed
 
     def _contributing(self, objective, samples, prepared) -> list[int]:
         """Turns whose loss can have a gradient. Without a KL term or an entropy bonus, a turn

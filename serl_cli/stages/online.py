@@ -400,7 +400,7 @@ class Loop:
         made, waited = self.producer.take(k)
         if made is None or made.abandoned:
             return [], 0.0, True, {}
-        episodes = as_stored(made.episodes)
+        episodes = made.episodes  # stored form already (VersionedPolicy.produce)
         log.phase("rollout", made.generate_s, f"version {made.version}, {len(episodes)} episode(s)")
         if self.main:
             write_rollout(rcfg, episodes, made.generate_s)

@@ -183,6 +183,7 @@ class VersionedPolicy:
     def produce(self, iteration: int, version: int, rcfg) -> Produced:
         from serl_cli.models.loading import set_torch_threads
         from serl_cli.rollout.engines import ModelPolicy
+        from serl_cli.stages.online_ranks import as_stored
         from serl_cli.stages.online_stop import Abandon, StoppableEngine
         from serl_cli.stages.rollout import collect, rollout_specs
 
@@ -199,7 +200,8 @@ class VersionedPolicy:
         for episode in episodes:
             for turn in episode.turns:
                 turn.policy_version = version
-        return Produced(iteration, version, episodes, time.perf_counter() - t0)
+        # as rollouts.jsonl will hold them (the synchronous loop's step), here, off the trainer's path
+        return Produced(iteration, version, as_stored(episodes), time.perf_counter() - t0)
 
 
 class ParentGone:

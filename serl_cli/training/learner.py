@@ -288,10 +288,13 @@ class Learner:
         inputs = UpdateInputs(episodes, annotations, meta.get("config"), meta.get("stats"))
         prepared = objective.prepare(samples, inputs, cfg)
         active = self._contributing(objective, samples, prepared)
+        recompute_s = None
         if recompute and staleness > 0:
             # stale rollouts: pi_prox only where it weighs a gradient -- the episodes with a turn
             # that has one (an episode-level ratio covers all its turns); the rest add exactly 0
+            t_recompute = time.perf_counter()
             recomputed = self._recompute_for(samples, active, episodes, temperature)
+            recompute_s = round(time.perf_counter() - t_recompute, 4)
         offpolicy = {}
         if objective.uses_behaviour_logprobs:
             prepared.is_weights, offpolicy = offpolicy_correction(samples, cfg, staleness)
@@ -358,6 +361,8 @@ class Learner:
             "update_s": round(wall, 4),
             "action_tokens_per_s": round(num_tokens * cfg.epochs / wall, 2) if wall else 0.0,
         }
+        if recompute_s is not None:  # pi_prox of stale rollouts, before the update's own clock
+            metrics["timing"]["recompute_s"] = recompute_s
         return metrics
 
     def _recompute_for(self, samples: list, active: list[int], episodes: list[Episode], temperature: float) -> dict:

@@ -174,3 +174,28 @@ def test_demo_range_runs_each_demo_and_reports_its_gains(tmp_path, capsys):
         assert lo <= gain <= hi and demo["gains"][arm]["rooms"] == 4
     assert run["seed"] == 0 and run["threads"] == "1" and run["wall_s"] > 0
     assert "gain over the warm start" in capsys.readouterr().out
+
+
+def test_online_async_figures_by_hand():
+    from benchmarks.online_async import summarize
+
+    timings = [
+        {"iteration": 0, "iteration_s": 9.0, "rollout_s": 5.0, "update": {}},  # the start: not steady
+        {"iteration": 1, "iteration_s": 2.0, "rollout_s": 1.5, "update": {}},
+        {"iteration": 2, "iteration_s": 2.0, "rollout_s": 0.5, "update": {}},
+    ]
+    sync = summarize(0, timings, [{"success_rate": 0.5}], wall=20.0, cpu=13.0)
+    assert sync["steady_iterations_per_s"] == 0.5 and sync["process_iterations_per_s"] == 3 / 20
+    assert sync["rollout_idle"] == 0.5 and sync["trainer_idle"] == 0.5 and sync["ceiling"] == 2.0
+    stale = [
+        dict(t, update={"rollout_wait_s": 0.25, "producer_idle_s": 0.5, "producer_generate_s": 1.0}) for t in timings
+    ]
+    k1 = summarize(1, stale, [{"success_rate": 0.5}], wall=20.0, cpu=20.0)
+    assert k1["trainer_idle"] == 0.5 / 4 and k1["rollout_idle"] == 1.0 / 4 and "ceiling" not in k1
+
+
+def test_async_learning_reads_success_at_a_wall_time():
+    from benchmarks.async_learning import success_at
+
+    points = [(10.0, 0.2), (20.0, 0.4), (30.0, 0.5)]
+    assert [success_at(points, t) for t in (5.0, 10.0, 25.0, 99.0)] == [0.2, 0.2, 0.4, 0.5]

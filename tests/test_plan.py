@@ -296,3 +296,27 @@ def test_the_plan_is_within_25_percent_of_a_measured_peak(tiny_model_dir, tmp_pa
     measured, planned, measured_save, planned_save = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0.75 <= measured / planned <= 1.25, (measured, planned)
     assert 0.75 <= measured_save / planned_save <= 1.25, (measured_save, planned_save)  # the checkpoint save
+
+
+def test_an_asynchronous_run_plans_its_producer_beside_every_phase():
+    """max_staleness > 0: the producer's copy of the policy and its generation memory sit on the
+    device through the trainer's phases (no generate phase of the trainer's own), and the run's
+    disk counts the policy versions a resume needs."""
+    cfg = OnlineConfig(model="Qwen/Qwen2.5-0.5B-Instruct", iterations=12, max_staleness=1)
+    sync = plan_run(OnlineConfig(model=cfg.model, iterations=12), Machine(gpus=1, gpu_memory_gb=80))
+    stale = plan_run(cfg, Machine(gpus=1, gpu_memory_gb=80))
+    assert [p.name for p in sync.phases] == ["start", "generate", "score", "update", "save"]
+    assert [p.name for p in stale.phases] == ["start", "score", "update", "save"]
+    update = {i.name: i.bytes for i in next(p for p in stale.phases if p.name == "update").items}
+    shape = model_shape(cfg.model)
+    # the trainer's module precision: fp32 weights under the torch backend's bf16 autocast
+    assert update["producer's policy"] == pytest.approx(4 * shape.params)
+    assert "producer's KV cache" in update
+    grown = (
+        next(p for p in stale.phases if p.name == "update").bytes
+        - next(p for p in sync.phases if p.name == "update").bytes
+    )
+    assert grown == pytest.approx(sum(v for k, v in update.items() if k.startswith("producer's")))
+    versions = next(i for i in stale.run_disk if i.name == "policy versions")
+    assert versions.bytes == pytest.approx((2 + 1 + 1) * 4 * shape.params) and versions.note == "4 at most"
+    assert "policy versions" not in {i.name for i in sync.run_disk}

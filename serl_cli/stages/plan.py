@@ -78,6 +78,7 @@ def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, devic
         reference=t.kl_coef > 0 and not lora,
         teacher=get_objective(t.algo).needs_annotations,
         engine=r.engine if online else "none",
+        staleness=cfg.max_staleness if online else 0,
         rollout_rows=min(r.batch_size, groups_per_rank * r.group_size),
         vllm_gpus=len(r.gpus or []) if r.engine == "vllm" else 0,
         vllm_tp=max(1, r.vllm.tensor_parallel_size),

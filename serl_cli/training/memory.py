@@ -53,6 +53,7 @@ class Layout:
     reference: bool = False  # kl_coef > 0 without LoRA: a frozen copy of the starting policy
     teacher: bool = False  # serl, rlsd, sdpo: the hindsight teacher
     engine: str = "hf"  # hf | vllm | none (a single update on stored rollouts)
+    staleness: int = 0  # max_staleness: > 0, a producer process generates beside the trainer (hf)
     rollout_rows: int = 64  # episodes generated at once (rollout.batch_size)
     vllm_gpus: int = 0  # GPUs of vLLM's own (rollout.gpus); 0 with vllm: colocated with the trainer
     vllm_tp: int = 1

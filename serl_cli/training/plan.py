@@ -104,13 +104,23 @@ def reference_resident(shape: ModelShape, layout: Layout) -> list[Item]:
     return [Item("KL reference", layout.module_bytes * shape.params, "a frozen copy")]
 
 
+def producer_items(shape: ModelShape, layout: Layout) -> list[Item]:
+    """``max_staleness > 0``: the producer process generates on the trainer's device while the
+    trainer scores, updates and saves -- its own copy of the policy, its KV cache and prefill."""
+    if layout.staleness <= 0 or layout.engine != "hf":
+        return []
+    gen = [i for i in generation_items(shape, layout) if i.name != "gathered weights"]
+    copy = Item("producer's policy", layout.module_bytes * shape.params, "its own copy, in its own process")
+    return [copy] + [Item(f"producer's {i.name}", i.bytes, i.note) for i in gen]
+
+
 def phases(shape: ModelShape, layout: Layout) -> list[Phase]:
     resident = model_states(shape, layout) + teacher_resident(shape, layout) + reference_resident(shape, layout)
-    resident += runtime(layout)
+    resident += runtime(layout) + producer_items(shape, layout)
     # a colocated vLLM starts before the trainer loads (stages.online) and sleeps only later
     awake = [Item("vLLM (colocated, awake)", layout.vllm_utilization * layout.gpu_bytes, "started first")]
     out = [Phase("start", start_items(shape, layout) + (awake if layout.colocated else []) + runtime(layout))]
-    if layout.engine != "none":
+    if layout.engine != "none" and layout.staleness <= 0:  # else the producer generates, beside every phase
         out.append(Phase("generate", resident + generation_items(shape, layout)))
     scoring = [Item("forward pass", forward_bytes(shape, layout), "pi_old, teacher: no gradients")]
     if layout.teacher and layout.lora_rank == 0 and not (layout.backend == "deepspeed" and layout.zero_stage == 3):
@@ -293,6 +303,10 @@ def run_disk(shape: ModelShape, layout: Layout, storage: Storage, checkpoint: fl
     ]
     if storage.annotated:
         items.append(Item("annotations", turns * annotation_turn_bytes(layout), "annotations.jsonl, every iteration"))
+    if layout.staleness > 0:  # a resume reads versions s - k .. s of each kept checkpoint's s
+        versions = (kept if storage.keep_last else saves(storage)) + layout.staleness + 1
+        versions = min(versions, storage.iterations + 1)
+        items.append(Item("policy versions", versions * layout.module_bytes * shape.params, f"{versions} at most"))
     return items
 
 

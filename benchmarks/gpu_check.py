@@ -20,7 +20,10 @@ have), random weights, serl's own offline tokenizer -- it
    the update's tokens/s and MFU against the GPU's dense bf16 peak, the trainer's peak memory;
 5. pushes the updated weights into the live engine in memory (the online loop's sync) and
    times it, then checks the engine serves them: the mismatch of a fresh generation;
-6. (first shape) one iteration of the online loop itself, ``run_online``, on the same stack.
+6. (first shape) one iteration of the online loop itself, ``run_online``, on the same stack;
+7. (first shape) the asynchronous loop (``max_staleness: 1``, the hf engine's producer process
+   beside the trainer on the same device): three iterations, and how far rollouts and updates
+   overlapped -- the trainer's wait for rollouts against the producer's generation time.
 
 Every stage records ``ok`` or the error's last line and the run goes on, so one run shows
 everything that breaks. The figures go to ``--out`` (JSON) and to a table.
@@ -364,6 +367,44 @@ def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend
     }
 
 
+def online_async(model_dir: Path, out: Path, args, backend: str) -> dict:
+    """Three iterations at max_staleness 1 (the producer beside the trainer, hf engine), and the
+    overlap of the steady ones: 1 - the trainer's wait for rollouts / the producer's generation."""
+    from serl_cli.rollout.engines import SamplingConfig
+    from serl_cli.rollout.worlds import EnvConfig
+    from serl_cli.stages.online import run_online
+    from serl_cli.stages.online_config import OnlineConfig, ProducerConfig
+    from serl_cli.stages.rollout import RolloutConfig
+
+    cfg = OnlineConfig(
+        env=EnvConfig(name="sokoban", split="train", max_turns=args.max_turns),
+        model=str(model_dir),
+        iterations=3,
+        out=str(out),
+        max_staleness=1,
+        producer=ProducerConfig(threads=args.threads),
+        train=train_config(args, backend),
+        rollout=RolloutConfig(
+            tasks=args.tasks,
+            group_size=args.group_size,
+            sampling=SamplingConfig(1.0, 1.0, args.max_new_tokens),
+            threads=args.threads,
+        ),
+    )
+    metrics = run_online(cfg, overwrite=True)
+    steady = [json.loads(line) for line in (out / "timings.jsonl").read_text().splitlines()][1:]
+    wait = sum(t["update"].get("rollout_wait_s", 0.0) for t in steady)
+    generate = sum(t["update"].get("producer_generate_s", 0.0) for t in steady)
+    return {
+        "async_iteration_s": sum(t["iteration_s"] for t in steady) / len(steady),
+        "async_rollout_wait_s": wait / len(steady),
+        "async_producer_idle_s": sum(t["update"].get("producer_idle_s", 0.0) for t in steady) / len(steady),
+        "async_producer_generate_s": generate / len(steady),
+        "async_overlap": 1 - wait / generate if generate else None,
+        "async_is_weight_mean": metrics[-1].get("is_weight_mean"),
+    }
+
+
 def check_shape(shape: str, work: Path, args, log, first: bool) -> dict:
     import importlib.util
 
@@ -443,6 +484,11 @@ def check_shape(shape: str, work: Path, args, log, first: bool) -> dict:
             "online_iteration", online_iteration, model_dir, work / f"{shape}-online", args, engine_kind, backend
         )
         release_memory()
+    if first and not args.no_online and not args.no_async:
+        res["online_async"] = stages.run(
+            "online_async", online_async, model_dir, work / f"{shape}-async", args, backend
+        )
+        release_memory()
     if precision.device.type == "cuda":
         res["gpu_memory_used_bytes"] = (
             torch.cuda.mem_get_info(precision.device)[1] - torch.cuda.mem_get_info(precision.device)[0]
@@ -470,6 +516,7 @@ def table(results: list[dict]) -> list[list]:
                 g(r, "logp_mismatch_max"),
                 g(r, "weight_sync_s"),
                 g(r, "trainer_peak_memory_bytes", 2**-30),
+                (r.get("online_async") or {}).get("async_overlap") or "-",
                 " ".join(f"{k}:{v['status']}" for k, v in r.get("stages", {}).items() if v["status"] != "ok") or "ok",
             ]
         )
@@ -487,6 +534,7 @@ COLUMNS = [
     "|dlogp| max",
     "sync s",
     "trainer peak GiB",
+    "async overlap",
     "failed stages",
 ]
 
@@ -510,7 +558,8 @@ def parse_args(argv=None):
     )
     ap.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
     ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
-    ap.add_argument("--no-online", action="store_true", help="skip the run_online iteration")
+    ap.add_argument("--no-online", action="store_true", help="skip the run_online iteration (and the async one)")
+    ap.add_argument("--no-async", action="store_true", help="skip the max_staleness 1 iterations")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not in the table")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--work", default=None, help="where the models and runs go (default: a temp dir, removed)")

@@ -80,6 +80,7 @@ def test_smoke_runs_every_stage_on_cpu(tmp_path):
             "update",
             "weight_sync",
             "online_iteration",
+            "online_async",
         )
     }
     assert r["precision"] == "cpu bf16" and r["backend"] in ("deepspeed", "torch")
@@ -88,6 +89,9 @@ def test_smoke_runs_every_stage_on_cpu(tmp_path):
     assert 0 <= r["logp_mismatch_mean"] <= r["logp_mismatch_max"] < 0.5  # engine vs trainer, both bf16
     assert r["trainer_peak_memory_bytes"] > 0 and r["mfu"] is None  # no bf16 peak for a CPU
     assert r["online"]["iteration_s"] > 0
+    # the producer beside the trainer: the overlap is the share of its generation the trainer did not wait for
+    a = r["online_async"]
+    assert a["async_iteration_s"] > 0 and a["async_producer_generate_s"] > 0 and a["async_overlap"] <= 1
     assert "MFU %" in p.stdout and "smoke" in p.stdout  # the table
 
 

@@ -129,7 +129,20 @@ def test_refusals_in_one_line(mover, tmp_path):
     cfg = run_config("grpo", mover, tmp_path / "b", max_staleness=-1)
     with pytest.raises(SerlError, match="max_staleness must be a whole number"):
         run_online(cfg)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    for name, change, message in [
+        ("c", lambda c: setattr(c.rollout, "engine", "vllm"), "with --engine vllm the loop is synchronous"),
+        ("d", lambda c: setattr(c.train.lora, "rank", 4), "with LoRA"),
+        ("e", lambda c: setattr(c.producer, "threads", 0), "producer.threads must be at least 1"),
+    ]:
+        cfg = run_config("grpo", mover, tmp_path / name, max_staleness=1)
+        change(cfg)
+        with pytest.raises(SerlError, match=message):
+            run_online(cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WORLD_SIZE", "2")
+        with pytest.raises(SerlError, match="one trainer process beside its producer"):
+            run_online(run_config("grpo", mover, tmp_path / "f", max_staleness=1))
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_crashed_producer_ends_the_run_with_its_error(mover, tmp_path):

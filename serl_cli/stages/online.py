@@ -212,11 +212,6 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
 def start_producer(cfg: OnlineConfig, run: Path, learner: Learner, start: int, stop: StopSignal):
     """The rollout producer of ``max_staleness > 0`` (:mod:`serl_cli.stages.online_producer`):
     version 0 published on a fresh run, the versions a resume reads checked, then started."""
-    if learner.backend.world > 1:
-        raise SerlError(
-            "max_staleness > 0 runs one trainer process beside its producer: the hf engine on several "
-            "trainer processes generates with the trainer's own weights and cannot overlap the update"
-        )
     if start == 0:
         publish_version(run, 0, learner.stream_weights())
     else:

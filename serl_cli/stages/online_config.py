@@ -7,6 +7,7 @@ checked -- ``serl config``, ``serl ablate``'s grids, a run file -- without the l
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -134,6 +135,11 @@ def check_staleness(cfg: OnlineConfig) -> None:
         raise SerlError(
             "max_staleness > 0 makes its rollouts in a producer process on the hf engine; with --engine vllm the "
             "loop is synchronous for now (docs/SCALING.md: asynchronous layouts)"
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the launcher's processes (online_ranks.world_size)
+        raise SerlError(
+            "max_staleness > 0 runs one trainer process beside its producer: with the hf engine on several "
+            "trainer processes each generates with its own weights and cannot overlap the update"
         )
     if cfg.train.lora.rank > 0:
         raise SerlError("max_staleness > 0 with LoRA: the producer loads whole policy versions; train without LoRA")

@@ -135,3 +135,22 @@ def test_imports_only_run_down_the_layers():
 )
 def test_the_cycle_finder_finds_cycles(graph, cycle):
     assert find_cycle(graph) == cycle
+
+
+def test_algorithms_are_known_by_their_registry_entries_not_their_names():
+    """What an algorithm does is a capability of its entry (algos/registry.py); nowhere else does
+    the code compare an algorithm's name or look its math up by string."""
+    import re
+
+    from serl_cli.algos.registry import OBJECTIVES
+
+    names = "|".join(OBJECTIVES)
+    compared = re.compile(rf"""(==|!=)\\s*["']({names})["']|["']({names})["']\\s*(==|!=|in\\b|not\\s+in\\b)""")
+    found = []
+    for path in sorted((ROOT / "serl_cli").rglob("*.py")):
+        if path.name == "registry.py" and path.parent.name == "algos":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "globals()[" in line or compared.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)

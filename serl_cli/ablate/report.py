@@ -66,6 +66,7 @@ from serl_cli.ablate.cells import cell_dir, is_done
 from serl_cli.ablate.contrasts import contrast_rows
 from serl_cli.ablate.grid_record import load_grid_record
 from serl_cli.ablate.report_render import csv_text, plot_curves, render_markdown
+from serl_cli.algos.registry import OBJECTIVES
 from serl_cli.artifacts import io
 from serl_cli.stats.paired import holm, paired_t_test, wilcoxon_signed_rank
 from serl_cli.stats.summary import describe
@@ -178,7 +179,8 @@ def collect(out: str | Path) -> dict:
             c["at_budget"] = [success_at_budget(c["panel"], b) for b in budgets]
     names = list(arms)
     baseline = record.get("baseline") or next(
-        (n for n in names if arms[n]["algo"] == "grpo"), names[0] if names else None
+        (n for n in names if arms[n]["algo"] in OBJECTIVES and OBJECTIVES[arms[n]["algo"]].baseline),
+        names[0] if names else None,
     )
     return {"record": record, "arms": arms, "baseline": baseline, "unfinished": unfinished, "budgets": budgets}
 

@@ -41,7 +41,7 @@ Loss = Callable[..., tuple[torch.Tensor, dict]]
 def get_objective(name: str) -> Objective:
     """The registry's entry for ``--algo name``, its math resolved to this module's functions."""
     entry = objective(name)
-    prepare, loss = (globals()[f] if isinstance(f, str) else f for f in (entry.prepare, entry.loss))
+    prepare, loss = (MATH[f] if isinstance(f, str) else f for f in (entry.prepare, entry.loss))
     return dataclasses.replace(entry, prepare=prepare, loss=loss)
 
 
@@ -319,3 +319,18 @@ def gigpo_prepare(samples, inputs, cfg) -> PerTurn:
             "anchor_states": len(anchor_index),
         },
     )
+
+
+# the functions the registry names (algos.registry: by name, so a config is checked without torch)
+MATH = {
+    f.__name__: f
+    for f in (
+        policy_gradient_loss,
+        sft_prepare,
+        sft_loss,
+        grpo_prepare,
+        gigpo_prepare,
+        weighted_prepare,
+        sdpo_prepare,
+    )
+}

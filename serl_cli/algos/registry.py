@@ -38,6 +38,10 @@ class Objective:
     uses_behaviour_logprobs: bool = True  # False: stored turns need no log-probs (SFT on expert data)
     needs_annotations: bool = False  # learns from `serl annotate`'s records (the loop annotates before the update)
     online: bool = True  # False: not an online algorithm (sft: a warm start from expert data)
+    # clones the stored replies: trained at temperature 1 whatever sampled them; train.sft_successful_only
+    # and train.hindsight_sft apply to it
+    imitation: bool = False
+    baseline: bool = False  # the ablation report's baseline arm when the grid names none
     annotate: Mapping = field(default_factory=dict)  # the annotate settings its annotations must have
     train_defaults: Mapping = field(default_factory=dict)  # train settings it takes where the run leaves the default
 
@@ -50,8 +54,8 @@ def register(obj: Objective) -> Objective:
     return obj
 
 
-register(Objective("sft", "sft_prepare", "sft_loss", uses_behaviour_logprobs=False, online=False))
-register(Objective("grpo", "grpo_prepare"))
+register(Objective("sft", "sft_prepare", "sft_loss", uses_behaviour_logprobs=False, online=False, imitation=True))
+register(Objective("grpo", "grpo_prepare", baseline=True))
 register(Objective("gigpo", "gigpo_prepare"))
 register(Objective("serl", "weighted_prepare", needs_annotations=True))
 # SERL's weights on every turn with a block, and on every reply token, reasoning included (METHOD.md 7)

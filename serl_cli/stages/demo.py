@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from serl_cli.algos.registry import objective
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import SELECTION_REPORT_FILE
 from serl_cli.config import setting
@@ -250,8 +251,9 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
         "model": model,
         "eval_temperature": cfg.eval_temperature,
     }
-    if "serl" in cfg.algos:
-        summary["teacher_signal"] = teacher_signal(out / "serl")
+    taught = [algo for algo in cfg.algos if objective(algo).needs_annotations]
+    if taught:  # the first arm with a teacher (the demo's: serl)
+        summary["teacher_signal"] = teacher_signal(out / taught[0])
     io.write_json(out / "demo.json", summary)
     return summary
 

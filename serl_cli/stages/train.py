@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from serl_cli.algos.objectives import get_objective
+from serl_cli.algos.registry import objective
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import ROLLOUTS_FILE, read_rollouts, rollout_temperature, rollouts_fingerprint
@@ -83,7 +84,7 @@ def check_hindsight_sft(cfg: TrainConfig) -> None:
     """``train.hindsight_sft``, checked before any model loads: SFT only, known sources."""
     if cfg.hindsight_sft is None:
         return
-    if cfg.algo != "sft":
+    if not objective(cfg.algo).imitation:
         raise SerlError(f"train.hindsight_sft adds SFT examples: it goes with --algo sft, not {cfg.algo}")
     if is_reading(cfg.hindsight_sft):
         parse_reading(cfg.hindsight_sft)
@@ -195,7 +196,7 @@ def _train_on_run(
     # the engine that generated the rollouts: on vLLM's, pi_old is recomputed by default (recompute_logp_old: null)
     metrics = learner.update(
         episodes + examples,
-        1.0 if cfg.algo == "sft" else rollout_temperature(manifest),
+        1.0 if objective(cfg.algo).imitation else rollout_temperature(manifest),
         annotations,
         meta,
         engine=rollout_cfg.get("engine", "hf"),

@@ -40,7 +40,7 @@ from serl_cli.training.update_report import Ticker, episode_stats, mean_step_sta
 def training_episodes(episodes: list[Episode], cfg: TrainConfig, run: Path) -> list[Episode]:
     """The episodes an update learns from. Filtered behaviour cloning keeps only the successful
     ones: an expert that gave up halfway (ALFWorld's hand-coded expert can) demonstrates nothing."""
-    if not (cfg.algo == "sft" and cfg.sft_successful_only):
+    if not (get_objective(cfg.algo).imitation and cfg.sft_successful_only):
         return episodes
     kept = [e for e in episodes if e.success]
     if not kept:

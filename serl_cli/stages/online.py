@@ -172,6 +172,9 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
         )
     try:
         learner = Learner(policy_dir, train_cfg, state_file=None if last is None else last / "trainer_state.pt")
+        if cfg.max_staleness > 0 and learner.backend.sharded:  # before the run directory is touched
+            # the stale teacher and the producer read whole weights from the version files
+            raise SerlError("max_staleness > 0 with ZeRO-3: on one trainer process use ZeRO-1/2 or the torch backend")
         if not vllm:  # hf generates with each process's own learner.model
             engine = make_engine(cfg.rollout.engine, learner.model, learner.tokenizer)
         learner.barrier()

@@ -21,6 +21,7 @@ from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_annotations
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
+from serl_cli.method.annotate_config import validate as validate_annotate
 from serl_cli.stages.derive import annotate_config, eval_config, train_config
 from serl_cli.stages.derive import rollout_config as derived_rollout
 from serl_cli.stages.evaluate import EvalConfig
@@ -179,3 +180,19 @@ def test_the_periodic_evaluation_decodes_as_serl_eval_on_the_run_file(loop_run, 
     assert p.returncode == 0, p.stderr
     episodes = (ev / "episodes.jsonl").read_text()
     assert episodes == (loop_run / "iter_0000" / "episodes.jsonl").read_text() and episodes.count("\n") == 2
+
+
+def test_the_teacher_signal_is_checked_every_n_iterations_and_on_the_last():
+    run = OnlineConfig(iterations=25, train=TrainConfig(algo="serl"))
+    run.annotate.teacher_signal_every = 10
+    assert [k for k in range(25) if annotate_config(run, k).teacher_signal] == [0, 10, 20, 24]
+    run.annotate.teacher_signal_every = 1
+    assert all(annotate_config(run, k).teacher_signal for k in range(25))
+    run.annotate.teacher_signal = False
+    assert not any(annotate_config(run, k).teacher_signal for k in range(25))
+    assert annotate_config(OnlineConfig(iterations=5, train=TrainConfig(algo="serl"))).teacher_signal  # no iteration
+
+
+def test_teacher_signal_every_must_be_positive():
+    with pytest.raises(SerlError, match="teacher_signal_every must be a positive number of iterations, got 0"):
+        validate_annotate(AnnotateConfig(teacher_signal_every=0))

@@ -282,6 +282,24 @@ def test_gumbel_rows_draw_from_the_tempered_softmax():
     assert top == {0, 1}
 
 
+def test_gumbel_rows_draw_each_rows_stream_on_the_scores_device():
+    """A row's noise is its seed's stream from a generator on the device of the scores (issue 39,
+    item 10): on a CPU, the CPU generator's, step after step -- the draws coupled runs always made."""
+    from serl_cli.rollout.engines.hf import GumbelRows
+
+    scores = torch.zeros(2, 5)
+    rows = GumbelRows([11, 12], SamplingConfig(1.0, 1.0, 3))
+    for _ in range(3):  # each call draws the next piece of each row's stream
+        noised = rows(None, scores)
+        assert all(g.device == scores.device for g in rows.generators)
+    expected = []
+    for seed in (11, 12):
+        g = torch.Generator().manual_seed(seed)
+        u = [torch.rand(5, generator=g, dtype=torch.float64) for _ in range(3)][-1]
+        expected.append(-torch.log(-torch.log(u)))
+    assert torch.equal(noised, torch.stack(expected).float())
+
+
 def test_coupled_rows_draw_the_same_alone_or_in_a_batch(runs, hf_models):
     """Under coupled sampling a row's reply depends on its own seed, not on the rows batched
     with it or on the call's seed; another row seed draws otherwise."""

@@ -25,7 +25,6 @@ from serl_cli.artifacts.records import make_episode
 from serl_cli.errors import SerlError
 from serl_cli.rollout.runner import EpisodeSpec
 from serl_cli.stages.online_ranks import check_shares, in_spec_order, own_specs
-from serl_cli.training.scoring import ScoreItem, owner
 
 TOL = 1e-5
 needs_deepspeed = pytest.mark.skipif(
@@ -44,11 +43,6 @@ def test_whole_groups_per_process_and_the_one_process_order():
     }
     parts = [[rec[(1, 0)], rec[(1, 1)]], [rec[(0, 0)], rec[(0, 1)], rec[(2, 0)], rec[(2, 1)]]]
     assert in_spec_order(specs, parts) == [rec[(s.group_id, s.rollout_index)] for s in specs]
-
-
-def test_a_scored_item_belongs_to_its_groups_process():
-    assert [owner(ScoreItem([1], [2], g), i, 3) for i, g in enumerate([0, 4, 2, 2])] == [0, 1, 2, 2]
-    assert [owner(ScoreItem([1], [2]), i, 2) for i in range(4)] == [0, 1, 0, 1]  # no group: round robin
 
 
 def test_sampled_hf_rollouts_on_several_processes_need_coupled_draws():

@@ -320,3 +320,15 @@ def test_an_asynchronous_run_plans_its_producer_beside_every_phase():
     versions = next(i for i in stale.run_disk if i.name == "policy versions")
     assert versions.bytes == pytest.approx((2 + 1 + 1) * 4 * shape.params) and versions.note == "4 at most"
     assert "policy versions" not in {i.name for i in sync.run_disk}
+
+
+def test_old_rollouts_gzip_or_delete_shrink_the_planned_records():
+    base = ROOT / "experiments/alfworld/paper/serl.yaml"
+    disk = {}
+    for mode in ("keep", "gzip", "delete"):
+        plan = plan_run(paper(base, iterations=100, old_rollouts=mode), Machine(gpus=8, gpu_memory_gb=80))
+        disk[mode] = {i.name: i.bytes for i in plan.run_disk}
+    one = disk["delete"]["rollouts"]  # the newest iteration's alone
+    assert disk["keep"]["rollouts"] == pytest.approx(100 * one)
+    assert disk["gzip"]["rollouts"] == pytest.approx((1 + 99 * 0.15) * one)
+    assert disk["keep"]["annotations"] == pytest.approx(100 * disk["delete"]["annotations"])

@@ -296,6 +296,7 @@ def test_update_figures_at_lambda_zero_are_grpo(episodes, micro):
     records, _ = annotate_episodes(episodes[:8], cfg, model, tokenizer, env_cfg=SOKOBAN, bare_replies=True)
     f = update_figures(model, tokenizer, episodes[:8], records, weight_clip=0.2, lam=0.0, bare_replies=True)
     assert f["cos_serl_grpo"] == pytest.approx(1.0) and f["added_norm_ratio"] == 0.0
+    assert f["grad_norm_ratio"] == pytest.approx(1.0)
     assert f["sft_turns"] > 0 and -1 <= f["cos_grpo_sft"] <= 1 and f["advantage_mass_moved"] == 0.0
     assert all(p.grad is None for p in model.parameters())  # the model is left as it was
     torch.testing.assert_close(f["cos_serl_sft"], f["cos_grpo_sft"])
@@ -367,3 +368,24 @@ def test_the_loose_bounds_arm_is_a_valid_setting_and_c_above_one_is_refused():
     validate(AnnotateConfig(sources="expert", trajectory="aligned", weight_clip=1.0, mixing_lambda=1.0))
     with pytest.raises(SerlError, match=r"weight_clip must be in \[0, 1\], got 1.01"):
         validate(AnnotateConfig(sources="expert", weight_clip=1.01))
+
+
+def test_parameter_steps_are_the_distances_between_consecutive_checkpoints(tmp_path):
+    from safetensors.torch import save_file
+
+    from serl_cli.method.update_diagnostics import parameter_steps
+
+    states = [
+        {"a": torch.tensor([0.0, 0.0]), "b": torch.tensor([1.0])},
+        {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([5.0])},  # |(3, 0, 4)| = 5
+        {"a": torch.tensor([3.0, 1.0]), "b": torch.tensor([5.0])},  # |(0, 1, 0)| = 1
+    ]
+    dirs = []
+    for i, state in enumerate(states):
+        (tmp_path / str(i)).mkdir()
+        save_file(state, str(tmp_path / str(i) / "model.safetensors"))
+        dirs.append(tmp_path / str(i))
+    assert parameter_steps(dirs) == pytest.approx([5.0, 1.0])
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "2" / "model.safetensors"))
+    with pytest.raises(ValueError, match="other parameters"):
+        parameter_steps(dirs)

@@ -31,7 +31,7 @@ BACKENDS = [
 
 
 def logprobs(model, tokenizer, episodes, ranks=None) -> torch.Tensor:
-    items = [ScoreItem(t.prompt_ids, t.action_ids, e.group_id) for e in episodes for t in e.turns]
+    items = [ScoreItem(t.prompt_ids, t.action_ids) for e in episodes for t in e.turns]
     return torch.tensor([x for row in score(model, tokenizer, items, ranks=ranks) for x in row])
 
 

@@ -14,9 +14,11 @@ directory, is in :mod:`serl_cli.artifacts.runlock`.
 from __future__ import annotations
 
 import errno
+import gzip
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -171,12 +173,42 @@ def _parse(raw: bytes, path: Path, lineno: int) -> dict:
     return record
 
 
-def iter_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> Iterator[dict]:
-    """Records of a JSONL file; a truncated, malformed, oversized or incomplete line is an error."""
+def stored(path: str | Path) -> Path:
+    """Where a record file is kept: ``path``, or its gzipped copy ``path.gz`` where only that exists
+    (an online run's older iterations under ``old_rollouts: gzip``)."""
     path = Path(path)
+    gz = path.with_name(path.name + ".gz")
+    return gz if not path.exists() and gz.is_file() else path
+
+
+def _open_stored(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def read_stored_bytes(path: str | Path) -> bytes:
+    """A record file's bytes as written: ``path``'s, or those of its gzipped copy (:func:`stored`)."""
+    with _open_stored(stored(path)) as f:
+        return f.read()
+
+
+def gzip_file(path: Path) -> Path:
+    """Replace ``path`` by ``path.gz`` (written whole, then renamed: a kill leaves one or the other)."""
+    gz = path.with_name(path.name + ".gz")
+    tmp = gz.with_name(gz.name + ".tmp")
+    with open(path, "rb") as src, gzip.open(tmp, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    os.replace(tmp, gz)
+    path.unlink()
+    return gz
+
+
+def iter_jsonl(path: str | Path, required: tuple[str, ...] = ()) -> Iterator[dict]:
+    """Records of a JSONL file (or of its gzipped copy, :func:`stored`); a truncated, malformed,
+    oversized or incomplete line is an error."""
+    path = stored(path)
     if not path.is_file():
         raise SerlError(f"missing file: {path}")
-    with open(path, "rb") as f:
+    with _open_stored(path) as f:
         for lineno, raw in _lines(f, path):
             if not raw.endswith(b"\n"):
                 raise SerlError(

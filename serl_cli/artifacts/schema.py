@@ -34,7 +34,7 @@ def read_rollouts(run_dir: str | Path, *, need_tokens: bool = True) -> list[Epis
     """Episodes of a run, checked: schema version, keys, types, token/log-prob alignment (``Episode.from_dict``)."""
     run_dir = Path(run_dir)
     io.load_manifest(run_dir)
-    path = run_dir / ROLLOUTS_FILE
+    path = io.stored(run_dir / ROLLOUTS_FILE)
     if not path.is_file():
         raise SerlError(
             f"{run_dir} holds no rollouts ({ROLLOUTS_FILE} missing): run `serl rollout --out {run_dir}` first"
@@ -140,7 +140,7 @@ def rollout_temperature(manifest: dict) -> float:
 
 
 def rollouts_fingerprint(run: Path) -> str:
-    return hashlib.sha256((run / ROLLOUTS_FILE).read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(io.read_stored_bytes(run / ROLLOUTS_FILE)).hexdigest()[:16]
 
 
 def read_annotations(run_dir: str | Path) -> list[dict]:
@@ -148,7 +148,7 @@ def read_annotations(run_dir: str | Path) -> list[dict]:
 
     run = Path(run_dir)
     manifest = io.load_manifest(run)
-    path = run / ANNOTATIONS_FILE
+    path = io.stored(run / ANNOTATIONS_FILE)
     if not path.is_file():
         raise SerlError(f"{run} has no annotations: run `serl annotate {run}` first")
     stage = manifest.get("stages", {}).get("annotate", {})

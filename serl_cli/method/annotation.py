@@ -203,7 +203,7 @@ def annotate_episodes(
 
     t0 = time.perf_counter()
     prompts = teacher_prompts(records, [s.prompt_ids for s in samples], tokenizer, to_score, chat_template_kwargs)
-    items = [ScoreItem(prompts[k], samples[k].action_ids, records[k]["group_id"]) for k in to_score]
+    items = [ScoreItem(prompts[k], samples[k].action_ids) for k in to_score]
     scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens) if items else []
     for k, lp in zip(to_score, scored, strict=True):
         old = samples[k].behaviour_logprobs

@@ -17,7 +17,8 @@ On one annotated batch (its rollouts, its annotation records, the policy that ma
   SERL's and GRPO's, between SERL's and the SFT update, and between what SERL adds
   (SERL - GRPO) and the SFT update: a teacher that reads should make the added part point
   toward the expert (a positive cosine), and the bounds decide how large it is
-  (``added_norm_ratio``: |SERL - GRPO| / |GRPO|).
+  (``added_norm_ratio``: |SERL - GRPO| / |GRPO|; ``grad_norm_ratio``: |SERL| / |GRPO|, the gradient's
+  size, which is not the step's: AdamW divides each coordinate by its running RMS).
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def update_figures(
         {
             "cos_serl_grpo": cosine(serl, grpo),
             "added_norm_ratio": added.norm().item() / grpo.norm().item() if grpo.norm().item() > 0 else None,
+            "grad_norm_ratio": serl.norm().item() / grpo.norm().item() if grpo.norm().item() > 0 else None,
             "sft_turns": n_sft,
         }
     )
@@ -128,3 +130,22 @@ def update_figures(
             }
         )
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+
+
+def parameter_steps(checkpoints: list) -> list[float]:
+    """The size of each step a run took, ``|theta_j - theta_(j-1)|`` over all parameters, from its
+    consecutive checkpoints (model directories with ``model.safetensors``; the first is the start).
+    What an update changes in the weights, which under AdamW is not proportional to the gradient's
+    norm: a learning rate matched by this, not by ``grad_norm_ratio``, matches two arms' steps."""
+    from safetensors.torch import load_file
+
+    steps, previous = [], None
+    for path in checkpoints:
+        current = load_file(str(path) + "/model.safetensors")
+        if previous is not None:
+            if current.keys() != previous.keys():
+                raise ValueError(f"{path} holds other parameters than the checkpoint before it")
+            squared = sum(float((current[k].double() - previous[k].double()).pow(2).sum()) for k in current)
+            steps.append(math.sqrt(squared))
+        previous = current
+    return steps

@@ -73,8 +73,15 @@ def annotate_config(run: OnlineConfig, iteration: int | None = None, updates: in
     cfg = copy.deepcopy(run.annotate)
     cfg.seed, cfg.update_step = iteration_seed(run, iteration), updates
     cfg.device, cfg.dtype, cfg.threads = run.train.device, run.train.dtype, run.train.threads
+    if iteration is not None and not signal_due(run, iteration):
+        cfg.teacher_signal = False  # a diagnostic: no update reads it
     _, cfg = apply_algorithm(train_config(run), cfg)
     return cfg
+
+
+def signal_due(run: OnlineConfig, iteration: int) -> bool:
+    """Whether iteration ``iteration`` checks the teacher (``annotate.teacher_signal_every``)."""
+    return iteration % max(run.annotate.teacher_signal_every, 1) == 0 or iteration == run.iterations - 1
 
 
 def prepare_annotation(cfg: AnnotateConfig, train: TrainConfig) -> tuple[TrainConfig, AnnotateConfig]:

@@ -4,7 +4,9 @@ Layout of ``RUN``::
 
     RUN/manifest.json              stages: one entry per finished iteration
     RUN/online.yaml                the resolved configuration, each setting once (run_settings)
-    RUN/iter_0000/                 rollouts.jsonl, manifest.json (+ annotations, eval.json)
+    RUN/iter_0000/                 rollouts.jsonl, manifest.json (+ annotations, eval.json); once a
+                                   later iteration is done, ``old_rollouts`` keeps, gzips or deletes
+                                   the records (the loop never reads them again)
     RUN/iter_0000/checkpoint/      the policy after this iteration's update (every ``save_every``
                                    iterations, the newest ``keep_last`` kept)
     RUN/metrics.jsonl              one record per iteration (deterministic on CPU)
@@ -31,8 +33,10 @@ same code) an iteration runs on all of them (:mod:`serl_cli.stages.online_ranks`
    ``rollout.sampling.coupled`` is required (it keys each row's draws by seed, row and turn),
    and then 1 and W processes give the same rollouts.
 2. *π_old recompute and teacher scoring* go through one function
-   (:func:`serl_cli.training.scoring.score`): each process scores the turns of its own groups
-   and the results are gathered. Under ZeRO-3 nothing is gathered whole for it: the forwards
+   (:func:`serl_cli.training.scoring.score`): every process makes the micro-batches one process
+   would, scores those dealt to it (largest first, so that each has as many and about as many
+   tokens as the others, whatever its groups' episode lengths) and the results are gathered,
+   bit for bit one process's. Under ZeRO-3 nothing is gathered whole for it: the forwards
    gather layer by layer, every process running as many (stand-in passes for fewer). The
    annotation's cheap, deterministic parts (blocks, placement over the whole batch, weights)
    run on the whole batch on every process, so its result equals one process's; rank 0
@@ -100,6 +104,7 @@ from serl_cli.stages.online_checkpoints import (
     prune_checkpoints,
     resumable,
     resume_point,
+    retire_old_rollouts,
 )
 from serl_cli.stages.online_config import OnlineConfig, check_online_config
 from serl_cli.stages.online_producer import (
@@ -328,6 +333,7 @@ class Loop:
                     },
                 )
                 io.mark_stage(run, it.name, "done")
+                retire_old_rollouts(run, k, cfg.old_rollouts)
                 prune_checkpoints(run, cfg.keep_last)
                 if self.producer is not None:
                     prune_versions(run, oldest_resume(run), cfg.max_staleness, self.acfg.teacher_sync_interval)

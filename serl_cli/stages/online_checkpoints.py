@@ -70,3 +70,28 @@ def prune_checkpoints(run: Path, keep_last: int) -> None:
     found = sorted(run.glob("iter_*/checkpoint"))
     for old in found[:-keep_last]:
         shutil.rmtree(old)
+
+
+# what an iteration writes that the loop never reads again once the iteration is done
+RECORD_FILES = ("rollouts.jsonl", "annotations.jsonl")
+
+
+def retire_old_rollouts(run: Path, newest: int, mode: str) -> int:
+    """Apply ``old_rollouts`` (``OnlineConfig``) to the record files of every iteration before
+    ``newest`` (older ones a run with ``keep`` left, too: the setting may change on resume).
+    Returns the bytes freed."""
+    if mode == "keep":
+        return 0
+    freed = 0
+    for k in range(newest):
+        for name in RECORD_FILES:
+            path = iter_dir(run, k) / name
+            gz = path.with_name(name + ".gz")
+            if mode == "gzip" and path.is_file():
+                size = path.stat().st_size
+                freed += size - io.gzip_file(path).stat().st_size
+            elif mode == "delete":
+                for found in (p for p in (path, gz) if p.is_file()):
+                    freed += found.stat().st_size
+                    found.unlink()
+    return freed

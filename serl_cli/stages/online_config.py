@@ -78,6 +78,12 @@ class OnlineConfig:
         1, "iteration k writes iter_k/checkpoint when (k + 1) % save_every == 0 (and at the end, and on a stop)"
     )
     keep_last: int = setting(1, "iteration checkpoints kept, newest first; 0: all of them")
+    old_rollouts: Literal["keep", "gzip", "delete"] = setting(
+        "keep",
+        "a finished iteration's rollouts.jsonl and annotations.jsonl once a later one is done: keep them, gzip "
+        "them (*.jsonl.gz, about 6 % of the bytes on Sokoban; serl show reads them), or delete them. The "
+        "loop never reads them again; the newest iteration's stay as written",
+    )
     max_staleness: int = setting(
         0,
         "k: iteration j rolls out with the policy after update j - 1 - k (version max(j - k, 0)), made by the "

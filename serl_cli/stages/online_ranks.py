@@ -21,7 +21,7 @@ import torch
 from serl_cli.artifacts.records import Episode
 from serl_cli.errors import SerlError
 from serl_cli.rollout.runner import EpisodeSpec
-from serl_cli.training.scoring import owner
+from serl_cli.training.scoring import own_items
 
 
 def world_size() -> int:
@@ -80,7 +80,7 @@ class CountingScorer:
         out = self.scorer(model, tokenizer, items, temperature, micro_batch_tokens)
         self.seconds += time.perf_counter() - t0
         self.total += len(items)
-        self.own += sum(owner(item, i, self.world) == self.rank for i, item in enumerate(items))
+        self.own += own_items(model, tokenizer, items, micro_batch_tokens, self.rank, self.world)
         return out
 
 

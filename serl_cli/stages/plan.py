@@ -105,6 +105,7 @@ def storage_of(cfg: OnlineConfig, turns: int | None = None) -> Storage:
         episodes=cfg.rollout.tasks * cfg.rollout.group_size,
         turns=min(turns, limit) if turns else limit,
         annotated=get_objective(cfg.train.algo).needs_annotations,
+        old_rollouts=cfg.old_rollouts,
     )
 
 

@@ -24,6 +24,7 @@ RESUMABLE_CHANGES = (
     "out",  # the run directory itself, however spelt
     "save_every",  # which iterations keep a checkpoint: a resumed run's artifacts are the same
     "keep_last",
+    "old_rollouts",  # what becomes of files the loop never reads again
     "env.step_timeout_s",  # a guard against a hung environment
     "train.threads",  # CPU threads, and memory knobs that split the same computation differently
     "train.dist_timeout_s",

@@ -10,7 +10,6 @@ as rich markup: observations hold ``[SEP]`` and ``click[...]``.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from rich.console import Group, RenderableType
@@ -20,7 +19,13 @@ from rich.text import Text
 
 from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Episode, Turn
-from serl_cli.artifacts.schema import ANNOTATION_KEYS, ANNOTATIONS_FILE, ROLLOUTS_FILE, read_rollouts
+from serl_cli.artifacts.schema import (
+    ANNOTATION_KEYS,
+    ANNOTATIONS_FILE,
+    ROLLOUTS_FILE,
+    read_rollouts,
+    rollouts_fingerprint,
+)
 from serl_cli.errors import SerlError
 
 OBS_CHARS = 400  # an observation is cut here unless --full
@@ -37,11 +42,11 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[Episode], dict | None]:
 
 
 def read_annotations(run: Path, manifest: dict, episodes: list[Episode]) -> dict | None:
-    path = run / ANNOTATIONS_FILE
+    path = io.stored(run / ANNOTATIONS_FILE)
     if not path.exists():
         return None
     made_from = manifest.get("stages", {}).get("annotate", {}).get("rollouts_sha256")
-    if made_from and hashlib.sha256((run / ROLLOUTS_FILE).read_bytes()).hexdigest()[:16] != made_from:
+    if made_from and rollouts_fingerprint(run) != made_from:
         raise SerlError(
             f"{path} was made from other rollouts than {run / ROLLOUTS_FILE}: run `serl annotate {run} --overwrite`"
         )

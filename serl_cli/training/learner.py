@@ -222,17 +222,16 @@ class Learner:
         max |delta log p| (verl logs the same comparison in probabilities,
         ray_trainer.py:1170-1192). Turns already recomputed are left alone, so calling it
         twice costs nothing. ``only``: the indices of the episodes to recompute (None: all)."""
-        owned = [
-            (ep.group_id, t)
+        turns = [
+            t
             for e, ep in enumerate(episodes)
             if only is None or e in only
             for t in ep.turns
             if t.behaviour_logprobs and t.engine_logprobs is None
         ]
-        if not owned:
+        if not turns:
             return {}
-        turns = [t for _, t in owned]
-        items = [ScoreItem(t.prompt_ids, t.action_ids, group) for group, t in owned]
+        items = [ScoreItem(t.prompt_ids, t.action_ids) for t in turns]
         new = self.scorer(self.model, self.tokenizer, items, temperature, self.cfg.optim.micro_batch_tokens)
         total, worst, count = 0.0, 0.0, 0
         for t, lp in zip(turns, new, strict=True):

@@ -7,13 +7,16 @@ most :data:`CPU_MICRO_BATCH_TOKENS`, where larger ones run slower), and an item 
 one (the same prompt and reply tokens) is scored once.
 
 Under several processes (``ranks``: the learner's backend) every process holds the same
-items; each scores its own share -- the items of its task groups (``ScoreItem.group``,
-group g belongs to process ``g % W``, as the online loop divides its rollouts), or, for
-an item with no group, item i belongs to ``i % W`` -- and the results are gathered, so every
-process returns every item's log-probs, as one process would. Under ZeRO-3 the forward
-passes gather the weights layer by layer (ZeRO's own hooks): every process must run as many
-forwards as the others, so one with fewer micro-batches runs stand-in passes (as the
-backend's optimizer step does); no process ever holds the whole model for scoring.
+items and makes the same micro-batches one process would; they are dealt out by size
+(:func:`deal`: largest first, in a snake over the processes, so that each holds as many as
+the others, give or take one, and about as many padded tokens), each process scores its own,
+and the results are gathered: every process returns every item's log-probs, bit for bit those
+of one process, since every item is scored in the same micro-batch. Dealing whole task groups
+instead, as the online loop divides its rollouts, left one process with the 50-turn episodes
+and another with the 5-turn ones (issue 39, item 3). Under ZeRO-3 the forward passes gather
+the weights layer by layer (ZeRO's own hooks): every process must run as many forwards as the
+others, so one with fewer micro-batches runs a stand-in pass (as the backend's optimizer step
+does); no process ever holds the whole model for scoring.
 """
 
 from __future__ import annotations
@@ -33,12 +36,6 @@ CPU_MICRO_BATCH_TOKENS = 4096  # on a CPU, scoring's micro-batches are no larger
 class ScoreItem:
     prompt_ids: list[int]
     action_ids: list[int]
-    group: int | None = None  # the turn's task group: whose share it is under several processes
-
-
-def owner(item: ScoreItem, index: int, world: int) -> int:
-    """The process that scores ``item`` (the ``index``-th) out of ``world``."""
-    return (item.group if item.group is not None else index) % world
 
 
 def pad_id(tokenizer) -> int:
@@ -70,30 +67,18 @@ def score(
     ``ranks`` (a backend of several processes) divided over them and gathered (module docstring)."""
     if not items:
         return []
-    pad = pad_id(tokenizer)
     rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
-    micro_batch_tokens = _cpu_capped(model, micro_batch_tokens)
-    shares = [[] for _ in range(world)]
-    for i, item in enumerate(items):
-        shares[owner(item, i, world)].append(i)
-    # an item equal to one before it in its share (a state a group's rollouts or the teacher signal
-    # meet again) is scored once and its log-probs copied
-    same = {}
-    for share in shares:
-        first = {}
-        for i in share:
-            same[i] = first.setdefault((tuple(items[i].prompt_ids), tuple(items[i].action_ids)), i)
-    shares = [[i for i in s if same[i] == i] for s in shares]
-    batches = [make_micro_batches(items, _by_length(items, s), micro_batch_tokens, pad) for s in shares]
-    mine = batches[rank]
+    batches, same = plan(model, tokenizer, items, micro_batch_tokens, world)
+    dealt = deal([mb.input_ids.numel() for mb in batches], world)
+    mine = [batches[b] for b in dealt[rank]]
     # ZeRO-3's forward is a collective: every process runs the most any of them has
-    passes = max(len(b) for b in batches) if ranks is not None and ranks.collective_forward else len(mine)
+    passes = max(len(d) for d in dealt) if ranks is not None and ranks.collective_forward else len(mine)
     out: dict[int, list[float]] = {}
     was_training = model.training
     model.eval()
     for j in range(passes):
         if j >= len(mine):  # a stand-in pass: its result is dropped
-            action_logprobs(model, next(b for b in batches if b)[0], temperature)
+            action_logprobs(model, batches[0], temperature)
             continue
         mb = mine[j]
         logp = action_logprobs(model, mb, temperature)
@@ -105,6 +90,43 @@ def score(
         for part in ranks.all_gather(out):
             out.update(part)
     return [list(out[same[i]]) for i in range(len(items))]
+
+
+def plan(model, tokenizer, items: list[ScoreItem], micro_batch_tokens: int, world: int = 1):
+    """The micro-batches :func:`score` runs for ``items`` over ``world`` processes, and for each item
+    the index of the item whose log-probs it takes: an item equal to an earlier one (the same prompt
+    and reply tokens: a state a group's rollouts or the teacher signal meet again) is scored once
+    and its log-probs copied. The batches are one process's, unless they would be fewer than the
+    processes: then smaller, about a process's share of the tokens each, so that every one works."""
+    first: dict[tuple, int] = {}
+    same = [first.setdefault((tuple(it.prompt_ids), tuple(it.action_ids)), i) for i, it in enumerate(items)]
+    order = _by_length(items, [i for i in range(len(items)) if same[i] == i])
+    cap = _cpu_capped(model, micro_batch_tokens)
+    batches = make_micro_batches(items, order, cap, pad_id(tokenizer))
+    if world > 1 and len(batches) < world <= len(order):
+        lengths = [len(items[i].prompt_ids) + len(items[i].action_ids) for i in order]
+        share = max(max(lengths), -(-sum(lengths) // world))
+        batches = make_micro_batches(items, order, min(cap, share), pad_id(tokenizer))
+    return batches, same
+
+
+def deal(sizes: list[int], world: int) -> list[list[int]]:
+    """Which micro-batches (by index into ``sizes``, their padded tokens) each of ``world``
+    processes runs: largest first, in a snake (0, 1, .., W-1, W-1, .., 0, 0, ..), so that the
+    counts differ by at most one and the token totals by at most the largest micro-batch."""
+    order = sorted(range(len(sizes)), key=lambda b: (-sizes[b], b))
+    dealt: list[list[int]] = [[] for _ in range(world)]
+    for n, b in enumerate(order):
+        lap, pos = divmod(n, world)
+        dealt[pos if lap % 2 == 0 else world - 1 - pos].append(b)
+    return dealt
+
+
+def own_items(model, tokenizer, items: list[ScoreItem], micro_batch_tokens: int, rank: int, world: int) -> int:
+    """How many of ``items`` process ``rank`` of ``world`` scores itself (a copy of a duplicate not counted)."""
+    batches, _ = plan(model, tokenizer, items, micro_batch_tokens, world)
+    dealt = deal([mb.input_ids.numel() for mb in batches], world)
+    return sum(len(batches[b].index) for b in dealt[rank])
 
 
 def _cpu_capped(model, micro_batch_tokens: int) -> int:

@@ -109,6 +109,20 @@ QuietOpt = typer.Option(False, "-q", "--quiet", help="Print only the final table
 VerboseOpt = typer.Option(False, "-v", "--verbose", help="Print more detail.")
 
 
+def overwrite_option(what: str):
+    """``--overwrite``: replace ``what`` (``existing rollouts in --out``) where the command writes."""
+    return typer.Option(False, "--overwrite", help=f"Replace {what}.")
+
+
+def journal_resume_option(what: str):
+    """``--resume`` of a command that keeps a journal of ``what`` it has done (``rollout in --out``)."""
+    return typer.Option(
+        False,
+        "--resume",
+        help=f"Continue an interrupted {what} from its journal (same settings); a finished one is left as it is.",
+    )
+
+
 def _version(value: bool):
     if value:
         console.print(f"serl {__version__}")

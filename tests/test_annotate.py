@@ -235,7 +235,7 @@ def test_run_annotate_writes_and_train_checks_provenance(run_dir, tmp_path, stop
         (["--sources", "ref|"], "empty"),
         (["--sources", "smell"], "unknown"),
         (["--placement", "everywhere"], "unknown placement"),
-        (["--granularity", "paragraph"], "unknown granularity"),
+        (["--granularity", "paragraph"], "'paragraph' is not one of"),
     ],
 )
 def test_annotate_bad_input(run_dir, tmp_path, args, needle):

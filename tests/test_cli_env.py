@@ -87,7 +87,7 @@ def test_env_play_interactive_reads_stdin():
         (["eval", "--env", "nosuchenv"], {}, ["unknown environment 'nosuchenv'"]),
         (["eval", "--split", "dev"], {}, ["unknown webshop split 'dev'"]),
         (["eval", "--episodes", "501"], {}, ["out of range"]),
-        (["eval", "--policy", "oracle"], {}, ["unknown policy 'oracle'"]),
+        (["eval", "--policy", "oracle"], {}, ["--policy", "'oracle' is not one of", "see serl eval --help"]),
         (["env", "play", "--task", "500"], {}, ["task id 500 out of range"]),
         (["env", "play", "--task", "-1"], {}, ["out of range"]),
         (["env", "play", "--actions", " ; "], {}, ["--actions holds no action"]),
@@ -160,8 +160,8 @@ def test_eval_spread_panel_takes_evenly_spaced_tasks(tmp_path):
             "--set",
             "env.settings.catalog=synthetic",
         ),
-        "unknown panel 'middle'",
-        "first, spread",
+        "'--panel'",
+        "'middle' is not one of 'first', 'spread'",
     )
 
 

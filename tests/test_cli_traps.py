@@ -132,6 +132,24 @@ def test_a_malformed_serl_threads_is_one_line(value, tmp_path, tiny_model_dir, m
     assert_one_line(code, err, "SERL_THREADS", repr(value))
 
 
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["rollout", "--tasks", "many"], "'--tasks'"),  # not a number
+        (["rollout", "--tsks", "3"], "--tsks"),  # no such flag
+        (["annotate"], "'run'"),  # an argument missing
+    ],
+)
+def test_a_usage_error_is_one_line(args, needle, capsys, monkeypatch):
+    code, _, err = cli(capsys, monkeypatch, *args)
+    assert_one_line(code, err, needle, f"(see serl {args[0]} --help)")
+
+
+def test_no_command_still_shows_the_help(capsys, monkeypatch):
+    code, out, err = cli(capsys, monkeypatch)
+    assert "Usage" in out + err and "rollout" in out + err
+
+
 # -- item 6: one --set scheme ----------------------------------------------------------------------
 
 
@@ -247,6 +265,12 @@ def _commands():
 SAMPLES = {"bool": "true", "int": "100", "float": "0.5", "str": "x", "text": "x"}  # by the shown type's first word
 
 
+def _sample(shown: str) -> str:
+    """A value of the type --help shows: its first word for a choice (``auto|cpu|cuda``)."""
+    shown = re.sub(r"list\[(.*)\]", r"\1", shown).split()[0]
+    return shown.split("|")[0] if "|" in shown else SAMPLES[shown]
+
+
 def _shown_rows(help_text: str, option) -> list[tuple[str, str | None]]:
     """(name, the type --help shows for it or None) for each of the option's names on its row."""
     names = [n for n in (*option.opts, *option.secondary_opts) if n.startswith("--")]
@@ -267,7 +291,7 @@ def test_every_flag_is_accepted_as_help_shows_it(path, cmd):
         if option.param_type_name != "option" or option.hidden or option.name in ("help", "version"):
             continue
         for name, shown in _shown_rows(result.output, option):
-            value = [] if shown is None else [SAMPLES[re.sub(r"list\[(.*)\]", r"\1", shown).split()[0]]]
+            value = [] if shown is None else [_sample(shown)]
             args = [name, *value, *required]
             try:
                 cmd.make_context(" ".join(["serl", *path]), list(args))

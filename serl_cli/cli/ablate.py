@@ -11,6 +11,7 @@ The grid rule (axes, the flags shorthand, cell names) is in :mod:`serl_cli.ablat
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
@@ -51,51 +52,73 @@ def _report(out: Path, quiet: bool, keep: str | None = None) -> None:
     )
 
 
+# ablate's options: the first eight, the grid from the command line (serl_cli.ablate.grid's flags
+# shorthand), are written into the cells' command lines as given
+OPTIONS = {
+    "env": typer.Option(None, "--env", help="Environments (comma list): the env axis."),
+    "algo": typer.Option(None, "--algo", help="Algorithms (comma list): the algo axis."),
+    "sources": typer.Option(
+        None, "--sources", help="Without a grid file: one SERL arm per source, one with all combined, and GRPO."
+    ),
+    "granularity": typer.Option(None, "--granularity", help="Granularities (comma list)."),
+    "placement": typer.Option(None, "--placement", help="Placements (comma list)."),
+    "seeds": typer.Option(None, "--seeds", help="Seeds per arm: 0..N-1."),
+    "iterations": typer.Option(None, "--iterations", help="Online iterations per cell."),
+    "episodes": typer.Option(None, "--episodes", help="Final evaluation: test-panel episodes per cell."),
+    "out": typer.Option(None, "--out", help="The ablation directory (default runs/ablate)."),
+    "cell": typer.Option(None, "--cell", help="Run only cell i (what SLURM array task i runs)."),
+    "parallel": typer.Option(
+        1, "--parallel", help="Cells at a time here (subprocesses); with --emit slurm: the array's concurrency limit."
+    ),
+    "max_parallel": typer.Option(
+        None,
+        "--max-parallel",
+        help="--emit slurm: array tasks running at once (%N); default: slurm.max_parallel of the grid, else no cap.",
+    ),
+    "emit": typer.Option(None, "--emit", help="slurm: write OUT/ablate.sbatch instead of running."),
+    "slurm_template": typer.Option(
+        None, "--slurm-template", help="A sbatch template with {array} and {command} placeholders."
+    ),
+    "report": typer.Option(False, "--report", help="Aggregate finished cells into report.md/.csv and curves.png."),
+    "keep": typer.Option(
+        None,
+        "--keep",
+        help="With --report: copy the cells' small summaries to this folder and build the report there (commit "
+        "it; `serl ablate --report DIR` rebuilds it).",
+    ),
+    "reuse": typer.Option(
+        None,
+        "--reuse",
+        help="Copy the cells another ablation directory finished, where they are the same cell, instead of "
+        "training them again (repeatable).",
+    ),
+    "config": typer.Option(None, "--config", help="A YAML file of grid settings (one file)."),
+}
+
+
 @app.command("ablate")
 def ablate_command(
     grid_file: str | None = typer.Argument(
         None, help="A grid file (experiments/ablations/*.yaml); with --report and no --out: the ablation directory."
     ),
-    env: str | None = typer.Option(None, "--env", help="Environments (comma list): the env axis."),
-    algo: str | None = typer.Option(None, "--algo", help="Algorithms (comma list): the algo axis."),
-    sources: str | None = typer.Option(
-        None, "--sources", help="Without a grid file: one SERL arm per source, one with all combined, and GRPO."
-    ),
-    granularity: str | None = typer.Option(None, "--granularity", help="Granularities (comma list)."),
-    placement: str | None = typer.Option(None, "--placement", help="Placements (comma list)."),
-    seeds: int | None = typer.Option(None, "--seeds", help="Seeds per arm: 0..N-1."),
-    iterations: int | None = typer.Option(None, "--iterations", help="Online iterations per cell."),
-    episodes: int | None = typer.Option(None, "--episodes", help="Final evaluation: test-panel episodes per cell."),
-    out: str | None = typer.Option(None, "--out", help="The ablation directory (default runs/ablate)."),
-    cell: int | None = typer.Option(None, "--cell", help="Run only cell i (what SLURM array task i runs)."),
-    parallel: int = typer.Option(
-        1, "--parallel", help="Cells at a time here (subprocesses); with --emit slurm: the array's concurrency limit."
-    ),
-    max_parallel: int | None = typer.Option(
-        None,
-        "--max-parallel",
-        help="--emit slurm: array tasks running at once (%N); default: slurm.max_parallel of the grid, else no cap.",
-    ),
-    emit: str | None = typer.Option(None, "--emit", help="slurm: write OUT/ablate.sbatch instead of running."),
-    slurm_template: str | None = typer.Option(
-        None, "--slurm-template", help="A sbatch template with {array} and {command} placeholders."
-    ),
-    report: bool = typer.Option(False, "--report", help="Aggregate finished cells into report.md/.csv and curves.png."),
-    keep: str | None = typer.Option(
-        None,
-        "--keep",
-        help="With --report: copy the cells' small summaries to this "
-        "folder and build the report there (commit it; "
-        "`serl ablate --report DIR` rebuilds it).",
-    ),
-    reuse_from: list[str] | None = typer.Option(
-        None,
-        "--reuse",
-        help="Copy the cells another ablation "
-        "directory finished, where they are the same cell, instead "
-        "of training them again (repeatable).",
-    ),
-    config: str | None = typer.Option(None, "--config", help="A YAML file of grid settings (one file)."),
+    env: str | None = OPTIONS["env"],
+    algo: str | None = OPTIONS["algo"],
+    sources: str | None = OPTIONS["sources"],
+    granularity: str | None = OPTIONS["granularity"],
+    placement: str | None = OPTIONS["placement"],
+    seeds: int | None = OPTIONS["seeds"],
+    iterations: int | None = OPTIONS["iterations"],
+    episodes: int | None = OPTIONS["episodes"],
+    out: str | None = OPTIONS["out"],
+    cell: int | None = OPTIONS["cell"],
+    parallel: int = OPTIONS["parallel"],
+    max_parallel: int | None = OPTIONS["max_parallel"],
+    emit: str | None = OPTIONS["emit"],
+    slurm_template: str | None = OPTIONS["slurm_template"],
+    report: bool = OPTIONS["report"],
+    keep: str | None = OPTIONS["keep"],
+    reuse_from: list[str] | None = OPTIONS["reuse"],
+    config: str | None = OPTIONS["config"],
     set_: list[str] | None = SetOpt,
     quiet: bool = QuietOpt,
     verbose: bool = VerboseOpt,
@@ -112,67 +135,128 @@ def ablate_command(
         "episodes": episodes,
     }
     defines_grid = bool(config or set_ or any(v is not None for v in flags.values()))
+    if _without_grid(grid_file, out, cell, report, keep, reuse_from, quiet, defines_grid=defines_grid):
+        return
+    out_dir = Path(out or "runs/ablate")
+    how = Runners(emit, parallel, max_parallel, slurm_template)
+    record = _grid_record(grid_file, flags, config, set_, out_dir, cell, how, quiet)
+    if record is None:  # a cell of the started ablation ran, as OUT/grid.json records it
+        return
+    _run_grid(record, out_dir, cell, how, reuse_from or [], quiet)
+
+
+def _run_grid(record: dict, out_dir: Path, cell: int | None, how: Runners, reuse_from: list[str], quiet: bool) -> None:
+    """Record the grid in OUT/grid.json and copy the ``--reuse`` cells; then emit the job array, run
+    one cell, or run every cell here and report."""
+    if cell is not None:
+        cells.select_cell(record, cell)  # range check before anything is written
+    from serl_cli.training.backends import is_main_process  # the grid is checked: torch may load now
+
+    main = is_main_process()  # under torchrun (a cell on several GPUs) rank 0 keeps the books
+    log = (lambda msg: None) if quiet or not main else (lambda msg: console.print(msg, highlight=False))
+    if main:
+        write_grid(out_dir, record)
+        _reuse(reuse_from, out_dir, log)
+    if how.emit == "slurm":
+        _emit_slurm(record, out_dir, how)
+    elif cell is not None:
+        _run_one_cell(record, out_dir, cell, quiet)
+    else:
+        runners.run_cells(record, out_dir, parallel=how.parallel, log=log)
+        _report(out_dir, quiet)
+
+
+@dataclasses.dataclass(frozen=True)
+class Runners:
+    """How the cells run: here, ``parallel`` at a time, or (``emit`` slurm) as a SLURM job array
+    from ``template``, ``max_parallel`` tasks at once."""
+
+    emit: str | None
+    parallel: int
+    max_parallel: int | None
+    template: str | None
+
+    def check(self) -> None:
+        if self.emit is not None and self.emit != "slurm":
+            raise SerlError(f"unknown --emit {self.emit!r}: choose slurm")
+        if self.parallel < 1:
+            raise SerlError(f"--parallel must be at least 1, got {self.parallel}")
+        if self.max_parallel is not None and self.max_parallel < 1:
+            raise SerlError(f"--max-parallel must be at least 1, got {self.max_parallel}")
+
+    @property
+    def array_cap(self) -> int:
+        """The job array's %N (0: no cap): --max-parallel, else --parallel where it is above 1."""
+        return self.max_parallel or (self.parallel if self.parallel > 1 else 0)
+
+
+def _without_grid(grid_file, out, cell, report, keep, reuse_from, quiet: bool, *, defines_grid: bool) -> bool:
+    """Do what needs no grid read (the report of an ablation directory, a cell as OUT/grid.json
+    records it) and say whether that was all; refuse, in one line, options that do not go together."""
     if keep is not None and not report:
         raise SerlError("--keep goes with --report: serl ablate --report OUT --keep DIR")
     if reuse_from and report:
         raise SerlError("--reuse goes with a run of the grid, not with --report")
     if report and out is None and grid_file and not Path(grid_file).is_file() and not defines_grid:
         _report(Path(grid_file), quiet, keep)  # serl ablate --report OUT
-        return
+        return True
     if report and grid_file is None and not defines_grid:
         if out is None:
             raise SerlError("--report needs the ablation directory: serl ablate --report OUT")
         _report(Path(out), quiet, keep)
-        return
+        return True
     if cell is not None and grid_file is None and not defines_grid:
         # the grid as the ablation directory recorded it: what every runner's cell command reads,
         # so editing the grid file while the cells run changes none of them
         out_dir = Path(out or "runs/ablate")
         _run_one_cell(load_grid_record(out_dir), out_dir, cell, quiet)
-        return
-    out_dir = Path(out or "runs/ablate")
-    # a cell of an ablation that has started runs from OUT/grid.json, as the runners' cells do: an
-    # edit of the grid file since (or a broken or deleted one) changes none of its cells
-    started = cell is not None and emit is None and (out_dir / "grid.json").is_file()
+        return True
+    return False
+
+
+def _grid_record(grid_file, flags: dict, config, overrides, out_dir: Path, cell, how: Runners, quiet: bool):
+    """The grid's record (OUT/grid.json) from the grid file, flags, ``--config`` and ``--set``. A cell
+    of an ablation that has started (not under --emit) runs from OUT/grid.json instead, as the
+    runners' cells do, where the grid file is gone, cannot be read or has changed since: an edit of
+    it changes none of its cells. Then None."""
+    started = cell is not None and how.emit is None and (out_dir / "grid.json").is_file()
+    what = grid_file or "the grid"
     if grid_file is not None and not Path(grid_file).is_file():
         if started:
             _run_recorded_cell(out_dir, cell, quiet, f"grid file {grid_file} is gone")
-            return
+            return None
         raise SerlError(f"grid file not found: {grid_file}")
-    if emit is not None and emit != "slurm":
-        raise SerlError(f"unknown --emit {emit!r}: choose slurm")
-    if parallel < 1:
-        raise SerlError(f"--parallel must be at least 1, got {parallel}")
-    if max_parallel is not None and max_parallel < 1:
-        raise SerlError(f"--max-parallel must be at least 1, got {max_parallel}")
+    how.check()
     try:
-        grid = ab.load_grid(grid_file, config_file=config, overrides=list(set_ or []), flags=flags)
+        grid = ab.load_grid(grid_file, config_file=config, overrides=list(overrides or []), flags=flags)
     except SerlError as e:
         if not started:
             raise
-        _run_recorded_cell(out_dir, cell, quiet, f"{grid_file or 'the grid'} cannot be read now ({e})")
-        return
-    source_args: list[str] = [str(Path(grid_file).resolve())] if grid_file else []
+        _run_recorded_cell(out_dir, cell, quiet, f"{what} cannot be read now ({e})")
+        return None
+    record = grid_record(grid, _source_args(grid_file, flags, config, overrides))
+    if started and not same_grid(load_grid_record(out_dir), record):
+        _run_recorded_cell(out_dir, cell, quiet, f"{what} has changed since the ablation started")
+        return None
+    return record
+
+
+def _source_args(grid_file: str | None, flags: dict, config: str | None, overrides: list[str] | None) -> list[str]:
+    """The command line that defines the grid, as OUT/grid.json records it (paths made absolute)."""
+    args: list[str] = [str(Path(grid_file).resolve())] if grid_file else []
     for name, value in flags.items():
         if value is not None:
-            source_args += [f"--{name}", str(value)]
+            args += [f"--{name}", str(value)]
     if config:
-        source_args += ["--config", str(Path(config).resolve())]
-    for s in set_ or []:
-        source_args += ["--set", s]
-    record = grid_record(grid, source_args)
-    if started and not same_grid(load_grid_record(out_dir), record):
-        _run_recorded_cell(out_dir, cell, quiet, f"{grid_file or 'the grid'} has changed since the ablation started")
-        return
-    if cell is not None:
-        cells.select_cell(record, cell)  # range check before anything is written
-    from serl_cli.training.backends import is_main_process  # the grid is checked: torch may load now
+        args += ["--config", str(Path(config).resolve())]
+    for s in overrides or []:
+        args += ["--set", s]
+    return args
 
-    main = is_main_process()  # under torchrun (a cell on several GPUs) rank 0 keeps the books
-    if main:
-        write_grid(out_dir, record)
-    log = (lambda msg: None) if quiet or not main else (lambda msg: console.print(msg, highlight=False))
-    for src in (reuse_from or []) if main else []:
+
+def _reuse(sources: list[str], out_dir: Path, log) -> None:
+    """``--reuse``: copy the cells each other ablation directory finished that are this grid's."""
+    for src in sources:
         copied, other_start = reuse.reuse_finished_cells(src, out_dir)
         log(f"{copied} finished cells reused from {src}")
         if other_start:
@@ -182,29 +266,26 @@ def ablate_command(
                 highlight=False,
                 soft_wrap=True,
             )
-    if emit == "slurm":
-        cap = max_parallel or (parallel if parallel > 1 else 0)
-        path = runners.emit_slurm(record, out_dir, template=slurm_template, parallel=cap)
-        filled = runners.default_resources(record)
-        if filled and not (slurm_template or (record.get("slurm") or {}).get("template")):
-            asked = ", ".join(f"--{k.replace('_', '-')}={v}" for k, v in filled.items())
-            err_console.print(
-                f"note: the grid's slurm: section sets no {', '.join(filled)}: each task asks for {asked} "
-                f"(set slurm.{next(iter(filled))} and the others in the grid to change them)",
-                highlight=False,
-                soft_wrap=True,
-            )
-        console.print(
-            f"{len(record['cells'])} cells; job array written to {path}; submit it with its report job: "
-            f"bash {out_dir.resolve() / 'submit.sh'} (or sbatch {path} alone)",
+
+
+def _emit_slurm(record: dict, out_dir: Path, how: Runners) -> None:
+    """``--emit slurm``: the job array and its submit script, and a note of the resources it asks
+    for where the grid sets none."""
+    path = runners.emit_slurm(record, out_dir, template=how.template, parallel=how.array_cap)
+    filled = runners.default_resources(record)
+    if filled and not (how.template or (record.get("slurm") or {}).get("template")):
+        asked = ", ".join(f"--{k.replace('_', '-')}={v}" for k, v in filled.items())
+        err_console.print(
+            f"note: the grid's slurm: section sets no {', '.join(filled)}: each task asks for {asked} "
+            f"(set slurm.{next(iter(filled))} and the others in the grid to change them)",
             highlight=False,
+            soft_wrap=True,
         )
-        return
-    if cell is not None:
-        _run_one_cell(record, out_dir, cell, quiet)
-        return
-    runners.run_cells(record, out_dir, parallel=parallel, log=log)
-    _report(out_dir, quiet)
+    console.print(
+        f"{len(record['cells'])} cells; job array written to {path}; submit it with its report job: "
+        f"bash {out_dir.resolve() / 'submit.sh'} (or sbatch {path} alone)",
+        highlight=False,
+    )
 
 
 def _run_recorded_cell(out_dir: Path, cell: int, quiet: bool, why: str) -> None:

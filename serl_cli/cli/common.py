@@ -2,43 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
+import contextlib
 import time
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from serl_cli import config as cfgmod
 from serl_cli.api import require_run_to_resume as require_run_to_resume  # the commands import them from here too
 from serl_cli.api import resolve_config
 from serl_cli.api import save_resolved as save_resolved
 from serl_cli.artifacts import io
 from serl_cli.cli.root import err_console
-
-
-def show_defaults(cls, **flag_keys: str):
-    """Decorate a command so ``--help`` shows each flag's documentation and effective default,
-    read from the settings dataclass ``cls`` at the flag's key path (the flags themselves
-    default to None, so that a config file can set them); a flag's own ``help`` wins."""
-    defaults = dataclasses.asdict(cls())
-
-    def value_at(path: str):
-        node = defaults
-        for part in path.split("."):
-            node = node[part]
-        return node
-
-    def wrap(fn):
-        params = inspect.signature(fn).parameters
-        for name, path in flag_keys.items():
-            info = params[name].default
-            value = value_at(path)
-            info.show_default = False if value is None else str(value)  # null: the doc says what it means
-            doc = cfgmod.doc_of(cls, path)
-            info.help = info.help or (f"{doc}." if doc else None)
-        return fn
-
-    return wrap
 
 
 def resolve(
@@ -100,6 +74,36 @@ class LogProgress:
         self.last = now
         of = f"/{self.total}" if self.total else ""
         self.out.print(f"{self.label}: {done}{of} {self.unit}, {now - self.start:.0f} s", highlight=False)
+
+
+class Counted:
+    """The callbacks a long step reports its progress through, to a bar and to :class:`LogProgress`:
+    ``advance(item)`` counts one item (a rollout's episode), ``update(done, total)`` sets the count."""
+
+    def __init__(self, bar: Progress, lines: LogProgress):
+        self.bar, self.lines, self.task = bar, lines, bar.add_task(lines.unit, total=lines.total)
+
+    def advance(self, item=None) -> None:
+        self.bar.advance(self.task)
+        self.lines.advance()
+
+    def update(self, done: int, total: int) -> None:
+        self.bar.update(self.task, completed=done, total=total)
+        self.lines.update(done, total)
+
+
+@contextlib.contextmanager
+def progress_bar(out, label: str, unit: str, *, quiet: bool, total: int | None = None, terminal_only: bool = False):
+    """A bar with an ETA over a long step (``label``: what it does, ``unit``: what it counts) and, in a
+    log file, a line every ``LOG_EVERY_S``; nothing under ``-q``. ``terminal_only``: no bar where
+    ``out`` is not a terminal, and the unit named beside the count. Yields a :class:`Counted`."""
+    columns = [TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn()]
+    columns += [TextColumn(unit)] if terminal_only else []
+    disable = quiet or (terminal_only and not out.is_terminal)
+    with Progress(
+        *columns, TimeElapsedColumn(), TimeRemainingColumn(), console=out, disable=disable, transient=True
+    ) as bar:
+        yield Counted(bar, LogProgress(out, label, unit, total=total, quiet=quiet))
 
 
 def plural(n: int, word: str) -> str:

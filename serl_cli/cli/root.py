@@ -49,6 +49,54 @@ def _switches_show_no_type() -> None:
 
 _switches_show_no_type()
 
+
+def _one_line_usage_error(drawn):
+    """typer's ``rich_format_error`` (``drawn``) made to print a usage error (a word not among a
+    flag's choices, a count that is not a number, a misspelt flag) as one line, as serl prints every
+    other error, where typer draws the usage, a hint and a boxed message; exit code 2 as before. A
+    command run with no arguments still shows its help."""
+    if getattr(drawn, "_serl_one_line", False):
+        return drawn
+
+    def one_line(e) -> None:
+        if type(e).__name__ == "NoArgsIsHelpError":
+            return drawn(e)
+        ctx, words = getattr(e, "ctx", None), []
+        while ctx is not None and ctx.parent is not None:  # the command's words, whatever ran serl
+            words, ctx = [ctx.info_name, *words], ctx.parent
+        see = f" (see {' '.join(['serl', *words, '--help'])})" if ctx is not None else ""
+        err_console.print(f"[bold red]error:[/] {escape(e.format_message())}{see}", highlight=False, soft_wrap=True)
+
+    one_line._serl_one_line = True
+    return one_line
+
+
+def _usage_errors_in_one_line() -> None:
+    """Install :func:`_one_line_usage_error` where typer looks for ``rich_format_error``. typer
+    imports ``typer.rich_utils`` only to draw help or an error (``from . import rich_utils``, at
+    that moment); importing it for every command would cost ~50 ms of start-up, so until then
+    ``typer.rich_utils`` is a stand-in that imports it, and mends it, at first use."""
+    import importlib
+    import types
+
+    def mended(module):
+        if hasattr(module, "rich_format_error"):
+            module.rich_format_error = _one_line_usage_error(module.rich_format_error)
+        return module
+
+    if "typer.rich_utils" in sys.modules:
+        mended(sys.modules["typer.rich_utils"])
+        return
+
+    class FirstUse(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(mended(importlib.import_module("typer.rich_utils")), name)  # replaces the stand-in
+
+    typer.rich_utils = FirstUse("typer.rich_utils")
+
+
+_usage_errors_in_one_line()
+
 # Options every command shares (README.md, "The pipeline").
 ConfigOpt = typer.Option(
     None,
@@ -59,6 +107,20 @@ SetOpt = typer.Option(None, "--set", help="Override a setting: key.path=value (r
 SeedOpt = typer.Option(None, "--seed", help="Seed for task order, sampling and initialization.")
 QuietOpt = typer.Option(False, "-q", "--quiet", help="Print only the final table.")
 VerboseOpt = typer.Option(False, "-v", "--verbose", help="Print more detail.")
+
+
+def overwrite_option(what: str):
+    """``--overwrite``: replace ``what`` (``existing rollouts in --out``) where the command writes."""
+    return typer.Option(False, "--overwrite", help=f"Replace {what}.")
+
+
+def journal_resume_option(what: str):
+    """``--resume`` of a command that keeps a journal of ``what`` it has done (``rollout in --out``)."""
+    return typer.Option(
+        False,
+        "--resume",
+        help=f"Continue an interrupted {what} from its journal (same settings); a finished one is left as it is.",
+    )
 
 
 def _version(value: bool):

@@ -18,6 +18,7 @@ at its default, when written back.)
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 
 from serl_cli.errors import SerlError
@@ -145,7 +146,7 @@ def make_turn(**values) -> Turn:
     return Turn(**{**neutral, **values})
 
 
-def make_episode(turns: list[Turn] = (), **values) -> Episode:
+def make_episode(turns: Sequence[Turn] = (), **values) -> Episode:
     """An episode of ``turns`` whose required fields not in ``values`` hold neutral values (task 0, reward 0)."""
     neutral = {"task_id": 0, "group_id": 0, "rollout_index": 0, "reward": 0.0, "success": False}
     return Episode(**{**neutral, **values}, turns=list(turns))

@@ -73,14 +73,14 @@ def score(
     pad = pad_id(tokenizer)
     rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
     micro_batch_tokens = _cpu_capped(model, micro_batch_tokens)
-    shares = [[] for _ in range(world)]
+    shares: list[list[int]] = [[] for _ in range(world)]
     for i, item in enumerate(items):
         shares[owner(item, i, world)].append(i)
     # an item equal to one before it in its share (a state a group's rollouts or the teacher signal
     # meet again) is scored once and its log-probs copied
-    same = {}
+    same: dict[int, int] = {}
     for share in shares:
-        first = {}
+        first: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         for i in share:
             same[i] = first.setdefault((tuple(items[i].prompt_ids), tuple(items[i].action_ids)), i)
     shares = [[i for i in s if same[i] == i] for s in shares]

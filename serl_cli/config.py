@@ -155,7 +155,7 @@ def from_dict(cls, data: dict, where: str = ""):
     kwargs = {}
     for name, value in data.items():
         default = _default_of(fields[name])
-        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+        if dataclasses.is_dataclass(default) and not isinstance(default, type) and isinstance(value, dict):
             value = merge(dataclasses.asdict(default), value)  # a partial section keeps the field's own defaults
         kwargs[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
     return cls(**kwargs)
@@ -236,7 +236,8 @@ def resolve(
     file first seen by ``reader.check(data, where)``), and ``reader.read(mapping)`` -- settings
     of ``cls`` -- goes above ``base``, under the rest."""
     files = [config_file] if isinstance(config_file, (str, Path)) else list(config_file or [])
-    layers, theirs = [], {}
+    layers: list[dict] = []
+    theirs: dict = {}
     for path in files:
         layer = load_yaml(path)
         if reader is not None and reader.claims(layer):

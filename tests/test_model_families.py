@@ -13,6 +13,7 @@ from __future__ import annotations
 import string
 from dataclasses import replace
 from functools import cache
+from types import SimpleNamespace
 
 import pytest
 from support import FAMILIES, family_tokenizer, wrap_family_tokenizer
@@ -35,7 +36,7 @@ from serl_cli.method.teacher import (
     teacher_prompt_ids,
     teacher_suffix,
 )
-from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, _TokenizerOnly
+from serl_cli.rollout.engines import ModelPolicy, SamplingConfig
 from serl_cli.rollout.prompts import (
     PromptConfig,
     build_messages,
@@ -234,7 +235,8 @@ def test_the_policy_renders_with_the_prompt_settings_kwargs():
         expert_action=None,
     )
     ctx = {"turns": [], "rules": "You shop.", "instruction": "i need a red mug"}
-    policy = ModelPolicy(_TokenizerOnly(tok), SamplingConfig(), PromptConfig(chat_template_kwargs=NO_THINKING))
+    engine = SimpleNamespace(tokenizer=tok)  # prompts need the tokenizer only
+    policy = ModelPolicy(engine, SamplingConfig(), PromptConfig(chat_template_kwargs=NO_THINKING))
     messages = build_messages(
         "You shop.", "i need a red mug", [], step.observation, step.admissible_actions, PromptConfig()
     )

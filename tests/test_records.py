@@ -117,6 +117,15 @@ def test_optional_fields_take_their_defaults_and_counts_come_from_the_turns():
     assert list(ep.to_dict()) == list(episode_record())
 
 
+def test_null_counts_are_counted_from_the_turns_and_stated_ones_kept():
+    turns = [turn_record(), turn_record(turn=1, invalid=True)]
+    counted = Episode.from_dict(episode_record(turns, num_turns=None, invalid_actions=None))
+    assert (counted.num_turns, counted.invalid_actions) == (2, 1)
+    stated = Episode.from_dict(episode_record(turns, num_turns=5, invalid_actions=0))  # as the file says
+    assert (stated.num_turns, stated.invalid_actions) == (5, 0)
+    assert (make_episode(turns=[]).num_turns, make_episode(turns=[]).invalid_actions) == (0, 0)
+
+
 def test_written_only_when_set():
     t = make_turn()
     assert not {"off_expert", "invalid", "engine_logprobs", "hindsight"} & set(t.to_dict())

@@ -334,7 +334,8 @@ def absolute_local_paths(settings: dict) -> dict:
     for path in MODEL_PATHS:
         node = out
         for key in path[:-1]:
-            node = node.get(key) if isinstance(node.get(key), dict) else {}
+            child = node.get(key)
+            node = child if isinstance(child, dict) else {}
         value = node.get(path[-1])
         if isinstance(value, str) and value and not Path(value).is_absolute() and Path(value).exists():
             node[path[-1]] = str(Path(value).resolve())
@@ -348,7 +349,7 @@ def _contrasts(value, names: list[str]) -> list[dict]:
         return []
     if not isinstance(value, list):
         raise SerlError("contrasts: must be a list of {name, plus: [arms], minus: [arms]}")
-    out = []
+    out: list[dict] = []
     for i, con in enumerate(value):
         if not isinstance(con, dict):
             raise SerlError(f"contrasts[{i}] must be a mapping {{name, plus, minus}}")
@@ -508,7 +509,7 @@ def cell_overrides(grid: Grid, arm: dict, seed: int) -> dict:
 
 
 def cells(grid: Grid) -> list[dict]:
-    out = []
+    out: list[dict] = []
     for arm in arms(grid):
         for seed in grid.axes["seeds"]:
             out.append(

@@ -78,7 +78,7 @@ def _curve(train: Path) -> list[dict]:
     path = train / "metrics.jsonl"
     if not path.is_file():
         return []
-    by_iter = {}
+    by_iter: dict[int, dict] = {}
     for rec in io.iter_jsonl(path):
         by_iter[int(rec.get("iteration", len(by_iter)))] = rec  # a resumed run may repeat an iteration: keep the last
     steps, out = 0, []

@@ -240,7 +240,7 @@ def default_resources(record: dict) -> dict:
 
 def _resources(s: dict, *, gpus: bool) -> list[str]:
     lines = []
-    keys = (("partition", "partition"), ("account", "account"))
+    keys: tuple[tuple[str, str], ...] = (("partition", "partition"), ("account", "account"))
     if gpus:
         keys += (("time", "time"), ("nodes", "nodes"), ("cpus_per_task", "cpus-per-task"), ("mem", "mem"))
     for key, flag in keys:

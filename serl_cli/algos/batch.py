@@ -56,7 +56,8 @@ def make_micro_batches(
 
 def micro_batch_groups(samples: list, order: list[int], max_tokens: int) -> list[list[int]]:
     """The sample indices of each micro-batch :func:`make_micro_batches` makes (without building them)."""
-    groups, current = [], []
+    groups: list[list[int]] = []
+    current: list[int] = []
     width = 0
     for i in order:
         length = len(samples[i].prompt_ids) + len(samples[i].action_ids)
@@ -87,8 +88,11 @@ def collate(samples: list, index: list[int], pad_id: int, per_turn: PerTurn | No
     positions = (attn.cumsum(-1) - 1).clamp_min(0)
     mb = MicroBatch(ids, attn, positions, reply_mask, reply_ids, list(index))
     behaviour = [getattr(samples[i], "behaviour_logprobs", None) for i in index]
-    if all(b is not None and len(b) == len(samples[i].action_ids) for b, i in zip(behaviour, index, strict=True)):
-        mb.logp_old = right_aligned(behaviour, k)
+    complete = [
+        b for b, i in zip(behaviour, index, strict=True) if b is not None and len(b) == len(samples[i].action_ids)
+    ]
+    if len(complete) == len(index):  # every turn has its behaviour log-probs, one per reply token
+        mb.logp_old = right_aligned(complete, k)
     if per_turn is not None:
         mb.advantages = per_turn.advantages[index]
         if per_turn.token_weights is not None:

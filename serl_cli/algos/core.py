@@ -234,11 +234,13 @@ def policy_loss(
     loss = pg
     stats["pg_loss"] = pg.item()
     if entropy_coef:
+        assert entropy is not None, "entropy_coef > 0 needs the policy's entropy"
         n = mask.sum().clamp_min(1) if num_tokens is None else num_tokens
         ent = masked_sum(entropy, mask) / n
         loss = loss - entropy_coef * ent
         stats["entropy"] = ent.item()
     if kl_coef:
+        assert logp_ref is not None, "kl_coef > 0 needs the reference log-probs"
         # Same normalizer as the PPO term, so micro-batches add up to the batch mean.
         n = mask.sum().clamp_min(1) if num_tokens is None else num_tokens
         k3 = kl_k3(_zero_outside(logp, mask), _zero_outside(logp_ref.detach(), mask))
@@ -246,6 +248,7 @@ def policy_loss(
         loss = loss + kl_coef * kl
         stats["kl_ref"] = kl.item()
     if distill_coef:
+        assert logp_teacher is not None, "distill_coef > 0 needs the teacher log-probs"
         dmask = mask if distill_mask is None else distill_mask.bool() & mask.bool()
         k3 = kl_k3(_zero_outside(logp, dmask), _zero_outside(logp_teacher.detach(), dmask))
         distill = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,11 +39,20 @@ Prepare = Callable[[list[TurnSample], UpdateInputs, object], PerTurn]
 Loss = Callable[..., tuple[torch.Tensor, dict]]
 
 
-def get_objective(name: str) -> Objective:
+@dataclass(frozen=True)
+class ResolvedObjective(Objective):
+    """A registry entry whose math, named there, is this module's functions."""
+
+    prepare: Prepare
+    loss: Loss
+
+
+def get_objective(name: str) -> ResolvedObjective:
     """The registry's entry for ``--algo name``, its math resolved to this module's functions."""
     entry = objective(name)
     prepare, loss = (MATH[f] if isinstance(f, str) else f for f in (entry.prepare, entry.loss))
-    return dataclasses.replace(entry, prepare=prepare, loss=loss)
+    settings = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
+    return ResolvedObjective(**{**settings, "prepare": prepare, "loss": loss})
 
 
 def _score(s: TurnSample, success_reward: float) -> float:
@@ -150,8 +160,10 @@ def policy_gradient_loss(
     reply and distillation tokens, not the micro-batch's, so micro-batches add up to the
     mini-batch mean, and both terms keep their scale whatever ``train.mini_batches`` is.
     """
+    # Learner.update refuses turns without behaviour log-probs, and every prepare sets advantages
+    assert mb.logp_old is not None and mb.advantages is not None
     distill = bool(cfg.distill_coef and mb.distill is not None and mb.logp_teacher is not None)
-    distill_mask = sdpo.distill_token_mask(mb.reply_mask, mb.distill) if distill else None
+    distill_mask = sdpo.distill_token_mask(mb.reply_mask, mb.distill) if distill and mb.distill is not None else None
     return core.policy_loss(
         logp,
         mb.logp_old,
@@ -285,7 +297,7 @@ def gigpo_prepare(samples, inputs, cfg) -> PerTurn:
     std_norm = cfg.gigpo_mode == "mean_std_norm"  # verl-agent's "mean_norm" subtracts the mean only, at both levels
     penalty, success_reward = cfg.invalid_action_penalty, cfg.success_reward
     episode_adv = turn_advantages(samples, cfg, std_norm=std_norm)
-    returns, by_episode = [], {}
+    by_episode: dict[int, list[TurnSample]] = {}
     for s in samples:
         if not s.faulted:
             by_episode.setdefault(s.episode, []).append(s)
@@ -322,7 +334,7 @@ def gigpo_prepare(samples, inputs, cfg) -> PerTurn:
 
 
 # the functions the registry names (algos.registry: by name, so a config is checked without torch)
-MATH = {
+MATH: dict[str, Callable[..., Any]] = {
     f.__name__: f
     for f in (
         policy_gradient_loss,

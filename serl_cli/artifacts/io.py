@@ -444,7 +444,7 @@ def _check_header(path: Path, found, expected: dict) -> None:
         raise SerlError(f"{path} is not a serl journal: delete it or pass --overwrite to start again")
     # the stage's settings first, named as the user sets them (sampling.temperature), then the rest
     settings = first_difference(found.get("config"), expected.get("config"))
-    rest = first_difference(*({k: v for k, v in h.items() if k != "config"} for h in (found, expected)))
+    rest = first_difference(_without_config(found), _without_config(expected))
     key, old, new = settings or rest or ("config", found.get("config"), expected.get("config"))
     key = key or "config"  # a config that is not a mapping at all
     raise SerlError(
@@ -454,6 +454,10 @@ def _check_header(path: Path, found, expected: dict) -> None:
 
 
 _ABSENT = object()
+
+
+def _without_config(header: dict) -> dict:
+    return {k: v for k, v in header.items() if k != "config"}
 
 
 def first_difference(stored, now, prefix: str = "") -> tuple[str, Any, Any] | None:

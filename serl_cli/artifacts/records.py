@@ -18,6 +18,7 @@ at its default, when written back.)
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 
 from serl_cli.errors import SerlError
@@ -80,6 +81,9 @@ class Turn:
         return _to_dict(self, _TURN_FIELDS, _TURN_WHEN_SET)
 
 
+COUNTED = -1  # Episode.num_turns and invalid_actions: the count is made from the episode's turns
+
+
 @dataclass(slots=True, kw_only=True)
 class Episode:
     """One episode of one task: where it belongs in its group, its turns, how it ended."""
@@ -92,16 +96,17 @@ class Episode:
     turns: list[Turn]  # in the order they were played
     reward: float  # the episode's reward: the last step's
     success: bool  # the environment's verdict (info.won)
-    num_turns: int | None = None  # len(turns) (None: counted from the turns)
-    invalid_actions: int | None = None  # how many turns' actions were invalid (None: counted from the turns)
+    num_turns: int = COUNTED  # len(turns) (COUNTED: counted from the turns)
+    invalid_actions: int = COUNTED  # how many turns' actions were invalid (COUNTED: counted from the turns)
     truncated: bool = False  # cut at the turn limit, or by an environment fault
     error: str | None = None  # the environment fault that ended the episode (None: none)
     extra: dict = field(default_factory=dict)  # keys this version does not know, written back as they came
 
     def __post_init__(self):
-        if self.num_turns is None:
+        # not given, or null in a record: counted (typed int, so every reader of a record sums them as such)
+        if self.num_turns is None or self.num_turns == COUNTED:
             self.num_turns = len(self.turns)
-        if self.invalid_actions is None:
+        if self.invalid_actions is None or self.invalid_actions == COUNTED:
             self.invalid_actions = sum(t.invalid_action for t in self.turns)
 
     @property
@@ -145,7 +150,7 @@ def make_turn(**values) -> Turn:
     return Turn(**{**neutral, **values})
 
 
-def make_episode(turns: list[Turn] = (), **values) -> Episode:
+def make_episode(turns: Sequence[Turn] = (), **values) -> Episode:
     """An episode of ``turns`` whose required fields not in ``values`` hold neutral values (task 0, reward 0)."""
     neutral = {"task_id": 0, "group_id": 0, "rollout_index": 0, "reward": 0.0, "success": False}
     return Episode(**{**neutral, **values}, turns=list(turns))

@@ -18,6 +18,7 @@ the student the right way (``method.teacher_signal``).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -38,13 +39,13 @@ def expert_trajectories(env_cfg: dict, episodes: list[Episode]) -> dict[int, lis
     """The environment's expert episode for each task (the `expert` source: privileged oracle information)."""
     from serl_cli.rollout.policies import ExpertPolicy
     from serl_cli.rollout.runner import EpisodeSpec, run_episodes
-    from serl_cli.rollout.worlds import EnvConfig, build_world
+    from serl_cli.rollout.worlds import EnvConfig, build_world, built_split
 
     env = EnvConfig(**env_cfg)
     world = build_world(env)
     tasks = sorted({e.task_id for e in episodes})
     records = run_episodes(
-        world, env.split, [EpisodeSpec(task_id=t) for t in tasks], ExpertPolicy(), max_turns=env.max_turns
+        world, built_split(env), [EpisodeSpec(task_id=t) for t in tasks], ExpertPolicy(), max_turns=env.max_turns
     )
     return {
         r.task_id: [{"observation": t.observation, "action": t.action, "state_key": t.state_key} for t in r.turns]
@@ -123,7 +124,7 @@ def annotate_episodes(
     bare replies (``prompt.bare_replies``), the form the teacher signal scores the expert's reply in."""
     spec = validate(cfg)
     needs_expert = fb.uses_expert_trajectory(spec, cfg.trajectory) and env_cfg
-    experts = expert_trajectories(env_cfg, episodes) if needs_expert else {}
+    experts = expert_trajectories(env_cfg, episodes) if needs_expert and env_cfg else {}
     groups: dict[tuple, list[Episode]] = {}
     for e in episodes:
         groups.setdefault(e.group_key, []).append(e)
@@ -142,7 +143,7 @@ def annotate_episodes(
     lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
     use_teacher = teacher_wanted(cfg)
 
-    records = []
+    records: list[dict[str, Any]] = []
     i = 0
     for e_idx, ep in enumerate(episodes):
         key = ep.group_key
@@ -234,7 +235,7 @@ def annotate_episodes(
         )
         r["weights"] = apply_placement(w, where).tolist()
         r["distill"] = not episodes[r["episode"]].success
-    stats = {
+    stats: dict[str, Any] = {
         "turns": len(records),
         "selected": sum(r["selected"] for r in records),
         "teacher_turns_scored": len(items),

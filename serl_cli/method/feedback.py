@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import abc
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from envs.base import state_key as hash_observation
@@ -260,7 +260,7 @@ def reference_rollout(ctx: TurnContext) -> Episode | None:
     return min(wins, key=lambda e: e.rollout_index) if wins else None
 
 
-def _matching_action(ctx: TurnContext, steps: list[tuple[str, str | None]]) -> str | None:
+def _matching_action(ctx: TurnContext, steps: Sequence[tuple[str, str | None]]) -> str | None:
     """The reference's action at this turn's state (its last visit: earlier ones came back
     here, so their actions did not lead on), else -- in the full rendering only -- at the
     same turn index, else None."""
@@ -270,7 +270,7 @@ def _matching_action(ctx: TurnContext, steps: list[tuple[str, str | None]]) -> s
     return steps[ctx.turn][0] if ctx.turn < len(steps) and not ctx.aligned else None
 
 
-def _disagrees(ctx: TurnContext, steps: list[tuple[str, str | None]]) -> bool:
+def _disagrees(ctx: TurnContext, steps: Sequence[tuple[str, str | None]]) -> bool:
     other = _matching_action(ctx, steps)
     return other is not None and not same_action(other, _action(ctx.step))
 

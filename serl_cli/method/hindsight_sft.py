@@ -105,6 +105,7 @@ def hindsight_examples(
         turn = ep.turns[t]
         teacher = teacher_prompt(tokenizer, turn.prompt_ids, block, chat_template_kwargs)
         expert = turn.expert_action
+        assert expert is not None  # hindsight_turns keeps the turns with an expert action
         by_episode.setdefault(e, []).extend(
             [
                 example_turn(turn, teacher, tokenizer, expert, block, bare_replies),

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from serl_cli.errors import SerlError
 
@@ -43,7 +44,7 @@ from serl_cli.errors import SerlError
 class TurnInfo:
     """One turn as a placement rule sees it."""
 
-    key: tuple  # identifies the turn, e.g. (episode, turn)
+    key: Hashable  # identifies the turn: its annotation record's index, or (episode, turn)
     fired: bool  # a chosen feedback source produced evidence for this turn
     log_ratio_mean: float | None  # mean over action tokens of log pi_T - log pi_old; None: not scored
     has_block: bool = True  # the sources rendered a hindsight block for it
@@ -81,7 +82,7 @@ def check_rule(name: str, *, rho: float | None = None) -> None:
         raise SerlError(f"placement rho must be a fraction in [0, 1], got {rho!r}")
 
 
-def _scored(x: float | None) -> bool:
+def _scored(x: float | None) -> TypeGuard[float]:
     return x is not None and not math.isnan(x)
 
 
@@ -101,9 +102,9 @@ def _feedback(turns: list[TurnInfo], *, rho: float, seed: int) -> list[bool]:
 
 @placement("gap", needs_teacher=True)
 def _gap(turns: list[TurnInfo], *, rho: float, seed: int) -> list[bool]:
-    scored = [i for i, t in enumerate(turns) if _scored(t.log_ratio_mean)]
-    ranked = sorted(scored, key=lambda i: (-abs(turns[i].log_ratio_mean), i))
-    chosen = set(ranked[: gap_count(len(scored), rho)])
+    scores = {i: t.log_ratio_mean for i, t in enumerate(turns) if _scored(t.log_ratio_mean)}
+    ranked = sorted(scores, key=lambda i: (-abs(scores[i]), i))
+    chosen = set(ranked[: gap_count(len(scores), rho)])
     return [i in chosen for i in range(len(turns))]
 
 

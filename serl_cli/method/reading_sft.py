@@ -55,7 +55,7 @@ DEADLOCK_SHARE = 0.5  # taken blocks on a bad move: the share that is the deadlo
 
 
 def is_reading(value: str | None) -> bool:
-    return bool(value) and value.strip().startswith(READING)
+    return value is not None and value.strip().startswith(READING)
 
 
 def parse_reading(value: str) -> list[tuple[str, list[list[str]]]]:
@@ -185,7 +185,7 @@ def reading_examples_for_run(
     seed: int = 0,
 ) -> list[Episode]:
     """:func:`reading_examples` of a run's episodes, in the run's environment (replayed)."""
-    from serl_cli.rollout.worlds import EnvConfig, build_world
+    from serl_cli.rollout.worlds import EnvConfig, build_world, built_split
 
     if not env_cfg:
         raise SerlError("reading SFT replays the run's environment: the run's manifest names none")
@@ -196,7 +196,7 @@ def reading_examples_for_run(
         tokenizer,
         parse_reading(value),
         world,
-        env.split,
+        built_split(env),
         max_turns=env.max_turns,
         bare_replies=bare_replies,
         chat_template_kwargs=chat_template_kwargs,

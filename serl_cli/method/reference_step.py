@@ -99,6 +99,7 @@ def reference_step(
         # lambda = 0 every weight is 1 and the teacher is not asked
         weights = torch.ones(len(reply), dtype=torch.float64)
         if in_s and ok and lam > 0:
+            assert text is not None  # a scorable turn has a block
             with torch.no_grad():
                 with_block = teacher_prompt(tokenizer, prompt, text)
                 logp_teacher = token_logprobs(teacher, with_block, reply, temperature).double()

@@ -29,6 +29,7 @@ None and whose verdict says why, never an exception.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,7 @@ def _check(records: list[dict], episodes: list[Episode]) -> None:
 
 def _tests(sel_r, uns_r, table, alpha: float) -> dict:
     """Mann-Whitney and Fisher results, None where untestable, plus the reason."""
-    out = {
+    out: dict[str, Any] = {
         "alpha": alpha,
         "mann_whitney": {"statistic": None, "p_value": None},
         "fisher": {"table": table, "odds_ratio": None, "p_value": None},

@@ -318,7 +318,9 @@ class TeacherSnapshot:
         missing = [name for name, value in found.items() if value is None]
         if missing:
             raise SerlError(f"the saved teacher has no {missing[0]}: it was saved by another serl or another model")
-        self.saved = {name: self._keep(value.to(self.saved[name].dtype)) for name, value in found.items()}
+        self.saved = {
+            name: self._keep(value.to(self.saved[name].dtype)) for name, value in found.items() if value is not None
+        }
 
     def state_file(self, directory: Path) -> Path:
         name = f"teacher_state.rank{self.backend.rank}.pt" if self.backend.sharded else TEACHER_STATE

@@ -161,10 +161,10 @@ def blind_copy(
     n = len(found)
 
     def mean(xs: list[float | None]) -> float | None:
-        xs = [x for x in xs if x is not None]
-        return sum(xs) / len(xs) if xs else None
+        known = [x for x in xs if x is not None]
+        return sum(known) / len(known) if known else None
 
-    out = {"turns": n, "states": len({episodes[e].turns[t].state_key for e, t, _ in found})}
+    out: dict[str, float | None] = {"turns": n, "states": len({episodes[e].turns[t].state_key for e, t, _ in found})}
     out["p_deadlock_without_block"] = mean(probs[:n])
     for j, name in enumerate(FALSE_BLOCKS, start=1):
         out[f"p_deadlock_{name.replace(' ', '_').replace(',', '+')}"] = mean(probs[j * n : (j + 1) * n])

@@ -172,12 +172,18 @@ def expert_logprobs(
     """Record index -> the expert reply's action-span log-probs with the block (the teacher
     prompt in ``prompts``, as the annotation built it) and without it, on :func:`signal_turns`."""
     turns = signal_turns(records, episodes)
-    items = []
+    items: list[tuple[list[int], str]] = []
     for k in turns:
         turn = _turn(records, episodes, k)
+        assert turn.expert_action is not None  # signal_turns keeps the turns with an expert action
         items += [(prompts[k], turn.expert_action), (turn.prompt_ids, turn.expert_action)]
     lps = span_logprobs(items, how)
-    return {k: (lps[2 * j], lps[2 * j + 1]) for j, k in enumerate(turns) if lps[2 * j] is not None}
+    # both items of a turn score the same reply, so both have its action span or neither has
+    return {
+        k: (with_block, without)
+        for k, with_block, without in zip(turns, lps[::2], lps[1::2], strict=True)
+        if with_block is not None and without is not None
+    }
 
 
 def measure(

@@ -24,6 +24,7 @@ On one annotated batch (its rollouts, its annotation records, the policy that ma
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ def weight_figures(records: list[dict], weight_clip: float, lam: float) -> dict:
         for x, m in zip(r["weights"] or [1.0] * len(r["action_mask"]), r["action_mask"], strict=True):
             if m:
                 moved, total = moved + abs(r["advantage"]) * abs(x - 1.0), total + abs(r["advantage"])
-    out = {"weighted_tokens": len(w), "advantage_mass_moved": moved / total if total else 0.0}
+    out: dict[str, Any] = {"weighted_tokens": len(w), "advantage_mass_moved": moved / total if total else 0.0}
     if w:
         q = np.percentile(w, [0, 5, 25, 50, 75, 95, 100]).tolist()
         out["weight_quantiles"] = dict(zip(("min", "p5", "q1", "median", "q3", "p95", "max"), q, strict=True))
@@ -88,14 +89,14 @@ def policy_gradients(model, episodes: list[Episode], records: list[dict], temper
 def expert_gradient(model, tokenizer, episodes: list[Episode], bare_replies: bool, temperature: float = 1.0):
     """The SFT gradient toward the expert's move on the failed rollouts' turns that have one; None without any."""
     params = [p for p in model.parameters() if p.requires_grad]
-    turns = [t for e in episodes if not e.success for t in e.turns if t.expert_action]
-    if not turns:
+    moves = [(t.prompt_ids, t.expert_action) for e in episodes if not e.success for t in e.turns if t.expert_action]
+    if not moves:
         return None, 0
     total = torch.zeros(sum(p.numel() for p in params))
-    for t in turns:
-        logp = token_logprobs(model, t.prompt_ids, expert_reply_ids(tokenizer, t.expert_action, bare_replies))
-        total += _flat_grad(-logp.sum() / len(turns), params)
-    return total, len(turns)
+    for prompt_ids, move in moves:
+        logp = token_logprobs(model, prompt_ids, expert_reply_ids(tokenizer, move, bare_replies))
+        total += _flat_grad(-logp.sum() / len(moves), params)
+    return total, len(moves)
 
 
 def update_figures(

@@ -110,7 +110,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
         return torch.float32
-    return DTYPES[name]
+    dtype = DTYPES[name]
+    assert dtype is not None  # only "auto" maps to None, resolved above
+    return dtype
 
 
 def attention_implementation(name: str, device: torch.device, dtype: torch.dtype) -> str:

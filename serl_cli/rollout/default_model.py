@@ -36,7 +36,7 @@ def tokenizer_corpus(world, episodes: int = 300) -> list[str]:
     records = run_episodes(world, split, [EpisodeSpec(task_id=i) for i in tasks], ExpertPolicy())
     texts = []
     for rec in records:
-        history = []
+        history: list[dict] = []
         for t in rec.turns:
             messages = build_messages(
                 world.rules, rec.instruction, history, t.observation, [], PromptConfig(), action_format_of(world)
@@ -51,7 +51,8 @@ def default_model_dir(world, env_name: str, preset: str | None = None, seed: int
     world's own ``model_preset`` (Sokoban: ``micro``), else ``tiny``."""
     from serl_cli.models.tiny import init_model
 
-    preset = preset or getattr(world, "model_preset", "tiny")
+    world_preset = getattr(world, "model_preset", "tiny")
+    preset = preset or world_preset
     source = getattr(getattr(world, "catalog", None), "source", env_name)
     key = hashlib.sha1(f"{env_name}|{preset}|{source}|{seed}".encode()).hexdigest()[:10]
     path = cache_root() / "models" / f"{env_name}-{preset}-{key}"

@@ -60,6 +60,13 @@ def build_world(cfg: EnvConfig) -> World:
     return world
 
 
+def built_split(cfg: EnvConfig) -> str:
+    """The split of ``cfg`` once :func:`build_world` has built its world (which resolves null to the
+    world's evaluation split)."""
+    assert cfg.split is not None, "build_world(cfg) resolves the split"
+    return cfg.split
+
+
 def _say_notice(world: World) -> None:
     """A world's ``notice`` (WebShop's ``catalog: auto`` without a data folder), once per process
     on stderr: by rank 0 alone under torchrun."""

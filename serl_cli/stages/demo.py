@@ -209,9 +209,10 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     log(f"[2/{steps}] expert data: {s['episodes']} episodes, {s['turns']} turns")
 
     warm = _warm_start(cfg, model, out / "expert", log, steps)
-    policies = {"expert": None, "warm start": str(out / "expert" / "checkpoint")}
+    warm_checkpoint = str(out / "expert" / "checkpoint")
+    policies: dict[str, str | None] = {"expert": None, "warm start": warm_checkpoint}
 
-    arms = [_online_arm(cfg, algo, policies["warm start"]) for algo in cfg.algos]
+    arms = [_online_arm(cfg, algo, warm_checkpoint) for algo in cfg.algos]
     side_by_side = cfg.parallel_arms and len(arms) > 1
     n = cfg.online.iterations
     log(

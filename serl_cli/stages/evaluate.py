@@ -122,6 +122,8 @@ def make_policy(cfg: EvalConfig):
         return RandomPolicy(cfg.seed)
     from serl_cli.rollout.engines import model_engine  # torch and transformers load only when a model is used
 
+    if not cfg.model:
+        raise SerlError("policy 'model' needs --model DIR (a Hugging Face model directory or name)")
     cfg.history_turns = eval_prompt(cfg).history_turns  # recorded in eval_config.yaml
     engine = model_engine(
         cfg.model,

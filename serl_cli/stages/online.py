@@ -92,7 +92,7 @@ from serl_cli.method.teacher import TeacherSnapshot
 from serl_cli.models.loading import set_torch_threads
 from serl_cli.rollout.engines import ModelPolicy, close_engine, make_engine, sleep_engine
 from serl_cli.rollout.runner import run_episodes
-from serl_cli.rollout.worlds import build_world, world_info
+from serl_cli.rollout.worlds import build_world, built_split, world_info
 from serl_cli.stages.annotate import write_annotations
 from serl_cli.stages.derive import annotate_config, eval_config, rollout_config, train_config
 from serl_cli.stages.evaluate import model_eval_policy, panel_specs, write_eval
@@ -242,7 +242,8 @@ class Loop:
         self, cfg: OnlineConfig, run: Path, learner: Learner, objective, acfg, teacher, engine, stop, world, producer
     ):
         self.cfg, self.run, self.learner, self.objective = cfg, run, learner, objective
-        self.producer, self.teacher_version = producer, None
+        self.producer = producer
+        self.teacher_version: int | None = None
         self.acfg, self.teacher, self.engine, self.stop, self.world = acfg, teacher, engine, stop, world
         self.annotating = objective.needs_annotations
         self.rank, self.size, self.main = learner.backend.rank, learner.backend.world, learner.is_main
@@ -292,6 +293,7 @@ class Loop:
                     self.out.save(iter_dir(run, k - 1) / "checkpoint", cfg.rollout.prompt)
                 if main:
                     prune_checkpoints(run, cfg.keep_last)
+                assert signum is not None  # rollouts are abandoned only on a stop request: a process got a signal
                 raise Preempted(run, k, signum)
             metrics = learner.update(
                 episodes, temperature, annotations, meta, engine=cfg.rollout.engine, staleness=staleness
@@ -498,7 +500,7 @@ class Loop:
             if index:
                 records = run_episodes(
                     world,
-                    ecfg.env.split,
+                    built_split(ecfg.env),
                     [specs[i] for i in index],
                     policy,
                     max_turns=ecfg.env.max_turns,

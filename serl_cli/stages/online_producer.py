@@ -38,11 +38,15 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
+
+if TYPE_CHECKING:  # the environment loads in the producer's process, when it starts
+    from serl_cli.rollout.worlds import EnvConfig
 
 VERSIONS = "policy_versions"  # in the run directory
 POLL_S = 0.2  # how often a waiting side looks at the other
@@ -145,7 +149,7 @@ class ProducerSetup:
     model: str  # the starting policy: the architecture and tokenizer the versions' weights go into
     dtype: torch.dtype
     device: str
-    env: object  # EnvConfig
+    env: EnvConfig
     threads: int | None = None
     parent: int = field(default_factory=os.getpid)
 
@@ -178,7 +182,7 @@ class VersionedPolicy:
         self.model.eval()
         self.engine = make_engine("hf", self.model, self.tokenizer)
         self.world = build_world(setup.env)
-        self.version = None
+        self.version: int | None = None
 
     def produce(self, iteration: int, version: int, rcfg) -> Produced:
         from serl_cli.models.loading import set_torch_threads

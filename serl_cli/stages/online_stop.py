@@ -10,8 +10,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from serl_cli.errors import PREEMPTED_EXIT
+
+if TYPE_CHECKING:  # the engine's types, without loading it where the loop only stops
+    from serl_cli.rollout.engines import Generation, SamplingConfig
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -78,10 +82,12 @@ class StoppableEngine:
     def __init__(self, engine, stop: StopSignal):
         self.engine, self.stop = engine, stop
 
-    def generate(self, prompts, sampling, seed, **rows):
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, row_seeds: list[int] | None = None
+    ) -> list[Generation]:
         if self.stop.requested:
             raise Abandon()
-        return self.engine.generate(prompts, sampling, seed, **rows)
+        return self.engine.generate(prompts, sampling, seed, row_seeds=row_seeds)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

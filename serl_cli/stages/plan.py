@@ -137,8 +137,9 @@ def fit_layout(cfg: OnlineConfig, gpus: int) -> tuple[OnlineConfig, str | None]:
     rollout, train = cfg.rollout, cfg.train
     if own and gpus > own:
         trainer = gpus - own
-        rollout = replace(rollout, gpus=list(range(trainer, gpus)))
-        engine = f"vLLM on {_gpu_list(rollout.gpus)}"
+        engine_gpus = list(range(trainer, gpus))
+        rollout = replace(rollout, gpus=engine_gpus)
+        engine = f"vLLM on {_gpu_list(engine_gpus)}"
     else:
         trainer = gpus
         rollout = replace(rollout, gpus=None, vllm=replace(rollout.vllm, tensor_parallel_size=1))
@@ -147,7 +148,7 @@ def fit_layout(cfg: OnlineConfig, gpus: int) -> tuple[OnlineConfig, str | None]:
         train = replace(train, gpus=list(range(trainer)))
     was = f"trainer on {_gpu_list(cfg.train.gpus)}" if cfg.train.gpus else "trainer on the node's GPUs"
     if own:
-        was += f", vLLM on {_gpu_list(cfg.rollout.gpus)}"
+        was += f", vLLM on {_gpu_list(cfg.rollout.gpus or [])}"  # own > 0: it names some
     now = f"trainer on {_gpu_list(list(range(trainer)))}" + (f", {engine}" if engine else "")
     note = f"--gpus {gpus}: the config's layout ({was}) needs {named} GPUs per node; planned for {gpus}: {now}"
     return replace(cfg, rollout=rollout, train=train), note

@@ -320,6 +320,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         replay = [u["decisions"] for u in units]
     set_torch_threads(cfg.threads)
     if model is None and engine is None:
+        assert cfg.model is not None  # resolved above, before the journal is checked
         if cfg.policy == "model" and cfg.engine == "vllm":  # vLLM loads the weights itself
             engine = make_engine("vllm", None, None, model_dir=cfg.model, vllm=cfg.vllm, seed=cfg.seed, gpus=cfg.gpus)
         elif cfg.policy == "model":

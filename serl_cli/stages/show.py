@@ -108,7 +108,7 @@ def run_view(run_dir: str | Path, manifest: dict, episodes: list[Episode], ann: 
         table.add_column("selected", justify="right")
     rows = episode_rows(episodes, ann)
     for e, row in enumerate(rows):
-        cells = [
+        cells: list[str | Text] = [
             str(e),
             str(row["task_id"]),
             str(row["group_id"]),
@@ -275,7 +275,7 @@ def legend(clip: float, by_index: bool, tokens: str = "action") -> Text:
     return t
 
 
-def _field(grid: Table, label: str, value, style: str | None = None) -> None:
+def _field(grid: Table, label: str, value, style: str = "") -> None:
     grid.add_row(Text(label, style="bold cyan"), value if isinstance(value, Text) else Text(str(value), style=style))
 
 

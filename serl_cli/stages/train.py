@@ -130,9 +130,10 @@ def read_update_record(checkpoint: Path) -> dict | None:
     return record if isinstance(record, dict) and isinstance(record.get("train"), dict) else None
 
 
-def check_checkpoint_is_ours(checkpoint: Path, record: dict | None, identity: dict, resume: bool) -> None:
+def check_checkpoint_is_ours(checkpoint: Path, record: dict | None, identity: dict, resume: bool) -> dict:
     """A checkpoint already at ``checkpoint``: refused unless it is this very update's and
-    ``resume`` keeps it. The way out never replaces another training's checkpoint silently."""
+    ``resume`` keeps it (then its ``record`` is returned). The way out never replaces another
+    training's checkpoint silently."""
     elsewhere = "pass --out DIR to write this update elsewhere, or --overwrite to replace it"
     if record is None:
         raise SerlError(
@@ -150,6 +151,7 @@ def check_checkpoint_is_ours(checkpoint: Path, record: dict | None, identity: di
             f"a checkpoint of this same update already exists at {checkpoint}: pass --resume to keep it, "
             f"or --overwrite to train again"
         )
+    return record
 
 
 def _train_on_run(
@@ -167,8 +169,7 @@ def _train_on_run(
     model_name = cfg.model or rollout_cfg.get("model")
     identity = update_identity(run, cfg, model_name)
     if checkpoint.exists() and not overwrite:
-        record = read_update_record(checkpoint)
-        check_checkpoint_is_ours(checkpoint, record, identity, resume)
+        record = check_checkpoint_is_ours(checkpoint, read_update_record(checkpoint), identity, resume)
         if not books:  # the record is written with the weights: the update finished
             return record["metrics"]
         if stage.get("status") == "done":

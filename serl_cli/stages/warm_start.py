@@ -52,7 +52,7 @@ from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, make_engine
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
-from serl_cli.rollout.worlds import EnvConfig, build_world
+from serl_cli.rollout.worlds import EnvConfig, build_world, built_split
 from serl_cli.training.train_config import TrainConfig
 
 WARM_START_FILE = "warm_start.json"
@@ -169,8 +169,11 @@ def _sft_to_band(run: Path, sft: TrainConfig, cfg: WarmStartConfig, env: EnvConf
     learner.cfg.mini_batch_turns = batch
     max_steps = max(1, sft.epochs * -(-len(examples) // batch))
     world = build_world(env)
-    rooms = validation_rooms(world.num_tasks(env.split), cfg.rooms, {e.task_id for e in read_rollouts(run)})
-    done, rng, order, curve, chosen = 0, random.Random(sft.seed), [], [], None
+    rooms = validation_rooms(world.num_tasks(built_split(env)), cfg.rooms, {e.task_id for e in read_rollouts(run)})
+    done, rng = 0, random.Random(sft.seed)
+    order: list[int] = []
+    curve: list[dict] = []
+    chosen: dict | None = None  # the checkpoint kept, with its figures
     while done < max_steps:
         steps = min(steps_to_next_check(curve[-1]["success"] if curve else None, cfg), max_steps - done)
         while len(order) < steps * batch:  # a new seeded shuffle each pass over the examples
@@ -189,6 +192,7 @@ def _sft_to_band(run: Path, sft: TrainConfig, cfg: WarmStartConfig, env: EnvConf
         if reached_band(row["success"], cfg.band):
             break
     _, outcome = choose_checkpoint([r["success"] for r in curve], cfg.band)
+    assert chosen is not None  # max_steps >= 1, and the first checkpoint is the closest so far
     summary = {
         "band": list(cfg.band),
         "every": cfg.every,
@@ -227,5 +231,5 @@ def _validation_wins(learner, world, env: EnvConfig, rooms: list[int], prompt, c
             seed=seed,
         )
         specs = [EpisodeSpec(task_id=r) for r in rooms]
-        records = run_episodes(world, env.split, specs, policy, max_turns=env.max_turns, batch_size=len(rooms))
+        records = run_episodes(world, built_split(env), specs, policy, max_turns=env.max_turns, batch_size=len(rooms))
     return sum(bool(r.success) for r in records)

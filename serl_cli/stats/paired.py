@@ -37,7 +37,8 @@ def holm(pvalues: Sequence[float | None]) -> list[float | None]:
     the i-th smallest of m becomes max over j <= i of min(1, (m - j + 1) p_(j)). It controls the
     family-wise error rate under any dependence between the tests (Holm 1979)."""
     ranked = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
-    m, out, running = len(ranked), [None] * len(pvalues), 0.0
+    out: list[float | None] = [None] * len(pvalues)
+    m, running = len(ranked), 0.0
     for j, (p, i) in enumerate(ranked):
         running = max(running, min(1.0, (m - j) * p))
         out[i] = running

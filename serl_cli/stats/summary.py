@@ -53,6 +53,7 @@ def t_interval(xs: Sequence[float], confidence: float = 0.95) -> list[float] | N
     if n < 2:
         return None
     m, s = mean(xs), std(xs)
+    assert m is not None and s is not None  # both defined from two values on
     half = float(scipy_stats().t.ppf(0.5 + confidence / 2, n - 1)) * s / math.sqrt(n)
     return [m - half, m + half]
 

@@ -24,7 +24,7 @@ from serl_cli.algos.batch import MicroBatch
 from serl_cli.errors import SerlError
 from serl_cli.models.device import grad_scaler, tag
 from serl_cli.models.device import resolve as resolve_precision
-from serl_cli.training.step import LossFn, accumulate_step, make_optimizer, make_scheduler
+from serl_cli.training.step import LossFn, accumulate_step, made_by_wrap, make_optimizer, make_scheduler
 
 
 def is_main_process() -> bool:
@@ -53,7 +53,7 @@ class TorchBackend:
         self.precision = resolve_precision(cfg.device, cfg.dtype, cfg.attn_implementation, cfg.gpus)
         self.scaler = grad_scaler(self.precision)
         self.model = None
-        self.optimizer = None
+        self._optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
 
     @property
@@ -64,8 +64,12 @@ class TorchBackend:
         if model.device != self.device:
             model = model.to(self.device)
         self.model = tag(model, self.precision)
-        self.optimizer = make_optimizer(model, self.cfg.optim)
-        self.scheduler = make_scheduler(self.optimizer, self.cfg.optim)
+        self._optimizer = make_optimizer(model, self.cfg.optim)
+        self.scheduler = make_scheduler(self._optimizer, self.cfg.optim)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return made_by_wrap(self._optimizer, "optimizer")
 
     @property
     def module(self):

@@ -41,13 +41,14 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from serl_cli.algos.batch import MicroBatch
 from serl_cli.errors import SerlError
 from serl_cli.training.deepspeed_config import MISSING, resolve_config, uses_bf16, uses_fp16, zero_stage
-from serl_cli.training.step import ADDITIVE_STATS, LossFn, forward, make_optimizer, make_scheduler
+from serl_cli.training.step import ADDITIVE_STATS, LossFn, forward, made_by_wrap, make_optimizer, make_scheduler
 from serl_cli.training.train_config import scheduled
 
 ENGINE_DIR = "deepspeed"  # inside a checkpoint: the engine's own resume files
@@ -200,8 +201,9 @@ class DeepSpeedBackend:
         self._dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
-        self.engine = None
-        self.optimizer = None
+        # DeepSpeed's engine and optimizer (no annotations of their own), made by wrap()
+        self._engine: Any = None
+        self._optimizer: Any = None
         self._gathered = 0
 
     @property
@@ -216,7 +218,7 @@ class DeepSpeedBackend:
             SimpleNamespace(device_rank=self.precision.device.index) if self.precision.device.type == "cuda" else None
         )
         try:
-            self.engine, self.optimizer, _, _ = self._deepspeed.initialize(
+            self._engine, self._optimizer, _, _ = self._deepspeed.initialize(
                 args=args,
                 model=model,
                 optimizer=client_optimizer,
@@ -230,6 +232,14 @@ class DeepSpeedBackend:
             raise SerlError(
                 f"DeepSpeed rejected the configuration ({self.cfg.deepspeed.config or 'serl default'}): {first}"
             ) from None
+
+    @property
+    def engine(self) -> Any:
+        return made_by_wrap(self._engine, "engine")
+
+    @property
+    def optimizer(self) -> Any:
+        return made_by_wrap(self._optimizer, "optimizer")
 
     @property
     def module(self):
@@ -268,7 +278,7 @@ class DeepSpeedBackend:
         self.engine.step()
         applied = self.engine.was_step_applied()
         if self.world > 1:
-            gathered = [None] * self.world
+            gathered: list[Any] = [None] * self.world
             self._dist.all_gather_object(gathered, (stats, total_loss, finite))
             stats, total_loss = {}, 0.0
             for part, part_loss, part_finite in gathered:

@@ -13,6 +13,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from serl_cli.config import setting
 from serl_cli.errors import SerlError
@@ -34,7 +35,7 @@ class DeepSpeedConfig:
 # ZeRO-3 accumulates gradients and reduce-scatters them in the model's dtype unless told otherwise
 # (DeepSpeed's engine.get_data_types, communication_data_type): in bf16, a sum over micro-batches and
 # processes loses the low bits of every gradient. verl reduces in fp32; so does serl.
-FP32_GRADIENTS = {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
+FP32_GRADIENTS: dict[str, Any] = {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
 
 
 def default_config(stage: int) -> dict:

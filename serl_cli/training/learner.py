@@ -15,6 +15,7 @@ import shutil
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,7 +126,8 @@ class Learner:
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.uses_lora = lora_mod.enabled(cfg.lora)
-        resume_dir = state_file.parent if state_file is not None and state_file.is_file() else None
+        resume_file = state_file if state_file is not None and state_file.is_file() else None
+        resume_dir = resume_file.parent if resume_file is not None else None
         model, self.tokenizer = load_policy(
             model_name, cfg, self.backend.load_dtype, resume_dir, self.backend.precision.attn_implementation
         )
@@ -141,9 +143,9 @@ class Learner:
         if self.reference is not None:
             tag(self.reference.to(self.backend.device), self.backend.precision)
         self.updates = 0
-        if resume_dir is not None:
-            state = torch.load(state_file, weights_only=False, map_location="cpu")
-            self.backend.load_state(state, resume_dir)
+        if resume_file is not None:
+            state = torch.load(resume_file, weights_only=False, map_location="cpu")
+            self.backend.load_state(state, resume_file.parent)
             self.updates = state["updates"]
             if self.reference is not None and "reference" in state:
                 self.reference.load_state_dict(state["reference"])
@@ -294,7 +296,7 @@ class Learner:
             t_recompute = time.perf_counter()
             recomputed = self._recompute_for(samples, active, episodes, temperature)
             recompute_s = round(time.perf_counter() - t_recompute, 4)
-        offpolicy = {}
+        offpolicy: dict = {}
         if objective.uses_behaviour_logprobs:
             prepared.is_weights, offpolicy = offpolicy_correction(samples, cfg, staleness)
         if prepared.token_weights is not None and not default_advantages(cfg):
@@ -344,7 +346,7 @@ class Learner:
         self.model.eval()
         self.updates += 1
         wall = time.perf_counter() - t0
-        metrics = {
+        metrics: dict[str, Any] = {
             "update": self.updates,
             "algo": cfg.algo,
             "turns": len(samples),

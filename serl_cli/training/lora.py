@@ -91,7 +91,8 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             adapter = module.active_adapters[0]
-            deltas[f"{name}.base_layer.weight"] = module.get_delta_weight(adapter)
+            # peft declares get_delta_weight on each concrete layer (Linear, Embedding, ...), not on LoraLayer
+            deltas[f"{name}.base_layer.weight"] = module.get_delta_weight(adapter)  # type: ignore[attr-defined]
     out = {}
     for key, value in base.state_dict().items():
         if ".lora_" in key:
@@ -116,9 +117,11 @@ def merged_weights(model, gathered):
         if ".lora_" in key:
             continue
         layer = layers.get(key)
-        with gathered(list(layer.parameters()) if layer is not None else [param]):
+        # every concrete LoRA layer is an nn.Module; peft's LoraLayer mixin itself declares neither method
+        with gathered(list(layer.parameters()) if layer is not None else [param]):  # type: ignore[attr-defined]
             value = param.data
             if layer is not None:
                 with torch.no_grad():
-                    value = value + layer.get_delta_weight(layer.active_adapters[0]).to(value.dtype)
+                    delta = layer.get_delta_weight(layer.active_adapters[0])  # type: ignore[attr-defined]
+                    value = value + delta.to(value.dtype)
             yield key.replace(".base_layer.", "."), value

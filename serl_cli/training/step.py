@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -51,6 +52,15 @@ ADDITIVE_STATS = frozenset({"loss", "pg_loss", "kl_ref", "nll", "distill_kl", "e
 
 
 LossFn = Callable[[MicroBatch, torch.Tensor, float], tuple[torch.Tensor, dict]]
+
+T = TypeVar("T")
+
+
+def made_by_wrap(part: T | None, what: str) -> T:
+    """A backend's ``what`` (optimizer, engine), which its ``wrap(model)`` makes: before that, an error."""
+    if part is None:
+        raise RuntimeError(f"the training backend has no {what} before wrap(model)")
+    return part
 
 
 def forward(model, mb: MicroBatch, temperature: float, entropy: bool) -> torch.Tensor:

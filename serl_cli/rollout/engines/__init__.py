@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from envs.base import Step
 from serl_cli.config import setting
@@ -60,11 +60,39 @@ class Generation:
 
 
 class Engine(Protocol):
-    tokenizer: object
+    tokenizer: Any  # a Hugging Face tokenizer (transformers' or the one vLLM loads)
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, row_seeds: list[int] | None = None
     ) -> list[Generation]: ...
+
+
+def prompts_of(tokenizer: Any, prompt: PromptConfig, steps: list[Step], contexts: list[dict]) -> list[list[int]]:
+    """The token ids of each live episode's prompt, as ``prompt`` lays it out."""
+    out = []
+    for step, ctx in zip(steps, contexts, strict=True):
+        history = [{"observation": t.observation, "action": t.action} for t in ctx["turns"]]
+        if prompt.style == "authors":
+            messages = authors_messages(
+                ctx.get("authors_prompt"),
+                ctx["instruction"],
+                history,
+                step.observation,
+                step.admissible_actions,
+                prompt,
+            )
+        else:
+            messages = build_messages(
+                ctx["rules"],
+                ctx["instruction"],
+                history,
+                step.observation,
+                step.admissible_actions,
+                prompt,
+                ctx.get("action_format") or DEFAULT_ACTION_FORMAT,
+            )
+        out.append(render_prompt_ids(tokenizer, messages, prompt.chat_template_kwargs))
+    return out
 
 
 class ModelPolicy:
@@ -77,30 +105,7 @@ class ModelPolicy:
         self.calls = 0
 
     def prompts(self, steps: list[Step], contexts: list[dict]) -> list[list[int]]:
-        out = []
-        for step, ctx in zip(steps, contexts, strict=True):
-            history = [{"observation": t.observation, "action": t.action} for t in ctx["turns"]]
-            if self.prompt.style == "authors":
-                messages = authors_messages(
-                    ctx.get("authors_prompt"),
-                    ctx["instruction"],
-                    history,
-                    step.observation,
-                    step.admissible_actions,
-                    self.prompt,
-                )
-            else:
-                messages = build_messages(
-                    ctx["rules"],
-                    ctx["instruction"],
-                    history,
-                    step.observation,
-                    step.admissible_actions,
-                    self.prompt,
-                    ctx.get("action_format") or DEFAULT_ACTION_FORMAT,
-                )
-            out.append(render_prompt_ids(self.engine.tokenizer, messages, self.prompt.chat_template_kwargs))
-        return out
+        return prompts_of(self.engine.tokenizer, self.prompt, steps, contexts)
 
     def act(self, steps: list[Step], contexts: list[dict]) -> list[Decision]:
         prompt_ids = self.prompts(steps, contexts)
@@ -147,7 +152,6 @@ class TokenizedExpertPolicy:
     def __init__(self, tokenizer, prompt: PromptConfig, expert: ExpertPolicy | None = None):
         self.tokenizer, self.prompt = tokenizer, prompt
         self.expert = expert or ExpertPolicy()
-        self._prompter = ModelPolicy(engine=_TokenizerOnly(tokenizer), sampling=SamplingConfig(), prompt=prompt)
 
     @property
     def calls(self) -> int:  # a resumed rollout sets it: the noisy expert's draws go on where they stood
@@ -158,10 +162,10 @@ class TokenizedExpertPolicy:
         self.expert.calls = value
 
     def act(self, steps: list[Step], contexts: list[dict]) -> list[Decision]:
-        prompt_ids = self._prompter.prompts(steps, contexts)
+        prompts = prompts_of(self.tokenizer, self.prompt, steps, contexts)
         out = []
         bare = self.prompt.bare_replies
-        for ids, d in zip(prompt_ids, self.expert.act(steps, contexts), strict=True):
+        for ids, d in zip(prompts, self.expert.act(steps, contexts), strict=True):
             out.append(
                 Decision(
                     action=d.action,
@@ -172,11 +176,6 @@ class TokenizedExpertPolicy:
                 )
             )
         return out
-
-
-@dataclass
-class _TokenizerOnly:
-    tokenizer: object
 
 
 def check_engine(kind: str) -> None:

@@ -15,6 +15,8 @@ are stored; :data:`NEUTRAL_GENERATION` sets each of them to "off".
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
 
@@ -138,18 +140,18 @@ class ChosenLogprobs(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.pending is not None:
-            self._take(input_ids[:, -1])
+            self._take(self.pending, input_ids[:, -1])
         self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         return scores
 
-    def _take(self, chosen: torch.Tensor) -> None:
-        self.columns.append(self.pending.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
+    def _take(self, pending: torch.Tensor, chosen: torch.Tensor) -> None:
+        self.columns.append(pending.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
         self.pending = None
 
     def finish(self, sequences: torch.LongTensor) -> torch.Tensor:
         """``[B, new tokens]``: the log-prob of every generated token."""
         if self.pending is not None:
-            self._take(sequences[:, -1])
+            self._take(self.pending, sequences[:, -1])
         if not self.columns:
             return torch.zeros((sequences.shape[0], 0))
         return torch.stack(self.columns, dim=1).cpu()
@@ -175,7 +177,8 @@ class GumbelRows(LogitsProcessor):
         self.top_p = TopPLogitsWarper(sampling.top_p) if sampling.top_p < 1.0 else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        scores = scores.float() / self.temperature
+        # transformers types scores as the legacy FloatTensor, which torch's ops are not typed to return
+        scores = cast(torch.FloatTensor, scores.float() / self.temperature)
         if self.top_p is not None:
             scores = self.top_p(input_ids, scores)
         device = scores.device
@@ -185,4 +188,4 @@ class GumbelRows(LogitsProcessor):
             [torch.rand(scores.shape[-1], generator=g, dtype=torch.float64, device=device) for g in self.generators]
         )
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        return scores + gumbel.to(dtype=scores.dtype)
+        return cast(torch.FloatTensor, scores + gumbel.to(dtype=scores.dtype))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING, Any
 
 SYNC_CHUNK_BYTES = 256 * 2**20  # one collective_rpc call carries at most this much of the state dict
 
@@ -39,7 +40,8 @@ def weight_chunks(pairs, dtype, limit: int = SYNC_CHUNK_BYTES):
     before the next is asked for."""
     import torch
 
-    chunk, size = [], 0
+    chunk: list[tuple[str, str, list[int], bytes]] = []
+    size = 0
     for name, t in pairs:
         t = _host(t, dtype)
         row = (name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes())
@@ -69,7 +71,8 @@ def shared_chunks(pairs, dtype, block, limit: int):
     next chunk overwrites them)."""
     import torch
 
-    rows, offset = [], 0
+    rows: list[tuple[str, str, list[int], int, int]] = []
+    offset = 0
     for name, t in pairs:
         t = _host(t, dtype)
         n = t.numel() * t.element_size()
@@ -96,7 +99,8 @@ def read_shared(shm_name: str, rows) -> list:
     # the sender owns the block: this process must not unlink it at exit (Python < 3.13
     # registers every block a process attaches to with its resource tracker)
     with contextlib.suppress(KeyError, ValueError, OSError):
-        resource_tracker.unregister(block._name, "shared_memory")
+        # _name (with POSIX's leading "/") is the tracker's key; typeshed declares only the public name
+        resource_tracker.unregister(block._name, "shared_memory")  # type: ignore[attr-defined]
     out = []
     try:
         for name, dtype, shape, offset, n in rows:
@@ -115,6 +119,12 @@ def read_shared(shm_name: str, rows) -> list:
 class WorkerReload:
     """Mixed into every vLLM worker (vLLM's ``worker_extension_cls``), so the engine can call
     it by name through ``collective_rpc``."""
+
+    if TYPE_CHECKING:  # vLLM's worker, which this class is mixed into, has them
+
+        def reload_weights(self, **kwargs: Any) -> None: ...
+
+        def get_model(self) -> Any: ...
 
     def serl_reload_weights(self, weights_path: str) -> None:
         self.reload_weights(weights_path=weights_path)
@@ -146,7 +156,8 @@ class WorkerReload:
         # scoring with the old embedding. Process the head again from the reloaded weights.
         model = self.get_model()
         head = getattr(model, "lm_head", None)
-        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        if tied and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,68 @@ import yaml
 from serl_cli.errors import SerlError
 
 
-def setting(default: Any = dataclasses.MISSING, doc: str = "", *, factory=None) -> Any:
-    """A config field and its documentation: ``lr: float = setting(1e-6, "the step size")``;
-    a section, list or dict default is a ``factory`` (``setting(factory=OptimConfig, doc=...)``)."""
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """The values a number setting may take: those ``ok`` accepts, said as ``says`` ("at least 1"),
+    declared beside the setting's doc and checked by :func:`check_limits` (None, where a setting
+    allows it, is never checked: it means "unset")."""
+
+    ok: Callable[[Any], bool]
+    says: str
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _whole(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def at_least(low: float, says: str | None = None, *, whole: bool = False) -> Limit:
+    """``low`` or more (a whole number where ``whole``)."""
+    return Limit(lambda x: (_whole(x) if whole else _finite(x)) and x >= low, says or f"at least {low}")
+
+
+def above(low: float, says: str | None = None) -> Limit:
+    """More than ``low``."""
+    return Limit(lambda x: _finite(x) and x > low, says or f"above {low}")
+
+
+def within(
+    low: float, high: float, says: str | None = None, *, open_low: bool = False, open_high: bool = False
+) -> Limit:
+    """Between ``low`` and ``high``, each end included unless open."""
+
+    def ok(x) -> bool:
+        return _finite(x) and (x > low if open_low else x >= low) and (x < high if open_high else x <= high)
+
+    return Limit(ok, says or f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}")
+
+
+def setting(default: Any = dataclasses.MISSING, doc: str = "", *, factory=None, limit: Limit | None = None) -> Any:
+    """A config field, its documentation and the values it may take: ``lr: float = setting(1e-6,
+    "the step size", limit=at_least(0))``; a section, list or dict default is a ``factory``
+    (``setting(factory=OptimConfig, doc=...)``)."""
+    metadata = {"doc": doc, "limit": limit}
     if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata={"doc": doc})
-    return dataclasses.field(default=default, metadata={"doc": doc})
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def limit_of(f: dataclasses.Field) -> Limit | None:
+    return f.metadata.get("limit")
+
+
+def check_limits(cfg, where: str = "") -> None:
+    """Every setting of ``cfg`` (and of its sections) with a declared :class:`Limit` holds a value it
+    allows, else one line: ``{where}{name} must be {says}, got {value}``."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            check_limits(value, f"{where}{f.name}.")
+        elif (limit := limit_of(f)) is not None and value is not None and not limit.ok(value):
+            raise SerlError(f"{where}{f.name} must be {limit.says}, got {value!r}")
 
 
 def doc_of(cls, path: str) -> str:
@@ -35,7 +93,13 @@ def doc_of(cls, path: str) -> str:
     for part in path.split("."):
         f = {x.name: x for x in dataclasses.fields(cls)}[part]
         cls = typing.get_type_hints(cls)[part]
-    return f.metadata.get("doc", "") if f is not None else ""
+    return described(f) if f is not None else ""
+
+
+def described(f: dataclasses.Field) -> str:
+    """A setting's doc, and the values it may take where it declares a :class:`Limit`."""
+    doc, limit = f.metadata.get("doc", ""), limit_of(f)
+    return f"{doc} (must be {limit.says})" if limit is not None else doc
 
 
 def choices(tp) -> tuple | None:
@@ -65,19 +129,6 @@ def _one_of(words: tuple, value, where: str):
     if any(value == w and type(value) is type(w) for w in words):
         return value
     raise SerlError(f"unknown {where} {value!r}: choose one of {', '.join(map(str, words))}")
-
-
-def check_at_least(cfg, least: dict[str, int], where: str = "") -> None:
-    """Refuse, in one line, a setting of ``cfg`` below its least value (``least``: name -> value)."""
-    for name, low in least.items():
-        if getattr(cfg, name) < low:
-            raise SerlError(f"{where}{name} must be at least {low}, got {getattr(cfg, name)}")
-
-
-def check_threads(threads: int | None, where: str = "") -> None:
-    """A ``threads`` setting: a count of at least 1, or unset (None: every core)."""
-    if threads is not None and threads < 1:
-        raise SerlError(f"{where}threads must be at least 1 (or unset: every core), got {threads}")
 
 
 def load_yaml(path: str | Path) -> dict:

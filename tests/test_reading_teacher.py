@@ -340,7 +340,9 @@ def test_study_v4_grid_starts_every_arm_from_the_reading_warm_start_and_contrast
     grid = ab.load_grid(str(Path(__file__).parent.parent / "experiments" / "study" / "sokoban_v4.yaml"))
     rec = ab_record.grid_record(grid, [])
     assert rec["axes"]["seeds"] == list(range(10)) and len(rec["cells"]) == 70 and grid.baseline == "grpo"
-    assert grid.base["model"] == "runs/study-v4/warm_start" and not any("model" in c["overrides"] for c in rec["cells"])
+    # recorded absolute where the warm start exists on this machine (a grid runs from anywhere), else as written
+    assert grid.base["model"].endswith("runs/study-v4/warm_start")
+    assert not any("model" in c["overrides"] for c in rec["cells"])
     assert grid.base["rollout"]["sampling"]["coupled"] is True
     arms = {c["arm"]: c["overrides"] for c in rec["cells"]}
     assert {a: o["train"]["algo"] for a, o in arms.items()} == {

@@ -22,6 +22,7 @@ import typer
 import yaml
 
 from serl_cli import api
+from serl_cli import config as cfgmod
 from serl_cli.cli.common import resolve
 from serl_cli.cli.root import SetOpt, app, console
 from serl_cli.errors import SerlError
@@ -65,7 +66,7 @@ def documented_yaml(cls, plain: dict, indent: int = 0) -> list[str]:
     hints, fields = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
     pad, lines = "  " * indent, []
     for key, value in plain.items():
-        doc = fields[key].metadata.get("doc", "")
+        doc = cfgmod.described(fields[key])
         lines += [f"{pad}# {line}" for line in textwrap.wrap(doc, 100 - len(pad))]
         section = _section_class(hints[key])
         if section is not None and isinstance(value, dict):
@@ -182,6 +183,6 @@ def reference() -> str:
         for f in dataclasses.fields(cls):
             section = _section_class(hints[f.name])
             kind = f"[`{section.__name__}`](#{section.__name__.lower()})" if section else _type_name(hints[f.name])
-            doc = f.metadata.get("doc", "").replace("|", "\\|")
+            doc = cfgmod.described(f).replace("|", "\\|")
             lines.append(f"| `{f.name}` | {kind} | {_default_text(f, section)} | {doc} |")
     return "\n".join(lines) + "\n"

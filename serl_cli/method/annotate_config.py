@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from serl_cli import config as cfgmod
-from serl_cli.config import check_at_least, check_threads, setting
-from serl_cli.errors import SerlError
+from serl_cli.config import at_least, setting, within
 from serl_cli.method import feedback as fb
 from serl_cli.method import placement
 from serl_cli.models.choices import Device, Dtype
@@ -46,11 +45,14 @@ class AnnotateConfig:
         "all", "all (every turn with a block: the authors') | feedback | gap | random (serl's extension)"
     )
     rho: float = setting(0.25, "gap: fraction of turns selected")
-    anchor_similarity: float | None = setting(None, "anchor: also pool observations at least this similar")
+    anchor_similarity: float | None = setting(
+        None, "anchor: also pool observations at least this similar", limit=within(0, 1, "in [0, 1] (or unset)")
+    )
     max_hindsight_tokens: int = setting(
         2048,
         "the whole block's cap, in tokens of the policy's tokenizer, cut cleanly from the end: 2048, the "
         "authors' ALFWorld max_reprompt_len (run_alfworld.sh:83), here for the block alone (see README)",
+        limit=at_least(1, "a positive number of tokens", whole=True),
     )
     tokens: Tokens = setting("action", "action: the parsed action's tokens (serl) | reply: every reply token (rlsd)")
     unparsed: Unparsed = setting(
@@ -70,14 +72,23 @@ class AnnotateConfig:
         "not skip the teacher",
     )
     teacher_sync_interval: int = setting(
-        10, "online loop: the teacher is the policy snapshot of every N-th update; 1 = the rollout policy"
+        10,
+        "online loop: the teacher is the policy snapshot of every N-th update; 1 = the rollout policy",
+        limit=at_least(1, whole=True),
     )
-    weight_clip: float = setting(0.2, "c: weights are clipped to [1 - c, 1 + c]")
-    mixing_lambda: float = setting(0.5, "lambda at update 0")
-    lambda_decay_steps: int = setting(50, "updates over which lambda decays to 0; 0 = no decay")
+    # a weight is 1 +- c: c > 1 could turn an advantage's sign (c = 1 zeroes it)
+    weight_clip: float = setting(0.2, "c: weights are clipped to [1 - c, 1 + c]", limit=within(0, 1))
+    mixing_lambda: float = setting(0.5, "lambda at update 0", limit=within(0, 1))
+    lambda_decay_steps: int = setting(
+        50, "updates over which lambda decays to 0; 0 = no decay", limit=at_least(0, "0 (no decay) or more", whole=True)
+    )
     update_step: int = setting(0, "the update these annotations feed (lambda schedule)")
     seed: int = setting(0, "random placement")
-    threads: int | None = setting(None, "torch threads; null: all cores. In the online loop: train.threads")
+    threads: int | None = setting(
+        None,
+        "torch threads; null: all cores. In the online loop: train.threads",
+        limit=at_least(1, "at least 1 (or unset: every core)", whole=True),
+    )
     device: Device = setting(
         "auto",
         "serl annotate's teacher (models.device): auto (CUDA when present) | cpu | cuda. The online loop's "
@@ -87,13 +98,16 @@ class AnnotateConfig:
         "auto",
         "auto (bf16 on a GPU with it, else fp32; autocast) | fp32 | bf16 | fp16. In the online loop: train.dtype",
     )
-    micro_batch_tokens: int = setting(16384, "padded tokens per teacher forward pass: bounds memory")
+    micro_batch_tokens: int = setting(
+        16384, "padded tokens per teacher forward pass: bounds memory", limit=at_least(1, whole=True)
+    )
     teacher_signal: bool = setting(True, "check the teacher against the expert action, where turns have one")
     teacher_signal_every: int = setting(
         10,
         "the online loop checks the teacher (teacher_signal) on iterations 0, every, 2 every, .. and the last: on "
         "Sokoban a check costs about twice the teacher's own scoring, and it changes no update. 1: every "
         "iteration. serl annotate checks whenever teacher_signal is on",
+        limit=at_least(1, "a positive number of iterations", whole=True),
     )
 
 
@@ -101,24 +115,6 @@ def validate(cfg: AnnotateConfig) -> list[list[str]]:
     """Every setting that can be wrong, before any model loads; returns the parsed sources."""
     spec = fb.parse_sources(cfg.sources)
     cfgmod.check_choices(cfg)
-    if not (isinstance(cfg.teacher_signal_every, int) and cfg.teacher_signal_every >= 1):
-        raise SerlError(
-            f"teacher_signal_every must be a positive number of iterations, got {cfg.teacher_signal_every!r}"
-        )
     placement.check_rule(cfg.placement, rho=cfg.rho)
-    if not (isinstance(cfg.max_hindsight_tokens, int) and cfg.max_hindsight_tokens > 0):
-        raise SerlError(f"max_hindsight_tokens must be a positive number of tokens, got {cfg.max_hindsight_tokens!r}")
-    _check_numbers(cfg)
+    cfgmod.check_limits(cfg)  # the declared limits (setting(..., limit=...))
     return spec
-
-
-def _check_numbers(cfg: AnnotateConfig) -> None:
-    """The weights' numbers: each a value it can take (NaN never), refused before any model loads."""
-    if not (0 <= cfg.weight_clip <= 1):  # a weight is 1 +- c: c > 1 could turn an advantage's sign (c = 1 zeroes it)
-        raise SerlError(f"weight_clip must be in [0, 1], got {cfg.weight_clip}")
-    if not (0 <= cfg.mixing_lambda <= 1):
-        raise SerlError(f"mixing_lambda must be in [0, 1], got {cfg.mixing_lambda}")
-    if cfg.anchor_similarity is not None and not (0 <= cfg.anchor_similarity <= 1):
-        raise SerlError(f"anchor_similarity must be in [0, 1] (or unset), got {cfg.anchor_similarity}")
-    check_at_least(cfg, {"lambda_decay_steps": 0, "teacher_sync_interval": 1, "micro_batch_tokens": 1})
-    check_threads(cfg.threads)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from envs.base import ActionFormat
-from serl_cli.config import setting
+from serl_cli.config import at_least, setting
 from serl_cli.errors import SerlError
 
 ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
@@ -60,11 +60,19 @@ class PromptConfig:
         "serl: serl's prompt (a system message with the rules, the reply <action>...</action>) | authors: the "
         "paper authors' (envs.authors: one user message, <think> then <action>, their invalid-reply rule)",
     )
-    history_turns: int = setting(2, "K: how many past turns to show; -1: all")
-    history_obs_chars: int = setting(
-        400, "serl style: each past observation is cut to this many characters (authors: whole)"
+    history_turns: int = setting(
+        2, "K: how many past turns to show; -1: all", limit=at_least(-1, "-1 (all), 0 or more", whole=True)
     )
-    max_admissible: int = setting(40, "list at most this many admissible actions; 0: no list (authors: []); -1: all")
+    history_obs_chars: int = setting(
+        400,
+        "serl style: each past observation is cut to this many characters (authors: whole)",
+        limit=at_least(0, "0 or more", whole=True),
+    )
+    max_admissible: int = setting(
+        40,
+        "list at most this many admissible actions; 0: no list (authors: []); -1: all",
+        limit=at_least(-1, "-1 (all), 0 (no list) or more", whole=True),
+    )
     system: bool = setting(
         True, "serl style: the system message (the environment's rules, the action format); false: none"
     )

@@ -10,15 +10,15 @@ success with a 95 % Wilson interval, mean score, invalid-action rate, mean turns
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Episode
-from serl_cli.config import check_at_least, check_threads, setting
+from serl_cli.config import at_least, setting
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Device, Dtype, check_names
 from serl_cli.rollout.engines import EngineName, ModelPolicy, SamplingConfig, check_engine
@@ -49,15 +49,23 @@ class EvalConfig:
     episodes: int | None = setting(None, "how many tasks of the split's panel; null: the whole split")
     panel: Panel = setting("first", "which tasks: first (the first N) | spread (N evenly spaced)")
     seed: int = setting(0, "sampling (and the random policy)")
-    batch_size: int = setting(64, "episodes live at once")
-    temperature: float = setting(0.0, "0: greedy decoding for model policies")
+    batch_size: int = setting(64, "episodes live at once", limit=at_least(1, whole=True))
+    temperature: float = setting(
+        0.0, "0: greedy decoding for model policies", limit=at_least(0, "0 (greedy) or positive")
+    )
     coupled: bool = setting(False, "sampled: each episode's turns from their own stream (sampling.coupled)")
     prompt: PromptConfig | None = setting(
         None, "what a turn's prompt shows; null: what the checkpoint was trained with, else the defaults"
     )
-    history_turns: int | None = setting(None, "K past turns in the prompt; null: the prompt's")
-    max_new_tokens: int = setting(48, "the reply's token budget")
-    threads: int | None = setting(None, "torch threads for a model policy; null: all cores")
+    history_turns: int | None = setting(
+        None, "K past turns in the prompt; null: the prompt's", limit=at_least(-1, "-1 (all), 0 or more", whole=True)
+    )
+    max_new_tokens: int = setting(48, "the reply's token budget", limit=at_least(1, whole=True))
+    threads: int | None = setting(
+        None,
+        "torch threads for a model policy; null: all cores",
+        limit=at_least(1, "at least 1 (or unset: every core)", whole=True),
+    )
     engine: EngineName = setting(
         "hf", "a model policy generates with: hf | vllm (the vllm extra; settings: --set vllm.tensor_parallel_size=N)"
     )
@@ -146,12 +154,7 @@ def check_model_settings(cfg: EvalConfig) -> None:
 
 def check_eval_config(cfg: EvalConfig) -> None:
     """The evaluation's numbers, each a value it can take: refused in one line before anything loads."""
-    if not (math.isfinite(cfg.temperature) and cfg.temperature >= 0):
-        raise SerlError(f"temperature must be 0 (greedy) or positive, got {cfg.temperature}")
-    check_at_least(cfg, {"batch_size": 1, "max_new_tokens": 1})
-    check_threads(cfg.threads)
-    if cfg.history_turns is not None and cfg.history_turns < -1:
-        raise SerlError(f"history_turns must be -1 (all), 0 or more, got {cfg.history_turns}")
+    cfgmod.check_limits(cfg)  # the declared limits (setting(..., limit=...))
 
 
 def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=None) -> dict:

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from serl_cli.config import setting
+from serl_cli import config as cfgmod
+from serl_cli.config import at_least, setting
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
 from serl_cli.method.annotate_config import validate as check_annotate_config
@@ -27,8 +28,12 @@ from serl_cli.training.train_config import TrainConfig, check_train_config
 
 @dataclass
 class OnlineEvalConfig:
-    episodes: int = setting(0, "test-panel episodes evaluated after every `every` iterations; 0: none")
-    every: int = setting(1, "evaluate after every this many iterations")
+    episodes: int = setting(
+        0,
+        "test-panel episodes evaluated after every `every` iterations; 0: none",
+        limit=at_least(0, "0 (none) or more", whole=True),
+    )
+    every: int = setting(1, "evaluate after every this many iterations", limit=at_least(1, whole=True))
     split: str | None = setting(
         None, "the split to evaluate; null: the environment's evaluation split (WebShop test, ALFWorld valid_unseen)"
     )
@@ -36,6 +41,7 @@ class OnlineEvalConfig:
         0.0,
         "0: greedy; > 0 samples at this temperature with the run's seed (paper: 0.4, do_sample, top_p 1: "
         "recipe/serl/run_webshop.sh:106-107). ablate's final evaluation uses it too",
+        limit=at_least(0, "0 (greedy) or positive"),
     )
 
 
@@ -54,6 +60,7 @@ class ProducerConfig:
         None,
         "the background producer's CPU threads; null: train.threads (or its default). With both sides busy at "
         "once, train.threads + producer.threads at most the cores: oversubscribed torch threads run slower",
+        limit=at_least(1, "at least 1 (or null)", whole=True),
     )
 
 
@@ -61,7 +68,9 @@ class ProducerConfig:
 class OnlineConfig:
     env: EnvConfig = setting(factory=lambda: EnvConfig(split="train"), doc="the environment and its training split")
     model: str | None = setting(None, "the starting policy; null: the embedded default tiny model")
-    iterations: int = setting(1, "K: the loop's rollout -> (annotate) -> update iterations")
+    iterations: int = setting(
+        1, "K: the loop's rollout -> (annotate) -> update iterations", limit=at_least(1, whole=True)
+    )
     rollout: RolloutConfig = setting(
         factory=RolloutConfig,
         doc="each iteration's rollouts (env, model, seed, out, device, dtype, threads: the loop sets them)",
@@ -75,9 +84,15 @@ class OnlineConfig:
     )
     eval: OnlineEvalConfig = setting(factory=OnlineEvalConfig, doc="the periodic evaluation")
     save_every: int = setting(
-        1, "iteration k writes iter_k/checkpoint when (k + 1) % save_every == 0 (and at the end, and on a stop)"
+        1,
+        "iteration k writes iter_k/checkpoint when (k + 1) % save_every == 0 (and at the end, and on a stop)",
+        limit=at_least(1, whole=True),
     )
-    keep_last: int = setting(1, "iteration checkpoints kept, newest first; 0: all of them")
+    keep_last: int = setting(
+        1,
+        "iteration checkpoints kept, newest first; 0: all of them",
+        limit=at_least(0, "0 (keep all) or positive", whole=True),
+    )
     old_rollouts: Literal["keep", "gzip", "delete"] = setting(
         "keep",
         "a finished iteration's rollouts.jsonl and annotations.jsonl once a later one is done: keep them, gzip "
@@ -90,6 +105,7 @@ class OnlineConfig:
         "producer while the trainer updates on an earlier batch; a fixed lag, so a run stays deterministic and "
         "resumable. 0: the synchronous loop (rollout, then update). train.offpolicy says how stale rollouts are "
         "corrected (auto: token TIS)",
+        limit=at_least(0, "a whole number of updates, 0 (synchronous) or more", whole=True),
     )
     producer: ProducerConfig = setting(factory=ProducerConfig, doc="the rollout producer of max_staleness > 0")
     seed: int = setting(0, "the run's seed: iteration k's rollouts use seed * 1000 + k, the update seed")
@@ -98,18 +114,7 @@ class OnlineConfig:
 
 def check_online_config(cfg: OnlineConfig) -> None:
     """Everything about the loop's own settings that can be wrong, before any model loads."""
-    if cfg.iterations < 1:
-        raise SerlError(f"--iterations must be at least 1, got {cfg.iterations}")
-    if cfg.save_every < 1:
-        raise SerlError(f"save_every must be at least 1, got {cfg.save_every}")
-    if cfg.keep_last < 0:
-        raise SerlError(f"keep_last must be 0 (keep all) or positive, got {cfg.keep_last}")
-    if cfg.eval.every < 1:
-        raise SerlError(f"eval.every must be at least 1, got {cfg.eval.every}")
-    if cfg.eval.episodes < 0:
-        raise SerlError(f"eval.episodes must be 0 (none) or more, got {cfg.eval.episodes}")
-    if cfg.eval.temperature < 0:
-        raise SerlError(f"eval.temperature must be 0 (greedy) or positive, got {cfg.eval.temperature}")
+    cfgmod.check_limits(cfg)  # every section's declared limits (setting(..., limit=...))
     if cfg.rollout.engine == "vllm":  # before vLLM starts (a minute)
         check_sampling(cfg.rollout.sampling)
         check_vllm_config(cfg.rollout.vllm)
@@ -130,11 +135,10 @@ def check_online_config(cfg: OnlineConfig) -> None:
 
 def check_staleness(cfg: OnlineConfig) -> None:
     """What an asynchronous loop (``max_staleness > 0``) cannot run, in one line each."""
+    cfgmod.check_limits(cfg.producer, "producer.")
     k = cfg.max_staleness
-    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+    if not at_least(0, whole=True).ok(k):
         raise SerlError(f"max_staleness must be a whole number of updates, 0 (synchronous) or more, got {k}")
-    if cfg.producer.threads is not None and cfg.producer.threads < 1:
-        raise SerlError(f"producer.threads must be at least 1 (or null), got {cfg.producer.threads}")
     if k == 0:
         return
     if cfg.rollout.engine != "hf":

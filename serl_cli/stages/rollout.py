@@ -20,17 +20,17 @@ sampling on the same draws. So no episode is lost or run twice, and the final
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+from serl_cli import config as cfgmod
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import ROLLOUTS_FILE, write_rollouts
-from serl_cli.config import check_at_least, check_threads, setting
+from serl_cli.config import at_least, setting, within
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Device, Dtype, check_names
 from serl_cli.rollout.engines import EngineName, ModelPolicy, SamplingConfig, TokenizedExpertPolicy, make_engine
@@ -53,9 +53,12 @@ class RolloutConfig:
     expert_noise: float = setting(
         0.0,
         "policy expert: chance per turn of a random detour (kept solvable where the env can tell), marked off_expert",
+        limit=within(0, 1, "a probability in [0, 1]"),
     )
     expert_blunders: float = setting(
-        0.0, "policy expert: chance per turn of a move that makes the task unsolvable, where one exists"
+        0.0,
+        "policy expert: chance per turn of a move that makes the task unsolvable, where one exists",
+        limit=within(0, 1, "a probability in [0, 1]"),
     )
     engine: EngineName = setting("hf", "generation engine: hf | vllm (the vllm extra)")
     vllm: VLLMConfig = setting(factory=VLLMConfig, doc="engine vllm: tensor parallelism, memory, dtype")
@@ -72,13 +75,19 @@ class RolloutConfig:
     gpus: list[int] | None = setting(
         None, "engine vllm: CUDA devices of its own (one per tensor-parallel shard); null: shared"
     )
-    tasks: int = setting(8, "how many tasks to sample from the split")
-    group_size: int = setting(8, "G: rollouts per task")
+    tasks: int = setting(8, "how many tasks to sample from the split", limit=at_least(1, whole=True))
+    group_size: int = setting(8, "G: rollouts per task", limit=at_least(1, whole=True))
     sampling: SamplingConfig = setting(factory=SamplingConfig, doc="temperature, top_p, token budget")
     prompt: PromptConfig = setting(factory=PromptConfig, doc="what a turn's prompt shows")
-    batch_size: int = setting(64, "episodes live at once (one generate call per turn across them)")
+    batch_size: int = setting(
+        64, "episodes live at once (one generate call per turn across them)", limit=at_least(1, whole=True)
+    )
     seed: int = setting(0, "task order and sampling")
-    threads: int | None = setting(None, "torch threads; null: all cores. In the online loop: train.threads")
+    threads: int | None = setting(
+        None,
+        "torch threads; null: all cores. In the online loop: train.threads",
+        limit=at_least(1, "at least 1 (or unset: every core)", whole=True),
+    )
     out: str = setting("runs/rollout", "the run directory to write")
 
 
@@ -86,29 +95,9 @@ def validate(cfg: RolloutConfig) -> None:
     """Settings that would otherwise fail deep inside generation, or silently mean something else."""
     if cfg.policy not in POLICIES:
         raise SerlError(f"unknown rollout policy {cfg.policy!r}: choose one of {', '.join(POLICIES)}")
-    s = cfg.sampling
-    if s.temperature < 0:
-        raise SerlError(f"sampling.temperature must be 0 (greedy) or positive, got {s.temperature}")
-    if not 0 < s.top_p <= 1:
-        raise SerlError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
-    if s.max_new_tokens < 1:
-        raise SerlError(f"sampling.max_new_tokens must be at least 1, got {s.max_new_tokens}")
-    if not math.isfinite(s.temperature) or not math.isfinite(s.top_p):
-        raise SerlError(f"sampling.temperature and top_p must be finite numbers, got {s.temperature}, {s.top_p}")
-    check_at_least(cfg, {"batch_size": 1, "tasks": 1, "group_size": 1})
-    check_threads(cfg.threads)
-    p = cfg.prompt
-    if p.history_turns < -1:
-        raise SerlError(f"prompt.history_turns must be -1 (all), 0 or more, got {p.history_turns}")
-    if p.history_obs_chars < 0:
-        raise SerlError(f"prompt.history_obs_chars must be 0 or more, got {p.history_obs_chars}")
-    if p.max_admissible < -1:
-        raise SerlError(f"prompt.max_admissible must be -1 (all), 0 (no list) or more, got {p.max_admissible}")
+    cfgmod.check_limits(cfg)  # the declared limits of the rollout's settings, its sampling's and its prompt's
     check_chat_template_kwargs(cfg.prompt.chat_template_kwargs)
     check_style(cfg.prompt)
-    for name in ("expert_noise", "expert_blunders"):
-        if not 0 <= getattr(cfg, name) <= 1:
-            raise SerlError(f"{name} is a probability: it must be in [0, 1], got {getattr(cfg, name)}")
     if cfg.policy == "model" and cfg.engine == "vllm":
         check_sampling(cfg.sampling)  # before vLLM starts (a minute), not at its first call
     check_names(cfg.device, cfg.dtype)

@@ -9,13 +9,12 @@ errors need the settings and their checks, not the update.
 from __future__ import annotations
 
 import importlib.util
-import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from serl_cli import config as cfgmod
 from serl_cli.algos.registry import OBJECTIVES, GigpoAnchor, GigpoMode, GroupNorm, objective
-from serl_cli.config import check_at_least, check_threads, setting
+from serl_cli.config import Limit, above, at_least, setting, within
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Attention, Device, Dtype, check_names
 from serl_cli.training.deepspeed_config import DeepSpeedConfig
@@ -31,34 +30,47 @@ CorrectionLevel = Literal["token", "turn", "episode"]
 
 @dataclass
 class OptimConfig:
-    lr: float = setting(1e-6, "the learning rate: the paper's setting for 7B models; tiny-model configs raise it")
-    weight_decay: float = setting(0.0, "AdamW's decoupled weight decay")
+    lr: float = setting(
+        1e-6,
+        "the learning rate: the paper's setting for 7B models; tiny-model configs raise it",
+        limit=at_least(0, "a positive number (or 0)"),
+    )
+    weight_decay: float = setting(0.0, "AdamW's decoupled weight decay", limit=at_least(0, "0 or positive"))
     betas: tuple = setting((0.9, 0.999), "AdamW's betas")
-    grad_clip: float = setting(1.0, "the gradient's norm is clipped to this")
-    micro_batch_tokens: int = setting(16384, "padded tokens per forward pass: bounds memory")
+    grad_clip: float = setting(1.0, "the gradient's norm is clipped to this", limit=at_least(0, "0 or positive"))
+    micro_batch_tokens: int = setting(
+        16384, "padded tokens per forward pass: bounds memory", limit=at_least(1, whole=True)
+    )
     schedule: Schedule = setting(
         "constant",
         "the lr after warmup, by applied optimizer step (transformers' get_*_schedule_with_warmup): constant | "
         "linear (down to 0 at total_steps) | cosine (half a cosine down to 0 at total_steps)",
     )
     warmup_steps: int = setting(
-        0, "optimizer steps over which the lr rises linearly from 0 to lr (0: none; step s runs at lr * s / warmup)"
+        0,
+        "optimizer steps over which the lr rises linearly from 0 to lr (0: none; step s runs at lr * s / warmup)",
+        limit=at_least(0, "a whole number of optimizer steps (0 or more)", whole=True),
     )
     total_steps: int = setting(
         0,
         "linear, cosine: the optimizer step where the lr reaches 0 and stays (the online loop with epochs 1 and "
         "mini_batches 1: its iterations); 0 with constant",
+        limit=at_least(0, "a whole number of optimizer steps (0 or more)", whole=True),
     )
 
 
 @dataclass
 class LoraConfig:
-    rank: int = setting(0, "0: full fine-tuning; > 0: train LoRA adapters of this rank only")
+    rank: int = setting(
+        0,
+        "0: full fine-tuning; > 0: train LoRA adapters of this rank only",
+        limit=at_least(0, "0 (off) or positive", whole=True),
+    )
     alpha: float = setting(16.0, "LoRA scale numerator: the update is scaled by alpha / rank")
     targets: str = setting(
         "all-linear", "target modules, comma-separated (q_proj,v_proj,...), or all-linear (not lm_head)"
     )
-    dropout: float = setting(0.0, "dropout on the adapters' input")
+    dropout: float = setting(0.0, "dropout on the adapters' input", limit=within(0, 1, open_high=True))
     save: LoraSave = setting("merged", "checkpoints: merged (a plain HF model) | adapter (the adapter alone)")
 
 
@@ -77,7 +89,11 @@ class OffPolicyConfig:
         "what one ratio covers: token | turn (the product of the turn's token ratios, exp of their summed "
         "log-ratio) | episode (the product over all its turns' tokens)",
     )
-    tis_cap: float = setting(2.0, "tis: the weight's upper bound (verl's token TIS: 2.0; SkyRL's sequence level: 5.0)")
+    tis_cap: float = setting(
+        2.0,
+        "tis: the weight's upper bound (verl's token TIS: 2.0; SkyRL's sequence level: 5.0)",
+        limit=at_least(1, "a number of at least 1"),
+    )
     mis_low: float = setting(0.5, "mis: ratios below this are masked out (icepop: 0.5)")
     mis_high: float = setting(2.0, "mis: ratios above this are masked out (icepop: 2.0)")
 
@@ -111,31 +127,38 @@ class TrainConfig:
         7200,
         "seconds a collective waits for the other processes before the job fails (NCCL's default is 10 "
         "minutes; a rank's share of an iteration's rollouts, or rank 0 writing a 7B checkpoint, can take longer)",
+        limit=above(0, "positive (seconds)"),
     )
     lora: LoraConfig = setting(factory=LoraConfig, doc="rank > 0: train LoRA adapters only")
     optim: OptimConfig = setting(factory=OptimConfig, doc="the optimizer (AdamW)")
-    epochs: int = setting(1, "passes over the batch per update")
-    mini_batches: int = setting(1, "optimizer steps per pass")
+    epochs: int = setting(1, "passes over the batch per update", limit=at_least(1, whole=True))
+    mini_batches: int = setting(1, "optimizer steps per pass", limit=at_least(1, whole=True))
     mini_batch_turns: int = setting(
         0,
         "> 0: optimizer steps per pass = ceil(turns / mini_batch_turns) instead of mini_batches, the authors' "
         "ppo_mini_batch_size in step-rows (paper: 64 WebShop, 256 ALFWorld; recipe/serl/run_webshop.sh:81)",
+        limit=at_least(0, "0 or positive", whole=True),
     )
-    clip_eps: float = setting(0.2, "PPO's clip range")
+    clip_eps: float = setting(0.2, "PPO's clip range", limit=above(0, "a positive number"))
     dual_clip: float = setting(
         0.0,
         "dual-clip PPO's c (> 1): the loss of a token with w*A < 0 is capped at -c*w*A. 0 = off (paper: 3.0, "
         "verl's clip_ratio_c, always on there: core_algos.py:583-587)",
+        limit=Limit(lambda x: at_least(0).ok(x) and (x == 0 or x > 1), "0 (off) or above 1"),
     )
     entropy_coef: float = setting(
-        0.0, "entropy bonus, token-mean over reply tokens (paper: 0.001, ppo_trainer.yaml:57)"
+        0.0,
+        "entropy bonus, token-mean over reply tokens (paper: 0.001, ppo_trainer.yaml:57)",
+        limit=at_least(0, "0 or positive"),
     )
-    kl_coef: float = setting(0.0, "k3 KL to the frozen starting policy")
+    kl_coef: float = setting(0.0, "k3 KL to the frozen starting policy", limit=at_least(0, "0 or positive"))
     distill_coef: float = setting(
-        0.0, "KL(pi || teacher) on selected turns of failed rollouts (off in serl; sdpo: 1 unless set)"
+        0.0,
+        "KL(pi || teacher) on selected turns of failed rollouts (off in serl; sdpo: 1 unless set)",
+        limit=at_least(0, "0 or positive"),
     )
-    omega: float = setting(1.0, "gigpo: weight of the step advantage")
-    gamma: float = setting(0.95, "gigpo: discount of the per-turn return")
+    omega: float = setting(1.0, "gigpo: weight of the step advantage", limit=at_least(0, "0 or positive"))
+    gamma: float = setting(0.95, "gigpo: discount of the per-turn return", limit=within(0, 1, "a discount in [0, 1]"))
     gigpo_mode: GigpoMode = setting(
         "mean_std_norm", "gigpo: mean_std_norm (divide by std) | mean_norm (mean only; verl-agent's default)"
     )
@@ -144,7 +167,7 @@ class TrainConfig:
         "gigpo: what makes turns one anchor state: state (the environment's state_key; ALFWorld: its facts) | "
         'observation (the raw observation text, the authors\' key: every "Nothing happens." pooled)',
     )
-    adv_eps: float = setting(1e-6, "added to a group's std before dividing by it")
+    adv_eps: float = setting(1e-6, "added to a group's std before dividing by it", limit=above(0, "a positive number"))
     group_norm: GroupNorm = setting(
         "episode",
         "how a group's statistics pool: episode (one score per episode, serl's) | cross_steps (every turn a "
@@ -154,11 +177,13 @@ class TrainConfig:
         0.0,
         "subtracted from a turn's score when the environment flagged its action (feedback.error), before the "
         "advantage (paper: 0.1, ray_trainer.py:198-222); under group_norm episode: per invalid turn of the episode",
+        limit=at_least(0, "0 or positive"),
     )
     success_reward: float = setting(
         0.0,
         "> 0: an episode's training reward is this on a success and 0 otherwise, in place of the environment's "
         "reward (paper: 10.0, env_package/webshop/envs.py:47-53); 0 = the environment's reward",
+        limit=at_least(0, "0 or positive"),
     )
     recompute_logp_old: bool | None = setting(
         None,
@@ -172,7 +197,11 @@ class TrainConfig:
     )
     sft_successful_only: bool = setting(False, "sft: clone successful episodes only (filtered behaviour cloning)")
     seed: int = setting(0, "the update's seed (the online loop: the run's seed)")
-    threads: int | None = setting(None, "torch threads; null: all cores (the online loop: every stage's)")
+    threads: int | None = setting(
+        None,
+        "torch threads; null: all cores (the online loop: every stage's)",
+        limit=at_least(1, "at least 1 (or unset: every core)", whole=True),
+    )
     checkpoint: str | None = setting(None, "where the updated policy goes; null: RUN/checkpoint")
     hindsight_sft: str | None = setting(
         None, 'sft: also teacher prompts built by these feedback sources, e.g. "ref|error" (method.hindsight_sft)'
@@ -199,38 +228,18 @@ def check_train_config(cfg: TrainConfig) -> None:
 
 
 def check_lora(cfg: LoraConfig) -> None:
-    if cfg.rank < 0:
-        raise SerlError(f"train.lora.rank must be 0 (off) or positive, got {cfg.rank}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise SerlError(f"train.lora.dropout must be in [0, 1), got {cfg.dropout}")
+    cfgmod.check_limits(cfg, "train.lora.")
     if cfg.rank > 0 and not cfg.targets.strip():
         raise SerlError("train.lora.targets is empty: name the modules to adapt, or all-linear")
     if cfg.rank > 0 and importlib.util.find_spec("peft") is None:
         raise SerlError("LoRA (--lora-rank > 0) needs peft: pip install 'serl[lora]'")
 
 
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _check_loss_settings(cfg: TrainConfig) -> None:
-    """The numbers of the update: each one a value it can take (NaN and infinity never)."""
-    for name in ("clip_eps", "adv_eps"):
-        if not (_number(getattr(cfg, name)) and getattr(cfg, name) > 0):
-            raise SerlError(f"train.{name} must be a positive number, got {getattr(cfg, name)}")
-    if not (_number(cfg.dual_clip) and (cfg.dual_clip == 0 or cfg.dual_clip > 1)):
-        raise SerlError(f"train.dual_clip must be 0 (off) or above 1, got {cfg.dual_clip}")
-    zero_or_more = ("entropy_coef", "kl_coef", "distill_coef", "omega", "invalid_action_penalty", "success_reward")
-    for name in (*zero_or_more, "mini_batch_turns"):
-        if not (_number(getattr(cfg, name)) and getattr(cfg, name) >= 0):
-            raise SerlError(f"train.{name} must be 0 or positive, got {getattr(cfg, name)}")
-    if not (_number(cfg.gamma) and 0 <= cfg.gamma <= 1):
-        raise SerlError(f"train.gamma is a discount: it must be in [0, 1], got {cfg.gamma}")
-    check_at_least(cfg, {"epochs": 1, "mini_batches": 1}, "train.")
-    check_threads(cfg.threads, "train.")
-    if not (_number(cfg.dist_timeout_s) and cfg.dist_timeout_s > 0):
-        raise SerlError(f"train.dist_timeout_s must be positive (seconds), got {cfg.dist_timeout_s}")
-    _check_optim(cfg.optim)
+    """The numbers of the update: each one a value it can take (NaN and infinity never), as their
+    settings declare (``limit``), and the bounds that tie two settings together."""
+    cfgmod.check_limits(cfg, "train.")
+    _check_schedule(cfg.optim)
     _check_offpolicy(cfg)
 
 
@@ -238,9 +247,7 @@ def _check_offpolicy(cfg: TrainConfig) -> None:
     """The correction's bounds, and what it needs: the trainer's pi_prox (the recompute) and
     behaviour log-probs at all (not sft). ``auto`` is checked where it resolves to a correction."""
     op = cfg.offpolicy
-    if not (_number(op.tis_cap) and op.tis_cap >= 1):
-        raise SerlError(f"train.offpolicy.tis_cap must be a number of at least 1, got {op.tis_cap}")
-    if not (_number(op.mis_low) and _number(op.mis_high) and 0 <= op.mis_low <= 1 <= op.mis_high):
+    if not (at_least(0).ok(op.mis_low) and at_least(0).ok(op.mis_high) and 0 <= op.mis_low <= 1 <= op.mis_high):
         raise SerlError(
             f"train.offpolicy.mis_low and mis_high must bracket 1 (0 <= low <= 1 <= high), got "
             f"[{op.mis_low}, {op.mis_high}]"
@@ -267,26 +274,10 @@ def resolve_correction(cfg: OffPolicyConfig, staleness: int = 0) -> tuple[str, s
     return ("tis" if staleness > 0 else "none"), cfg.level
 
 
-def _check_optim(optim: OptimConfig) -> None:
-    """AdamW's settings, refused here in one line rather than by torch in a traceback."""
-    if not (_number(optim.lr) and optim.lr >= 0):  # 0: an update that measures and changes nothing
-        raise SerlError(f"train.optim.lr must be a positive number (or 0), got {optim.lr}")
-    for name in ("weight_decay", "grad_clip"):  # grad_clip 0: no clipping
-        if not (_number(getattr(optim, name)) and getattr(optim, name) >= 0):
-            raise SerlError(f"train.optim.{name} must be 0 or positive, got {getattr(optim, name)}")
-    betas = list(optim.betas) if isinstance(optim.betas, (list, tuple)) else None
-    if betas is None or len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
-        raise SerlError(f"train.optim.betas must be two numbers in [0, 1), got {optim.betas}")
-    if optim.micro_batch_tokens < 1:
-        raise SerlError(f"train.optim.micro_batch_tokens must be at least 1, got {optim.micro_batch_tokens}")
-    _check_schedule(optim)
-
-
 def _check_schedule(optim: OptimConfig) -> None:
-    for name in ("warmup_steps", "total_steps"):
-        value = getattr(optim, name)
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            raise SerlError(f"train.optim.{name} must be a whole number of optimizer steps (0 or more), got {value}")
+    betas = list(optim.betas) if isinstance(optim.betas, (list, tuple)) else None
+    if betas is None or len(betas) != 2 or not all(within(0, 1, open_high=True).ok(b) for b in betas):
+        raise SerlError(f"train.optim.betas must be two numbers in [0, 1), got {optim.betas}")
     if optim.schedule == "constant":
         return
     if optim.total_steps <= optim.warmup_steps:

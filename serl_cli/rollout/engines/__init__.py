@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
 from envs.base import Step
-from serl_cli.config import setting
+from serl_cli.config import at_least, setting, within
 from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import (
     DEFAULT_ACTION_FORMAT,
@@ -34,9 +34,9 @@ ENGINES = get_args(EngineName)
 
 @dataclass
 class SamplingConfig:
-    temperature: float = setting(1.0, "0: greedy")
-    top_p: float = setting(1.0, "nucleus sampling mass")
-    max_new_tokens: int = setting(48, "the reply's token budget")
+    temperature: float = setting(1.0, "0: greedy", limit=at_least(0, "0 (greedy) or positive"))
+    top_p: float = setting(1.0, "nucleus sampling mass", limit=within(0, 1, open_low=True))
+    max_new_tokens: int = setting(48, "the reply's token budget", limit=at_least(1, whole=True))
     coupled: bool = setting(
         False,
         "common random numbers: each episode's turn draws from its own stream, keyed by the run's seed, the "

@@ -262,6 +262,13 @@ def test_turn_limit_ends_with_reward_zero():
     assert step.done and step.reward == 0.0 and step.info["truncated"] and not step.info["won"]
 
 
+def test_an_episode_before_its_first_reset_has_no_room():
+    ep = SokobanWorld().new_episode("test")
+    assert ep.expert_action() is None and ep.solvable_actions() == []  # over until reset: nothing to read
+    with pytest.raises(EnvError, match="no room yet: reset the episode first"):
+        _ = ep.room
+
+
 def test_observation_is_the_grid_and_state_key_its_hash(world):
     ep = world.new_episode("test")
     first = ep.reset(0)

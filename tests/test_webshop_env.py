@@ -9,6 +9,7 @@ from support import requires_webshop_data
 
 from envs import make_world
 from envs.base import EnvError
+from envs.webshop.pages import PageState, render
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,13 @@ def test_start_page(world):
     assert step.admissible_actions == ["search[<query>]"]
     assert step.expert_action.startswith("search[")
     assert not step.done and step.reward == 0.0
+
+
+def test_a_product_page_without_a_product_is_refused():
+    # reached by no action (a product link sets the ASIN); a hand-made state says what is missing
+    for page in ("item", "description", "features"):
+        with pytest.raises(ValueError, match=f"a {page} page without a product"):
+            render(PageState(page=page), "instruction", [], {})
 
 
 def test_results_item_and_subpages(world):

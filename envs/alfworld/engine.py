@@ -25,11 +25,14 @@ import hashlib
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 _TRANSLATIONS: OrderedDict = OrderedDict()  # (sha1 of domain+problem, optimize) -> (task, sas)
 _MAX_TRANSLATIONS = 256  # about 2 x 128 games; a translation is ~1-2 MB of Python objects
 _LOCK = threading.Lock()
+_MEMOIZERS: set[Callable[..., Any]] = set()  # the wrappers installed here: installing twice wraps once
 
 
 def install_translation_cache() -> None:
@@ -42,7 +45,7 @@ def install_translation_cache() -> None:
     import fast_downward
 
     original = fast_downward.pddl2sas
-    if getattr(original, "serl_cached", False):
+    if original in _MEMOIZERS:
         return
 
     def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
@@ -63,7 +66,7 @@ def install_translation_cache() -> None:
                 _TRANSLATIONS.popitem(last=False)
         return result
 
-    pddl2sas.serl_cached = True
+    _MEMOIZERS.add(pddl2sas)
     fast_downward.pddl2sas = pddl2sas
 
 
@@ -80,12 +83,12 @@ def install_parse_cache() -> None:
 
     for module in (logic, textgen):
         original = module._parse_and_convert
-        if getattr(original, "serl_cached", False):
+        if original in _MEMOIZERS:
             continue
         module._parse_and_convert = _memoized_parse(original)
 
 
-def _memoized_parse(parse):
+def _memoized_parse(parse: Callable[..., Any]) -> Callable[..., Any]:
     cache: dict = {}
 
     def cached(*args, **kwargs):
@@ -100,7 +103,7 @@ def _memoized_parse(parse):
                 cache[key] = hit
         return copy.deepcopy(hit)
 
-    cached.serl_cached = True
+    _MEMOIZERS.add(cached)
     return cached
 
 

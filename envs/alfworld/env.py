@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from envs.alfworld import authors
 from envs.alfworld import feedback as fb
@@ -79,7 +80,7 @@ class AlfWorldWorld:
             )
         self.plans = load_plans(default_plan_files(self.root, self.config.plans))
         self._checked_plans: dict[str, list[str] | None] = {}
-        self._idle: list[tuple[str, object]] = []  # (game file, loaded engine), oldest first
+        self._idle: list[tuple[str, Any]] = []  # (game file, loaded engine), oldest first
 
     # -- tasks ----------------------------------------------------------------------------
     def splits(self) -> list[str]:
@@ -127,7 +128,7 @@ class AlfWorldWorld:
         return AlfWorldEpisode(self, split, max_turns or self.config.max_turns)
 
     # -- the engine pool ------------------------------------------------------------------
-    def acquire(self, game: Game):
+    def acquire(self, game: Game) -> Any:
         """A loaded engine for ``game``: an idle one already on it, else the oldest idle one
         reloaded, else a new one. An engine serves one episode at a time."""
         from envs.alfworld import engine
@@ -143,7 +144,7 @@ class AlfWorldWorld:
             return env
         return engine.start(path, facts=True)
 
-    def release(self, game: Game, env) -> None:
+    def release(self, game: Game, env: Any) -> None:
         """Take an engine back. Engines are kept, never closed: their number stays at the
         most episodes this process ever ran at once (the runner's batch size)."""
         self._idle.append((str(game.path), env))
@@ -181,7 +182,7 @@ class AlfWorldEpisode:
         self.task_id, self.instruction = -1, ""
         self.game: Game | None = None
         self.task_type = ""
-        self._env = None
+        self._env: Any = None  # the engine (a TextWorld environment) while a game is played
         self.turns, self.done = 0, True
 
     # -- protocol -------------------------------------------------------------------------
@@ -212,7 +213,7 @@ class AlfWorldEpisode:
             self.now, error = _Now.of(state), None
         else:  # the engine would change nothing and answer "Nothing happens."
             verb, args, error = fb.parse_command(action)
-            if error is None:
+            if verb is not None:  # parsed: parse_command names a verb exactly when it reports no error
                 error = f"{NOTHING_HAPPENS[:-1]}: {fb.why_inadmissible(verb, args, before.facts)}"
             self.now = _Now(NOTHING_HAPPENS, before.facts, before.propositions, before.admissible, before.won)
         self.turns += 1
@@ -230,6 +231,7 @@ class AlfWorldEpisode:
     def close(self) -> None:
         """Give the engine back to the world's pool (done at the episode's end)."""
         if self._env is not None:
+            assert self.game is not None  # reset sets the game before it acquires the engine
             self.world.release(self.game, self._env)
             self._env = None
 

@@ -53,7 +53,7 @@ def shown(text: str, limit: int = 60) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
-def parse_command(command: str) -> tuple[str | None, dict, str | None]:
+def parse_command(command: str) -> tuple[str | None, dict[str, str], str | None]:
     """(verb, arguments, error): the command matched against ALFWorld's templates."""
     cmd = normalize(command)
     if not cmd:
@@ -131,7 +131,7 @@ def describe_change(before: frozenset[Fact], after: frozenset[Fact]) -> str:
     return "; ".join(notes) if notes else "no change"
 
 
-def why_inadmissible(verb: str, args: dict, facts: frozenset[Fact]) -> str:
+def why_inadmissible(verb: str, args: dict[str, str], facts: frozenset[Fact]) -> str:
     """Why a well-formed command does nothing in this state (the first reason found)."""
     known = entities(facts)
     for name in args.values():
@@ -143,7 +143,8 @@ def why_inadmissible(verb: str, args: dict, facts: frozenset[Fact]) -> str:
     held = holding(facts)
     opened = {f[1] for f in facts if f[0] == "opened"}
     openable = {f[1] for f in facts if f[0] == "openable"}
-    o, r = args.get("o"), args.get("r")
+    # a branch below reads only the arguments its verb's pattern names, so the "" default never shows
+    o, r = args.get("o", ""), args.get("r", "")
 
     def away(recep: str) -> str | None:
         return f"you are not at {recep}" if loc_of_recep.get(recep) != agent_loc else None
@@ -165,8 +166,8 @@ def why_inadmissible(verb: str, args: dict, facts: frozenset[Fact]) -> str:
     if verb in ("put", "heat", "cool", "clean"):
         if o not in held:
             return f"you are not holding {o}"
-        if away(r):
-            return away(r)
+        if reason := away(r):
+            return reason
         if verb == "put":
             return f"{r} is closed" if r in openable and r not in opened else f"{o} cannot go in/on {r}"
         return f"you cannot {verb} {o} with {r}"

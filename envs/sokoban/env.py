@@ -222,13 +222,13 @@ class SokobanEpisode:
 
     def expert_action(self) -> str | None:
         """The first of the shortest solution's moves (up/down/left/right order); None once over or unsolvable."""
-        return None if self.done else self.level.expert_action(self.state)
+        return None if self.done else self._solver.expert_action(self.state)
 
     def optimal_actions(self) -> list[str]:
         """Every first move of a shortest solution (``expert_action`` is the first of them):
         a noisy expert spreads its demonstrations over these, so that a learner is not
         taught the solver's tie-break as if it were part of the game."""
-        return [] if self.done else sorted(self.level.optimal_actions(self.state), key=DIRECTIONS.index)
+        return [] if self.done else sorted(self._solver.optimal_actions(self.state), key=DIRECTIONS.index)
 
     def solvable_actions(self) -> list[str]:
         """The moves after which the room can still be solved (a bump moves nothing, so it is one).
@@ -241,12 +241,20 @@ class SokobanEpisode:
         return [
             a
             for a in DIRECTIONS
-            if self.level.distance(move(self.room, *self.state, self.room.steps[a])[1:]) is not None
+            if self._solver.distance(move(self.room, *self.state, self.room.steps[a])[1:]) is not None
         ]
 
     @property
     def room(self) -> Room:
-        return self.level.room
+        return self._solver.room
+
+    @property
+    def _solver(self) -> Solver:
+        """The room's solver. Set by reset or play; what reads it runs only after them (a method
+        a finished episode may be asked first checks ``done``, which is True until then)."""
+        if self.level is None:
+            raise EnvError("no room yet: reset the episode first")
+        return self.level
 
     # -- mechanics ------------------------------------------------------------------------
     def _begin(self, level: Solver) -> Step:
@@ -282,7 +290,7 @@ class SokobanEpisode:
         if after == goals:
             said.append(SOLVED)
         deadlock = None
-        if self.solvable and self.level.distance(self.state) is None:
+        if self.solvable and self._solver.distance(self.state) is None:
             self.solvable, deadlock = False, deadlock_reason(self.room, dst)
             said.append(deadlock)
         return Feedback(error=deadlock, diff="; ".join(said)), deadlock

@@ -158,7 +158,7 @@ def generate_room(rng: random.Random, size: int, num_boxes: int, gen_steps: int)
 
 def _carve(rng: random.Random, size: int, steps: int) -> list[int]:
     """Floor cells, sorted: a walk of ``steps`` steps stamping a random mask at each."""
-    floor = set()
+    floor: set[int] = set()
     r, c = rng.randint(1, size - 1), rng.randint(1, size - 1)  # gym-sokoban's range; the first step clamps it
     dr, dc = rng.choice(_HEADINGS)
     for _ in range(steps):

@@ -78,7 +78,8 @@ class Solver:
     def _distances(self) -> dict[State, int]:
         """Explore forwards from the start, then search backwards from every solved state."""
         goals = self.room.goals
-        states, index, parents, solved = [self.start], {self.start: 0}, [[]], []
+        states, index, solved = [self.start], {self.start: 0}, []
+        parents: list[list[int]] = [[]]  # by state index: the indices of the states one move before it
         for i, state in enumerate(states):  # the list grows while it is read: a BFS queue
             if state[1] == goals:
                 solved.append(i)  # an episode ends here: no moves out

@@ -204,6 +204,7 @@ class WebShopEpisode:
         if kind == "product":
             s.page, s.asin = "item", arg.upper()
         elif kind == "option":
+            assert option_name is not None  # clickables names the option of every option value
             s.options[option_name] = arg
         elif arg == pages.BACK_TO_SEARCH:
             s = PageState()
@@ -219,8 +220,9 @@ class WebShopEpisode:
         elif arg in pages.SUB_PAGES:
             s.page = arg
         elif arg == pages.BUY_NOW:
-            product = self.world.catalog.by_asin[s.asin]
-            s.page, s.reward = "done", total_reward(product, self.goal, self.world.prices[s.asin], s.options)
+            asin = s.product_asin()
+            product = self.world.catalog.by_asin[asin]
+            s.page, s.reward = "done", total_reward(product, self.goal, self.world.prices[asin], s.options)
             self.done = True
         self.state = s
         return None

@@ -48,6 +48,13 @@ class PageState:
         start = (self.results_page - 1) * PRODUCTS_PER_PAGE
         return self.hits[start : start + PRODUCTS_PER_PAGE]
 
+    def product_asin(self) -> str:
+        """The product an item page, its sub-pages and the done page are about (set by the click
+        on its link, kept until back to the results)."""
+        if self.asin is None:
+            raise ValueError(f"a {self.page} page without a product (asin is None)")
+        return self.asin
+
     def copy(self) -> PageState:
         return PageState(
             self.page, self.query, self.hits, self.results_page, self.asin, dict(self.options), self.reward
@@ -66,7 +73,7 @@ def render(state: PageState, instruction: str, products: list[dict], by_asin: di
             p = products[i]
             parts += [p["asin"], p["Title"], p["Price"]]
     elif state.page == "item":
-        p = by_asin[state.asin]
+        p = by_asin[state.product_asin()]
         parts = header + ["< Prev"]
         for name, values in p["options"].items():
             parts += [name, *values]
@@ -80,9 +87,9 @@ def render(state: PageState, instruction: str, products: list[dict], by_asin: di
             "Buy Now",
         ]
     elif state.page == "description":
-        parts = header + ["< Prev", by_asin[state.asin]["Description"]]
+        parts = header + ["< Prev", by_asin[state.product_asin()]["Description"]]
     elif state.page == "features":
-        parts = header + ["< Prev", *by_asin[state.asin]["BulletPoints"]]
+        parts = header + ["< Prev", *by_asin[state.product_asin()]["BulletPoints"]]
     elif state.page == "reviews":
         parts = header + ["< Prev"]  # the 1k catalog carries no reviews
     elif state.page == "done":
@@ -112,7 +119,7 @@ def clickables(state: PageState, products: list[dict], by_asin: dict[str, dict])
     elif state.page == "item":
         for b in (BACK_TO_SEARCH, PREV, *SUB_PAGES, BUY_NOW):
             out[b] = ("button", None)
-        for name, values in by_asin[state.asin]["options"].items():
+        for name, values in by_asin[state.product_asin()]["options"].items():
             for v in values:
                 out[v] = ("option", name)
     elif state.page in SUB_PAGES:

@@ -6,7 +6,7 @@ import typer
 
 from serl_cli import api
 from serl_cli.cli.common import progress_bar, summary_table
-from serl_cli.cli.flags import Given, settings_command
+from serl_cli.cli.flags import GIVEN_BY_FLAGS, Given, settings_command
 from serl_cli.cli.root import app, console, journal_resume_option, overwrite_option
 from serl_cli.method.annotate_config import AnnotateConfig
 from serl_cli.stages.derive import prepare_annotation, train_config
@@ -18,7 +18,7 @@ from serl_cli.stages.run_file import RunFileReader
 @settings_command("annotate", AnnotateConfig, run_file=OnlineConfig, verbose=False)
 def annotate_command(
     run: str = typer.Argument(..., help="A run directory with rollouts."),
-    given: Given = None,
+    given: Given = GIVEN_BY_FLAGS,
     overwrite: bool = overwrite_option("existing annotations"),
     resume: bool = journal_resume_option("annotation pass"),
 ):
@@ -27,7 +27,9 @@ def annotate_command(
     reader = RunFileReader("annotate", AnnotateConfig, base={"train": {"algo": "serl"}})
     cfg = given.resolve(command="annotate", reader=reader)
     # the algorithm's needs over the command's own flags too, as the loop does; checked before the teacher loads
-    train, cfg = prepare_annotation(cfg, train_config(reader.run))
+    run_config = reader.run
+    assert run_config is not None  # the reader's base is a run config, so resolving always reads one
+    train, cfg = prepare_annotation(cfg, train_config(run_config))
     with progress_bar(console, "teacher", "turns", quiet=given.quiet) as bar:
         s = api.annotate(run, cfg, train=train, overwrite=overwrite, resume=resume, progress=bar.update).summary
     console.print(summary_table(f"annotate: {cfg.sources}, {cfg.granularity}, {cfg.placement}", summary_rows(s)))

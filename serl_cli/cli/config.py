@@ -31,18 +31,20 @@ config_app = typer.Typer(no_args_is_help=True, help="Configuration: print what a
 app.add_typer(config_app, name="config")
 
 
-def config_class(command: str):
+def config_class(command: str) -> type:
     """The settings dataclass behind each command (imported only when asked for): the Python
     API's (:func:`serl_cli.api.config_class`), and the CLI's own commands' (data, model)."""
     if command == "data":
-        from serl_cli.cli.data import PrepareConfig as cls
-    elif command == "model":
-        from serl_cli.cli.model import ModelInitConfig as cls
-    elif command in COMMANDS:
-        cls = api.config_class(command)
-    else:
-        raise SerlError(f"unknown command {command!r}: choose one of {', '.join(COMMANDS)}")
-    return cls
+        from serl_cli.cli.data import PrepareConfig
+
+        return PrepareConfig
+    if command == "model":
+        from serl_cli.cli.model import ModelInitConfig
+
+        return ModelInitConfig
+    if command in COMMANDS:
+        return api.config_class(command)
+    raise SerlError(f"unknown command {command!r}: choose one of {', '.join(COMMANDS)}")
 
 
 COMMANDS = ("rollout", "annotate", "train", "eval", "demo", "data", "model", "env")

@@ -142,8 +142,8 @@ def _env_in(config: list[str] | None, overrides: list[str] | None) -> str | None
     """The environment the config files (the last that names one) or ``--set env.name=...`` ask
     for, to pick the demo's defaults."""
     name = None
-    for path in config or []:
-        name = (cfgmod.load_yaml(path).get("env") or {}).get("name") or name
+    for file in config or []:
+        name = (cfgmod.load_yaml(file).get("env") or {}).get("name") or name
     for text in overrides or []:
         path, value = cfgmod.parse_override(text)
         if path == ["env", "name"]:

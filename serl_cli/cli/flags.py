@@ -170,6 +170,12 @@ class Given:
         )
 
 
+# The default of a command body's ``given`` where a parameter before it has one (an optional RUN
+# argument): never passed, since settings_command replaces ``given`` by the flags and calls the body
+# with a Given. Any, so that the body's ``given: Given`` stays its real type.
+GIVEN_BY_FLAGS: Any = None
+
+
 # -- the settings at a key path -------------------------------------------------------------------
 
 
@@ -212,7 +218,8 @@ def choice_type(words: tuple) -> type[enum.Enum]:
     the command body gets the word itself back, :func:`_plain`)."""
     if not all(isinstance(w, str) for w in words):
         raise TypeError(f"a flag's choices must be words, got {words!r}")
-    return enum.Enum("Choice", {w: w for w in words})
+    # mypy takes the functional API with computed members for an Enum instance: it makes a class
+    return typing.cast(type[enum.Enum], enum.Enum("Choice", {w: w for w in words}))
 
 
 def _plain(value):
@@ -247,7 +254,7 @@ def option(flag: Flag, command: str, settings: tuple[type, ...]) -> inspect.Para
 
 
 def _shared(verbose: bool) -> list[inspect.Parameter]:
-    shared = [("config", list[str] | None, ConfigOpt), ("set_", list[str] | None, SetOpt)]
+    shared: list[tuple[str, Any, Any]] = [("config", list[str] | None, ConfigOpt), ("set_", list[str] | None, SetOpt)]
     shared += [("seed", int | None, SeedOpt), ("quiet", bool, QuietOpt)]
     shared += [("verbose", bool, VerboseOpt)] if verbose else []
     return [
@@ -293,7 +300,8 @@ def settings_command(command: str, settings: type, *, run_file: type | None = No
             return body(given=given, **kwargs)
 
         # typer reads the signature (and the annotations) made here, not the body's
-        command_function.__signature__ = inspect.Signature(params)
+        # (inspect honours __signature__, which typeshed's function types do not declare)
+        command_function.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command_function.__annotations__ = {p.name: p.annotation for p in params}
         DECLARED[command] = (classes, declared)
         return command_function

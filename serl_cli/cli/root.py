@@ -31,19 +31,22 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+_PATCHES: set = set()  # the functions patched into typer here: patching twice wraps typer's own once
+
+
 def _switches_show_no_type() -> None:
     """``--help`` lists a switch (``--overwrite``, ``--quick``, ``--help``) without a value type:
     typer's rich help shows ``--overwrite <bool>``, which reads as if it took a value, while
     ``--overwrite true`` is refused. Options that take a value keep theirs."""
     option = getattr(typer.core, "TyperOption", None)
     shown = getattr(option, "display_type_rich", None)
-    if shown is None or getattr(shown, "_serl_switches", False):
+    if option is None or shown is None or shown in _PATCHES:
         return
 
     def display_type_rich(self, ctx):
         return None if self.is_flag or self.count else shown(self, ctx)
 
-    display_type_rich._serl_switches = True
+    _PATCHES.add(display_type_rich)
     option.display_type_rich = display_type_rich
 
 
@@ -55,19 +58,20 @@ def _one_line_usage_error(drawn):
     flag's choices, a count that is not a number, a misspelt flag) as one line, as serl prints every
     other error, where typer draws the usage, a hint and a boxed message; exit code 2 as before. A
     command run with no arguments still shows its help."""
-    if getattr(drawn, "_serl_one_line", False):
+    if drawn in _PATCHES:
         return drawn
 
     def one_line(e) -> None:
         if type(e).__name__ == "NoArgsIsHelpError":
             return drawn(e)
-        ctx, words = getattr(e, "ctx", None), []
+        ctx = getattr(e, "ctx", None)
+        words: list[str] = []
         while ctx is not None and ctx.parent is not None:  # the command's words, whatever ran serl
             words, ctx = [ctx.info_name, *words], ctx.parent
         see = f" (see {' '.join(['serl', *words, '--help'])})" if ctx is not None else ""
         err_console.print(f"[bold red]error:[/] {escape(e.format_message())}{see}", highlight=False, soft_wrap=True)
 
-    one_line._serl_one_line = True
+    _PATCHES.add(one_line)
     return one_line
 
 
@@ -92,7 +96,8 @@ def _usage_errors_in_one_line() -> None:
         def __getattr__(self, name):
             return getattr(mended(importlib.import_module("typer.rich_utils")), name)  # replaces the stand-in
 
-    typer.rich_utils = FirstUse("typer.rich_utils")
+    # typer's package does not import the submodule, so its annotations declare no such attribute
+    typer.rich_utils = FirstUse("typer.rich_utils")  # type: ignore[attr-defined]
 
 
 _usage_errors_in_one_line()
@@ -205,12 +210,13 @@ def run() -> None:
 
 
 def _caused_by_ctrl_c(e: BaseException) -> bool:
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, KeyboardInterrupt):
+    seen: set[int] = set()
+    link: BaseException | None = e  # down the chain of causes, to its end (or a loop)
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
             return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
     return False
 
 

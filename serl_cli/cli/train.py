@@ -14,7 +14,7 @@ from rich.table import Table
 from serl_cli import api
 from serl_cli.artifacts.tracking import Tracker, check_backends
 from serl_cli.cli.common import plural, progress_bar, summary_table
-from serl_cli.cli.flags import Given, settings_command
+from serl_cli.cli.flags import GIVEN_BY_FLAGS, Given, settings_command
 from serl_cli.cli.root import app, console, err_console, overwrite_option, resumable_at
 from serl_cli.errors import PREEMPTED_EXIT
 from serl_cli.stages.derive import READS, train_config
@@ -33,7 +33,7 @@ def train_command(
     run: str | None = typer.Argument(
         None, help="A run directory with rollouts (one update). Omit for the online loop."
     ),
-    given: Given = None,
+    given: Given = GIVEN_BY_FLAGS,
     resume: bool = typer.Option(
         False,
         "--resume",
@@ -77,6 +77,7 @@ def train_command(
         note = single_update_note(given.config, given.overrides)
         if note:
             err_console.print(note, highlight=False, markup=False, soft_wrap=True)
+    assert run is not None  # not the online loop, so a run was given
     one_update(run, train, how, trackers, main=main, quiet=given.quiet)
 
 

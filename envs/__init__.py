@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from envs.base import EnvError, Episode, Feedback, Step, World
+from envs.base import EnvError, Episode, Feedback, Step, World, capability_problems
 
 _REGISTRY: dict[str, Callable[..., World]] = {}
 
@@ -58,6 +58,9 @@ def make_world(name: str, **settings) -> World:
         raise EnvError(f"bad settings for environment {name!r}: {_first_line(e)}") from None
     if plugin:
         _check_world(name, world)
+    problems = capability_problems(world)  # the optional members a world offers, checked once, here
+    if problems:
+        raise EnvError(f"environment {name!r}: {type(world).__name__}'s {'; '.join(problems)} (docs/ENVIRONMENTS.md)")
     return world
 
 

@@ -16,6 +16,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from envs.base import Cataloged, CorpusTasks, CorpusTexts, ModelPreset
 from serl_cli.rollout.prompts import PromptConfig, action_format_of, build_messages, format_action
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 
@@ -32,7 +33,7 @@ def tokenizer_corpus(world, episodes: int = 300) -> list[str]:
     split = "train" if "train" in world.splits() else world.eval_split  # a plugin environment may have no train split
     n = min(episodes, world.num_tasks(split))
     # an environment whose episodes are slow to start (ALFWorld) picks a few tasks of each kind
-    tasks = world.corpus_tasks(split) if hasattr(world, "corpus_tasks") else range(n)
+    tasks = world.corpus_tasks(split) if isinstance(world, CorpusTasks) else range(n)
     records = run_episodes(world, split, [EpisodeSpec(task_id=i) for i in tasks], ExpertPolicy())
     texts = []
     for rec in records:
@@ -43,7 +44,7 @@ def tokenizer_corpus(world, episodes: int = 300) -> list[str]:
             )
             texts += [m["content"] for m in messages] + [format_action(t.action)]
             history.append({"observation": t.observation, "action": t.action})
-    return texts + list(getattr(world, "corpus_texts", lambda: [])())
+    return texts + (world.corpus_texts() if isinstance(world, CorpusTexts) else [])
 
 
 def default_model_dir(world, env_name: str, preset: str | None = None, seed: int = 0) -> Path:
@@ -51,9 +52,8 @@ def default_model_dir(world, env_name: str, preset: str | None = None, seed: int
     world's own ``model_preset`` (Sokoban: ``micro``), else ``tiny``."""
     from serl_cli.models.tiny import init_model
 
-    world_preset = getattr(world, "model_preset", "tiny")
-    preset = preset or world_preset
-    source = getattr(getattr(world, "catalog", None), "source", env_name)
+    preset = preset or (world.model_preset if isinstance(world, ModelPreset) else "tiny")
+    source = world.catalog.source if isinstance(world, Cataloged) else env_name
     key = hashlib.sha1(f"{env_name}|{preset}|{source}|{seed}".encode()).hexdigest()[:10]
     path = cache_root() / "models" / f"{env_name}-{preset}-{key}"
     if (path / "config.json").is_file():

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
-from envs.base import ActionFormat
+from envs.base import ActionFormat, ActionFormatted, AuthorsPrompted
 from serl_cli.config import at_least, setting
 from serl_cli.errors import SerlError
 
@@ -38,7 +38,7 @@ ACTION_FORMAT = DEFAULT_ACTION_FORMAT.instruction()
 
 
 def action_format_of(world) -> ActionFormat:
-    return getattr(world, "action_format", None) or DEFAULT_ACTION_FORMAT
+    return world.action_format if isinstance(world, ActionFormatted) else DEFAULT_ACTION_FORMAT
 
 
 @dataclass
@@ -143,7 +143,7 @@ def check_style(cfg: PromptConfig, world=None) -> None:
     """A known ``prompt.style``, and with ``world`` one it supplies a prompt for."""
     if cfg.style not in PROMPT_STYLES:
         raise SerlError(f"unknown prompt.style {cfg.style!r}: choose one of {', '.join(PROMPT_STYLES)}")
-    if cfg.style == "authors" and world is not None and getattr(world, "authors_prompt", None) is None:
+    if cfg.style == "authors" and world is not None and not isinstance(world, AuthorsPrompted):
         raise SerlError(
             f"prompt.style authors: the {getattr(world, 'name', 'given')} environment has no authors' prompt "
             "(ALFWorld, WebShop and Sokoban have one): use prompt.style serl"

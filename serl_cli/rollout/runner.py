@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from envs.base import EnvError, Step, World
+from envs.base import AuthorsPrompted, EnvError, Step, World
 from envs.base import Episode as EnvEpisode
 from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.rollout.policies import Decision
@@ -122,7 +122,7 @@ def run_episodes(
             live.append((i, ep, step, rec))
 
     action_format = action_format_of(world)
-    authors_prompt = getattr(world, "authors_prompt", None)  # prompt.style authors (envs.authors)
+    authors_prompt = world.authors_prompt if isinstance(world, AuthorsPrompted) else None  # prompt.style authors
     start_more()
     while live:
         contexts = [

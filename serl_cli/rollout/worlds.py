@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 
 import envs
-from envs.base import EnvError, World
+from envs.base import Described, EnvError, Noticing, World
 from serl_cli.config import setting
 from serl_cli.errors import SerlError
 
@@ -70,7 +70,7 @@ def built_split(cfg: EnvConfig) -> str:
 def _say_notice(world: World) -> None:
     """A world's ``notice`` (WebShop's ``catalog: auto`` without a data folder), once per process
     on stderr: by rank 0 alone under torchrun."""
-    notice = getattr(world, "notice", None)
+    notice = world.notice if isinstance(world, Noticing) else None
     if notice and os.environ.get("RANK", "0") == "0":
         print(f"note: {notice}", file=sys.stderr, flush=True)
 
@@ -78,5 +78,4 @@ def _say_notice(world: World) -> None:
 def world_info(world: World) -> dict:
     """What a manifest and ``eval.json`` record of the environment's data: its name and what the
     world's own ``info()`` says (WebShop: which catalog ran, the real one or serl's synthetic)."""
-    info = getattr(world, "info", None)
-    return {"name": world.name, **(info() if callable(info) else {})}
+    return {"name": world.name, **(world.info() if isinstance(world, Described) else {})}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+from envs.base import TaskTyped
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Episode
@@ -26,7 +27,7 @@ from serl_cli.rollout.engines.vllm import VLLMConfig
 from serl_cli.rollout.policies import ExpertPolicy, RandomPolicy
 from serl_cli.rollout.prompts import PromptConfig, trained_prompt
 from serl_cli.rollout.runner import EpisodeSpec
-from serl_cli.rollout.worlds import EnvConfig, build_world, world_info
+from serl_cli.rollout.worlds import EnvConfig, build_world, built_split, world_info
 from serl_cli.stages.rollout import collect
 
 Policy = Literal["model", "expert", "random"]
@@ -197,9 +198,9 @@ def panel_specs(cfg: EvalConfig, world) -> list[EpisodeSpec]:
 def write_eval(cfg: EvalConfig, world, records: list[Episode], wall: float) -> dict:
     """The panel's records, summarized, into ``cfg.out``: ``episodes.jsonl`` and ``eval.json``."""
     out = Path(cfg.out)
-    task_types = None
-    if hasattr(world, "task_type"):  # ALFWorld: success by task type in eval.json
-        task_types = [world.task_type(cfg.env.split, r.task_id) for r in records]
+    task_types: list[str | None] | None = None
+    if isinstance(world, TaskTyped):  # ALFWorld: success by task type in eval.json
+        task_types = [world.task_type(built_split(cfg.env), r.task_id) for r in records]
     summary = {
         "env": cfg.env.name,
         "split": cfg.env.split,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import Episode, Turn
+from serl_cli.artifacts.records import Annotation, Episode, Turn
 from serl_cli.artifacts.schema import read_rollouts as _read_rollouts
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
@@ -38,6 +38,7 @@ from serl_cli.training.train_config import LoraConfig, OptimConfig, TrainConfig
 
 __all__ = [
     "AnnotateConfig",
+    "Annotation",
     "EnvConfig",
     "Episode",
     "EvalConfig",
@@ -347,8 +348,9 @@ def read_metrics(run: str | Path) -> list[dict]:
     return list(io.iter_jsonl(path))
 
 
-def read_annotations(run: str | Path) -> list[dict]:
-    """A run's ``annotations.jsonl`` (``serl annotate``): one record per turn, in rollout order."""
+def read_annotations(run: str | Path) -> list[Annotation]:
+    """A run's ``annotations.jsonl`` (``serl annotate``): one :class:`Annotation` per turn, in rollout order,
+    checked as the update reads them (the annotation finished, on the run's current rollouts)."""
     from serl_cli.artifacts.schema import read_annotations as read
 
     return read(_dir(run))

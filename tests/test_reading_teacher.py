@@ -119,10 +119,10 @@ def test_aligned_blocks_need_no_environment(episodes, micro):
     cfg = AnnotateConfig(sources="expert", trajectory="aligned", mixing_lambda=0.0)  # lambda 0: no teacher
     records, _ = annotate_episodes(episodes, cfg, None, tokenizer, env_cfg=None, bare_replies=True)
     for r in records:
-        turn = episodes[r["episode"]].turns[r["turn"]]
+        turn = episodes[r.episode].turns[r.turn]
         want = f"{EXPERT_TITLE}\n<action>{turn.expert_action}</action>" if turn.expert_action else None
-        assert r["hindsight"] == want
-        assert r["fired"] == (["expert"] if want and turn.action != turn.expert_action else [])
+        assert r.hindsight == want
+        assert r.fired == (["expert"] if want and turn.action != turn.expert_action else [])
 
 
 # -- reading SFT ---------------------------------------------------------------------------------
@@ -203,16 +203,16 @@ def test_a_perfect_teacher_blames_every_failed_rollouts_off_expert_tokens_more(e
     records, _ = annotate_episodes(episodes, cfg, None, tokenizer, env_cfg=SOKOBAN, scorer=scorer, bare_replies=True)
     checked = {"failed, off": 0, "failed, on": 0, "won, off": 0, "won, on": 0}
     for r in records:
-        turn = episodes[r["episode"]].turns[r["turn"]]
-        if not turn.expert_action or r["advantage"] == 0:
+        turn = episodes[r.episode].turns[r.turn]
+        if not turn.expert_action or r.advantage == 0:
             continue
-        weights = [w for w, m in zip(r["weights"], r["action_mask"], strict=True) if m]
-        assert weights and all(w == 1.0 for w, m in zip(r["weights"], r["action_mask"], strict=True) if not m)
+        weights = [w for w, m in zip(r.weights, r.action_mask, strict=True) if m]
+        assert weights and all(w == 1.0 for w, m in zip(r.weights, r.action_mask, strict=True) if not m)
         on = turn.action == turn.expert_action
-        blame = [abs(w * r["advantage"]) for w in weights]  # |w A| against GRPO's |A|
-        failed = r["advantage"] < 0
+        blame = [abs(w * r.advantage) for w in weights]  # |w A| against GRPO's |A|
+        failed = r.advantage < 0
         more = failed != on  # failed: more blame off the expert; won: more credit on it
-        assert all((b > abs(r["advantage"])) if more else (b < abs(r["advantage"])) for b in blame)
+        assert all((b > abs(r.advantage)) if more else (b < abs(r.advantage)) for b in blame)
         checked[f"{'failed' if failed else 'won'}, {'on' if on else 'off'}"] += 1
     assert min(checked.values()) > 0, checked
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from serl_cli.algos.objectives import annotation_advantages
 from serl_cli.artifacts import io, runlock
-from serl_cli.artifacts.records import Episode
+from serl_cli.artifacts.records import Annotation, Episode
 from serl_cli.artifacts.schema import (
     ANNOTATIONS_FILE,
     ROLLOUTS_FILE,
@@ -23,6 +23,7 @@ from serl_cli.artifacts.schema import (
     read_rollouts,
     rollouts_fingerprint,
     turn_samples,
+    write_annotation_records,
 )
 from serl_cli.errors import SerlError
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes, validate
@@ -158,11 +159,11 @@ def _run_annotate(
 
 
 def write_annotations(
-    run: Path, records: list[dict], episodes: list[Episode], cfg: AnnotateConfig, stats: dict
+    run: Path, records: list[Annotation], episodes: list[Episode], cfg: AnnotateConfig, stats: dict
 ) -> dict:
     report = selection_report(records, episodes)
     report["teacher"] = stats
-    io.write_jsonl(run / ANNOTATIONS_FILE, records)
+    write_annotation_records(run, records)
     io.write_json(run / SELECTION_REPORT_FILE, report)
     io.mark_stage(
         run, "annotate", "done", config=io.to_plain(cfg), rollouts_sha256=rollouts_fingerprint(run), stats=stats

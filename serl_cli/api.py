@@ -24,7 +24,7 @@ from pathlib import Path
 
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import Annotation, Episode, Turn
+from serl_cli.artifacts.records import Annotation, Episode, Metrics, Turn
 from serl_cli.artifacts.schema import read_rollouts as _read_rollouts
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
@@ -43,6 +43,7 @@ __all__ = [
     "Episode",
     "EvalConfig",
     "LoraConfig",
+    "Metrics",
     "OnlineConfig",
     "OnlineEvalConfig",
     "OptimConfig",
@@ -277,7 +278,7 @@ def train_online(
     overwrite: bool = False,
     on_iteration=None,
     plan_check: bool = True,
-) -> list[dict]:
+) -> list[Metrics]:
     """``serl train --iterations K``: the online loop, ``cfg.iterations`` times rollout ->
     (annotate) -> update, in the run directory ``cfg.out`` (``iter_XXXX/``, ``metrics.jsonl``,
     ``online.yaml``; the final policy in ``OUT/checkpoint``). ``resume`` continues after the last
@@ -340,12 +341,15 @@ def read_rollouts(run: str | Path) -> list[Episode]:
     return _read_rollouts(_dir(run), need_tokens=False)
 
 
-def read_metrics(run: str | Path) -> list[dict]:
-    """A run's ``metrics.jsonl``: one record per update (per iteration of an online run)."""
-    path = _dir(run) / "metrics.jsonl"
+def read_metrics(run: str | Path) -> list[Metrics]:
+    """A run's ``metrics.jsonl``: one :class:`Metrics` per update (per iteration of an online run)."""
+    from serl_cli.artifacts.schema import METRICS_FILE
+    from serl_cli.artifacts.schema import read_metrics as read
+
+    path = _dir(run) / METRICS_FILE
     if not path.is_file():
         raise SerlError(f"{run} has no metrics.jsonl: no update kept its books there (serl train RUN, the online loop)")
-    return list(io.iter_jsonl(path))
+    return read(path)
 
 
 def read_annotations(run: str | Path) -> list[Annotation]:

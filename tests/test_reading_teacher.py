@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from envs.sokoban.env import SokobanWorld
-from serl_cli.artifacts.records import make_episode, make_turn
+from serl_cli.artifacts.records import make_annotation, make_episode, make_turn
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
 from serl_cli.method import teacher_gate as gate
@@ -222,14 +222,7 @@ def test_a_perfect_teacher_blames_every_failed_rollouts_off_expert_tokens_more(e
 
 def test_selection_bias_is_also_tested_among_scorable_turns_alone():
     def rec(episode, selected, advantage, sources=("diff",)):
-        return {
-            "episode": episode,
-            "turn": 0,
-            "selected": selected,
-            "sources": list(sources),
-            "fired": [],
-            "advantage": advantage,
-        }
+        return make_annotation(episode=episode, selected=selected, sources=list(sources), advantage=advantage)
 
     episodes = [make_episode(reward=float(k < 2), success=k < 2) for k in range(4)]
     # every selected turn is scorable; the unselected include unscorable ones of failed rollouts
@@ -280,8 +273,8 @@ def test_gate_figures_end_to_end_on_a_random_micro_model(episodes, micro, world)
 
 def test_weight_figures_by_hand():
     records = [
-        {"weights": [1.1, 0.95, 1.0], "action_mask": [1, 1, 0], "advantage": -2.0},
-        {"weights": None, "action_mask": [1], "advantage": 1.0},
+        make_annotation(weights=[1.1, 0.95, 1.0], action_mask=[1, 1, 0], advantage=-2.0),
+        make_annotation(weights=None, action_mask=[1], advantage=1.0),
     ]
     f = weight_figures(records, weight_clip=0.2, lam=0.5)
     # |A (w - 1)|: 2 * 0.1 + 2 * 0.05 = 0.3 over |A| 2 + 2 + 1 = 5; the clip sits at 1 +- 0.5 * 0.2

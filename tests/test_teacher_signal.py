@@ -18,7 +18,7 @@ from serl_cli.ablate import grid as ab
 from serl_cli.ablate import grid_record as ab_record
 from serl_cli.ablate.report import write_report
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import make_episode, make_turn
+from serl_cli.artifacts.records import make_annotation, make_episode, make_turn
 from serl_cli.artifacts.schema import read_annotations, read_rollouts
 from serl_cli.cli import show as _show_cmd  # noqa: F401  (registers `show`)
 from serl_cli.cli.root import app
@@ -40,12 +40,12 @@ def _turn(action, expert):
 
 
 def _record(turn, log_ratio):
-    return {
-        "episode": 0,
-        "turn": turn,
-        "teacher_logprobs": None if log_ratio is None else [log_ratio],
-        "log_ratio_mean": log_ratio,
-    }
+    return make_annotation(
+        turn=turn,
+        action_mask=[1],
+        teacher_logprobs=None if log_ratio is None else [log_ratio],
+        log_ratio_mean=log_ratio,
+    )
 
 
 EPISODES = [

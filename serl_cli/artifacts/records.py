@@ -1,5 +1,5 @@
 """Run records: one :class:`Episode` per line of ``rollouts.jsonl``, holding its :class:`Turn` s; one
-:class:`Annotation` per line of ``annotations.jsonl``.
+:class:`Annotation` per line of ``annotations.jsonl``; one :class:`Metrics` per line of ``metrics.jsonl``.
 
 These dataclasses are the one definition of the record: the code reads their attributes, and
 ``from_dict`` / ``to_dict`` read and write the JSON. A field without a default is required
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
+from typing import TypedDict
 
 from serl_cli.errors import SerlError
 
@@ -175,6 +176,41 @@ class Annotation:
     def to_dict(self) -> dict:
         """The JSON record, as ``annotations.jsonl`` holds it: every field in field order, then ``extra``."""
         return _to_dict(self, _ANNOTATION_FIELDS, {})
+
+
+class Metrics(TypedDict, total=False):
+    """One line of ``metrics.jsonl``: one update's figures (in the online loop, one iteration's).
+
+    A plain dict, written and read back as it is, so the file is the dict's JSON. Declared are the
+    keys the update always reports and those the readers look up (``serl show``, ``serl plot``, the
+    ablation report, the CLI's table); each algorithm adds its own figures (``pg_loss``, ``kl``,
+    ``distill_kl``, ``selected_fraction``, ...) and the online loop the evaluation's ``eval_*``."""
+
+    update: int  # the learner's updates so far, this one included
+    algo: str
+    iteration: int  # the online loop's iteration (absent from a single update's line)
+    env_steps: int  # the online loop: the iteration's environment steps (turns played)
+    turns: int  # turns trained on
+    action_tokens: int
+    turns_with_gradient: int
+    episodes: int
+    mean_reward: float
+    success_rate: float
+    faulted_episodes: int
+    faulted_turns: int
+    loss: float  # the mean over the applied optimizer steps (NaN: every step was skipped)
+    optimizer_steps: int  # 0: no turn had a gradient, nothing was applied
+    skipped_steps: int  # steps whose loss or gradient was not finite
+    mean_abs_advantage: float
+    weight_mean: float  # serl, rlsd: the SERL weights over the action tokens
+    weight_min: float
+    weight_max: float
+    advantage_mass_moved: float
+    hindsight_examples: int  # train.hindsight_sft: the examples added to the update
+    staleness_mean: float  # max_staleness > 0: how many updates old the rollouts were
+    staleness_max: int
+    is_weight_mean: float
+    eval_success_rate: float  # the online loop's evaluation, on the iterations it ran
 
 
 # -- records made in code: tests, synthetic benchmark batches ------------------------------------

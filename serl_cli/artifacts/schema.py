@@ -9,7 +9,7 @@ A run directory (``serl rollout --out RUN``)::
     RUN/annotations.jsonl   one record per turn (serl annotate): artifacts.records.Annotation
     RUN/checkpoint/         a Hugging Face model directory (serl train), with serl_update.json:
                             what made it (settings, the rollouts' sha256) and its metrics
-    RUN/metrics.jsonl       one record per update (serl train)
+    RUN/metrics.jsonl       one record per update (serl train): artifacts.records.Metrics
 
 Token ids are stored exactly as generated and never rebuilt from text: ``prompt_ids`` is
 the chat-templated prompt the policy saw, ``action_ids`` what it generated (ending in the
@@ -20,12 +20,14 @@ policy's log-probability of each action token.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import ANNOTATION_KEYS, ROLLOUT_KEYS, Annotation, Episode  # noqa: F401 (ANNOTATION_KEYS: re-exported)
+from serl_cli.artifacts.records import ANNOTATION_KEYS, ROLLOUT_KEYS, Annotation, Episode, Metrics  # noqa: F401 (ANNOTATION_KEYS: re-exported)
 from serl_cli.errors import SerlError
 
 ROLLOUTS_FILE = "rollouts.jsonl"
@@ -141,3 +143,25 @@ def read_annotations(run_dir: str | Path) -> list[Annotation]:
     if made_for != rollouts_fingerprint(run):
         raise SerlError(f"{path} was made from other rollouts than {run}/{ROLLOUTS_FILE}: annotate this run again")
     return list(iter_annotations(path))
+
+
+# -- metrics (serl train, the online loop) ----------------------------------------------------
+METRICS_FILE = "metrics.jsonl"
+_COUNTERS = ("update", "iteration", "env_steps")  # what a reader orders and sums the lines by
+
+
+def read_metrics(path: str | Path) -> list[Metrics]:
+    """The lines of a metrics file, each a JSON object whose counters are integers where present."""
+    path = Path(path)
+    out = []
+    for n, d in enumerate(io.iter_jsonl(path), 1):
+        for key in _COUNTERS:
+            if key in d and type(d[key]) is not int:
+                raise SerlError(f"{io.stored(path)}:{n}: {key} must be an integer, got {json.dumps(d[key])[:60]}")
+        out.append(cast(Metrics, d))
+    return out
+
+
+def append_metrics(path: str | Path, metrics: Metrics) -> None:
+    """Add one update's line (atomically: a crash leaves the old file whole)."""
+    io.append_jsonl(path, dict(metrics))

@@ -14,7 +14,14 @@ from serl_cli.algos.objectives import get_objective
 from serl_cli.algos.registry import objective
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.records import Episode
-from serl_cli.artifacts.schema import ROLLOUTS_FILE, read_rollouts, rollout_temperature, rollouts_fingerprint
+from serl_cli.artifacts.schema import (
+    METRICS_FILE,
+    ROLLOUTS_FILE,
+    read_metrics,
+    read_rollouts,
+    rollout_temperature,
+    rollouts_fingerprint,
+)
 from serl_cli.errors import SerlError
 from serl_cli.method.feedback import parse_sources
 from serl_cli.method.hindsight_sft import examples_for_run
@@ -164,7 +171,7 @@ def _train_on_run(
     checkpoint = checkpoint_of(run, cfg)
     books = writes_into_run(run, checkpoint)  # else a reader of run: nothing is written into it
     stage = manifest["stages"].get(stage_name, {}) if books else {}
-    metrics_path, timings_path = run / "metrics.jsonl", run / "timings.jsonl"
+    metrics_path, timings_path = run / METRICS_FILE, run / "timings.jsonl"
     rollout_cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
     model_name = cfg.model or rollout_cfg.get("model")
     identity = update_identity(run, cfg, model_name)
@@ -173,8 +180,8 @@ def _train_on_run(
         if not books:  # the record is written with the weights: the update finished
             return record["metrics"]
         if stage.get("status") == "done":
-            records = list(io.iter_jsonl(metrics_path))
-            return records[stage.get("metrics_line", len(records) - 1)]
+            records = read_metrics(metrics_path)
+            return dict(records[stage.get("metrics_line", len(records) - 1)])
         # killed between its checkpoint and its books: run again (the same update, the same result)
     episodes = training_episodes(read_rollouts(run), cfg, run)
     if not model_name:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import Annotation, Episode, Metrics, Turn
+from serl_cli.artifacts.records import Annotation, Episode, Manifest, Metrics, StageRecord, Turn
 from serl_cli.artifacts.schema import read_rollouts as _read_rollouts
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
@@ -43,6 +43,7 @@ __all__ = [
     "Episode",
     "EvalConfig",
     "LoraConfig",
+    "Manifest",
     "Metrics",
     "OnlineConfig",
     "OnlineEvalConfig",
@@ -52,6 +53,7 @@ __all__ = [
     "Run",
     "SamplingConfig",
     "SerlError",
+    "StageRecord",
     "TrainConfig",
     "Turn",
     "annotate",
@@ -368,6 +370,9 @@ def read_eval(run: str | Path) -> dict:
     return io.read_json(path)
 
 
-def read_manifest(run: str | Path) -> dict:
-    """A run's ``manifest.json``: its stages, their status, settings and summaries."""
-    return io.load_manifest(_dir(run))
+def read_manifest(run: str | Path) -> Manifest:
+    """A run's ``manifest.json`` as a :class:`Manifest`: what made the run, and each stage's
+    :class:`StageRecord` (status, settings, statistics); ``to_dict()`` is the JSON object."""
+    from serl_cli.artifacts.schema import read_manifest as read
+
+    return read(_dir(run))

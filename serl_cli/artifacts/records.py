@@ -1,5 +1,6 @@
 """Run records: one :class:`Episode` per line of ``rollouts.jsonl``, holding its :class:`Turn` s; one
-:class:`Annotation` per line of ``annotations.jsonl``; one :class:`Metrics` per line of ``metrics.jsonl``.
+:class:`Annotation` per line of ``annotations.jsonl``; one :class:`Metrics` per line of ``metrics.jsonl``;
+the run's ``manifest.json`` as a :class:`Manifest` of :class:`StageRecord` s.
 
 These dataclasses are the one definition of the record: the code reads their attributes, and
 ``from_dict`` / ``to_dict`` read and write the JSON. A field without a default is required
@@ -211,6 +212,86 @@ class Metrics(TypedDict, total=False):
     staleness_max: int
     is_weight_mean: float
     eval_success_rate: float  # the online loop's evaluation, on the iterations it ran
+
+
+@dataclass(frozen=True, slots=True)
+class StageRecord:
+    """One stage's entry in ``manifest.json`` (``stages.NAME``), read through: its status, its
+    settings, its statistics, and whatever else it recorded (``get``). A stage the run has not
+    started reads as an empty entry (status None)."""
+
+    name: str
+    entry: dict  # the JSON object as the manifest holds it
+
+    @property
+    def status(self) -> str | None:  # running, done (None: not started)
+        return self.entry.get("status")
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done"
+
+    @property
+    def config(self) -> dict:  # the stage's resolved settings
+        return self.entry.get("config") or {}
+
+    @property
+    def stats(self) -> dict:  # its statistics (annotate: teacher work, the teacher signal)
+        return self.entry.get("stats") or {}
+
+    def get(self, key: str, default=None):
+        """What else the stage recorded (rollouts_sha256, checkpoint, metrics_line, ...)."""
+        return self.entry.get(key, default)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A run's ``manifest.json``: what made the run and each stage's entry (:class:`StageRecord`).
+    A view of the JSON object as read: the stages write it (``artifacts.io.mark_stage``), and
+    ``to_dict`` is that object, so reading changes no byte of it."""
+
+    data: dict
+
+    @classmethod
+    def from_dict(cls, d, where: str = "manifest.json") -> Manifest:
+        """A manifest, checked: an object whose ``stages`` map names to objects."""
+        if not isinstance(d, dict) or not isinstance(d.get("stages", {}), dict):
+            raise SerlError(f"{where} is not a serl manifest (expected an object with a stages mapping)")
+        for name, entry in d.get("stages", {}).items():
+            if not isinstance(entry, dict):
+                raise SerlError(f"{where}: stage {name} must be a JSON object, got {json.dumps(entry)[:60]}")
+        return cls(d)
+
+    def to_dict(self) -> dict:
+        return self.data
+
+    @property
+    def stages(self) -> dict[str, StageRecord]:
+        """Every stage the run recorded, in the order they started."""
+        return {name: StageRecord(name, entry) for name, entry in self.data.get("stages", {}).items()}
+
+    def stage(self, name: str) -> StageRecord:
+        return StageRecord(name, self.data.get("stages", {}).get(name) or {})
+
+    def has(self, name: str) -> bool:
+        return name in self.data.get("stages", {})
+
+    @property
+    def rollout_config(self) -> dict:
+        """The rollout's settings (model, env, sampling, prompt...): what the later stages read."""
+        return self.stage("rollout").config
+
+    @property
+    def seed(self) -> int | None:
+        return self.data.get("seed")
+
+    @property
+    def serl_version(self) -> str | None:
+        return self.data.get("serl_version")
+
+    @property
+    def git_commit(self) -> str | None:
+        return self.data.get("git_commit")
 
 
 # -- records made in code: tests, synthetic benchmark batches ------------------------------------

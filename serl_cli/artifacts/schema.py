@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import cast
 
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import ANNOTATION_KEYS, ROLLOUT_KEYS, Annotation, Episode, Metrics  # noqa: F401 (ANNOTATION_KEYS: re-exported)
+from serl_cli.artifacts.records import ANNOTATION_KEYS, ROLLOUT_KEYS, Annotation, Episode, Manifest, Metrics  # noqa: F401 (ANNOTATION_KEYS: re-exported)
 from serl_cli.errors import SerlError
 
 ROLLOUTS_FILE = "rollouts.jsonl"
@@ -106,10 +106,14 @@ SELECTION_REPORT_FILE = "selection_report.json"
 # One record per turn, in rollouts.jsonl order (episode, then turn): artifacts.records.Annotation
 
 
-def rollout_temperature(manifest: dict) -> float:
+def read_manifest(run_dir: str | Path) -> Manifest:
+    """A run's ``manifest.json``, checked (``io.load_manifest``: a run directory, this schema version)."""
+    return Manifest.from_dict(io.load_manifest(run_dir), f"{run_dir}/manifest.json")
+
+
+def rollout_temperature(manifest: Manifest) -> float:
     """Behaviour log-probs were taken at the rollout's temperature; greedy ones at 1."""
-    cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
-    t = float(cfg.get("sampling", {}).get("temperature", 1.0))
+    t = float(manifest.rollout_config.get("sampling", {}).get("temperature", 1.0))
     return t if t > 0 else 1.0
 
 
@@ -132,12 +136,11 @@ def read_annotations(run_dir: str | Path) -> list[Annotation]:
     """Annotations of a run, checked to belong to its current rollouts."""
 
     run = Path(run_dir)
-    manifest = io.load_manifest(run)
+    stage = read_manifest(run).stage("annotate")
     path = io.stored(run / ANNOTATIONS_FILE)
     if not path.is_file():
         raise SerlError(f"{run} has no annotations: run `serl annotate {run}` first")
-    stage = manifest.get("stages", {}).get("annotate", {})
-    if stage.get("status") != "done":
+    if not stage.done:
         raise SerlError(f"the annotation of {run} did not finish: run `serl annotate {run} --resume` first")
     made_for = stage.get("rollouts_sha256")
     if made_for != rollouts_fingerprint(run):

@@ -15,11 +15,12 @@ from pathlib import Path
 
 from serl_cli.algos.objectives import annotation_advantages
 from serl_cli.artifacts import io, runlock
-from serl_cli.artifacts.records import Annotation, Episode
+from serl_cli.artifacts.records import Annotation, Episode, Manifest
 from serl_cli.artifacts.schema import (
     ANNOTATIONS_FILE,
     ROLLOUTS_FILE,
     SELECTION_REPORT_FILE,
+    read_manifest,
     read_rollouts,
     rollouts_fingerprint,
     turn_samples,
@@ -67,17 +68,13 @@ def journaled_scorer(journal: Path, done: list[dict], progress=None):
     return scorer
 
 
-def _finished(run: Path, manifest: dict) -> dict | None:
-    stage = manifest.get("stages", {}).get("annotate", {})
-    if (
-        stage.get("status") != "done"
-        or not (run / ANNOTATIONS_FILE).is_file()
-        or not (run / SELECTION_REPORT_FILE).is_file()
-    ):
+def _finished(run: Path, manifest: Manifest) -> dict | None:
+    stage = manifest.stage("annotate")
+    if not stage.done or not (run / ANNOTATIONS_FILE).is_file() or not (run / SELECTION_REPORT_FILE).is_file():
         return None
     if stage.get("rollouts_sha256") != rollouts_fingerprint(run):
         return None
-    return {**stage.get("stats", {}), "report": io.read_json(run / SELECTION_REPORT_FILE)}
+    return {**stage.stats, "report": io.read_json(run / SELECTION_REPORT_FILE)}
 
 
 def run_annotate(
@@ -104,7 +101,7 @@ def _run_annotate(
     from serl_cli.models.device import resolve
     from serl_cli.models.loading import load_for_inference, set_torch_threads
 
-    manifest = io.load_manifest(run)
+    manifest = read_manifest(run)
     validate(cfg)
     journal = run / JOURNAL_FILE
     finished = io.begin_resumable(
@@ -120,7 +117,7 @@ def _run_annotate(
     episodes = read_rollouts(run)
     if any(not t.behaviour_logprobs for e in episodes for t in e.turns):
         raise SerlError(f"{run}/{ROLLOUTS_FILE} has no behaviour log-probs (expert data?): annotate a model's rollouts")
-    rollout_cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
+    rollout_cfg = manifest.rollout_config
     teacher_name = cfg.teacher or rollout_cfg.get("model")
     if not teacher_name:
         raise SerlError(f"no teacher model: {run}/manifest.json names no rollout model; pass --set teacher=DIR")

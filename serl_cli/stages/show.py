@@ -18,11 +18,12 @@ from rich.table import Table
 from rich.text import Text
 
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import Annotation, Episode, Turn
+from serl_cli.artifacts.records import Annotation, Episode, Manifest, StageRecord, Turn
 from serl_cli.artifacts.schema import (
     ANNOTATIONS_FILE,
     ROLLOUTS_FILE,
     iter_annotations,
+    read_manifest,
     read_rollouts,
     rollouts_fingerprint,
 )
@@ -33,10 +34,10 @@ DEFAULT_CLIP = 0.2  # weights are shaded by |w - 1| / clip (annotate's weight_cl
 
 
 # -- reading ----------------------------------------------------------------------------------
-def load_run(run_dir: str | Path) -> tuple[dict, list[Episode], Annotations | None]:
+def load_run(run_dir: str | Path) -> tuple[Manifest, list[Episode], Annotations | None]:
     """(manifest, episodes, annotations by (episode, turn) or None where the run has none)."""
     run = Path(run_dir)
-    manifest = io.load_manifest(run)
+    manifest = read_manifest(run)
     episodes = read_rollouts(run, need_tokens=False)
     return manifest, episodes, read_annotations(run, manifest, episodes)
 
@@ -44,11 +45,11 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[Episode], Annotations | No
 Annotations = dict[tuple[int, int], Annotation]  # a run's annotation records by (episode, turn)
 
 
-def read_annotations(run: Path, manifest: dict, episodes: list[Episode]) -> Annotations | None:
+def read_annotations(run: Path, manifest: Manifest, episodes: list[Episode]) -> Annotations | None:
     path = io.stored(run / ANNOTATIONS_FILE)
     if not path.exists():
         return None
-    made_from = manifest.get("stages", {}).get("annotate", {}).get("rollouts_sha256")
+    made_from = manifest.stage("annotate").get("rollouts_sha256")
     if made_from and rollouts_fingerprint(run) != made_from:
         raise SerlError(
             f"{path} was made from other rollouts than {run / ROLLOUTS_FILE}: run `serl annotate {run} --overwrite`"
@@ -73,27 +74,29 @@ def _check_index(what: str, i: int | None, n: int) -> None:
 
 
 # -- the run: stages and episodes ----------------------------------------------------------------
-def _stage_detail(entry: dict) -> str:
-    cfg = entry.get("config") or {}
+def _stage_detail(entry: StageRecord) -> str:
+    cfg = entry.config
     keys = ("model", "policy", "sources", "granularity", "placement", "tokens", "algo", "teacher")
     parts = [f"{k} {cfg[k]}" for k in keys if cfg.get(k) not in (None, "")]
     if "expert" in str(cfg.get("sources", "")).replace("|", ",").split(","):
         parts.append("expert = privileged oracle information")
     if entry.get("checkpoint"):
-        parts.append(f"checkpoint {entry['checkpoint']}")
+        parts.append(f"checkpoint {entry.get('checkpoint')}")
     return ", ".join(parts)
 
 
-def run_view(run_dir: str | Path, manifest: dict, episodes: list[Episode], ann: Annotations | None) -> RenderableType:
-    commit = (manifest.get("git_commit") or "unknown")[:10]
+def run_view(
+    run_dir: str | Path, manifest: Manifest, episodes: list[Episode], ann: Annotations | None
+) -> RenderableType:
+    commit = (manifest.git_commit or "unknown")[:10]
     head = Text(
-        f"run {run_dir}: serl {manifest.get('serl_version')}, seed {manifest.get('seed')}, commit {commit}",
+        f"run {run_dir}: serl {manifest.serl_version}, seed {manifest.seed}, commit {commit}",
         style="bold",
     )
     stages = Table(title="stages", title_justify="left", header_style="bold")
     for col in ("stage", "status", "detail"):
         stages.add_column(col)
-    for name, entry in manifest.get("stages", {}).items():
+    for name, entry in manifest.stages.items():
         status = str(entry.get("status", "?"))
         stages.add_row(
             Text(name), Text(status, style="green" if status == "done" else "yellow"), Text(_stage_detail(entry))
@@ -122,7 +125,7 @@ def run_view(run_dir: str | Path, manifest: dict, episodes: list[Episode], ann: 
     if ann is not None:
         total += f", {sum(r['selected_turns'] for r in rows)} of {len(ann)} turns selected"
     parts: list[RenderableType] = [head, stages, table]
-    signal = ((manifest.get("stages", {}).get("annotate") or {}).get("stats") or {}).get("teacher_signal")
+    signal = manifest.stage("annotate").stats.get("teacher_signal")
     if signal:
         parts.append(teacher_signal_text(signal))
     return Group(*parts, Text(total + "; `serl show RUN --episode N` for one episode", style="dim"))
@@ -176,9 +179,9 @@ def _record(a: Annotation | None) -> dict | None:
     return None if a is None else a.to_dict()
 
 
-def load_tokenizer(manifest: dict):
+def load_tokenizer(manifest: Manifest):
     """(tokenizer or None, why not): the rollout model's tokenizer, to decode action tokens."""
-    name = ((manifest.get("stages", {}).get("rollout") or {}).get("config") or {}).get("model")
+    name = manifest.rollout_config.get("model")
     if not name:
         return None, "the manifest names no rollout model"
     path = Path(name).expanduser()
@@ -335,7 +338,7 @@ def turn_view(i: int, turn: Turn, rec: Annotation | None, full: bool, tokenizer,
 
 
 def episode_view(
-    manifest: dict,
+    manifest: Manifest,
     episodes: list[Episode],
     ann: Annotations | None,
     index: int,
@@ -363,7 +366,7 @@ def episode_view(
     recs = {i: (ann or {}).get((index, i)) for i in shown}  # each shown turn's annotation record (None: none)
     weighted = any(r and r.weights is not None for r in recs.values())
     tokenizer, why = tokenizer_loader(manifest) if weighted else (None, "")
-    acfg = (manifest.get("stages", {}).get("annotate") or {}).get("config") or {}
+    acfg = manifest.stage("annotate").config
     clip = float(acfg.get("weight_clip", DEFAULT_CLIP))
     if weighted:
         parts.append(legend(clip, tokenizer is None, acfg.get("tokens", "action")))

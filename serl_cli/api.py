@@ -24,7 +24,7 @@ from pathlib import Path
 
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import Episode, Turn
+from serl_cli.artifacts.records import Annotation, Episode, Manifest, Metrics, StageRecord, Turn
 from serl_cli.artifacts.schema import read_rollouts as _read_rollouts
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
@@ -38,10 +38,13 @@ from serl_cli.training.train_config import LoraConfig, OptimConfig, TrainConfig
 
 __all__ = [
     "AnnotateConfig",
+    "Annotation",
     "EnvConfig",
     "Episode",
     "EvalConfig",
     "LoraConfig",
+    "Manifest",
+    "Metrics",
     "OnlineConfig",
     "OnlineEvalConfig",
     "OptimConfig",
@@ -50,6 +53,7 @@ __all__ = [
     "Run",
     "SamplingConfig",
     "SerlError",
+    "StageRecord",
     "TrainConfig",
     "Turn",
     "annotate",
@@ -276,7 +280,7 @@ def train_online(
     overwrite: bool = False,
     on_iteration=None,
     plan_check: bool = True,
-) -> list[dict]:
+) -> list[Metrics]:
     """``serl train --iterations K``: the online loop, ``cfg.iterations`` times rollout ->
     (annotate) -> update, in the run directory ``cfg.out`` (``iter_XXXX/``, ``metrics.jsonl``,
     ``online.yaml``; the final policy in ``OUT/checkpoint``). ``resume`` continues after the last
@@ -339,16 +343,20 @@ def read_rollouts(run: str | Path) -> list[Episode]:
     return _read_rollouts(_dir(run), need_tokens=False)
 
 
-def read_metrics(run: str | Path) -> list[dict]:
-    """A run's ``metrics.jsonl``: one record per update (per iteration of an online run)."""
-    path = _dir(run) / "metrics.jsonl"
+def read_metrics(run: str | Path) -> list[Metrics]:
+    """A run's ``metrics.jsonl``: one :class:`Metrics` per update (per iteration of an online run)."""
+    from serl_cli.artifacts.schema import METRICS_FILE
+    from serl_cli.artifacts.schema import read_metrics as read
+
+    path = _dir(run) / METRICS_FILE
     if not path.is_file():
         raise SerlError(f"{run} has no metrics.jsonl: no update kept its books there (serl train RUN, the online loop)")
-    return list(io.iter_jsonl(path))
+    return read(path)
 
 
-def read_annotations(run: str | Path) -> list[dict]:
-    """A run's ``annotations.jsonl`` (``serl annotate``): one record per turn, in rollout order."""
+def read_annotations(run: str | Path) -> list[Annotation]:
+    """A run's ``annotations.jsonl`` (``serl annotate``): one :class:`Annotation` per turn, in rollout order,
+    checked as the update reads them (the annotation finished, on the run's current rollouts)."""
     from serl_cli.artifacts.schema import read_annotations as read
 
     return read(_dir(run))
@@ -362,6 +370,9 @@ def read_eval(run: str | Path) -> dict:
     return io.read_json(path)
 
 
-def read_manifest(run: str | Path) -> dict:
-    """A run's ``manifest.json``: its stages, their status, settings and summaries."""
-    return io.load_manifest(_dir(run))
+def read_manifest(run: str | Path) -> Manifest:
+    """A run's ``manifest.json`` as a :class:`Manifest`: what made the run, and each stage's
+    :class:`StageRecord` (status, settings, statistics); ``to_dict()`` is the JSON object."""
+    from serl_cli.artifacts.schema import read_manifest as read
+
+    return read(_dir(run))

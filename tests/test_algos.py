@@ -212,23 +212,16 @@ def test_serl_with_lambda_zero_is_grpo_loss_and_gradient():
 def test_advantage_mass_moved_hand_values():
     """sum |A (w - 1)| / sum |A| over every action token; a turn with no weights counts at w = 1."""
     from serl_cli.algos.objectives import _annotation_stats
+    from serl_cli.artifacts.records import make_annotation
 
     ann = [
-        {
-            "selected": True,
-            "weights": [1.2, 1.0],
-            "action_mask": [1, 1],
-            "log_ratio_mean": -0.5,
-            "teacher_logprobs": [-1.0, -0.1],
-        },
-        {"selected": False, "weights": None, "action_mask": [1], "log_ratio_mean": None, "teacher_logprobs": None},
-        {
-            "selected": True,
-            "weights": [0.9, 5.0],
-            "action_mask": [1, 0],
-            "log_ratio_mean": 0.2,
-            "teacher_logprobs": [-0.2, -0.3],
-        },
+        make_annotation(
+            selected=True, weights=[1.2, 1.0], action_mask=[1, 1], log_ratio_mean=-0.5, teacher_logprobs=[-1.0, -0.1]
+        ),
+        make_annotation(selected=False, weights=None, action_mask=[1], log_ratio_mean=None, teacher_logprobs=None),
+        make_annotation(
+            selected=True, weights=[0.9, 5.0], action_mask=[1, 0], log_ratio_mean=0.2, teacher_logprobs=[-0.2, -0.3]
+        ),
     ]
     adv = torch.tensor([0.5, -2.0, -1.0])
     stats = _annotation_stats(ann, adv, {"weight_clip": 0.2}, {"lambda": 1.0})

@@ -88,14 +88,14 @@ def test_feedback_placement_selects_fired_turns_and_scores_only_those(run_dir, m
     episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="feedback", unparsed="whole")
     assert len(records) == sum(len(e.turns) for e in episodes)
     for r in records:
-        assert r["selected"] == bool(r["fired"])
-        scored = r["teacher_logprobs"] is not None
-        assert scored == (r["selected"] and r["advantage"] != 0)  # A = 0 keeps weight 1: not scored
-        if r["weights"] is not None:
-            assert len(r["weights"]) == len(r["teacher_logprobs"]) == len(r["action_mask"])
-            for w, m in zip(r["weights"], r["action_mask"], strict=True):
+        assert r.selected == bool(r.fired)
+        scored = r.teacher_logprobs is not None
+        assert scored == (r.selected and r.advantage != 0)  # A = 0 keeps weight 1: not scored
+        if r.weights is not None:
+            assert len(r.weights) == len(r.teacher_logprobs) == len(r.action_mask)
+            for w, m in zip(r.weights, r.action_mask, strict=True):
                 assert (0.9 - 1e-9 <= w <= 1.1 + 1e-9) if m else w == 1.0  # lambda 0.5, c 0.2
-    assert stats["teacher_turns_scored"] == sum(r["teacher_logprobs"] is not None for r in records)
+    assert stats["teacher_turns_scored"] == sum(r.teacher_logprobs is not None for r in records)
 
 
 @pytest.mark.parametrize("sources", ["diff", "ref|error"])
@@ -109,8 +109,8 @@ def test_random_matches_feedback_on_scored_turns_and_all_scores_more(run_dir, mo
     for seed in range(4):
         _, rnd_records, rnd_stats = annotate(run_dir, model_and_tokenizer, placement="random", seed=seed, **kw)
         assert rnd_stats["teacher_turns_scored"] == fb_stats["teacher_turns_scored"]
-        assert sum(r["weights"] is not None for r in rnd_records) == sum(r["weights"] is not None for r in fb_records)
-    assert [r["selected"] for r in all_records] == [r["hindsight"] is not None for r in all_records]
+        assert sum(r.weights is not None for r in rnd_records) == sum(r.weights is not None for r in fb_records)
+    assert [r.selected for r in all_records] == [r.hindsight is not None for r in all_records]
     assert all_stats["teacher_turns_scored"] >= fb_stats["teacher_turns_scored"]
 
 
@@ -128,7 +128,7 @@ def test_lambda_zero_skips_the_teacher(run_dir, model_and_tokenizer):
             episodes, AnnotateConfig(sources="obs", teacher_signal=False, **kw), model, tok, env_cfg=None, scorer=spy
         )
         assert not calls and stats["teacher_skipped"] and stats["teacher_turns_scored"] == 0 and stats["lambda"] == 0
-        assert all(r["weights"] is None and r["teacher_logprobs"] is None for r in records)
+        assert all(r.weights is None and r.teacher_logprobs is None for r in records)
     # distillation wants the teacher's log-probs for themselves: lambda = 0 does not skip it then
     _, stats = annotate_episodes(
         episodes,
@@ -144,17 +144,11 @@ def test_rlsd_weights_every_reply_token(run_dir, model_and_tokenizer):
     _, records, _ = annotate(
         run_dir, model_and_tokenizer, sources="obs", tokens="reply", mixing_lambda=1.0, unparsed="whole"
     )
-    off_action = [
-        w for r in records if r["weights"] for w, m in zip(r["weights"], r["action_mask"], strict=True) if not m
-    ]
+    off_action = [w for r in records if r.weights for w, m in zip(r.weights, r.action_mask, strict=True) if not m]
     assert off_action and any(w != 1.0 for w in off_action)  # reasoning, tags and the end token are reweighted too
     _, serl_records, _ = annotate(run_dir, model_and_tokenizer, sources="obs", mixing_lambda=1.0, unparsed="whole")
     assert all(
-        w == 1.0
-        for r in serl_records
-        if r["weights"]
-        for w, m in zip(r["weights"], r["action_mask"], strict=True)
-        if not m
+        w == 1.0 for r in serl_records if r.weights for w, m in zip(r.weights, r.action_mask, strict=True) if not m
     )
     with pytest.raises(SerlError, match="tokens"):
         annotate(run_dir, model_and_tokenizer, tokens="reasoning")
@@ -169,12 +163,12 @@ def test_weights_follow_the_formula(run_dir, model_and_tokenizer):
     turns = [t for e in episodes for t in e.turns]
     checked = 0
     for r, t in zip(records, turns, strict=True):
-        if r["weights"] is None:
+        if r.weights is None:
             continue
-        lp_t = torch.tensor(r["teacher_logprobs"], dtype=torch.float64)
+        lp_t = torch.tensor(r.teacher_logprobs, dtype=torch.float64)
         lp_o = torch.tensor(t.behaviour_logprobs, dtype=torch.float64)
-        expect = blend_weights(hindsight_weights(lp_t, lp_o, torch.tensor(r["advantage"]), 0.2), 0.5)
-        for w, e, m in zip(r["weights"], expect.tolist(), r["action_mask"], strict=True):
+        expect = blend_weights(hindsight_weights(lp_t, lp_o, torch.tensor(r.advantage), 0.2), 0.5)
+        for w, e, m in zip(r.weights, expect.tolist(), r.action_mask, strict=True):
             assert w == pytest.approx(e if m else 1.0, abs=1e-12)
         checked += 1
     assert checked > 0
@@ -190,7 +184,7 @@ def _grads(model_dir, episodes, algo, annotations=None, meta=None):
 
 def test_serl_at_lambda_zero_is_grpo(run_dir, model_and_tokenizer, stopping_model_dir):
     episodes, records, stats = annotate(run_dir, model_and_tokenizer, placement="all", mixing_lambda=0.0)
-    assert all(w == 1.0 for r in records if r["weights"] for w in r["weights"])
+    assert all(w == 1.0 for r in records if r.weights for w in r.weights)
     meta = {"config": {"placement": "all", "weight_clip": 0.2}, "stats": stats}
     m_serl, g_serl = _grads(stopping_model_dir, episodes, "serl", records, meta)
     m_grpo, g_grpo = _grads(stopping_model_dir, episodes, "grpo")

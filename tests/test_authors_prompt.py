@@ -26,7 +26,7 @@ from envs.base import Feedback, Step
 from envs.sokoban import authors as sokoban_authors
 from envs.webshop import authors as webshop_authors
 from serl_cli.algos.objectives import get_objective
-from serl_cli.artifacts.records import make_episode, make_turn
+from serl_cli.artifacts.records import make_annotation, make_episode, make_turn
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.method.teacher import action_span_mask
@@ -328,8 +328,8 @@ def test_show_renders_reasoning_and_action_with_their_weights(qwen):
         feedback={"error": None, "diff": "page item"},
         invalid=False,
     )
-    rec = dict(selected=True, distill=False, sources=["obs"], fired=[], hindsight="h", advantage=1.0)
-    rec.update(log_ratio_mean=0.1, weights=weights, action_mask=mask)
+    rec = make_annotation(selected=True, sources=["obs"], hindsight="h", advantage=1.0)
+    rec.log_ratio_mean, rec.weights, rec.action_mask = 0.1, weights, mask
     console = Console(record=True, width=200)
     console.print(show.turn_view(0, turn, rec, False, qwen, 0.2))
     text = console.export_text()

@@ -151,11 +151,11 @@ def test_staged_annotate_and_train_make_the_loops_update(loop_run, tmp_path):
     p = serl("annotate", str(staged), "--config", run_file, "-q")
     assert p.returncode == 0, p.stderr
     loop_ann, staged_ann = read_annotations(it), read_annotations(staged)
-    assert any(a["weights"] for a in loop_ann) and any(a["advantage"] != 0 for a in loop_ann)
+    assert any(a.weights for a in loop_ann) and any(a.advantage != 0 for a in loop_ann)
     for a, b in zip(loop_ann, staged_ann, strict=True):
-        assert b["advantage"] == pytest.approx(a["advantage"], abs=1e-6)
-        assert (a["weights"] is None) == (b["weights"] is None)
-        assert b["weights"] is None or b["weights"] == pytest.approx(a["weights"], abs=1e-6)
+        assert b.advantage == pytest.approx(a.advantage, abs=1e-6)
+        assert (a.weights is None) == (b.weights is None)
+        assert b.weights is None or b.weights == pytest.approx(a.weights, abs=1e-6)
     p = serl("train", str(staged), "--config", run_file, "--out", str(tmp_path / "ckpt"), "-q")
     assert p.returncode == 0, p.stderr
     loop_m = json.loads((loop_run / "metrics.jsonl").read_text().splitlines()[0])

@@ -161,7 +161,7 @@ def test_annotation_builds_each_familys_teacher_prompt(family):
         _group(tok, student), AnnotateConfig(teacher_signal=False), None, tok, env_cfg=None, scorer=spy_scorer(seen)
     )
     assert len(seen) == 2
-    assert seen[0].prompt_ids == teacher_prompt(tok, student, records[0]["hindsight"])
+    assert seen[0].prompt_ids == teacher_prompt(tok, student, records[0].hindsight)
     assert "Immediate feedback from the current step:" in _text(tok, seen[0].prompt_ids)
 
 

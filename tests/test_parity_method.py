@@ -104,7 +104,7 @@ def test_teacher_prompt_is_the_authors_template_filled_by_hand(tokenizer):
     records, _ = annotate_episodes(
         group, AnnotateConfig(teacher_signal=False), None, tokenizer, env_cfg=None, scorer=spy_scorer(seen)
     )
-    assert len(seen) == 2 and records[0]["sources"] == ["obs"]
+    assert len(seen) == 2 and records[0].sources == ["obs"]
     # the authors' template (YAML:65) and section (PC:1634-1637), filled by hand
     teacher_user = (
         user
@@ -135,7 +135,7 @@ def test_the_block_cap_is_on_the_whole_block_and_keeps_the_closing_instruction(t
         env_cfg=None,
         scorer=spy_scorer(seen),
     )
-    blocks = [r["hindsight"] for r in records if r["hindsight"]]
+    blocks = [r.hindsight for r in records if r.hindsight]
     assert blocks and all(len(tokenizer.encode(b, add_special_tokens=False)) <= 12 for b in blocks)
     assert any(b.endswith(" ...") for b in blocks)
     assert all(
@@ -205,24 +205,24 @@ def test_serl_annotate_defaults_reweight_exactly_the_turns_with_a_block_on_their
     records, episodes = read_annotations(run), read_rollouts(run)
     reweighted = 0
     for r in records:
-        turn = episodes[r["episode"]].turns[r["turn"]]
+        turn = episodes[r.episode].turns[r.turn]
         has_block = bool(turn.next_observation.strip())
-        assert r["selected"] == has_block == (r["hindsight"] is not None)
-        assert r["hindsight"] is None or r["hindsight"].startswith("Immediate feedback from the current step:\n")
+        assert r.selected == has_block == (r.hindsight is not None)
+        assert r.hindsight is None or r.hindsight.startswith("Immediate feedback from the current step:\n")
         parsed = turn.action_text == THINK_AND_ACT
-        inside = tokenizer.decode([i for i, m in zip(turn.action_ids, r["action_mask"], strict=True) if m])
+        inside = tokenizer.decode([i for i, m in zip(turn.action_ids, r.action_mask, strict=True) if m])
         assert ("click[b01]" in inside and "think" not in inside and "red" not in inside) if parsed else inside == ""
-        if not (has_block and parsed and r["advantage"] != 0):
-            assert r["weights"] is None or all(w == 1.0 for w in r["weights"])
+        if not (has_block and parsed and r.advantage != 0):
+            assert r.weights is None or all(w == 1.0 for w in r.weights)
             continue
-        assert r["weights"] is not None
-        for w, m in zip(r["weights"], r["action_mask"], strict=True):
+        assert r.weights is not None
+        for w, m in zip(r.weights, r.action_mask, strict=True):
             assert (w != 1.0) if m else (w == 1.0)  # teacher -1 vs student -2: every action token moves
         reweighted += 1
     assert reweighted >= 2
     # and `serl show` displays it: the action tokens shaded, the rest dim, the scope named
     manifest = io.load_manifest(run)
-    ann = {(r["episode"], r["turn"]): r for r in records}
+    ann = {(r.episode, r.turn): r for r in records}
     console = Console(record=True, width=200)
     console.print(show.episode_view(manifest, episodes, ann, 0))
     text = console.export_text()
@@ -240,10 +240,10 @@ def test_rlsd_annotations_weight_every_reply_token_of_every_turn_with_a_block(ru
         scorer=spy_scorer([]),
     )
     for r in records:
-        scored = r["hindsight"] is not None and r["advantage"] != 0
-        assert (r["weights"] is not None) == scored  # unparsed replies included: rlsd is not selective
+        scored = r.hindsight is not None and r.advantage != 0
+        assert (r.weights is not None) == scored  # unparsed replies included: rlsd is not selective
         if scored:
-            assert all(w != 1.0 for w in r["weights"])
+            assert all(w != 1.0 for w in r.weights)
 
 
 def test_weights_are_the_authors_formula_on_action_tokens(run_dir, tokenizer):
@@ -256,11 +256,11 @@ def test_weights_are_the_authors_formula_on_action_tokens(run_dir, tokenizer):
     lam, c = 0.5, 0.2
     checked = 0
     for r in records:
-        if r["weights"] is None:
+        if r.weights is None:
             continue
         checked += 1
-        expect = (1 - lam) + lam * ((1 + c) if r["advantage"] > 0 else (1 - c))
-        assert [w for w, m in zip(r["weights"], r["action_mask"], strict=True) if m] == pytest.approx(
-            [expect] * sum(r["action_mask"]), abs=1e-12
+        expect = (1 - lam) + lam * ((1 + c) if r.advantage > 0 else (1 - c))
+        assert [w for w, m in zip(r.weights, r.action_mask, strict=True) if m] == pytest.approx(
+            [expect] * sum(r.action_mask), abs=1e-12
         )
-    assert checked >= 2 and {r["advantage"] > 0 for r in records if r["weights"]} == {True, False}
+    assert checked >= 2 and {r.advantage > 0 for r in records if r.weights} == {True, False}

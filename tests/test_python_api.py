@@ -30,7 +30,7 @@ def test_the_example_script_runs_and_writes_every_stage(tmp_path, capsys):
     assert len(episodes) == 8 and all(isinstance(e, api.Episode) for e in episodes)
     assert all(isinstance(t, api.Turn) and not t.behaviour_logprobs for e in episodes for t in e.turns)  # the expert
     assert yaml.safe_load((tmp_path / "expert" / "rollout.yaml").read_text())["policy"] == "expert"
-    assert api.read_manifest(tmp_path / "expert")["stages"]["train:sft"]["status"] == "done"
+    assert api.read_manifest(tmp_path / "expert").stage("train:sft").done
 
     assert result["sft"].path == tmp_path / "expert" / "checkpoint"
     assert (result["sft"].path / "config.json").is_file()

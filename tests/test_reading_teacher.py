@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from envs.sokoban.env import SokobanWorld
-from serl_cli.artifacts.records import make_episode, make_turn
+from serl_cli.artifacts.records import make_annotation, make_episode, make_turn
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
 from serl_cli.method import teacher_gate as gate
@@ -119,10 +119,10 @@ def test_aligned_blocks_need_no_environment(episodes, micro):
     cfg = AnnotateConfig(sources="expert", trajectory="aligned", mixing_lambda=0.0)  # lambda 0: no teacher
     records, _ = annotate_episodes(episodes, cfg, None, tokenizer, env_cfg=None, bare_replies=True)
     for r in records:
-        turn = episodes[r["episode"]].turns[r["turn"]]
+        turn = episodes[r.episode].turns[r.turn]
         want = f"{EXPERT_TITLE}\n<action>{turn.expert_action}</action>" if turn.expert_action else None
-        assert r["hindsight"] == want
-        assert r["fired"] == (["expert"] if want and turn.action != turn.expert_action else [])
+        assert r.hindsight == want
+        assert r.fired == (["expert"] if want and turn.action != turn.expert_action else [])
 
 
 # -- reading SFT ---------------------------------------------------------------------------------
@@ -203,16 +203,16 @@ def test_a_perfect_teacher_blames_every_failed_rollouts_off_expert_tokens_more(e
     records, _ = annotate_episodes(episodes, cfg, None, tokenizer, env_cfg=SOKOBAN, scorer=scorer, bare_replies=True)
     checked = {"failed, off": 0, "failed, on": 0, "won, off": 0, "won, on": 0}
     for r in records:
-        turn = episodes[r["episode"]].turns[r["turn"]]
-        if not turn.expert_action or r["advantage"] == 0:
+        turn = episodes[r.episode].turns[r.turn]
+        if not turn.expert_action or r.advantage == 0:
             continue
-        weights = [w for w, m in zip(r["weights"], r["action_mask"], strict=True) if m]
-        assert weights and all(w == 1.0 for w, m in zip(r["weights"], r["action_mask"], strict=True) if not m)
+        weights = [w for w, m in zip(r.weights, r.action_mask, strict=True) if m]
+        assert weights and all(w == 1.0 for w, m in zip(r.weights, r.action_mask, strict=True) if not m)
         on = turn.action == turn.expert_action
-        blame = [abs(w * r["advantage"]) for w in weights]  # |w A| against GRPO's |A|
-        failed = r["advantage"] < 0
+        blame = [abs(w * r.advantage) for w in weights]  # |w A| against GRPO's |A|
+        failed = r.advantage < 0
         more = failed != on  # failed: more blame off the expert; won: more credit on it
-        assert all((b > abs(r["advantage"])) if more else (b < abs(r["advantage"])) for b in blame)
+        assert all((b > abs(r.advantage)) if more else (b < abs(r.advantage)) for b in blame)
         checked[f"{'failed' if failed else 'won'}, {'on' if on else 'off'}"] += 1
     assert min(checked.values()) > 0, checked
 
@@ -222,14 +222,7 @@ def test_a_perfect_teacher_blames_every_failed_rollouts_off_expert_tokens_more(e
 
 def test_selection_bias_is_also_tested_among_scorable_turns_alone():
     def rec(episode, selected, advantage, sources=("diff",)):
-        return {
-            "episode": episode,
-            "turn": 0,
-            "selected": selected,
-            "sources": list(sources),
-            "fired": [],
-            "advantage": advantage,
-        }
+        return make_annotation(episode=episode, selected=selected, sources=list(sources), advantage=advantage)
 
     episodes = [make_episode(reward=float(k < 2), success=k < 2) for k in range(4)]
     # every selected turn is scorable; the unselected include unscorable ones of failed rollouts
@@ -280,8 +273,8 @@ def test_gate_figures_end_to_end_on_a_random_micro_model(episodes, micro, world)
 
 def test_weight_figures_by_hand():
     records = [
-        {"weights": [1.1, 0.95, 1.0], "action_mask": [1, 1, 0], "advantage": -2.0},
-        {"weights": None, "action_mask": [1], "advantage": 1.0},
+        make_annotation(weights=[1.1, 0.95, 1.0], action_mask=[1, 1, 0], advantage=-2.0),
+        make_annotation(weights=None, action_mask=[1], advantage=1.0),
     ]
     f = weight_figures(records, weight_clip=0.2, lam=0.5)
     # |A (w - 1)|: 2 * 0.1 + 2 * 0.05 = 0.3 over |A| 2 + 2 + 1 = 5; the clip sits at 1 +- 0.5 * 0.2

@@ -14,12 +14,16 @@ import pytest
 
 from serl_cli.artifacts import io
 from serl_cli.artifacts.records import (
+    ANNOTATION_KEYS,
+    ANNOTATION_TYPES,
     EPISODE_TYPES,
     ROLLOUT_KEYS,
     TURN_KEYS,
     TURN_TYPES,
+    Annotation,
     Episode,
     Turn,
+    make_annotation,
     make_episode,
     make_turn,
 )
@@ -284,3 +288,73 @@ def test_read_rollouts_names_the_file_and_line(tmp_path):
     io.write_jsonl(run / "rollouts.jsonl", [episode_record(), {k: 1 for k in ("task_id", "group_id")}])
     with pytest.raises(SerlError, match=r"rollouts\.jsonl:2: record lacks rollout_index, turns, reward, success"):
         read_rollouts(run)
+
+
+# -- annotation records (serl annotate) ------------------------------------------------------------
+def annotation_record(**over) -> dict:
+    """An annotation as serl annotate writes it, keys in its order (a selected, scored turn)."""
+    return {
+        "episode": 3,
+        "task_id": 50494,
+        "group_id": 0,
+        "rollout_index": 3,
+        "turn": 1,
+        "selected": True,
+        "sources": ["error"],
+        "fired": ["error"],
+        "hindsight": "[error] no such button",
+        "action_mask": [0, 1, 1],
+        "teacher_logprobs": [-0.5, -0.25, -2.0],
+        "weights": [1.0, 1.15, 0.85],
+        "advantage": -0.7071067690849304,
+        "log_ratio_mean": 0.1234,
+        "distill": True,
+    } | over
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        annotation_record(),
+        annotation_record(selected=False, hindsight=None, teacher_logprobs=None, weights=None, log_ratio_mean=None),
+        annotation_record(later_field={"a": 1}),
+    ],
+)
+def test_an_annotation_round_trips_to_the_same_json(record):
+    a = Annotation.from_dict(record, "annotations.jsonl:1")
+    assert dumped(a.to_dict()) == dumped(record)
+    assert list(a.to_dict()) == list(record) and a.extra == {k: record[k] for k in record if k not in ANNOTATION_KEYS}
+
+
+def test_the_annotation_keys_are_its_fields_in_the_order_annotate_writes_them():
+    assert (
+        list(ANNOTATION_KEYS) == [f.name for f in fields(Annotation) if f.name != "extra"] == list(annotation_record())
+    )
+    assert set(ANNOTATION_TYPES) == set(ANNOTATION_KEYS)
+    assert make_annotation(turn=2).to_dict() | {"turn": 1} == make_annotation(turn=1).to_dict()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.pop("weights"), f"{WHERE}: record lacks weights"),
+        (lambda r: r.update(episode="3"), f'{WHERE}: episode must be an integer, got "3"'),
+        (lambda r: r.update(selected=1), f"{WHERE}: selected must be true or false, got 1"),
+        (lambda r: r.update(sources="error"), f'{WHERE}: sources must be a list of source names, got "error"'),
+        (lambda r: r.update(hindsight=5), f"{WHERE}: hindsight must be a string or null, got 5"),
+        (lambda r: r.update(action_mask=None), f"{WHERE}: action_mask must be a list of 0s and 1s, got null"),
+        (
+            lambda r: r.update(weights=[1.0, "x", 1.0]),
+            f'{WHERE}: weights must be a list of numbers or null, got [1.0, "x"',
+        ),
+        (lambda r: r.update(advantage=None), f"{WHERE}: advantage must be a number, got null"),
+        (lambda r: r.update(teacher_logprobs=[-1.0]), f"{WHERE}: teacher_logprobs and action_mask differ in length"),
+        (lambda r: r.update(weights=[1.0]), f"{WHERE}: weights and action_mask differ in length"),
+    ],
+)
+def test_each_malformed_annotation_is_refused_in_one_line(edit, message):
+    record = annotation_record()
+    edit(record)
+    with pytest.raises(SerlError) as e:
+        Annotation.from_dict(record, WHERE)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)

@@ -55,7 +55,7 @@ def pipeline_loss_and_grads(policy, teacher, tokenizer, episodes, acfg):
         return objective.loss(mb, logp, tcfg, num_tokens=n_tokens)
 
     stats = accumulate_step(policy, optimizer, micro_batches, loss_fn, num_tokens, temperature=1.0, grad_clip=0.0)
-    reweighted = sum(1 for r in records if r["weights"] and any(abs(w - 1) > 1e-9 for w in r["weights"]))
+    reweighted = sum(1 for r in records if r.weights and any(abs(w - 1) > 1e-9 for w in r.weights))
     return stats["loss"], [p.grad.clone() for p in policy.parameters()], len(micro_batches), reweighted
 
 

@@ -18,7 +18,7 @@ from serl_cli.ablate import grid as ab
 from serl_cli.ablate import grid_record as ab_record
 from serl_cli.ablate.report import write_report
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import make_episode, make_turn
+from serl_cli.artifacts.records import make_annotation, make_episode, make_turn
 from serl_cli.artifacts.schema import read_annotations, read_rollouts
 from serl_cli.cli import show as _show_cmd  # noqa: F401  (registers `show`)
 from serl_cli.cli.root import app
@@ -40,12 +40,12 @@ def _turn(action, expert):
 
 
 def _record(turn, log_ratio):
-    return {
-        "episode": 0,
-        "turn": turn,
-        "teacher_logprobs": None if log_ratio is None else [log_ratio],
-        "log_ratio_mean": log_ratio,
-    }
+    return make_annotation(
+        turn=turn,
+        action_mask=[1],
+        teacher_logprobs=None if log_ratio is None else [log_ratio],
+        log_ratio_mean=log_ratio,
+    )
 
 
 EPISODES = [
@@ -143,21 +143,21 @@ def test_selection_report_has_the_signal_of_forward_passes(sokoban_run, model_an
 
     # the expert's reply scored here, one forward pass per turn and side, at the rollouts' temperature 1
     model, tok = model_and_tokenizer
-    by_turn = {(r["episode"], r["turn"]): r for r in records}
+    by_turn = {(r.episode, r.turn): r for r in records}
     probs = {"with": [], "without": []}
     right = 0
     for e, t in turns:
         turn, rec = episodes[e].turns[t], by_turn[e, t]
         reply = expert_reply_ids(tok, turn.expert_action)
         mask = torch.tensor(action_span_mask(tok, reply), dtype=torch.bool)
-        with_block = teacher_prompt_ids(turn.prompt_ids, block_ids(tok, rec["hindsight"]), tok.eos_token_id)
+        with_block = teacher_prompt_ids(turn.prompt_ids, block_ids(tok, rec.hindsight), tok.eos_token_id)
         for side, prompt in (("with", with_block), ("without", turn.prompt_ids)):
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + reply])).logits[0, len(prompt) - 1 : -1]
             lp = logits.log_softmax(-1).gather(1, torch.tensor(reply)[:, None])[:, 0]
             probs[side].append(lp[mask].sum().exp().item())
         on_expert = turn.action.strip().lower() == turn.expert_action
-        right += rec["log_ratio_mean"] > 0 if on_expert else rec["log_ratio_mean"] < 0
+        right += rec.log_ratio_mean > 0 if on_expert else rec.log_ratio_mean < 0
     mean = {k: sum(v) / len(v) for k, v in probs.items()}
     assert s["expert_prob_with_block"] == pytest.approx(mean["with"], rel=1e-4)
     assert s["expert_prob_without_block"] == pytest.approx(mean["without"], rel=1e-4)

@@ -18,6 +18,7 @@ from serl_cli import config as cfgmod
 from serl_cli.algos import core
 from serl_cli.algos.batch import make_micro_batches
 from serl_cli.algos.objectives import UpdateInputs, episode_advantages, get_objective, turn_advantages
+from serl_cli.artifacts.records import make_annotation
 from serl_cli.artifacts.schema import read_rollouts, turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.loading import load_model
@@ -164,19 +165,15 @@ def _fake_sdpo_annotations(eps, seed=0):
     for s in turn_samples(eps):
         lp = torch.tensor(s.behaviour_logprobs) + 0.3 * torch.randn(len(s.action_ids), generator=g)
         out.append(
-            {
-                "episode": s.episode,
-                "selected": True,
-                "sources": [],
-                "fired": [],
-                "hindsight": "x",
-                "action_mask": [1] * len(s.action_ids),
-                "teacher_logprobs": lp.tolist(),
-                "weights": None,
-                "advantage": 0.0,
-                "log_ratio_mean": 0.0,
-                "distill": not s.success,
-            }
+            make_annotation(
+                episode=s.episode,
+                selected=True,
+                hindsight="x",
+                action_mask=[1] * len(s.action_ids),
+                teacher_logprobs=lp.tolist(),
+                log_ratio_mean=0.0,
+                distill=not s.success,
+            )
         )
     return out
 
@@ -419,14 +416,14 @@ def test_a_weighted_objective_must_train_on_the_configured_advantages():
     cfg = TrainConfig(algo="serl", group_norm="cross_steps")
     expected = torch.tensor([0.5, -0.5, 0.0])
     ann = [
-        {"weights": [1.1], "advantage": 0.7},
-        {"weights": [0.9], "advantage": -0.7},
-        {"weights": None, "advantage": 0.0},
+        make_annotation(weights=[1.1], advantage=0.7),
+        make_annotation(weights=[0.9], advantage=-0.7),
+        make_annotation(weights=None, advantage=0.0),
     ]
     _check_annotated_advantages(expected.clone(), ann, expected, cfg)  # consistent: fine
     with pytest.raises(SerlError, match="does not compute its advantages with train.group_norm=cross_steps"):
         _check_annotated_advantages(torch.tensor([0.7, -0.7, 0.0]), ann, expected, cfg)
-    ann[1]["advantage"] = 0.2  # a weight signed as if the turn had succeeded
+    ann[1].advantage = 0.2  # a weight signed as if the turn had succeeded
     with pytest.raises(SerlError, match="push some turns the wrong way"):
         _check_annotated_advantages(expected.clone(), ann, expected, cfg)
 
@@ -466,19 +463,15 @@ def test_online_loop_signs_the_weights_with_the_updates_advantages(stopping_mode
 def test_serl_trains_on_the_configured_advantages():
     s = [_turn(0, 0, 1.0, invalid=True), _turn(0, 0, 1.0), _turn(1, 0, 0.0), _turn(1, 0, 0.0, invalid=True)]
     ann = [
-        {
-            "episode": t.episode,
-            "selected": True,
-            "sources": [],
-            "fired": [],
-            "hindsight": "x",
-            "action_mask": [1],
-            "teacher_logprobs": [-1.0],
-            "weights": [1.0],
-            "advantage": 0.0,
-            "log_ratio_mean": 0.0,
-            "distill": False,
-        }
+        make_annotation(
+            episode=t.episode,
+            selected=True,
+            hindsight="x",
+            action_mask=[1],
+            teacher_logprobs=[-1.0],
+            weights=[1.0],
+            log_ratio_mean=0.0,
+        )
         for t in s
     ]
     cfg = TrainConfig(algo="serl", group_norm="cross_steps", invalid_action_penalty=0.1)

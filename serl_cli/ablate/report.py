@@ -68,6 +68,8 @@ from serl_cli.ablate.grid_record import load_grid_record
 from serl_cli.ablate.report_render import csv_text, plot_curves, render_markdown
 from serl_cli.algos.registry import OBJECTIVES
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import Metrics
+from serl_cli.artifacts.schema import METRICS_FILE, read_metrics
 from serl_cli.stats.paired import holm, paired_t_test, wilcoxon_signed_rank
 from serl_cli.stats.summary import describe
 
@@ -75,11 +77,11 @@ COMPARED = ("success", "score", "auc")  # final success, final score, area under
 
 
 def _curve(train: Path) -> list[dict]:
-    path = train / "metrics.jsonl"
+    path = train / METRICS_FILE
     if not path.is_file():
         return []
-    by_iter: dict[int, dict] = {}
-    for rec in io.iter_jsonl(path):
+    by_iter: dict[int, Metrics] = {}
+    for rec in read_metrics(path):
         by_iter[int(rec.get("iteration", len(by_iter)))] = rec  # a resumed run may repeat an iteration: keep the last
     steps, out = 0, []
     for k in sorted(by_iter):

@@ -18,7 +18,7 @@ import torch
 from serl_cli.algos import core, gigpo, sdpo
 from serl_cli.algos.batch import MicroBatch, PerTurn
 from serl_cli.algos.registry import GIGPO_ANCHORS, GIGPO_MODES, GROUP_NORMS, Objective, check_annotations, objective
-from serl_cli.artifacts.records import Episode
+from serl_cli.artifacts.records import Annotation, Episode
 from serl_cli.artifacts.schema import TurnSample
 from serl_cli.errors import SerlError
 
@@ -28,7 +28,7 @@ class UpdateInputs:
     """What an update learns from besides its turns."""
 
     episodes: list[Episode]
-    annotations: list[dict] | None = None  # one record per turn (serl annotate), for serl/rlsd/sdpo
+    annotations: list[Annotation] | None = None  # one record per turn (serl annotate), for serl/rlsd/sdpo
     annotate_config: dict | None = None  # the annotation's resolved settings
     annotate_stats: dict | None = None  # the annotation pass's statistics (lambda, teacher work)
 
@@ -215,30 +215,29 @@ def _annotated(samples, inputs: UpdateInputs, cfg, *, weights: bool, distill: bo
     prep = PerTurn(advantages=torch.zeros_like(adv) if distill and not weights else adv)
     if weights:
         prep.token_weights = [
-            a["weights"] if a["weights"] is not None else [1.0] * len(s.action_ids)
-            for a, s in zip(ann, samples, strict=True)
+            a.weights if a.weights is not None else [1.0] * len(s.action_ids) for a, s in zip(ann, samples, strict=True)
         ]
     if distill or cfg.distill_coef:
         prep.teacher_logprobs = [
-            a["teacher_logprobs"] or [0.0] * len(s.action_ids) for a, s in zip(ann, samples, strict=True)
+            a.teacher_logprobs or [0.0] * len(s.action_ids) for a, s in zip(ann, samples, strict=True)
         ]
-        prep.distill = [bool(a["distill"]) and a["teacher_logprobs"] is not None for a in ann]
+        prep.distill = [bool(a.distill) and a.teacher_logprobs is not None for a in ann]
         prep.stats["distill_tokens"] = sum(len(s.action_ids) for s, d in zip(samples, prep.distill, strict=True) if d)
     prep.stats.update(_annotation_stats(ann, adv, inputs.annotate_config or {}, inputs.annotate_stats or {}))
     return prep
 
 
-def _annotation_stats(ann, adv, acfg: dict, astats: dict) -> dict:
+def _annotation_stats(ann: list[Annotation], adv, acfg: dict, astats: dict) -> dict:
     """Per-update metrics of METHOD.md 6: lambda, selected fraction, weight spread, teacher gap."""
-    selected = [a for a in ann if a["selected"]]
-    w = [x for a in ann if a["weights"] for x, m in zip(a["weights"], a["action_mask"], strict=True) if m]
-    gaps = [abs(a["log_ratio_mean"]) for a in ann if a["log_ratio_mean"] is not None]
+    selected = [a for a in ann if a.selected]
+    w = [x for a in ann if a.weights for x, m in zip(a.weights, a.action_mask, strict=True) if m]
+    gaps = [abs(a.log_ratio_mean) for a in ann if a.log_ratio_mean is not None]
     # the share of the update's advantage mass the weights move: sum |A (w - 1)| / sum |A| over every
     # action token (an unweighted turn counts with w = 1); 0: the update is GRPO's
     moved = total = 0.0
     for a, turn_adv in zip(ann, adv.tolist(), strict=True):
-        weights = a["weights"] or [1.0] * len(a["action_mask"])
-        for x, m in zip(weights, a["action_mask"], strict=True):
+        weights = a.weights or [1.0] * len(a.action_mask)
+        for x, m in zip(weights, a.action_mask, strict=True):
             if m:
                 moved, total = moved + abs(turn_adv) * abs(x - 1.0), total + abs(turn_adv)
     # the teacher signal (method.teacher_signal), where the annotation measured one: `serl plot`'s panel
@@ -261,8 +260,8 @@ def _annotation_stats(ann, adv, acfg: dict, astats: dict) -> dict:
         "weight_clip_fraction": len(at_clip) / len(w) if w else 0.0,
         "advantage_mass_moved": moved / total if total else 0.0,
         "mean_abs_log_ratio": sum(gaps) / len(gaps) if gaps else 0.0,
-        "teacher_turns_scored": sum(a["teacher_logprobs"] is not None for a in ann),
-        "teacher_action_tokens": sum(len(a["teacher_logprobs"]) for a in ann if a["teacher_logprobs"] is not None),
+        "teacher_turns_scored": sum(a.teacher_logprobs is not None for a in ann),
+        "teacher_action_tokens": sum(len(a.teacher_logprobs) for a in ann if a.teacher_logprobs is not None),
         **teacher,
     }
 

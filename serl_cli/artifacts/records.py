@@ -1,14 +1,17 @@
-"""Rollout records: one :class:`Episode` per line of ``rollouts.jsonl``, holding its :class:`Turn` s.
+"""Run records: one :class:`Episode` per line of ``rollouts.jsonl``, holding its :class:`Turn` s; one
+:class:`Annotation` per line of ``annotations.jsonl``; one :class:`Metrics` per line of ``metrics.jsonl``;
+the run's ``manifest.json`` as a :class:`Manifest` of :class:`StageRecord` s.
 
 These dataclasses are the one definition of the record: the code reads their attributes, and
 ``from_dict`` / ``to_dict`` read and write the JSON. A field without a default is required
-(``ROLLOUT_KEYS``, ``TURN_KEYS``: a record without one is refused on reading); the others are
+(``ROLLOUT_KEYS``, ``TURN_KEYS``, ``ANNOTATION_KEYS``: a record without one is refused on reading); the others are
 optional and take their default where a record lacks them. ``from_dict`` checks a record as
 ``serl_cli.artifacts.schema.read_rollouts`` always has (keys, types, token/log-prob alignment),
 in one-line errors naming the file and line.
 
-``to_dict`` writes the keys in field order -- the order the rollout runner has always written
-them -- so a rollout's ``rollouts.jsonl`` is byte-identical to what the dict records gave, and
+``to_dict`` writes the keys in field order -- the order the rollout runner (and ``serl annotate``)
+has always written them -- so a run's ``rollouts.jsonl`` (``annotations.jsonl``) is byte-identical
+to what the dict records gave, and
 read -> write is the identity on it. A turn's fields "written only when set" are left out at their
 default, as the runner left them out. Keys this version does not know are kept in ``extra`` and
 written back after the known ones. (A hand-written record that lacks an optional key gains it,
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
+from typing import TypedDict
 
 from serl_cli.errors import SerlError
 
@@ -134,6 +138,162 @@ class Episode:
         return d
 
 
+@dataclass(slots=True, kw_only=True)
+class Annotation:
+    """One turn's annotation (``serl annotate``, one line of ``annotations.jsonl``, in rollout order):
+    its block, whether it is in the critical set S, the teacher's scores and the SERL weights."""
+
+    episode: int  # index of the episode in rollouts.jsonl
+    task_id: int
+    group_id: int
+    rollout_index: int
+    turn: int  # the turn's index in its episode
+    selected: bool  # the turn is in the critical set S of the placement rule
+    sources: list[str]  # names of the feedback sources that produced text for this turn
+    fired: list[str]  # names of the sources whose evidence counts for placement `feedback`
+    hindsight: str | None  # the hindsight block shown to the teacher (None: no block)
+    action_mask: list[int]  # per action token: 1 inside the parsed action, 0 for reasoning/tags/end token
+    teacher_logprobs: list[float] | None  # per action token, log pi_T (None: the teacher did not score this turn)
+    weights: list[float] | None  # per action token, the blended SERL weight w' (None: all 1)
+    advantage: float  # the episode's group-normalized advantage (the update's, where it signs the weights)
+    log_ratio_mean: float | None  # mean over action tokens of log pi_T - log pi_old (None: not scored)
+    distill: bool  # the turn carries the distillation term (selected turn of a failed rollout)
+    extra: dict = field(default_factory=dict)  # keys this version does not know, written back as they came
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "annotation") -> Annotation:
+        """An annotation record, checked; ``where`` names it in errors (``path:line``)."""
+        if not isinstance(d, dict):
+            raise SerlError(f"{where}: an annotation must be a JSON object, got {type(d).__name__}")
+        missing = [k for k in ANNOTATION_KEYS if k not in d]
+        if missing:
+            raise SerlError(f"{where}: record lacks {', '.join(missing)}")
+        _check_types(d, ANNOTATION_TYPES, f"{where}:")
+        for name in ("teacher_logprobs", "weights"):
+            if d[name] is not None and len(d[name]) != len(d["action_mask"]):
+                raise SerlError(f"{where}: {name} and action_mask differ in length")
+        return cls(**_known(d, _ANNOTATION_FIELDS), extra=_unknown(d, _ANNOTATION_FIELDS))
+
+    def to_dict(self) -> dict:
+        """The JSON record, as ``annotations.jsonl`` holds it: every field in field order, then ``extra``."""
+        return _to_dict(self, _ANNOTATION_FIELDS, {})
+
+
+class Metrics(TypedDict, total=False):
+    """One line of ``metrics.jsonl``: one update's figures (in the online loop, one iteration's).
+
+    A plain dict, written and read back as it is, so the file is the dict's JSON. Declared are the
+    keys the update always reports and those the readers look up (``serl show``, ``serl plot``, the
+    ablation report, the CLI's table); each algorithm adds its own figures (``pg_loss``, ``kl``,
+    ``distill_kl``, ``selected_fraction``, ...) and the online loop the evaluation's ``eval_*``."""
+
+    update: int  # the learner's updates so far, this one included
+    algo: str
+    iteration: int  # the online loop's iteration (absent from a single update's line)
+    env_steps: int  # the online loop: the iteration's environment steps (turns played)
+    turns: int  # turns trained on
+    action_tokens: int
+    turns_with_gradient: int
+    episodes: int
+    mean_reward: float
+    success_rate: float
+    faulted_episodes: int
+    faulted_turns: int
+    loss: float  # the mean over the applied optimizer steps (NaN: every step was skipped)
+    optimizer_steps: int  # 0: no turn had a gradient, nothing was applied
+    skipped_steps: int  # steps whose loss or gradient was not finite
+    mean_abs_advantage: float
+    weight_mean: float  # serl, rlsd: the SERL weights over the action tokens
+    weight_min: float
+    weight_max: float
+    advantage_mass_moved: float
+    hindsight_examples: int  # train.hindsight_sft: the examples added to the update
+    staleness_mean: float  # max_staleness > 0: how many updates old the rollouts were
+    staleness_max: int
+    is_weight_mean: float
+    eval_success_rate: float  # the online loop's evaluation, on the iterations it ran
+
+
+@dataclass(frozen=True, slots=True)
+class StageRecord:
+    """One stage's entry in ``manifest.json`` (``stages.NAME``), read through: its status, its
+    settings, its statistics, and whatever else it recorded (``get``). A stage the run has not
+    started reads as an empty entry (status None)."""
+
+    name: str
+    entry: dict  # the JSON object as the manifest holds it
+
+    @property
+    def status(self) -> str | None:  # running, done (None: not started)
+        return self.entry.get("status")
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done"
+
+    @property
+    def config(self) -> dict:  # the stage's resolved settings
+        return self.entry.get("config") or {}
+
+    @property
+    def stats(self) -> dict:  # its statistics (annotate: teacher work, the teacher signal)
+        return self.entry.get("stats") or {}
+
+    def get(self, key: str, default=None):
+        """What else the stage recorded (rollouts_sha256, checkpoint, metrics_line, ...)."""
+        return self.entry.get(key, default)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A run's ``manifest.json``: what made the run and each stage's entry (:class:`StageRecord`).
+    A view of the JSON object as read: the stages write it (``artifacts.io.mark_stage``), and
+    ``to_dict`` is that object, so reading changes no byte of it."""
+
+    data: dict
+
+    @classmethod
+    def from_dict(cls, d, where: str = "manifest.json") -> Manifest:
+        """A manifest, checked: an object whose ``stages`` map names to objects."""
+        if not isinstance(d, dict) or not isinstance(d.get("stages", {}), dict):
+            raise SerlError(f"{where} is not a serl manifest (expected an object with a stages mapping)")
+        for name, entry in d.get("stages", {}).items():
+            if not isinstance(entry, dict):
+                raise SerlError(f"{where}: stage {name} must be a JSON object, got {json.dumps(entry)[:60]}")
+        return cls(d)
+
+    def to_dict(self) -> dict:
+        return self.data
+
+    @property
+    def stages(self) -> dict[str, StageRecord]:
+        """Every stage the run recorded, in the order they started."""
+        return {name: StageRecord(name, entry) for name, entry in self.data.get("stages", {}).items()}
+
+    def stage(self, name: str) -> StageRecord:
+        return StageRecord(name, self.data.get("stages", {}).get(name) or {})
+
+    def has(self, name: str) -> bool:
+        return name in self.data.get("stages", {})
+
+    @property
+    def rollout_config(self) -> dict:
+        """The rollout's settings (model, env, sampling, prompt...): what the later stages read."""
+        return self.stage("rollout").config
+
+    @property
+    def seed(self) -> int | None:
+        return self.data.get("seed")
+
+    @property
+    def serl_version(self) -> str | None:
+        return self.data.get("serl_version")
+
+    @property
+    def git_commit(self) -> str | None:
+        return self.data.get("git_commit")
+
+
 # -- records made in code: tests, synthetic benchmark batches ------------------------------------
 def make_turn(**values) -> Turn:
     """A turn whose required fields not in ``values`` hold neutral values (no tokens, no error, reward 0)."""
@@ -156,6 +316,29 @@ def make_episode(turns: Sequence[Turn] = (), **values) -> Episode:
     return Episode(**{**neutral, **values}, turns=list(turns))
 
 
+def make_annotation(**values) -> Annotation:
+    """An annotation whose fields not in ``values`` hold neutral values (turn 0 of episode 0, not
+    selected, no block, unscored, every weight 1, advantage 0)."""
+    neutral = {
+        "episode": 0,
+        "task_id": 0,
+        "group_id": 0,
+        "rollout_index": 0,
+        "turn": 0,
+        "selected": False,
+        "sources": [],
+        "fired": [],
+        "hindsight": None,
+        "action_mask": [],
+        "teacher_logprobs": None,
+        "weights": None,
+        "advantage": 0.0,
+        "log_ratio_mean": None,
+        "distill": False,
+    }
+    return Annotation(**{**neutral, **values})
+
+
 # -- reading and writing -------------------------------------------------------------------------
 def _required(cls) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
@@ -165,6 +348,8 @@ ROLLOUT_KEYS = _required(Episode)  # what every episode record holds
 TURN_KEYS = _required(Turn)  # what every turn record holds
 _EPISODE_FIELDS = tuple(f.name for f in fields(Episode) if f.name != "extra")
 _TURN_FIELDS = tuple(f.name for f in fields(Turn) if f.name != "extra")
+ANNOTATION_KEYS = _required(Annotation)  # what every annotation record holds: all of it
+_ANNOTATION_FIELDS = tuple(f.name for f in fields(Annotation) if f.name != "extra")
 # a turn's keys written only when set, with the default they are left out at: the runner writes
 # off_expert only when true and invalid only where the policy judged the reply
 _WHEN_SET = ("off_expert", "invalid", "engine_logprobs", "hindsight", "policy_version")
@@ -217,6 +402,41 @@ TURN_TYPES = {
     "reward": (_number, "a number"),
     "done": (lambda v: type(v) is bool, "true or false"),
     "state_key": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+def _strings(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _int(v) -> bool:
+    return type(v) is int
+
+
+def _bool(v) -> bool:
+    return type(v) is bool
+
+
+ANNOTATION_TYPES = {
+    "episode": (_int, "an integer"),
+    "task_id": (_int, "an integer"),
+    "group_id": (_int, "an integer"),
+    "rollout_index": (_int, "an integer"),
+    "turn": (_int, "an integer"),
+    "selected": (_bool, "true or false"),
+    "sources": (_strings, "a list of source names"),
+    "fired": (_strings, "a list of source names"),
+    "hindsight": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+    "action_mask": (_ints, "a list of 0s and 1s"),
+    "teacher_logprobs": (_optional(_numbers), "a list of numbers or null"),
+    "weights": (_optional(_numbers), "a list of numbers or null"),
+    "advantage": (_number, "a number"),
+    "log_ratio_mean": (_optional(_number), "a number or null"),
+    "distill": (_bool, "true or false"),
 }
 
 

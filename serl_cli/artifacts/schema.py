@@ -6,10 +6,10 @@ A run directory (``serl rollout --out RUN``)::
                             stage status, artifact schema version
     RUN/rollout.yaml        the resolved rollout config
     RUN/rollouts.jsonl      one record per episode, each with its turns: artifacts.records.Episode, Turn
-    RUN/annotations.jsonl   one record per turn (serl annotate)
+    RUN/annotations.jsonl   one record per turn (serl annotate): artifacts.records.Annotation
     RUN/checkpoint/         a Hugging Face model directory (serl train), with serl_update.json:
                             what made it (settings, the rollouts' sha256) and its metrics
-    RUN/metrics.jsonl       one record per update (serl train)
+    RUN/metrics.jsonl       one record per update (serl train): artifacts.records.Metrics
 
 Token ids are stored exactly as generated and never rebuilt from text: ``prompt_ids`` is
 the chat-templated prompt the policy saw, ``action_ids`` what it generated (ending in the
@@ -20,11 +20,14 @@ policy's log-probability of each action token.
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import ROLLOUT_KEYS, Episode
+from serl_cli.artifacts.records import ANNOTATION_KEYS, ROLLOUT_KEYS, Annotation, Episode, Manifest, Metrics  # noqa: F401 (ANNOTATION_KEYS: re-exported)
 from serl_cli.errors import SerlError
 
 ROLLOUTS_FILE = "rollouts.jsonl"
@@ -100,42 +103,17 @@ def turn_samples(episodes: list[Episode]) -> list[TurnSample]:
 # -- annotations (serl annotate) ------------------------------------------------------------
 ANNOTATIONS_FILE = "annotations.jsonl"
 SELECTION_REPORT_FILE = "selection_report.json"
-# One record per turn, in rollouts.jsonl order (episode, then turn):
-#   episode          index of the episode in rollouts.jsonl
-#   task_id, group_id, rollout_index, turn
-#   selected         the turn is in the critical set S of the placement rule
-#   sources          names of the feedback sources that produced text for this turn
-#   fired            names of the sources whose evidence counts for placement `feedback`
-#   hindsight        the hindsight block shown to the teacher (None: no block)
-#   action_mask      per action token: 1 inside the parsed action, 0 for reasoning/tags/end token
-#   teacher_logprobs per action token, log pi_T (None: the teacher did not score this turn)
-#   weights          per action token, the blended SERL weight w' (None: all 1)
-#   advantage        the episode's group-normalized advantage
-#   log_ratio_mean   mean over action tokens of log pi_T - log pi_old (None: not scored)
-#   distill          the turn carries the distillation term (selected turn of a failed rollout)
-ANNOTATION_KEYS = (
-    "episode",
-    "task_id",
-    "group_id",
-    "rollout_index",
-    "turn",
-    "selected",
-    "sources",
-    "fired",
-    "hindsight",
-    "action_mask",
-    "teacher_logprobs",
-    "weights",
-    "advantage",
-    "log_ratio_mean",
-    "distill",
-)
+# One record per turn, in rollouts.jsonl order (episode, then turn): artifacts.records.Annotation
 
 
-def rollout_temperature(manifest: dict) -> float:
+def read_manifest(run_dir: str | Path) -> Manifest:
+    """A run's ``manifest.json``, checked (``io.load_manifest``: a run directory, this schema version)."""
+    return Manifest.from_dict(io.load_manifest(run_dir), f"{run_dir}/manifest.json")
+
+
+def rollout_temperature(manifest: Manifest) -> float:
     """Behaviour log-probs were taken at the rollout's temperature; greedy ones at 1."""
-    cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
-    t = float(cfg.get("sampling", {}).get("temperature", 1.0))
+    t = float(manifest.rollout_config.get("sampling", {}).get("temperature", 1.0))
     return t if t > 0 else 1.0
 
 
@@ -143,18 +121,50 @@ def rollouts_fingerprint(run: Path) -> str:
     return hashlib.sha256(io.read_stored_bytes(run / ROLLOUTS_FILE)).hexdigest()[:16]
 
 
-def read_annotations(run_dir: str | Path) -> list[dict]:
+def iter_annotations(path: Path) -> Iterator[Annotation]:
+    """The records of an annotations file, each checked (``Annotation.from_dict``; errors name ``path:line``)."""
+    for n, d in enumerate(io.iter_jsonl(path), 1):
+        yield Annotation.from_dict(d, f"{io.stored(path)}:{n}")
+
+
+def write_annotation_records(run_dir: str | Path, annotations: list[Annotation]) -> None:
+    """``RUN/annotations.jsonl``: one record per turn, written at once (atomically)."""
+    io.write_jsonl(Path(run_dir) / ANNOTATIONS_FILE, (a.to_dict() for a in annotations))
+
+
+def read_annotations(run_dir: str | Path) -> list[Annotation]:
     """Annotations of a run, checked to belong to its current rollouts."""
 
     run = Path(run_dir)
-    manifest = io.load_manifest(run)
+    stage = read_manifest(run).stage("annotate")
     path = io.stored(run / ANNOTATIONS_FILE)
     if not path.is_file():
         raise SerlError(f"{run} has no annotations: run `serl annotate {run}` first")
-    stage = manifest.get("stages", {}).get("annotate", {})
-    if stage.get("status") != "done":
+    if not stage.done:
         raise SerlError(f"the annotation of {run} did not finish: run `serl annotate {run} --resume` first")
     made_for = stage.get("rollouts_sha256")
     if made_for != rollouts_fingerprint(run):
         raise SerlError(f"{path} was made from other rollouts than {run}/{ROLLOUTS_FILE}: annotate this run again")
-    return list(io.iter_jsonl(path, required=ANNOTATION_KEYS))
+    return list(iter_annotations(path))
+
+
+# -- metrics (serl train, the online loop) ----------------------------------------------------
+METRICS_FILE = "metrics.jsonl"
+_COUNTERS = ("update", "iteration", "env_steps")  # what a reader orders and sums the lines by
+
+
+def read_metrics(path: str | Path) -> list[Metrics]:
+    """The lines of a metrics file, each a JSON object whose counters are integers where present."""
+    path = Path(path)
+    out = []
+    for n, d in enumerate(io.iter_jsonl(path), 1):
+        for key in _COUNTERS:
+            if key in d and type(d[key]) is not int:
+                raise SerlError(f"{io.stored(path)}:{n}: {key} must be an integer, got {json.dumps(d[key])[:60]}")
+        out.append(cast(Metrics, d))
+    return out
+
+
+def append_metrics(path: str | Path, metrics: Metrics) -> None:
+    """Add one update's line (atomically: a crash leaves the old file whole)."""
+    io.append_jsonl(path, dict(metrics))

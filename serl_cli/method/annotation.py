@@ -7,7 +7,7 @@ with a block, as the authors do; the teacher (``method.teacher``) scores the stu
 with the block in its prompt -- only the turns that need it: the selected ones, or for
 ``gap`` every turn with a block; and the selected turns' tokens get the weight of
 METHOD.md 6 (``algos.serl``): the parsed action's tokens (``tokens="action"``, serl) or every
-reply token (``tokens="reply"``, rlsd). One record per turn (``artifacts.schema.ANNOTATION_KEYS``).
+reply token (``tokens="reply"``, rlsd). One record per turn (``artifacts.records.Annotation``).
 With lambda = 0 and no distillation wanting the teacher, the teacher is not run at all and
 every weight is 1, as in the authors' trainer (recipe/serl/serl_ray_trainer.py:405-433,
 verl/workers/actor/dp_actor.py:77-81).
@@ -24,7 +24,7 @@ import torch
 
 from serl_cli.algos.objectives import episode_advantages
 from serl_cli.algos.serl import apply_placement, blend_weights, hindsight_weights, mixing_lambda
-from serl_cli.artifacts.records import Episode
+from serl_cli.artifacts.records import Annotation, Episode
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.method import anchors as anchors_mod
@@ -54,12 +54,12 @@ def expert_trajectories(env_cfg: dict, episodes: list[Episode]) -> dict[int, lis
 
 
 def teacher_prompts(
-    records: list[dict], prompt_ids: list[list[int]], tokenizer, keys, chat_template_kwargs: dict | None = None
+    records: list[Annotation], prompt_ids: list[list[int]], tokenizer, keys, chat_template_kwargs: dict | None = None
 ) -> dict[int, list[int]]:
     """The teacher's prompt of each record in ``keys``: the student's prompt (``prompt_ids``, in
     record order) with the record's block spliced in. Built once per annotation: the teacher
     scores the student's reply on it, and the teacher signal the expert's reply."""
-    return {k: teacher_prompt(tokenizer, prompt_ids[k], records[k]["hindsight"], chat_template_kwargs) for k in keys}
+    return {k: teacher_prompt(tokenizer, prompt_ids[k], records[k].hindsight, chat_template_kwargs) for k in keys}
 
 
 def action_format(env_cfg: dict | None):
@@ -109,7 +109,7 @@ def annotate_episodes(
     advantages: list[float] | None = None,
     chat_template_kwargs: dict | None = None,
     bare_replies: bool = False,
-) -> tuple[list[dict], dict]:
+) -> tuple[list[Annotation], dict]:
     """Annotation records for every turn, and statistics of the pass (teacher work).
     ``scorer`` has :func:`serl_cli.training.scoring.score`'s signature (e.g.
     :func:`serl_cli.stages.annotate.journaled_scorer`, or the online loop's, divided over its
@@ -143,7 +143,7 @@ def annotate_episodes(
     lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
     use_teacher = teacher_wanted(cfg)
 
-    records: list[dict[str, Any]] = []
+    records: list[Annotation] = []
     i = 0
     for e_idx, ep in enumerate(episodes):
         key = ep.group_key
@@ -156,49 +156,49 @@ def annotate_episodes(
             else:
                 text, used, fired = fb.hindsight_step(ctx, spec)
             records.append(
-                {
-                    "episode": e_idx,
-                    "task_id": ep.task_id,
-                    "group_id": ep.group_id,
-                    "rollout_index": ep.rollout_index,
-                    "turn": t_idx,
-                    "selected": False,
-                    "sources": used,
-                    "fired": fired,
-                    "hindsight": (cut(text) or None) if text else None,
-                    "action_mask": masks[i],
-                    "teacher_logprobs": None,
-                    "weights": None,
-                    "advantage": advantages[i],
-                    "log_ratio_mean": None,
-                    "distill": False,
-                }
+                Annotation(
+                    episode=e_idx,
+                    task_id=ep.task_id,
+                    group_id=ep.group_id,
+                    rollout_index=ep.rollout_index,
+                    turn=t_idx,
+                    selected=False,
+                    sources=used,
+                    fired=fired,
+                    hindsight=(cut(text) or None) if text else None,
+                    action_mask=masks[i],
+                    teacher_logprobs=None,
+                    weights=None,
+                    advantage=advantages[i],
+                    log_ratio_mean=None,
+                    distill=False,
+                )
             )
             i += 1
 
-    def scorable(r: dict) -> bool:
+    def scorable(r: Annotation) -> bool:
         """Selected, would the teacher score it? A block, and -- where the teacher serves the weights
         alone -- a nonzero advantage and some token to weight."""
-        if r["hindsight"] is None:
+        if r.hindsight is None:
             return False
-        return not cfg.skip_zero_advantage or (r["advantage"] != 0 and (cfg.tokens == "reply" or any(r["action_mask"])))
+        return not cfg.skip_zero_advantage or (r.advantage != 0 and (cfg.tokens == "reply" or any(r.action_mask)))
 
     def turn_infos() -> list[placement.TurnInfo]:
         return [
-            placement.TurnInfo(k, bool(r["fired"]), r["log_ratio_mean"], r["hindsight"] is not None, scorable(r))
+            placement.TurnInfo(k, bool(r.fired), r.log_ratio_mean, r.hindsight is not None, scorable(r))
             for k, r in enumerate(records)
         ]
 
     # Select first where the rule allows it, so the teacher scores only the turns that need it.
     need_scores_first = placement.needs_teacher_before_selection(cfg.placement)
     if need_scores_first:
-        to_score = [k for k, r in enumerate(records) if r["hindsight"] is not None]
+        to_score = [k for k, r in enumerate(records) if r.hindsight is not None]
     else:
         for r, c in zip(
             records, placement.select(cfg.placement, turn_infos(), rho=cfg.rho, seed=cfg.seed), strict=True
         ):
-            r["selected"] = bool(c)
-        to_score = [k for k, r in enumerate(records) if r["selected"] and scorable(r)]
+            r.selected = bool(c)
+        to_score = [k for k, r in enumerate(records) if r.selected and scorable(r)]
     if not use_teacher:
         to_score = []  # no teacher prompt, no forward pass (serl_ray_trainer.py:405-433)
 
@@ -208,43 +208,43 @@ def annotate_episodes(
     scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens) if items else []
     for k, lp in zip(to_score, scored, strict=True):
         old = samples[k].behaviour_logprobs
-        records[k]["teacher_logprobs"] = lp
-        mask = records[k]["action_mask"]
+        records[k].teacher_logprobs = lp
+        mask = records[k].action_mask
         diffs = [a - b for a, b, m in zip(lp, old, mask, strict=True) if m] or [
             a - b for a, b in zip(lp, old, strict=True)
         ]
-        records[k]["log_ratio_mean"] = sum(diffs) / len(diffs) if diffs else 0.0
+        records[k].log_ratio_mean = sum(diffs) / len(diffs) if diffs else 0.0
     teacher_s = time.perf_counter() - t0
 
     if need_scores_first:
         for r, c in zip(
             records, placement.select(cfg.placement, turn_infos(), rho=cfg.rho, seed=cfg.seed), strict=True
         ):
-            r["selected"] = bool(c)
+            r.selected = bool(c)
 
     for k, r in enumerate(records):
-        if not r["selected"] or r["teacher_logprobs"] is None:
+        if not r.selected or r.teacher_logprobs is None:
             continue
-        lp_t = torch.tensor(r["teacher_logprobs"], dtype=torch.float64)
+        lp_t = torch.tensor(r.teacher_logprobs, dtype=torch.float64)
         lp_old = torch.tensor(samples[k].behaviour_logprobs, dtype=torch.float64)
-        w = blend_weights(hindsight_weights(lp_t, lp_old, torch.tensor(r["advantage"]), cfg.weight_clip), lam)
+        w = blend_weights(hindsight_weights(lp_t, lp_old, torch.tensor(r.advantage), cfg.weight_clip), lam)
         where = (
             torch.ones(len(w), dtype=torch.bool)
             if cfg.tokens == "reply"
-            else torch.tensor(r["action_mask"], dtype=torch.bool)
+            else torch.tensor(r.action_mask, dtype=torch.bool)
         )
-        r["weights"] = apply_placement(w, where).tolist()
-        r["distill"] = not episodes[r["episode"]].success
+        r.weights = apply_placement(w, where).tolist()
+        r.distill = not episodes[r.episode].success
     stats: dict[str, Any] = {
         "turns": len(records),
-        "selected": sum(r["selected"] for r in records),
+        "selected": sum(r.selected for r in records),
         "teacher_turns_scored": len(items),
         "teacher_tokens_scored": sum(len(it.prompt_ids) + len(it.action_ids) for it in items),
         "teacher_action_tokens": sum(len(it.action_ids) for it in items),
         "teacher_s": round(teacher_s, 3),
         "lambda": lam,
         "teacher_skipped": not use_teacher,
-        "turns_with_block": sum(r["hindsight"] is not None for r in records),
+        "turns_with_block": sum(r.hindsight is not None for r in records),
         "action_parse_failures": parse_failures,
     }
     signal = (

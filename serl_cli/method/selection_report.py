@@ -33,11 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from serl_cli.artifacts.records import Episode
+from serl_cli.artifacts.records import Annotation, Episode
 from serl_cli.errors import SerlError
 from serl_cli.stats.summary import scipy_stats
-
-RECORD_KEYS = ("episode", "turn", "selected", "sources", "fired", "advantage")
 
 
 def _num(x) -> float | None:
@@ -69,13 +67,10 @@ def distribution(values) -> dict:
     }
 
 
-def _check(records: list[dict], episodes: list[Episode]) -> None:
+def _check(records: list[Annotation], episodes: list[Episode]) -> None:
     for n, r in enumerate(records):
-        missing = [k for k in RECORD_KEYS if k not in r]
-        if missing:
-            raise SerlError(f"annotation record {n} lacks {', '.join(missing)}")
-        if not (isinstance(r["episode"], (int, np.integer)) and 0 <= r["episode"] < len(episodes)):
-            raise SerlError(f"annotation record {n} names episode {r['episode']!r}, but the run has {len(episodes)}")
+        if not 0 <= r.episode < len(episodes):
+            raise SerlError(f"annotation record {n} names episode {r.episode!r}, but the run has {len(episodes)}")
 
 
 def _tests(sel_r, uns_r, table, alpha: float) -> dict:
@@ -118,29 +113,29 @@ def _verdict(t: dict, frac_success, frac_failure, mean_sel, mean_uns) -> str:
     return f"no evidence that selection tracks reward at alpha {alpha:g} ({ps}{note})"
 
 
-def selection_report(records: list[dict], episodes: list[Episode], *, alpha: float = 0.05) -> dict:
+def selection_report(records: list[Annotation], episodes: list[Episode], *, alpha: float = 0.05) -> dict:
     """The selection-bias report of annotation ``records`` over the run's ``episodes``."""
     _check(records, episodes)
     reward = [float(ep.reward) for ep in episodes]
     success = [bool(ep.success) for ep in episodes]
-    sel = [r for r in records if r["selected"]]
-    uns = [r for r in records if not r["selected"]]
+    sel = [r for r in records if r.selected]
+    uns = [r for r in records if not r.selected]
     n, n_sel = len(records), len(sel)
-    with_sel = {int(r["episode"]) for r in sel}
+    with_sel = {int(r.episode) for r in sel}
     eps_with = sorted(with_sel)
     eps_without = [e for e in range(len(episodes)) if e not in with_sel]
 
     by_outcome = {}
     for name, want in (("success", True), ("failure", False)):
-        rs = [r for r in records if success[r["episode"]] == want]
-        k = sum(1 for r in rs if r["selected"])
+        rs = [r for r in records if success[r.episode] == want]
+        k = sum(1 for r in rs if r.selected)
         by_outcome[name] = {"turns": len(rs), "selected": k, "selected_fraction": _frac(k, len(rs))}
 
-    names = sorted({s for r in records for s in list(r["sources"] or []) + list(r["fired"] or [])})
+    names = sorted({s for r in records for s in list(r.sources or []) + list(r.fired or [])})
     sources = {}
     for s in names:
-        made = sum(1 for r in records if s in (r["sources"] or []))
-        fired = sum(1 for r in records if s in (r["fired"] or []))
+        made = sum(1 for r in records if s in (r.sources or []))
+        fired = sum(1 for r in records if s in (r.fired or []))
         sources[s] = {
             "produced": made,
             "produced_fraction": _frac(made, n),
@@ -150,8 +145,8 @@ def selection_report(records: list[dict], episodes: list[Episode], *, alpha: flo
 
     tests = _bias_tests(records, reward, success, alpha)
     reward_dist = {
-        "selected": distribution(reward[r["episode"]] for r in sel),
-        "unselected": distribution(reward[r["episode"]] for r in uns),
+        "selected": distribution(reward[r.episode] for r in sel),
+        "unselected": distribution(reward[r.episode] for r in uns),
     }
     scorable = [r for r in records if is_scorable(r)]
     return {
@@ -160,15 +155,15 @@ def selection_report(records: list[dict], episodes: list[Episode], *, alpha: flo
             "turns": n,
             "selected_turns": n_sel,
             "selected_fraction": _frac(n_sel, n),
-            "turns_fired": sum(1 for r in records if r["fired"]),
+            "turns_fired": sum(1 for r in records if r.fired),
             "episodes": len(episodes),
             "episodes_with_selected": len(eps_with),
             "episodes_with_selected_fraction": _frac(len(eps_with), len(episodes)),
         },
         "episode_reward": reward_dist,
         "advantage": {
-            "selected": distribution(r["advantage"] for r in sel),
-            "unselected": distribution(r["advantage"] for r in uns),
+            "selected": distribution(r.advantage for r in sel),
+            "unselected": distribution(r.advantage for r in uns),
         },
         "selected_by_outcome": by_outcome,
         "sources": sources,
@@ -179,32 +174,32 @@ def selection_report(records: list[dict], episodes: list[Episode], *, alpha: flo
         "tests": tests,
         "scorable": {
             "turns": len(scorable),
-            "selected_turns": sum(1 for r in scorable if r["selected"]),
+            "selected_turns": sum(1 for r in scorable if r.selected),
             "tests": _bias_tests(scorable, reward, success, alpha),
         },
     }
 
 
-def is_scorable(record: dict) -> bool:
+def is_scorable(record: Annotation) -> bool:
     """A turn a weight can change: it has a block (a source rendered) and a nonzero advantage."""
-    return bool(record["sources"]) and record["advantage"] is not None and record["advantage"] != 0
+    return bool(record.sources) and record.advantage is not None and record.advantage != 0
 
 
-def _bias_tests(records: list[dict], reward: list[float], success: list[bool], alpha: float) -> dict:
+def _bias_tests(records: list[Annotation], reward: list[float], success: list[bool], alpha: float) -> dict:
     """The two tests and the verdict, selected against unselected among ``records``."""
-    sel = [r for r in records if r["selected"]]
-    uns = [r for r in records if not r["selected"]]
-    sel_r = [reward[r["episode"]] for r in sel]
-    uns_r = [reward[r["episode"]] for r in uns]
+    sel = [r for r in records if r.selected]
+    uns = [r for r in records if not r.selected]
+    sel_r = [reward[r.episode] for r in sel]
+    uns_r = [reward[r.episode] for r in uns]
     table = [
-        [sum(1 for r in group if success[r["episode"]]), sum(1 for r in group if not success[r["episode"]])]
+        [sum(1 for r in group if success[r.episode]), sum(1 for r in group if not success[r.episode])]
         for group in (sel, uns)
     ]
     tests = _tests(sel_r, uns_r, table, alpha)
     fraction = {}
     for want in (True, False):
-        rs = [r for r in records if success[r["episode"]] == want]
-        fraction[want] = _frac(sum(1 for r in rs if r["selected"]), len(rs)) or 0.0
+        rs = [r for r in records if success[r.episode] == want]
+        fraction[want] = _frac(sum(1 for r in rs if r.selected), len(rs)) or 0.0
     tests["verdict"] = _verdict(
         tests, fraction[True], fraction[False], distribution(sel_r)["mean"], distribution(uns_r)["mean"]
     )

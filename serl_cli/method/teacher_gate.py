@@ -77,7 +77,7 @@ def signal_of(
     how = ts.SpanScoring(model, tokenizer, 1.0, micro_batch_tokens, bare_replies, action_format)
     scored = ts.expert_logprobs(records, episodes, prompts, how)
     rows = ts.signal_rows(records, episodes, scored)
-    key = {r["record"]: episodes[records[r["record"]]["episode"]].turns[records[r["record"]]["turn"]] for r in rows}
+    key = {r["record"]: episodes[records[r["record"]].episode].turns[records[r["record"]].turn] for r in rows}
     held = [r for r in rows if key[r["record"]].state_key not in seen]
     return with_intervals(held, [key[r["record"]].state_key for r in held], len(rows))
 

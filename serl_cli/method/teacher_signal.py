@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from serl_cli.artifacts.records import Episode, Turn
+from serl_cli.artifacts.records import Annotation, Episode, Turn
 from serl_cli.method.feedback import same_action
 from serl_cli.method.teacher import action_span_mask
 from serl_cli.rollout.prompts import reply_ids
@@ -56,21 +56,19 @@ def expert_reply_ids(tokenizer, action: str, bare_replies: bool = False) -> list
     return reply_ids(tokenizer, action, bare_replies)
 
 
-def _turn(records: list[dict], episodes: list[Episode], k: int) -> Turn:
-    return episodes[records[k]["episode"]].turns[records[k]["turn"]]
+def _turn(records: list[Annotation], episodes: list[Episode], k: int) -> Turn:
+    return episodes[records[k].episode].turns[records[k].turn]
 
 
-def signal_turns(records: list[dict], episodes: list[Episode]) -> list[int]:
+def signal_turns(records: list[Annotation], episodes: list[Episode]) -> list[int]:
     """Indices of the records the teacher scored whose turn has an expert action."""
     return [
-        k
-        for k, r in enumerate(records)
-        if r["teacher_logprobs"] is not None and _turn(records, episodes, k).expert_action
+        k for k, r in enumerate(records) if r.teacher_logprobs is not None and _turn(records, episodes, k).expert_action
     ]
 
 
 def signal_rows(
-    records: list[dict], episodes: list[Episode], expert_logprobs: dict[int, tuple[list[float], list[float]]]
+    records: list[Annotation], episodes: list[Episode], expert_logprobs: dict[int, tuple[list[float], list[float]]]
 ) -> list[dict]:
     """One row per record in ``expert_logprobs`` (record index -> log pi_T of the expert reply's
     action-span tokens, with the block and without it): ``record``, ``on_expert`` (the action
@@ -80,7 +78,8 @@ def signal_rows(
     for k, (lp_with, lp_without) in expert_logprobs.items():
         turn = _turn(records, episodes, k)
         on_expert = same_action(turn.action, turn.expert_action)
-        lr = records[k]["log_ratio_mean"]
+        lr = records[k].log_ratio_mean
+        assert lr is not None  # the teacher scored it (signal_turns)
         rows.append(
             {
                 "record": k,
@@ -120,7 +119,7 @@ def summarize(rows: list[dict]) -> dict | None:
 
 
 def teacher_signal(
-    records: list[dict], episodes: list[Episode], expert_logprobs: dict[int, tuple[list[float], list[float]]]
+    records: list[Annotation], episodes: list[Episode], expert_logprobs: dict[int, tuple[list[float], list[float]]]
 ) -> dict | None:
     """The signal over the records in ``expert_logprobs`` (:func:`signal_rows`, :func:`summarize`)."""
     return summarize(signal_rows(records, episodes, expert_logprobs))
@@ -167,7 +166,7 @@ def span_logprobs(items: list[tuple[list[int], str]], how: SpanScoring) -> list[
 
 
 def expert_logprobs(
-    records: list[dict], episodes: list[Episode], prompts: dict[int, list[int]], how: SpanScoring
+    records: list[Annotation], episodes: list[Episode], prompts: dict[int, list[int]], how: SpanScoring
 ) -> dict[int, tuple[list[float], list[float]]]:
     """Record index -> the expert reply's action-span log-probs with the block (the teacher
     prompt in ``prompts``, as the annotation built it) and without it, on :func:`signal_turns`."""
@@ -187,7 +186,7 @@ def expert_logprobs(
 
 
 def measure(
-    records: list[dict], episodes: list[Episode], prompts: dict[int, list[int]], how: SpanScoring
+    records: list[Annotation], episodes: list[Episode], prompts: dict[int, list[int]], how: SpanScoring
 ) -> dict | None:
     """Score the expert's reply with and without each turn's block (``how``), and summarize
     (:func:`teacher_signal`). ``prompts``: record index -> its teacher prompt

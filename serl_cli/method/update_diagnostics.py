@@ -29,19 +29,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from serl_cli.artifacts.records import Episode
+from serl_cli.artifacts.records import Annotation, Episode
 from serl_cli.method.reference_step import token_logprobs
 from serl_cli.method.teacher_signal import expert_reply_ids
 
 
-def weight_figures(records: list[dict], weight_clip: float, lam: float) -> dict:
+def weight_figures(records: list[Annotation], weight_clip: float, lam: float) -> dict:
     """The distribution of the weights on selected action tokens, the fraction at the clip, the mass moved."""
-    w = [x for r in records if r["weights"] for x, m in zip(r["weights"], r["action_mask"], strict=True) if m]
+    w = [x for r in records if r.weights for x, m in zip(r.weights, r.action_mask, strict=True) if m]
     moved = total = 0.0
     for r in records:
-        for x, m in zip(r["weights"] or [1.0] * len(r["action_mask"]), r["action_mask"], strict=True):
+        for x, m in zip(r.weights or [1.0] * len(r.action_mask), r.action_mask, strict=True):
             if m:
-                moved, total = moved + abs(r["advantage"]) * abs(x - 1.0), total + abs(r["advantage"])
+                moved, total = moved + abs(r.advantage) * abs(x - 1.0), total + abs(r.advantage)
     out: dict[str, Any] = {"weighted_tokens": len(w), "advantage_mass_moved": moved / total if total else 0.0}
     if w:
         q = np.percentile(w, [0, 5, 25, 50, 75, 95, 100]).tolist()
@@ -66,7 +66,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
     return float(a @ b) / (na * nb) if na > 0 and nb > 0 else None
 
 
-def policy_gradients(model, episodes: list[Episode], records: list[dict], temperature: float = 1.0):
+def policy_gradients(model, episodes: list[Episode], records: list[Annotation], temperature: float = 1.0):
     """(GRPO's, SERL's) loss gradients on the batch at the policy, flattened; ``records`` in turn order."""
     params = [p for p in model.parameters() if p.requires_grad]
     turns = [t for e in episodes for t in e.turns]
@@ -74,11 +74,11 @@ def policy_gradients(model, episodes: list[Episode], records: list[dict], temper
     grpo = torch.zeros(sum(p.numel() for p in params))
     serl = torch.zeros_like(grpo)
     for turn, r in zip(turns, records, strict=True):
-        if not r["advantage"]:
+        if not r.advantage:
             continue  # no gradient from a zero advantage, weighted or not
         logp = token_logprobs(model, turn.prompt_ids, turn.action_ids, temperature)
-        w = torch.tensor(r["weights"] or [1.0] * len(turn.action_ids), dtype=logp.dtype)
-        a = float(r["advantage"])
+        w = torch.tensor(r.weights or [1.0] * len(turn.action_ids), dtype=logp.dtype)
+        a = float(r.advantage)
         g_plain = _flat_grad(-(a * logp).sum() / n_tokens, params, retain=True)
         g_weighted = _flat_grad(-(w * a * logp).sum() / n_tokens, params)
         grpo += g_plain
@@ -103,7 +103,7 @@ def update_figures(
     model,
     tokenizer,
     episodes: list[Episode],
-    records: list[dict],
+    records: list[Annotation],
     *,
     weight_clip: float,
     lam: float,

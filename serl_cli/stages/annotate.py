@@ -15,14 +15,16 @@ from pathlib import Path
 
 from serl_cli.algos.objectives import annotation_advantages
 from serl_cli.artifacts import io, runlock
-from serl_cli.artifacts.records import Episode
+from serl_cli.artifacts.records import Annotation, Episode, Manifest
 from serl_cli.artifacts.schema import (
     ANNOTATIONS_FILE,
     ROLLOUTS_FILE,
     SELECTION_REPORT_FILE,
+    read_manifest,
     read_rollouts,
     rollouts_fingerprint,
     turn_samples,
+    write_annotation_records,
 )
 from serl_cli.errors import SerlError
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes, validate
@@ -66,17 +68,13 @@ def journaled_scorer(journal: Path, done: list[dict], progress=None):
     return scorer
 
 
-def _finished(run: Path, manifest: dict) -> dict | None:
-    stage = manifest.get("stages", {}).get("annotate", {})
-    if (
-        stage.get("status") != "done"
-        or not (run / ANNOTATIONS_FILE).is_file()
-        or not (run / SELECTION_REPORT_FILE).is_file()
-    ):
+def _finished(run: Path, manifest: Manifest) -> dict | None:
+    stage = manifest.stage("annotate")
+    if not stage.done or not (run / ANNOTATIONS_FILE).is_file() or not (run / SELECTION_REPORT_FILE).is_file():
         return None
     if stage.get("rollouts_sha256") != rollouts_fingerprint(run):
         return None
-    return {**stage.get("stats", {}), "report": io.read_json(run / SELECTION_REPORT_FILE)}
+    return {**stage.stats, "report": io.read_json(run / SELECTION_REPORT_FILE)}
 
 
 def run_annotate(
@@ -103,7 +101,7 @@ def _run_annotate(
     from serl_cli.models.device import resolve
     from serl_cli.models.loading import load_for_inference, set_torch_threads
 
-    manifest = io.load_manifest(run)
+    manifest = read_manifest(run)
     validate(cfg)
     journal = run / JOURNAL_FILE
     finished = io.begin_resumable(
@@ -119,7 +117,7 @@ def _run_annotate(
     episodes = read_rollouts(run)
     if any(not t.behaviour_logprobs for e in episodes for t in e.turns):
         raise SerlError(f"{run}/{ROLLOUTS_FILE} has no behaviour log-probs (expert data?): annotate a model's rollouts")
-    rollout_cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
+    rollout_cfg = manifest.rollout_config
     teacher_name = cfg.teacher or rollout_cfg.get("model")
     if not teacher_name:
         raise SerlError(f"no teacher model: {run}/manifest.json names no rollout model; pass --set teacher=DIR")
@@ -158,11 +156,11 @@ def _run_annotate(
 
 
 def write_annotations(
-    run: Path, records: list[dict], episodes: list[Episode], cfg: AnnotateConfig, stats: dict
+    run: Path, records: list[Annotation], episodes: list[Episode], cfg: AnnotateConfig, stats: dict
 ) -> dict:
     report = selection_report(records, episodes)
     report["teacher"] = stats
-    io.write_jsonl(run / ANNOTATIONS_FILE, records)
+    write_annotation_records(run, records)
     io.write_json(run / SELECTION_REPORT_FILE, report)
     io.mark_stage(
         run, "annotate", "done", config=io.to_plain(cfg), rollouts_sha256=rollouts_fingerprint(run), stats=stats

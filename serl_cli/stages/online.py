@@ -81,11 +81,12 @@ import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import cast
 
 from serl_cli.algos.objectives import annotation_advantages, get_objective
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import Episode
-from serl_cli.artifacts.schema import turn_samples
+from serl_cli.artifacts.records import Episode, Metrics
+from serl_cli.artifacts.schema import METRICS_FILE, append_metrics, turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.method.annotation import annotate_episodes, teacher_wanted
 from serl_cli.method.teacher import TeacherSnapshot
@@ -136,13 +137,13 @@ from serl_cli.training.learner import Learner
 from serl_cli.training.train_config import recompute_enabled
 
 
-def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = False, on_iteration=None) -> list[dict]:
+def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = False, on_iteration=None) -> list[Metrics]:
     """Run the loop (see the module docstring); raises :class:`Preempted` when stopped by a signal."""
     with StopSignal() as stop:
         return _run_online(cfg, stop, resume=resume, overwrite=overwrite, on_iteration=on_iteration)
 
 
-def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite: bool, on_iteration) -> list[dict]:
+def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite: bool, on_iteration) -> list[Metrics]:
     run = Path(cfg.out)
     check_online_config(cfg)
     validate(cfg.rollout)
@@ -196,7 +197,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
             # a kill between appending an iteration's metrics and marking it done leaves a line
             # for an unfinished iteration, and iterations past the newest checkpoint are redone:
             # drop everything from the resume point on
-            for name in ("metrics.jsonl", "timings.jsonl"):
+            for name in (METRICS_FILE, "timings.jsonl"):
                 keep_iterations_before(run / name, start)
         objective = get_objective(cfg.train.algo)
         acfg = annotate_config(cfg)  # with what the algorithm needs of it (rlsd: every turn and reply token...)
@@ -252,10 +253,10 @@ class Loop:
         self.vllm = cfg.rollout.engine == "vllm"
         self.out = PolicyOut(learner, teacher, engine, cfg.rollout.vllm if self.vllm else None)
 
-    def iterations(self, start: int, on_iteration) -> list[dict]:
+    def iterations(self, start: int, on_iteration) -> list[Metrics]:
         cfg, run, learner, main = self.cfg, self.run, self.learner, self.main
         self.out.sized = start > 0  # the checkpoint's size is said when a run starts, not again on resume
-        history = []
+        history: list[Metrics] = []
         if self.producer is not None:  # the first k + 1 iterations' versions are published already
             for j in range(start, min(start + cfg.max_staleness + 1, cfg.iterations)):
                 self.request(j)
@@ -319,9 +320,10 @@ class Loop:
             if cfg.eval.episodes and (k + 1) % cfg.eval.every == 0:
                 metrics.update(self.evaluate(rcfg, it, log))
             ranks = learner.all_gather(log.finish())
-            history.append(metrics)
+            row = cast(Metrics, metrics)  # the update's figures, the loop's and the evaluation's
+            history.append(row)
             if main:  # the run's bookkeeping
-                io.append_jsonl(run / "metrics.jsonl", metrics)
+                append_metrics(run / METRICS_FILE, row)
                 io.append_jsonl(
                     run / "timings.jsonl",
                     {
@@ -340,7 +342,7 @@ class Loop:
                 if self.producer is not None:
                     prune_versions(run, oldest_resume(run), cfg.max_staleness, self.acfg.teacher_sync_interval)
                 if on_iteration:
-                    on_iteration(metrics)
+                    on_iteration(row)
             if signum is not None:
                 raise Preempted(run, k + 1, signum)
         learner.save(run / "checkpoint", prompt=cfg.rollout.prompt)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from serl_cli.artifacts import io
+from serl_cli.artifacts.records import Metrics
+from serl_cli.artifacts.schema import METRICS_FILE
+from serl_cli.artifacts.schema import read_metrics as read_metrics_file
 from serl_cli.errors import SerlError
 
 # (panel title, metric keys drawn in it)
@@ -35,17 +37,17 @@ PANELS = [
 X_AXES = {"iteration": "iteration", "env_steps": "environment steps"}
 
 
-def read_metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
+def read_metrics(run: Path) -> list[Metrics]:
+    path = run / METRICS_FILE
     if not path.is_file():
         raise SerlError(f"{run} has no metrics.jsonl: plot a run that trained (serl train)")
-    records = list(io.iter_jsonl(path))
+    records = read_metrics_file(path)
     if not records:
         raise SerlError(f"{path} is empty: no update has finished yet")
     return records
 
 
-def series(records: list[dict], x: str, key: str) -> tuple[list[float], list[float]]:
+def series(records: list[Metrics], x: str, key: str) -> tuple[list[float], list[float]]:
     """(x, y) points of ``key`` over the records that carry both; the update count stands in
     for the iteration in a single-update run's metrics."""
     xs, ys = [], []
@@ -58,7 +60,7 @@ def series(records: list[dict], x: str, key: str) -> tuple[list[float], list[flo
     return xs, ys
 
 
-def drawn_panels(records: list[dict], x: str) -> list[tuple[str, list]]:
+def drawn_panels(records: list[Metrics], x: str) -> list[tuple[str, list]]:
     """The panels the records fill: (title, [(metric, (xs, ys)), ...]), each metric with at least one point."""
     panels = [(title, [(k, series(records, x, k)) for k in keys]) for title, keys in PANELS]
     panels = [(title, [(k, s) for k, s in lines if s[0]]) for title, lines in panels]

@@ -18,11 +18,12 @@ from rich.table import Table
 from rich.text import Text
 
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import Episode, Turn
+from serl_cli.artifacts.records import Annotation, Episode, Manifest, StageRecord, Turn
 from serl_cli.artifacts.schema import (
-    ANNOTATION_KEYS,
     ANNOTATIONS_FILE,
     ROLLOUTS_FILE,
+    iter_annotations,
+    read_manifest,
     read_rollouts,
     rollouts_fingerprint,
 )
@@ -33,39 +34,36 @@ DEFAULT_CLIP = 0.2  # weights are shaded by |w - 1| / clip (annotate's weight_cl
 
 
 # -- reading ----------------------------------------------------------------------------------
-def load_run(run_dir: str | Path) -> tuple[dict, list[Episode], dict | None]:
+def load_run(run_dir: str | Path) -> tuple[Manifest, list[Episode], Annotations | None]:
     """(manifest, episodes, annotations by (episode, turn) or None where the run has none)."""
     run = Path(run_dir)
-    manifest = io.load_manifest(run)
+    manifest = read_manifest(run)
     episodes = read_rollouts(run, need_tokens=False)
     return manifest, episodes, read_annotations(run, manifest, episodes)
 
 
-def read_annotations(run: Path, manifest: dict, episodes: list[Episode]) -> dict | None:
+Annotations = dict[tuple[int, int], Annotation]  # a run's annotation records by (episode, turn)
+
+
+def read_annotations(run: Path, manifest: Manifest, episodes: list[Episode]) -> Annotations | None:
     path = io.stored(run / ANNOTATIONS_FILE)
     if not path.exists():
         return None
-    made_from = manifest.get("stages", {}).get("annotate", {}).get("rollouts_sha256")
+    made_from = manifest.stage("annotate").get("rollouts_sha256")
     if made_from and rollouts_fingerprint(run) != made_from:
         raise SerlError(
             f"{path} was made from other rollouts than {run / ROLLOUTS_FILE}: run `serl annotate {run} --overwrite`"
         )
-    out = {}
-    for n, rec in enumerate(io.iter_jsonl(path, required=ANNOTATION_KEYS), 1):
-        e, t = rec["episode"], rec["turn"]
-        if not (
-            isinstance(e, int) and isinstance(t, int) and 0 <= e < len(episodes) and 0 <= t < len(episodes[e].turns)
-        ):
+    out: Annotations = {}
+    for n, rec in enumerate(iter_annotations(path), 1):
+        e, t = rec.episode, rec.turn
+        if not (0 <= e < len(episodes) and 0 <= t < len(episodes[e].turns)):
             raise SerlError(f"{path}:{n}: episode {e!r} turn {t!r} is not a turn of {run / ROLLOUTS_FILE}")
         if (e, t) in out:
             raise SerlError(f"{path}:{n}: a second record for episode {e} turn {t}")
-        w, ids = rec["weights"], episodes[e].turns[t].action_ids
-        if w is not None and (
-            not isinstance(w, list)
-            or len(w) != len(ids)
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in w)
-        ):
-            raise SerlError(f"{path}:{n}: weights must be a list of one number per action token ({len(ids)})")
+        if rec.weights is not None and len(rec.weights) != len(episodes[e].turns[t].action_ids):
+            n_ids = len(episodes[e].turns[t].action_ids)
+            raise SerlError(f"{path}:{n}: weights must be a list of one number per action token ({n_ids})")
         out[e, t] = rec
     return out
 
@@ -76,27 +74,29 @@ def _check_index(what: str, i: int | None, n: int) -> None:
 
 
 # -- the run: stages and episodes ----------------------------------------------------------------
-def _stage_detail(entry: dict) -> str:
-    cfg = entry.get("config") or {}
+def _stage_detail(entry: StageRecord) -> str:
+    cfg = entry.config
     keys = ("model", "policy", "sources", "granularity", "placement", "tokens", "algo", "teacher")
     parts = [f"{k} {cfg[k]}" for k in keys if cfg.get(k) not in (None, "")]
     if "expert" in str(cfg.get("sources", "")).replace("|", ",").split(","):
         parts.append("expert = privileged oracle information")
     if entry.get("checkpoint"):
-        parts.append(f"checkpoint {entry['checkpoint']}")
+        parts.append(f"checkpoint {entry.get('checkpoint')}")
     return ", ".join(parts)
 
 
-def run_view(run_dir: str | Path, manifest: dict, episodes: list[Episode], ann: dict | None) -> RenderableType:
-    commit = (manifest.get("git_commit") or "unknown")[:10]
+def run_view(
+    run_dir: str | Path, manifest: Manifest, episodes: list[Episode], ann: Annotations | None
+) -> RenderableType:
+    commit = (manifest.git_commit or "unknown")[:10]
     head = Text(
-        f"run {run_dir}: serl {manifest.get('serl_version')}, seed {manifest.get('seed')}, commit {commit}",
+        f"run {run_dir}: serl {manifest.serl_version}, seed {manifest.seed}, commit {commit}",
         style="bold",
     )
     stages = Table(title="stages", title_justify="left", header_style="bold")
     for col in ("stage", "status", "detail"):
         stages.add_column(col)
-    for name, entry in manifest.get("stages", {}).items():
+    for name, entry in manifest.stages.items():
         status = str(entry.get("status", "?"))
         stages.add_row(
             Text(name), Text(status, style="green" if status == "done" else "yellow"), Text(_stage_detail(entry))
@@ -125,7 +125,7 @@ def run_view(run_dir: str | Path, manifest: dict, episodes: list[Episode], ann: 
     if ann is not None:
         total += f", {sum(r['selected_turns'] for r in rows)} of {len(ann)} turns selected"
     parts: list[RenderableType] = [head, stages, table]
-    signal = ((manifest.get("stages", {}).get("annotate") or {}).get("stats") or {}).get("teacher_signal")
+    signal = manifest.stage("annotate").stats.get("teacher_signal")
     if signal:
         parts.append(teacher_signal_text(signal))
     return Group(*parts, Text(total + "; `serl show RUN --episode N` for one episode", style="dim"))
@@ -148,33 +148,40 @@ def teacher_signal_text(s: dict) -> Text:
     return t
 
 
-def episode_rows(episodes: list[Episode], ann: dict | None) -> list[dict]:
+def episode_rows(episodes: list[Episode], ann: Annotations | None) -> list[dict]:
     rows = []
     for e, ep in enumerate(episodes):
         row = {k: getattr(ep, k) for k in ("task_id", "group_id", "rollout_index", "reward", "success")}
         row["turns"] = ep.num_turns
         row["invalid_actions"] = ep.invalid_actions
         if ann is not None:
-            row["selected_turns"] = sum(1 for t in range(len(ep.turns)) if ann.get((e, t), {}).get("selected"))
+            row["selected_turns"] = sum(1 for t in range(len(ep.turns)) if (a := ann.get((e, t))) and a.selected)
         rows.append(row)
     return rows
 
 
 # -- one episode --------------------------------------------------------------------------------
-def episode_json(episodes: list[Episode], ann: dict | None, index: int, turn: int | None = None) -> dict:
+def episode_json(episodes: list[Episode], ann: Annotations | None, index: int, turn: int | None = None) -> dict:
     """The episode's record with each turn's annotation record under ``annotation`` (None: not annotated)."""
     _check_index("episode", index, len(episodes))
     ep = dict(episodes[index].to_dict(), episode=index)
     _check_index("turn", turn, len(ep["turns"]))
+    records = ann or {}
     ep["turns"] = [
-        dict(t, annotation=(ann or {}).get((index, i))) for i, t in enumerate(ep["turns"]) if turn is None or i == turn
+        dict(t, annotation=_record(records.get((index, i))))
+        for i, t in enumerate(ep["turns"])
+        if turn is None or i == turn
     ]
     return ep
 
 
-def load_tokenizer(manifest: dict):
+def _record(a: Annotation | None) -> dict | None:
+    return None if a is None else a.to_dict()
+
+
+def load_tokenizer(manifest: Manifest):
     """(tokenizer or None, why not): the rollout model's tokenizer, to decode action tokens."""
-    name = ((manifest.get("stages", {}).get("rollout") or {}).get("config") or {}).get("model")
+    name = manifest.rollout_config.get("model")
     if not name:
         return None, "the manifest names no rollout model"
     path = Path(name).expanduser()
@@ -279,7 +286,7 @@ def _field(grid: Table, label: str, value, style: str = "") -> None:
     grid.add_row(Text(label, style="bold cyan"), value if isinstance(value, Text) else Text(str(value), style=style))
 
 
-def turn_view(i: int, turn: Turn, rec: dict | None, full: bool, tokenizer, clip: float) -> Panel:
+def turn_view(i: int, turn: Turn, rec: Annotation | None, full: bool, tokenizer, clip: float) -> Panel:
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
     grid.add_column()
@@ -302,38 +309,38 @@ def turn_view(i: int, turn: Turn, rec: dict | None, full: bool, tokenizer, clip:
     _field(grid, "reward", f"{float(turn.reward):.3f}   done {bool(turn.done)}")
     title = Text(f"turn {i}")
     if rec is not None:
-        if rec["selected"]:
+        if rec.selected:
             title.append("  ").append(" SELECTED ", style="bold black on yellow")
-        if rec["distill"]:
+        if rec.distill:
             title.append("  ").append(" DISTILL ", style="bold white on blue")
-        _field(grid, "sources", ", ".join(rec["sources"] or []) or "-")
-        _field(grid, "fired", ", ".join(rec["fired"] or []) or "-")
-        _field(grid, "hindsight", rec["hindsight"] if rec["hindsight"] is not None else "(no block)", "italic")
-        _field(grid, "advantage", f"{float(rec['advantage']):+.3f}")
-        lr = rec["log_ratio_mean"]
+        _field(grid, "sources", ", ".join(rec.sources or []) or "-")
+        _field(grid, "fired", ", ".join(rec.fired or []) or "-")
+        _field(grid, "hindsight", rec.hindsight if rec.hindsight is not None else "(no block)", "italic")
+        _field(grid, "advantage", f"{float(rec.advantage):+.3f}")
+        lr = rec.log_ratio_mean
         _field(grid, "log-ratio", "(not scored)" if lr is None else f"{lr:+.4f}  (mean log pi_T - log pi_old)")
-        if rec["weights"] is None:
+        if rec.weights is None:
             _field(grid, "weights", "all 1", "dim")
-        elif rec["action_mask"] is not None and not any(rec["action_mask"]) and all(w == 1 for w in rec["weights"]):
+        elif rec.action_mask is not None and not any(rec.action_mask) and all(w == 1 for w in rec.weights):
             _field(grid, "weights", "all 1 (no parseable action: nothing to reweight)", "dim")
         else:
-            _field(grid, "weights", weights_summary(rec["weights"]))
-            _field(grid, "", weights_text(turn.action_ids, rec["weights"], rec["action_mask"], tokenizer, clip))
+            _field(grid, "weights", weights_summary(rec.weights))
+            _field(grid, "", weights_text(turn.action_ids, rec.weights, rec.action_mask, tokenizer, clip))
             # the reply split where the weights apply: reasoning (weight 1 under tokens: action) and the action
-            ids, w = turn.action_ids, rec["weights"]
-            outside, inside = reply_parts(ids, w, rec["action_mask"])
+            ids, w = turn.action_ids, rec.weights
+            outside, inside = reply_parts(ids, w, rec.action_mask)
             if outside:
                 _field(grid, "reasoning", reasoning_text(ids, w, outside, tokenizer, clip))
             if inside:
                 _field(grid, "action w", token_weights_text(ids, w, inside, tokenizer, clip))
-    border = "yellow" if rec is not None and rec["selected"] else "dim"
+    border = "yellow" if rec is not None and rec.selected else "dim"
     return Panel(grid, title=title, title_align="left", border_style=border)
 
 
 def episode_view(
-    manifest: dict,
+    manifest: Manifest,
     episodes: list[Episode],
-    ann: dict | None,
+    ann: Annotations | None,
     index: int,
     turn: int | None = None,
     full: bool = False,
@@ -357,9 +364,9 @@ def episode_view(
         )
     shown = range(len(ep.turns)) if turn is None else [turn]
     recs = {i: (ann or {}).get((index, i)) for i in shown}  # each shown turn's annotation record (None: none)
-    weighted = any(r and r["weights"] is not None for r in recs.values())
+    weighted = any(r and r.weights is not None for r in recs.values())
     tokenizer, why = tokenizer_loader(manifest) if weighted else (None, "")
-    acfg = (manifest.get("stages", {}).get("annotate") or {}).get("config") or {}
+    acfg = manifest.stage("annotate").config
     clip = float(acfg.get("weight_clip", DEFAULT_CLIP))
     if weighted:
         parts.append(legend(clip, tokenizer is None, acfg.get("tokens", "action")))

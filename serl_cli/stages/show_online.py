@@ -13,8 +13,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from serl_cli.artifacts import io
-from serl_cli.artifacts.schema import ROLLOUTS_FILE
+from serl_cli.artifacts.records import Metrics
+from serl_cli.artifacts.schema import METRICS_FILE, ROLLOUTS_FILE, read_metrics
 
 ITERATION_COLUMNS = [  # (column, metrics.jsonl key)
     ("reward", "mean_reward"),
@@ -39,10 +39,9 @@ def iteration_rows(run_dir: str | Path, manifest: dict) -> list[dict]:
     abandoned on a stop, or is running, is not done), the iteration's metrics line, and
     whether it kept a checkpoint."""
     run = Path(run_dir)
-    metrics: dict[int, dict] = {}
-    if (run / "metrics.jsonl").is_file():
-        records = io.iter_jsonl(run / "metrics.jsonl")
-        metrics = {r["iteration"]: r for r in records if isinstance(r.get("iteration"), int)}
+    metrics: dict[int, Metrics] = {}
+    if (run / METRICS_FILE).is_file():
+        metrics = {r["iteration"]: r for r in read_metrics(run / METRICS_FILE) if "iteration" in r}
     stages = manifest.get("stages", {})
     rows = []
     for d in sorted(p for p in run.glob("iter_*") if p.is_dir()):
@@ -50,7 +49,7 @@ def iteration_rows(run_dir: str | Path, manifest: dict) -> list[dict]:
             k = int(d.name.split("_", 1)[1])
         except ValueError:
             continue
-        m = metrics.get(k, {})
+        m = metrics.get(k, Metrics())
         stale = {key: m.get(key) for _, key in STALE_COLUMNS}
         rows.append(
             {

@@ -13,8 +13,16 @@ from pathlib import Path
 from serl_cli.algos.objectives import get_objective
 from serl_cli.algos.registry import objective
 from serl_cli.artifacts import io, runlock
-from serl_cli.artifacts.records import Episode
-from serl_cli.artifacts.schema import ROLLOUTS_FILE, read_rollouts, rollout_temperature, rollouts_fingerprint
+from serl_cli.artifacts.records import Episode, StageRecord
+from serl_cli.artifacts.schema import (
+    METRICS_FILE,
+    ROLLOUTS_FILE,
+    read_manifest,
+    read_metrics,
+    read_rollouts,
+    rollout_temperature,
+    rollouts_fingerprint,
+)
 from serl_cli.errors import SerlError
 from serl_cli.method.feedback import parse_sources
 from serl_cli.method.hindsight_sft import examples_for_run
@@ -157,24 +165,24 @@ def check_checkpoint_is_ours(checkpoint: Path, record: dict | None, identity: di
 def _train_on_run(
     run: Path, cfg: TrainConfig, *, overwrite: bool, resume: bool, progress=None, main: bool = True
 ) -> dict:
-    manifest = io.load_manifest(run)
+    manifest = read_manifest(run)
     check_train_config(cfg)  # before the manifest says "running": a refused setting changes nothing on disk
     check_hindsight_sft(cfg)
     stage_name = f"train:{cfg.algo}"
     checkpoint = checkpoint_of(run, cfg)
     books = writes_into_run(run, checkpoint)  # else a reader of run: nothing is written into it
-    stage = manifest["stages"].get(stage_name, {}) if books else {}
-    metrics_path, timings_path = run / "metrics.jsonl", run / "timings.jsonl"
-    rollout_cfg = manifest.get("stages", {}).get("rollout", {}).get("config", {})
+    stage = manifest.stage(stage_name) if books else StageRecord(stage_name, {})  # a reader: no entry of its own
+    metrics_path, timings_path = run / METRICS_FILE, run / "timings.jsonl"
+    rollout_cfg = manifest.rollout_config
     model_name = cfg.model or rollout_cfg.get("model")
     identity = update_identity(run, cfg, model_name)
     if checkpoint.exists() and not overwrite:
         record = check_checkpoint_is_ours(checkpoint, read_update_record(checkpoint), identity, resume)
         if not books:  # the record is written with the weights: the update finished
             return record["metrics"]
-        if stage.get("status") == "done":
-            records = list(io.iter_jsonl(metrics_path))
-            return records[stage.get("metrics_line", len(records) - 1)]
+        if stage.done:
+            records = read_metrics(metrics_path)
+            return dict(records[stage.get("metrics_line", len(records) - 1)])
         # killed between its checkpoint and its books: run again (the same update, the same result)
     episodes = training_episodes(read_rollouts(run), cfg, run)
     if not model_name:
@@ -185,8 +193,8 @@ def _train_on_run(
         from serl_cli.artifacts.schema import read_annotations
 
         annotations = read_annotations(run)
-        meta = manifest["stages"]["annotate"]
-    if main and books and stage.get("status") == "running":  # an earlier attempt was killed: drop what it wrote
+        meta = manifest.stage("annotate").entry
+    if main and books and stage.status == "running":  # an earlier attempt was killed: drop what it wrote
         io.truncate_jsonl(metrics_path, stage.get("metrics_line", 0))
         io.truncate_jsonl(timings_path, stage.get("timings_line", 0))
     line, timings_line = (io.count_jsonl(metrics_path), io.count_jsonl(timings_path)) if books else (0, 0)

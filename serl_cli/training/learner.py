@@ -23,7 +23,7 @@ from serl_cli.algos import core
 from serl_cli.algos.batch import make_micro_batches, micro_batch_groups, right_aligned
 from serl_cli.algos.objectives import UpdateInputs, default_advantages, get_objective, turn_advantages
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import Episode
+from serl_cli.artifacts.records import Annotation, Episode
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.device import tag
@@ -251,7 +251,7 @@ class Learner:
         self,
         episodes: list[Episode],
         temperature: float,
-        annotations: list[dict] | None = None,
+        annotations: list[Annotation] | None = None,
         annotate_meta: dict | None = None,
         engine: str | None = None,
         progress=None,
@@ -439,7 +439,7 @@ class Learner:
 
 
 def _check_annotated_advantages(
-    used: torch.Tensor, annotations: list[dict] | None, expected: torch.Tensor, cfg: TrainConfig
+    used: torch.Tensor, annotations: list[Annotation] | None, expected: torch.Tensor, cfg: TrainConfig
 ) -> None:
     """Under non-default advantage settings (group_norm, invalid_action_penalty,
     success_reward) a weighted objective (serl, rlsd) must train on the advantages those
@@ -455,7 +455,7 @@ def _check_annotated_advantages(
     if annotations is None:
         return
     for a, adv in zip(annotations, expected.tolist(), strict=True):
-        if a["weights"] is not None and a["advantage"] * adv < 0:
+        if a.weights is not None and a.advantage * adv < 0:
             raise SerlError(
                 f"the annotations' weights were signed by advantages computed without {settings}: "
                 f"they would push some turns the wrong way (docs/PARITY.md)"

@@ -42,9 +42,9 @@ def show_command(
     if (Path(run) / "grid.json").is_file() and not (Path(run) / "manifest.json").is_file():
         # an ablation's folder holds runs, one per cell: its view is the report over them
         raise SerlError(f"{run} is an ablation directory (grid.json), not a run: use serl ablate --report {run}")
-    manifest = io.load_manifest(run)
-    if show_online.is_online_run(run, manifest):  # the online loop's run: its episodes are in its iterations
-        rows = show_online.iteration_rows(run, manifest)
+    stored = io.load_manifest(run)
+    if show_online.is_online_run(run, stored):  # the online loop's run: its episodes are in its iterations
+        rows = show_online.iteration_rows(run, stored)
         if episode is not None:
             folder = rows[-1]["folder"] if rows else "iter_0000"
             raise SerlError(
@@ -54,7 +54,7 @@ def show_command(
         if as_json:
             typer.echo(json.dumps(rows))
             return
-        out.print(show_online.online_view(run, manifest, rows))
+        out.print(show_online.online_view(run, stored, rows))
         return
     manifest, episodes, ann = sh.load_run(run)
     if as_json:

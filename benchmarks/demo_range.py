@@ -22,7 +22,7 @@ from pathlib import Path
 
 from benchmarks.common import report
 from serl_cli.artifacts import io
-from serl_cli.stages.demo import ARM_PREFIX, gain_text
+from serl_cli.demo.pipeline import ARM_PREFIX, gain_text
 
 
 def run_one(seed: int, threads: str, out: Path, extra: list[str]) -> dict:
@@ -45,7 +45,7 @@ def run_one(seed: int, threads: str, out: Path, extra: list[str]) -> dict:
         "warm_start": results["warm start"]["success_rate"],
         "final": {algo: results[ARM_PREFIX + algo]["success_rate"] for algo in gains},
         "gain_points": gains,
-        # paired over the test rooms (stages.demo.paired_gain)
+        # paired over the test rooms (demo.pipeline.paired_gain)
         "gain_ci95_points": {algo: g["ci95"] and [round(x, 1) for x in g["ci95"]] for algo, g in demo["gains"].items()},
         "kept_iterations": demo.get("kept_iterations"),
     }

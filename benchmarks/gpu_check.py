@@ -326,11 +326,11 @@ def sync_and_verify(engine, learner, model_dir: Path, args) -> dict:
 
 def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend: str) -> dict:
     """One iteration of the online loop itself (run_online) on the same stack."""
+    from serl_cli.online.config import OnlineConfig
+    from serl_cli.online.loop import run_online
     from serl_cli.rollout.engines import SamplingConfig
     from serl_cli.rollout.engines.vllm import VLLMConfig
     from serl_cli.rollout.worlds import EnvConfig
-    from serl_cli.stages.online import run_online
-    from serl_cli.stages.online_config import OnlineConfig
     from serl_cli.stages.rollout import RolloutConfig
 
     vllm = VLLMConfig(
@@ -370,10 +370,10 @@ def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend
 def online_async(model_dir: Path, out: Path, args, backend: str) -> dict:
     """Three iterations at max_staleness 1 (the producer beside the trainer, hf engine), and the
     overlap of the steady ones: 1 - the trainer's wait for rollouts / the producer's generation."""
+    from serl_cli.online.config import OnlineConfig, ProducerConfig
+    from serl_cli.online.loop import run_online
     from serl_cli.rollout.engines import SamplingConfig
     from serl_cli.rollout.worlds import EnvConfig
-    from serl_cli.stages.online import run_online
-    from serl_cli.stages.online_config import OnlineConfig, ProducerConfig
     from serl_cli.stages.rollout import RolloutConfig
 
     cfg = OnlineConfig(

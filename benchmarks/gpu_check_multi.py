@@ -87,7 +87,7 @@ def run_config(layout: dict, model_dir: Path, out: Path, args) -> dict:
             "batch_size": args.tasks * args.group_size,
             "gpus": layout["rollout_gpus"],
             "threads": args.threads,
-            # coupled: with hf each process samples its own groups (stages.online_ranks)
+            # coupled: with hf each process samples its own groups (online.ranks)
             "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens, "coupled": True},
             "vllm": {
                 "tensor_parallel_size": layout["tp"],
@@ -118,8 +118,8 @@ def run_config(layout: dict, model_dir: Path, out: Path, args) -> dict:
 def worker(config_path: str) -> None:
     """One process of a layout's run (under torchrun): the online loop itself."""
     from serl_cli import config as cfgmod
-    from serl_cli.stages.online import run_online
-    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.online.config import OnlineConfig
+    from serl_cli.online.loop import run_online
 
     cfg = cfgmod.from_dict(OnlineConfig, json.loads(Path(config_path).read_text()), config_path)
     run_online(cfg, overwrite=True)
@@ -152,8 +152,8 @@ def plan_estimate(smoke: bool):
 
     from serl_cli import config as cfgmod
     from serl_cli.models.shapes import model_shape
-    from serl_cli.stages.online_config import OnlineConfig
-    from serl_cli.stages.plan import Machine, host_memory_bytes, layout_of
+    from serl_cli.online.config import OnlineConfig
+    from serl_cli.online.plan import Machine, host_memory_bytes, layout_of
     from serl_cli.training.memory import GiB
     from serl_cli.training.plan import estimate
 

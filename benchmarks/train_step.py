@@ -8,7 +8,7 @@
 Writes ``benchmarks/results/train_step.json`` (``train_step_scripted.json`` with
 ``--rollouts scripted``) unless ``--out`` is given.
 
-One step is what the online loop (``serl_cli.stages.online``) does between a rollout and the
+One step is what the online loop (``serl_cli.online.loop``) does between a rollout and the
 next: for serl, rlsd and sdpo ``annotate_episodes`` (feedback sources and the hindsight
 block, the placement rule, teacher scoring of the turns that need it, the weights), then
 ``Learner.update`` (prepare + the gradient step); for grpo ``Learner.update`` alone.

@@ -28,11 +28,11 @@ from serl_cli.artifacts.records import Annotation, Episode, Manifest, Metrics, S
 from serl_cli.artifacts.schema import read_rollouts as _read_rollouts
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
+from serl_cli.online.config import OnlineConfig, OnlineEvalConfig
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.evaluate import EvalConfig
-from serl_cli.stages.online_config import OnlineConfig, OnlineEvalConfig
 from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.train_config import LoraConfig, OptimConfig, TrainConfig
 
@@ -97,14 +97,14 @@ CONFIG_CLASSES = {
     "env": EnvConfig,
 }
 # The commands that also take a run file (the online loop's layout: `serl train --config`'s) as
-# --config, and run its step as the loop does (stages.run_file, stages.derive).
+# --config, and run its step as the loop does (online.run_file, online.derive).
 READS_RUN_FILES = ("rollout", "eval", "annotate")
 
 
 def config_class(command: str):
     """The settings dataclass behind ``command`` (one of :data:`CONFIG_CLASSES`; ``demo``'s on request)."""
     if command == "demo":  # imported only when asked for
-        from serl_cli.stages.demo import DemoConfig
+        from serl_cli.demo.pipeline import DemoConfig
 
         return DemoConfig
     if command not in CONFIG_CLASSES:
@@ -125,12 +125,12 @@ def resolve_config(
     """``cls`` from defaults < ``base`` < config files < ``flags`` < ``overrides`` (``--set``),
     as every command resolves it; returns ``(cfg, note)``. With ``command`` (one of
     :data:`READS_RUN_FILES`) a run file is read too, and ``note`` names the keys of it the command
-    does not use (else None); ``reader``: a :class:`~serl_cli.stages.run_file.RunFileReader` of
+    does not use (else None); ``reader``: a :class:`~serl_cli.online.run_file.RunFileReader` of
     the caller's (which keeps the run config)."""
     # the run file's layout is read from --config files and from --set alike: the same full dotted
     # path (rollout.prompt.bare_replies) works with or without a run file given
     if reader is None and command in READS_RUN_FILES:
-        from serl_cli.stages.run_file import RunFileReader
+        from serl_cli.online.run_file import RunFileReader
 
         reader = RunFileReader(command, cls)
     cfg = cfgmod.resolve(
@@ -230,7 +230,7 @@ def annotate(
     its algorithm's needs are applied to ``cfg`` and its advantages sign the weights, as in the
     online loop. ``progress(done, total)``: teacher turns scored. The summary holds the counts and
     the selection report (``summary["report"]``)."""
-    from serl_cli.stages.derive import prepare_annotation
+    from serl_cli.online.derive import prepare_annotation
 
     train, cfg = prepare_annotation(cfg or AnnotateConfig(), train or TrainConfig(algo="serl"))
     from serl_cli.stages.annotate import run_annotate  # torch: once the settings are checked
@@ -264,7 +264,7 @@ def train(
     cfg, _ = apply_algorithm(cfg)  # a copy: the caller's config is left as it is
     check_train_config(cfg)  # before torch loads, and before anything is written
     if plan_check:
-        from serl_cli.stages.plan import preflight, run_model
+        from serl_cli.online.plan import preflight, run_model
 
         preflight(OnlineConfig(train=cfg, model=cfg.model), online=False, model=cfg.model or run_model(str(run)))
     if cfg.checkpoint:
@@ -286,20 +286,20 @@ def train_online(
     ``online.yaml``; the final policy in ``OUT/checkpoint``). ``resume`` continues after the last
     finished iteration; ``on_iteration(metrics)`` is called as each iteration ends. Returns every
     iteration's metrics (those of ``metrics.jsonl``). Stopped by SIGTERM/SIGUSR1 it raises
-    ``serl_cli.stages.online_stop.Preempted`` with the run checkpointed (resume continues it)."""
+    ``serl_cli.online.stop.Preempted`` with the run checkpointed (resume continues it)."""
     from serl_cli.artifacts import runlock
-    from serl_cli.stages.derive import train_config
-    from serl_cli.stages.online import run_online
-    from serl_cli.stages.online_config import check_online_config
-    from serl_cli.stages.online_stop import Preempted
-    from serl_cli.stages.run_file import run_settings
+    from serl_cli.online.config import check_online_config
+    from serl_cli.online.derive import train_config
+    from serl_cli.online.loop import run_online
+    from serl_cli.online.run_file import run_settings
+    from serl_cli.online.stop import Preempted
     from serl_cli.training.backends import is_main_process
 
     train_config(cfg)  # every setting is checked before torch loads, and before anything is written
     check_online_config(cfg)
     io.check_output_dir(cfg.out)
     if plan_check:  # before anything loads: a layout that cannot fit is one line, not an OOM an hour in
-        from serl_cli.stages.plan import preflight
+        from serl_cli.online.plan import preflight
 
         preflight(cfg, online=True, model=cfg.model)
     if resume:

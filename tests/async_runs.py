@@ -24,11 +24,11 @@ from envs.sokoban.env import SokobanWorld
 from serl_cli.method.annotate_config import AnnotateConfig
 from serl_cli.models.loading import load_model
 from serl_cli.models.tiny import init_model
+from serl_cli.online.config import OnlineConfig
 from serl_cli.rollout.default_model import tokenizer_corpus
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig
-from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 from serl_cli.training.step import OptimConfig
 from serl_cli.training.train_config import TrainConfig
@@ -136,7 +136,7 @@ def summary(run: Path) -> dict:
 
 
 def write_reference(base: Path) -> None:
-    from serl_cli.stages.online import run_online
+    from serl_cli.online.loop import run_online
 
     model = mover_model(base)
     reference = {"machine": machine()}

@@ -1,4 +1,4 @@
-"""The asynchronous loop (``max_staleness``, :mod:`serl_cli.stages.online_producer`): at 0 it is
+"""The asynchronous loop (``max_staleness``, :mod:`serl_cli.online.producer`): at 0 it is
 the synchronous loop of the commit before it existed, byte for byte; at k > 0 the background
 producer equals the sequential reference that rolls out iteration j with version j - k, runs
 twice the same, resumes after a kill as if never stopped, and a crashed producer ends the run."""
@@ -19,10 +19,10 @@ from async_runs import ITERATIONS, REFERENCE, machine, mover_model, run_config, 
 
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
-from serl_cli.stages import online_producer
-from serl_cli.stages.online import run_online
-from serl_cli.stages.online_config import ProducerConfig
-from serl_cli.stages.online_producer import rollout_version, teacher_version
+from serl_cli.online import producer
+from serl_cli.online.config import ProducerConfig
+from serl_cli.online.loop import run_online
+from serl_cli.online.producer import rollout_version, teacher_version
 
 pytestmark = pytest.mark.slow
 
@@ -106,13 +106,13 @@ def test_iteration_j_rolls_out_with_version_j_minus_k():
 def test_the_serl_teacher_is_the_version_that_rolled_out(mover, tmp_path, monkeypatch):
     """At k = 2 with teacher_sync_interval 1 the teacher of iteration j reads version j - 2."""
     read = []
-    real = online_producer.version_weights
+    real = producer.version_weights
 
     def spy(run, version):
         read.append(version)
         return real(run, version)
 
-    monkeypatch.setattr("serl_cli.stages.online.version_weights", spy)
+    monkeypatch.setattr("serl_cli.online.loop.version_weights", spy)
     cfg = run_config("serl", mover, tmp_path / "run", max_staleness=2, keep_last=1)
     cfg.annotate.teacher_sync_interval = 1
     run_online(cfg)
@@ -151,7 +151,7 @@ def test_a_crashed_producer_ends_the_run_with_its_error(mover, tmp_path):
     cfg.iterations = 3
     started = time.perf_counter()
     with pytest.MonkeyPatch.context() as mp:
-        real = online_producer.publish_version
+        real = producer.publish_version
 
         def corrupt_later(run, version, weights):
             path = real(run, version, weights)
@@ -159,7 +159,7 @@ def test_a_crashed_producer_ends_the_run_with_its_error(mover, tmp_path):
                 path.write_bytes(b"not a safetensors file")
             return path
 
-        mp.setattr("serl_cli.stages.online.publish_version", corrupt_later)
+        mp.setattr("serl_cli.online.loop.publish_version", corrupt_later)
         with pytest.raises(SerlError, match="the rollout producer failed"):
             run_online(cfg)
     assert time.perf_counter() - started < 120
@@ -169,8 +169,8 @@ KILL_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
 from async_runs import run_config
-from serl_cli.stages.online import run_online
-from serl_cli.stages.online_config import ProducerConfig
+from serl_cli.online.loop import run_online
+from serl_cli.online.config import ProducerConfig
 cfg = run_config("serl", {model!r}, {out!r}, max_staleness=1)
 cfg.iterations = 6
 run_online(cfg, resume={resume})

@@ -219,7 +219,7 @@ def test_plan_replans_the_layout_for_gpus(monkeypatch, capsys):
 
 
 def test_parameter_counts_of_tiny_models():
-    from serl_cli.stages.plan import count
+    from serl_cli.online.plan import count
 
     assert count(7.615e9) == "7.62B" and count(494e6) == "494M" and count(4.2e5) == "420K"
     assert count(1234) == "1.23K" and count(856) == "856"
@@ -227,7 +227,7 @@ def test_parameter_counts_of_tiny_models():
 
 def test_plan_names_a_tiny_models_size(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from serl_cli.models.shapes import model_shape
-    from serl_cli.stages.plan import count
+    from serl_cli.online.plan import count
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"model": str(tiny_model_dir)}))

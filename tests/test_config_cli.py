@@ -11,8 +11,8 @@ from support import assert_one_line_error, serl
 
 from serl_cli import config as cfgmod
 from serl_cli.errors import SerlError
+from serl_cli.online.config import OnlineConfig
 from serl_cli.rollout.worlds import EnvConfig
-from serl_cli.stages.online_config import OnlineConfig
 
 SERL_YAML = str(Path(__file__).resolve().parent.parent / "experiments" / "webshop" / "serl.yaml")
 
@@ -196,7 +196,7 @@ def test_unknown_keys_in_a_run_file_still_fail_with_the_closest(tmp_path):
 
 def test_resolved_online_config_carries_each_setting_once():
     from serl_cli.cli.common import resolve
-    from serl_cli.stages.run_file import LOOP_SETS, run_settings
+    from serl_cli.online.run_file import LOOP_SETS, run_settings
 
     cfg = resolve(
         OnlineConfig, config_file=[SERL_YAML], overrides=["seed=3", "out=runs/s", "train.optim.lr=1e-5"], flags={}

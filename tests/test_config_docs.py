@@ -19,7 +19,7 @@ from support import assert_one_line_error, serl
 from serl_cli import config as cfgmod
 from serl_cli.cli.config import COMMANDS, config_class, reference, settings_classes
 from serl_cli.errors import SerlError
-from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.online.config import OnlineConfig
 from serl_cli.training.train_config import TrainConfig, check_train_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def test_show_defaults_comments_every_key_and_stays_the_defaults(command):
     cls = config_class(command)
     shown = yaml.safe_load(p.stdout)
     if command == "train":
-        from serl_cli.stages.run_file import run_settings
+        from serl_cli.online.run_file import run_settings
 
         assert shown == yaml.safe_load(yaml.safe_dump(run_settings(cls())))
     else:

@@ -12,9 +12,9 @@ import yaml
 
 from envs.sokoban.env import SokobanWorld
 from serl_cli.artifacts import io
+from serl_cli.demo.pipeline import best_iteration
 from serl_cli.models.tiny import init_model
 from serl_cli.rollout.default_model import tokenizer_corpus
-from serl_cli.stages.demo import best_iteration
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "sokoban" / "demo_arm.py"
 

@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent(
     import multiprocessing, sys, time
 
     def arm(parent, ready):
-        from serl_cli.stages.side_by_side import exit_with_parent
+        from serl_cli.demo.side_by_side import exit_with_parent
         exit_with_parent(parent, poll_s=0.1)
         open(ready, "w").close()
         time.sleep(120)  # an arm that would train on

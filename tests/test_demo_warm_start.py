@@ -10,12 +10,12 @@ import torch
 from envs.sokoban.env import SokobanWorld
 from serl_cli.artifacts import io
 from serl_cli.cli.demo import in_words
+from serl_cli.demo.pipeline import DemoConfig, _online_arm, best_iteration, demo_defaults, paired_gain, quick
 from serl_cli.errors import SerlError
 from serl_cli.models.tiny import init_model
 from serl_cli.rollout.default_model import tokenizer_corpus
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig
-from serl_cli.stages.demo import DemoConfig, _online_arm, best_iteration, demo_defaults, paired_gain, quick
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 from serl_cli.stages.warm_start import (
     BELOW,
@@ -219,7 +219,7 @@ def test_quick_keeps_a_warm_start_band_at_smoke_sizes():
     q = quick(DemoConfig())
     assert (q.warm_start.every, q.warm_start.every_near, q.warm_start.rooms) == (1, 1, 4)
     assert q.warm_start.band == DemoConfig().warm_start.band
-    assert DemoConfig().threads == 1  # one thread per process unless --threads (stages.demo)
+    assert DemoConfig().threads == 1  # one thread per process unless --threads (demo.pipeline)
 
 
 def test_the_demo_says_one_round_not_1_rounds():

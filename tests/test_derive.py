@@ -1,6 +1,6 @@
 """One place per concept: each algorithm's needs in its registry entry, applied by one function
 (``algos.registry.apply_algorithm``) for the loop, the staged path and the ablation grid; each
-stage's config derived from the run config in one place (``stages.derive``). End to end: a staged
+stage's config derived from the run config in one place (``online.derive``). End to end: a staged
 annotate + train makes the online loop's update, and ``serl eval --config RUN_FILE`` decodes
 exactly as the loop's periodic evaluation."""
 
@@ -22,10 +22,10 @@ from serl_cli.artifacts.schema import read_annotations
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
 from serl_cli.method.annotate_config import validate as validate_annotate
-from serl_cli.stages.derive import annotate_config, eval_config, train_config
-from serl_cli.stages.derive import rollout_config as derived_rollout
+from serl_cli.online.config import OnlineConfig
+from serl_cli.online.derive import annotate_config, eval_config, train_config
+from serl_cli.online.derive import rollout_config as derived_rollout
 from serl_cli.stages.evaluate import EvalConfig
-from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.training.train_config import TrainConfig
 
 
@@ -101,8 +101,8 @@ def loop_run(stopping_model_dir, tmp_path_factory) -> Path:
     advantage settings (cross-step groups, the invalid-action penalty: not the annotation's own
     default), and a periodic evaluation sampled at 0.4. Half of each group is made successful as the
     loop reads its rollouts (rewards are data here) so that advantages, and weights, are not all 0."""
-    import serl_cli.stages.online as online
-    from serl_cli.stages.run_file import run_settings
+    import serl_cli.online.loop as online
+    from serl_cli.online.run_file import run_settings
 
     run = tmp_path_factory.mktemp("loop") / "run"
     cfg = cfgmod.resolve(

@@ -1,7 +1,7 @@
 """The package's house rules: no import cycles, and imports only run down the layers.
 
-    cli -> api -> ablate -> stages -> {method, training, rollout} -> {algos, models, envs}
-        -> {artifacts, config, stats, errors}
+    cli -> api -> {ablate, demo} -> online -> stages -> {method, training, rollout}
+        -> {algos, models, envs} -> {artifacts, config, stats, errors}
 
 (``api``: the Python API, which the CLI is a thin layer over; it never imports the CLI.)
 
@@ -24,7 +24,8 @@ PACKAGE = ROOT / "serl_cli"
 LAYERS = [
     {"__main__", "cli"},
     {"api"},
-    {"ablate"},
+    {"ablate", "demo"},
+    {"online"},
     {"stages"},
     {"method", "training", "rollout"},
     {"algos", "models", "envs"},

@@ -12,8 +12,8 @@ from serl_cli import config as cfgmod
 from serl_cli.config import Limit, above, at_least, setting, within
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
+from serl_cli.online.config import OnlineConfig
 from serl_cli.stages.evaluate import EvalConfig
-from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.train_config import TrainConfig
 
@@ -69,7 +69,7 @@ def test_every_default_is_within_its_declared_limit(cls):
 
 
 def test_the_online_loop_refuses_a_value_outside_a_limit_in_any_section():
-    from serl_cli.stages.online_config import check_online_config
+    from serl_cli.online.config import check_online_config
 
     cfg = OnlineConfig()
     cfg.rollout.sampling.top_p = 0.0

@@ -22,11 +22,11 @@ from support import synthetic_env
 
 from serl_cli.ablate.runners import SELF_CMD
 from serl_cli.errors import SerlError
+from serl_cli.online.checkpoints import checkpoint_due, prune_checkpoints, resume_point
+from serl_cli.online.config import OnlineConfig, OnlineEvalConfig
+from serl_cli.online.loop import run_online
+from serl_cli.online.stop import PREEMPTED_EXIT, Preempted
 from serl_cli.rollout.engines import SamplingConfig
-from serl_cli.stages.online import run_online
-from serl_cli.stages.online_checkpoints import checkpoint_due, prune_checkpoints, resume_point
-from serl_cli.stages.online_config import OnlineConfig, OnlineEvalConfig
-from serl_cli.stages.online_stop import PREEMPTED_EXIT, Preempted
 from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig

@@ -15,8 +15,8 @@ import torch
 from serl_cli.algos import core
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.errors import SerlError
-from serl_cli.stages.online import run_online
-from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.online.config import OnlineConfig
+from serl_cli.online.loop import run_online
 from serl_cli.stages.rollout import run_rollout
 from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig

@@ -13,7 +13,7 @@ from reliability.faults import cli_exit_code
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts, rollouts_fingerprint
 from serl_cli.errors import SerlError
-from serl_cli.stages.online_checkpoints import iter_dir, retire_old_rollouts
+from serl_cli.online.checkpoints import iter_dir, retire_old_rollouts
 
 
 def records(run, iterations: int) -> None:

@@ -173,9 +173,9 @@ def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default():
     """A setting added to serl after the run started is compared at its default (which computes
     what the run computed), so an upgrade does not lock a run; a changed value is still refused."""
     from serl_cli.errors import SerlError
-    from serl_cli.stages.online_config import OnlineConfig
-    from serl_cli.stages.resume_settings import check_online_resume
-    from serl_cli.stages.run_file import run_settings
+    from serl_cli.online.config import OnlineConfig
+    from serl_cli.online.resume import check_online_resume
+    from serl_cli.online.run_file import run_settings
 
     now = run_settings(OnlineConfig())
     older = run_settings(OnlineConfig())

@@ -23,8 +23,8 @@ from support import assert_one_line_error, serl
 
 from serl_cli.artifacts.records import make_episode
 from serl_cli.errors import SerlError
+from serl_cli.online.ranks import check_shares, in_spec_order, own_specs
 from serl_cli.rollout.runner import EpisodeSpec
-from serl_cli.stages.online_ranks import check_shares, in_spec_order, own_specs
 
 TOL = 1e-5
 needs_deepspeed = pytest.mark.skipif(

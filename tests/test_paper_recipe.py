@@ -15,7 +15,7 @@ import pytest
 from support import assert_one_line_error, requires_alfworld, requires_webshop_data
 
 from serl_cli import config as cfgmod
-from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.online.config import OnlineConfig
 
 ROOT = Path(__file__).parent.parent
 PAPER = sorted((ROOT / "experiments").glob("*/paper/*.yaml"))

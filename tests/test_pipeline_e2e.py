@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 from support import serl, synthetic_env
 
+from serl_cli.online.config import OnlineConfig
+from serl_cli.online.loop import run_online
 from serl_cli.rollout.engines import SamplingConfig
-from serl_cli.stages.online import run_online
-from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.step import OptimConfig
 from serl_cli.training.train_config import TrainConfig

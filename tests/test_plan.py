@@ -16,8 +16,8 @@ from support import assert_one_line_error, serl, serl_in_process
 from serl_cli import config as cfgmod
 from serl_cli.errors import SerlError
 from serl_cli.models.shapes import KNOWN_SHAPES, ModelShape, model_shape
-from serl_cli.stages.online_config import OnlineConfig
-from serl_cli.stages.plan import ENV_MAX_TURNS, Machine, layout_of, plan_run, uses_cuda
+from serl_cli.online.config import OnlineConfig
+from serl_cli.online.plan import ENV_MAX_TURNS, Machine, layout_of, plan_run, uses_cuda
 from serl_cli.training.launch import check_launch
 from serl_cli.training.memory import GiB, Layout, activation_bytes, layer_activation_bytes, model_states
 from serl_cli.training.plan import HEADROOM

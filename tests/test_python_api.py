@@ -13,7 +13,7 @@ import yaml
 from support import serl_in_process
 
 from serl_cli import api
-from serl_cli.stages.run_file import run_settings
+from serl_cli.online.run_file import run_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "experiments" / "python_api.py"

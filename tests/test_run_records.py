@@ -26,8 +26,8 @@ from serl_cli.artifacts.schema import (
     write_rollouts,
 )
 from serl_cli.errors import SerlError
+from serl_cli.online.config import OnlineConfig
 from serl_cli.rollout.worlds import EnvConfig
-from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.rollout import RolloutConfig, SamplingConfig
 from serl_cli.training.step import OptimConfig
 from serl_cli.training.train_config import TrainConfig
@@ -35,7 +35,7 @@ from serl_cli.training.train_config import TrainConfig
 
 @pytest.fixture(scope="module")
 def serl_run(stopping_model_dir, tmp_path_factory):
-    import serl_cli.stages.online as online
+    import serl_cli.online.loop as online
     from serl_cli.method.annotate_config import AnnotateConfig
 
     run = tmp_path_factory.mktemp("records") / "run"

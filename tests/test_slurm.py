@@ -203,7 +203,8 @@ def test_a_deepspeed_cell_runs_under_torchrun_from_the_sbatch(tmp_path, tiny_mod
 def test_final_evaluation_runs_on_the_cells_engine_device_and_dtype(tmp_path, tiny_model_dir, monkeypatch):
     """The cell's online run is faked; its final evaluation gets the cell's engine (vLLM in the
     paper grids), vLLM settings and GPUs, and the trainer's device and dtype."""
-    from serl_cli.stages import evaluate, online
+    from serl_cli.online import loop as online
+    from serl_cli.stages import evaluate
 
     grid = _grid(
         tmp_path,

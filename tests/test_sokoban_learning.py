@@ -11,6 +11,7 @@ from envs.sokoban.rooms import parse_room
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.cli.demo import _env_in
+from serl_cli.demo.pipeline import DemoConfig, demo_defaults, quick, run_demo
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
 from serl_cli.method.hindsight_sft import hindsight_examples
@@ -22,7 +23,6 @@ from serl_cli.rollout.policies import ExpertPolicy
 from serl_cli.rollout.prompts import PromptConfig, build_messages, reply_ids
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 from serl_cli.rollout.worlds import EnvConfig
-from serl_cli.stages.demo import DemoConfig, demo_defaults, quick, run_demo
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 from serl_cli.stages.train import check_hindsight_sft, train_on_run
 from serl_cli.training.train_config import TrainConfig

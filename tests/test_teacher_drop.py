@@ -12,10 +12,10 @@ from support import synthetic_env
 from serl_cli.artifacts import io
 from serl_cli.method.annotate_config import AnnotateConfig
 from serl_cli.method.annotation import teacher_wanted
+from serl_cli.online import loop as online
+from serl_cli.online.config import OnlineConfig, OnlineEvalConfig
+from serl_cli.online.loop import run_online
 from serl_cli.rollout.engines import SamplingConfig
-from serl_cli.stages import online
-from serl_cli.stages.online import run_online
-from serl_cli.stages.online_config import OnlineConfig, OnlineEvalConfig
 from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.step import OptimConfig
 from serl_cli.training.train_config import TrainConfig

@@ -22,10 +22,10 @@ from serl_cli.artifacts.records import make_annotation
 from serl_cli.artifacts.schema import read_rollouts, turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.loading import load_model
-from serl_cli.stages.derive import eval_config
+from serl_cli.online.config import OnlineConfig
+from serl_cli.online.derive import eval_config
+from serl_cli.online.loop import run_online
 from serl_cli.stages.evaluate import eval_sampling
-from serl_cli.stages.online import run_online
-from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.rollout import run_rollout
 from serl_cli.training.learner import Learner
 from serl_cli.training.step import OptimConfig, action_logprobs
@@ -437,7 +437,7 @@ def test_online_loop_signs_the_weights_with_the_updates_advantages(stopping_mode
     """Non-default advantage settings reach the annotate stage (its ``advantages=``), so the
     weights are signed by the advantages the update trains on (the authors sign by the final,
     penalized advantage: core_algos.py:466 after ray_trainer.py:1231-1248)."""
-    import serl_cli.stages.online as online
+    import serl_cli.online.loop as online
 
     seen = {}
 

@@ -106,8 +106,8 @@ def test_online_engine_vllm_without_the_extra(tiny_model_dir, tmp_path):
 def test_online_vllm_disk_sync_refuses_adapter_only_checkpoints(tiny_model_dir, tmp_path):
     """With weight_sync: disk vLLM reloads the policy from each saved checkpoint: LoRA must save
     merged weights. (The default, memory, pushes the merged weights and needs no file.)"""
-    from serl_cli.stages.online import run_online
-    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.online.config import OnlineConfig
+    from serl_cli.online.loop import run_online
     from serl_cli.stages.rollout import RolloutConfig
     from serl_cli.training.lora import LoraConfig
     from serl_cli.training.train_config import TrainConfig
@@ -130,8 +130,8 @@ def test_unknown_engine_is_named():
 
 
 def test_top_p_below_one_is_refused_for_sampling_only(tiny_model_dir, tmp_path):
-    from serl_cli.stages.online import run_online
-    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.online.config import OnlineConfig
+    from serl_cli.online.loop import run_online
     from serl_cli.stages.rollout import RolloutConfig, run_rollout
 
     with pytest.raises(SerlError, match="top_p = 1 only"):
@@ -345,9 +345,9 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(
     move). The loop's engine is the shared one: make_engine is checked for what the loop
     asks (vLLM, from the starting model's directory) and hands that engine back."""
     from serl_cli.artifacts.schema import read_rollouts
-    from serl_cli.stages import online
-    from serl_cli.stages.online import run_online
-    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.online import loop as online
+    from serl_cli.online.config import OnlineConfig
+    from serl_cli.online.loop import run_online
     from serl_cli.stages.rollout import RolloutConfig
     from serl_cli.training.step import OptimConfig
     from serl_cli.training.train_config import TrainConfig
@@ -397,9 +397,9 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(
 ):
     """One online iteration pushes the update into the live engine (no checkpoint read); a new
     engine started from the checkpoint the loop saved generates exactly the same."""
-    from serl_cli.stages import online
-    from serl_cli.stages.online import run_online
-    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.online import loop as online
+    from serl_cli.online.config import OnlineConfig
+    from serl_cli.online.loop import run_online
     from serl_cli.stages.rollout import RolloutConfig
     from serl_cli.training.step import OptimConfig
     from serl_cli.training.train_config import TrainConfig

@@ -4,7 +4,7 @@
         --tasks 32 --group-size 2 --mini-batches 4 [--group-norm cross_steps] [--invalid-penalty 0]
         [--eval-every 20] [--temperature 1.0] [--episodes 200] --out runs/sokoban/probe
 
-``serl train --iterations K`` (``serl_cli.stages.online.run_online``) from ``WARM_START`` with
+``serl train --iterations K`` (``serl_cli.online.loop.run_online``) from ``WARM_START`` with
 the demo's prompt (the grid alone, bare replies), sampling (T 1.0, 3 new tokens) and SERL
 annotation (``error,diff`` on the flagged turns); then the final policy on the first 200
 rooms of the test panel at T 0.4 and greedy, with 95 % Wilson intervals. One JSON line per
@@ -18,12 +18,12 @@ import json
 import time
 
 from serl_cli.method.annotation import AnnotateConfig
+from serl_cli.online.config import OnlineConfig, OnlineEvalConfig
+from serl_cli.online.loop import run_online
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.evaluate import EvalConfig, run_eval
-from serl_cli.stages.online import run_online
-from serl_cli.stages.online_config import OnlineConfig, OnlineEvalConfig
 from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.step import OptimConfig
 from serl_cli.training.train_config import TrainConfig

@@ -107,7 +107,7 @@ def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
 
 def cell_config(record: dict, out: str | Path, cell: dict):
     """The cell's online-run configuration, writing into ``cells/<name>/train``."""
-    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.online.config import OnlineConfig
 
     cfg = cfgmod.from_dict(OnlineConfig, cfgmod.merge(record["base"], cell["overrides"]), "cell")
     cfg.out = str(cell_dir(out, cell) / "train")
@@ -116,7 +116,7 @@ def cell_config(record: dict, out: str | Path, cell: dict):
 
 def _follow_cell(record: dict, out: str | Path, cell: dict) -> str:
     """A process other than the main one: its part of the cell's online run, nothing else."""
-    from serl_cli.stages.online import run_online
+    from serl_cli.online.loop import run_online
 
     cfg = cell_config(record, out, cell)
     train = Path(cfg.out)
@@ -129,9 +129,9 @@ def _follow_cell(record: dict, out: str | Path, cell: dict) -> str:
 
 def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str:
     from serl_cli.models.device import release_memory
-    from serl_cli.stages.derive import eval_config
+    from serl_cli.online.derive import eval_config
+    from serl_cli.online.loop import run_online
     from serl_cli.stages.evaluate import run_eval
-    from serl_cli.stages.online import run_online
 
     d = cell_dir(out, cell)
     if is_done(out, cell):  # another runner finished it between the first check and the lock

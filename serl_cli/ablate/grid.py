@@ -232,7 +232,7 @@ def load_grid(
     base = cfgmod.apply_overrides(base, overrides)
     if "iterations" in flags:
         base = cfgmod.merge(base, {"iterations": flags.pop("iterations")})
-    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.online.config import OnlineConfig
 
     resolved = cfgmod.from_dict(OnlineConfig, base, "base")  # unknown keys and bad types fail here
     base_plain = io.to_plain(resolved)

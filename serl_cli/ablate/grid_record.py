@@ -75,7 +75,7 @@ def _identity(record: dict, key: str):
 def resolved_base(base: dict) -> dict:
     """A grid's base as today's ``OnlineConfig`` resolves it, so a grid.json written before a
     setting existed is the same grid as the file loaded now (the new setting at its default)."""
-    from serl_cli.stages.online_config import OnlineConfig
+    from serl_cli.online.config import OnlineConfig
 
     plain = io.to_plain(cfgmod.from_dict(OnlineConfig, base, "base"))
     plain.pop("out", None)

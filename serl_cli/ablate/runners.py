@@ -95,7 +95,7 @@ def check_parallel(record: dict, out: str | Path, parallel: int, cuda_available:
     same GPUs, each sized for all of them. Refused where a cell trains or generates on CUDA."""
     import torch
 
-    from serl_cli.stages.plan import uses_cuda
+    from serl_cli.online.plan import uses_cuda
 
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     gpu = [c["name"] for c in record["cells"] if uses_cuda(cell_config(record, out, c), cuda)]

@@ -6,7 +6,7 @@ by default, whether it runs online, and which functions of :mod:`serl_cli.algos.
 prepare a batch and give its loss -- by name, so that a config is checked without loading
 torch (the functions load for an update, :func:`serl_cli.algos.objectives.get_objective`).
 
-:func:`apply_algorithm` applies an entry's needs; the online loop (``stages.derive``),
+:func:`apply_algorithm` applies an entry's needs; the online loop (``online.derive``),
 ``serl annotate RUN --algo A`` and the ablation grid all call it, and an update refuses
 annotations that do not meet them (:func:`check_annotations`). Adding an algorithm is one
 entry here, and its math in ``objectives.py`` where it brings new math.

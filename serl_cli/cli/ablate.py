@@ -302,7 +302,7 @@ def _run_recorded_cell(out_dir: Path, cell: int, quiet: bool, why: str) -> None:
 
 
 def _run_one_cell(record: dict, out_dir: Path, cell: int, quiet: bool) -> None:
-    from serl_cli.stages.online_stop import Preempted
+    from serl_cli.online.stop import Preempted
     from serl_cli.training.backends import is_main_process
 
     main = is_main_process()

@@ -9,9 +9,9 @@ from serl_cli.cli.common import progress_bar, summary_table
 from serl_cli.cli.flags import GIVEN_BY_FLAGS, Given, settings_command
 from serl_cli.cli.root import app, console, journal_resume_option, overwrite_option
 from serl_cli.method.annotate_config import AnnotateConfig
-from serl_cli.stages.derive import prepare_annotation, train_config
-from serl_cli.stages.online_config import OnlineConfig
-from serl_cli.stages.run_file import RunFileReader
+from serl_cli.online.config import OnlineConfig
+from serl_cli.online.derive import prepare_annotation, train_config
+from serl_cli.online.run_file import RunFileReader
 
 
 @app.command("annotate")

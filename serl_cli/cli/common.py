@@ -31,7 +31,7 @@ def resolve(
     (:func:`serl_cli.api.resolve_config`). With ``command`` (one of
     :data:`~serl_cli.api.READS_RUN_FILES`) a run file is read too, and the keys of it the command
     does not use are named in one note on stderr (not under ``-q``); ``reader``: a
-    :class:`~serl_cli.stages.run_file.RunFileReader` of the caller's (which keeps the run config).
+    :class:`~serl_cli.online.run_file.RunFileReader` of the caller's (which keeps the run config).
     ``out_dir``: ``cfg.out`` is the folder the command writes, refused in one line where a file
     stands in its way."""
     cfg, note = resolve_config(

@@ -94,7 +94,7 @@ def show_command(
     else:
         cfg = resolve(cls, config_file=config, overrides=set_, flags={}, command=command)
     if command == "train":  # as RUN/online.yaml holds it: each setting once, without the loop's own copies
-        from serl_cli.stages.run_file import run_settings
+        from serl_cli.online.run_file import run_settings
 
         plain = run_settings(cfg)
     else:
@@ -173,7 +173,7 @@ def reference() -> str:
         "right) < its flags < `--set key.path=value`; `serl config show COMMAND [--defaults]` prints what it "
         "would run with. A section's default lists where it differs from the section's own defaults.",
         "`serl rollout|eval|annotate --config RUN_FILE` run their step of a run file (`serl train`'s layout) "
-        "as the online loop does (`serl_cli/stages/derive.py`).",
+        "as the online loop does (`serl_cli/online/derive.py`).",
     ]
     for cls in settings_classes():
         # the heading is the class name alone: its anchor (#trainconfig) is what the tables link to

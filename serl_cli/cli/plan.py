@@ -47,8 +47,8 @@ def plan_command(
     save: weights, gradients, optimizer, activations, logits, teacher, vLLM), the disk per
     checkpoint and for the whole run (rollouts included), and whether the layout fits, before
     anything is loaded."""
-    from serl_cli.stages.online_config import OnlineConfig
-    from serl_cli.stages.plan import Machine, check_machine, fit_layout, gpus_named, plan_run
+    from serl_cli.online.config import OnlineConfig
+    from serl_cli.online.plan import Machine, check_machine, fit_layout, gpus_named, plan_run
 
     if gpus is not None:
         check_machine(Machine(gpus=gpus, gpu_memory_gb=gpu_memory, nodes=nodes))
@@ -74,7 +74,7 @@ def plan_command(
 
 
 def print_plan(plan: Plan) -> None:
-    from serl_cli.stages.plan import describe
+    from serl_cli.online.plan import describe
 
     console.print(memory_table(plan, f"{describe(plan.shape)}: {layout_line(plan)}"))
     console.print(peak_line(plan), highlight=False)

@@ -17,9 +17,9 @@ from serl_cli.cli.common import plural, progress_bar, summary_table
 from serl_cli.cli.flags import GIVEN_BY_FLAGS, Given, settings_command
 from serl_cli.cli.root import app, console, err_console, overwrite_option, resumable_at
 from serl_cli.errors import PREEMPTED_EXIT
-from serl_cli.stages.derive import READS, train_config
-from serl_cli.stages.online_config import OnlineConfig, check_online_config
-from serl_cli.stages.run_file import run_settings
+from serl_cli.online.config import OnlineConfig, check_online_config
+from serl_cli.online.derive import READS, train_config
+from serl_cli.online.run_file import run_settings
 from serl_cli.training.train_config import check_train_config
 
 
@@ -85,7 +85,7 @@ def one_update(run: str, train, how: dict, trackers: list, *, main: bool, quiet:
     """An update on RUN's rollouts (``how``: overwrite, resume, plan_check), with a progress bar, its
     metrics logged to ``trackers`` and shown in a table; a process other than the main one does
     its part only."""
-    from serl_cli.stages.plan import run_model
+    from serl_cli.online.plan import run_model
     from serl_cli.stages.train import books_dir
 
     resumable_at(run)  # what Ctrl-C says
@@ -107,7 +107,7 @@ def online_loop(cfg: OnlineConfig, how: dict, trackers: list, *, main: bool, qui
     """The online loop into ``cfg.out`` (``how``: overwrite, resume, plan_check): the main process logs
     each iteration's metrics to ``trackers``, shows them as :class:`IterationsShown` does and the
     last in a table. A preempted loop exits with ``PREEMPTED_EXIT``."""
-    from serl_cli.stages.online_stop import Preempted
+    from serl_cli.online.stop import Preempted
 
     shown = IterationsShown(cfg.iterations, quiet)
     resumable_at(cfg.out)  # what Ctrl-C says

@@ -6,15 +6,13 @@ says SERL), so a difference is refused in one line naming the first setting that
 The settings below are the exception: they change how the run is carried out (how long it
 goes on, where its checkpoints are kept, the machine's threads and memory knobs), not what
 it computes, so a resume may change them, and the manifest records each change
-(``stages.online.resumed``). docs/RELIABILITY.md lists them too; keep the two in step.
+(``stages.online.resumed``). docs/RELIABILITY.md lists them too; keep the two in step. The online
+loop's resume is checked and recorded by :mod:`serl_cli.online.resume`.
 """
 
 from __future__ import annotations
 
-import time
-
 from serl_cli.artifacts import io
-from serl_cli.errors import SerlError
 
 # Dotted keys of the online loop's run settings (RUN/online.yaml). ``train.*`` keys apply to a
 # single update's resume too (serl_cli.stages.train). Flags that are no setting at all
@@ -71,50 +69,3 @@ def _get(settings: dict, key: str):
             return None
         node = node.get(part)
     return node
-
-
-def check_online_resume(run, stored: dict | None, now: dict, finished: int) -> dict:
-    """Refuse to resume the online run in ``run`` with settings other than ``stored`` (its
-    manifest's), bar :data:`RESUMABLE_CHANGES`; returns the resumable changes. ``finished``:
-    how many iterations the run has finished (``--iterations`` may not go below them)."""
-    if stored is None:  # a manifest from before the settings were recorded: nothing to hold it to
-        return {}
-    stored = with_defaults(stored)
-    diff = io.first_difference(without_changeable(stored), without_changeable(now))
-    if diff is not None:
-        raise SerlError(
-            f"cannot resume {run} with other settings ({io.difference_text(*diff)}): a run directory holds "
-            f"one run; pass a new --out to start another, or --overwrite to start this one again"
-        )
-    if now["iterations"] < finished:
-        raise SerlError(
-            f"cannot resume {run} with --iterations {now['iterations']}: it has finished {finished} "
-            f"iterations; pass at least {finished}, or a new --out to start another run"
-        )
-    return changed_settings(stored, now)
-
-
-def with_defaults(stored: dict) -> dict:
-    """``stored`` with the settings this version of serl has and the run's own serl did not, at
-    their defaults (a new setting's default computes what the run computed): a run resumes after
-    an upgrade. Settings this version does not know are kept, and so differ."""
-    from serl_cli import config as cfgmod
-    from serl_cli.stages.online_config import OnlineConfig
-    from serl_cli.stages.run_file import run_settings
-
-    try:
-        return run_settings(cfgmod.from_dict(OnlineConfig, io.json_copy(stored), "the stored run settings"))
-    except SerlError:
-        return stored
-
-
-def record_resume(run, now: dict, start: int, changed: dict) -> None:
-    """The manifest's online stage: running again, with the settings it now runs with and,
-    in ``resumed``, each resume (where it started, what it changed)."""
-    path = run / "manifest.json"
-    manifest = io.read_json(path)
-    entry = manifest.setdefault("stages", {}).setdefault("online", {})
-    entry.pop("finished", None)
-    entry.update(status="running", config=now)
-    entry.setdefault("resumed", []).append({"at_iteration": start, "time": time.time(), "changed": changed})
-    io.write_json(path, manifest)

@@ -2,7 +2,7 @@
 
 The learner holds the policy inside a training backend (``training.backends``: torch, or
 DeepSpeed ZeRO 1/2/3), optionally as LoRA adapters (``training.lora``), and (with
-``kl_coef > 0``) the frozen reference; the online loop (``stages.online``) keeps one
+``kl_coef > 0``) the frozen reference; the online loop (``online.loop``) keeps one
 learner across iterations. Each update: the objective prepares the batch (advantages,
 weights), then ``epochs`` passes over it in ``mini_batches`` optimizer steps, each step
 micro-batched; the backend runs each step.

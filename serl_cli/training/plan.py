@@ -117,7 +117,7 @@ def producer_items(shape: ModelShape, layout: Layout) -> list[Item]:
 def phases(shape: ModelShape, layout: Layout) -> list[Phase]:
     resident = model_states(shape, layout) + teacher_resident(shape, layout) + reference_resident(shape, layout)
     resident += runtime(layout) + producer_items(shape, layout)
-    # a colocated vLLM starts before the trainer loads (stages.online) and sleeps only later
+    # a colocated vLLM starts before the trainer loads (online.loop) and sleeps only later
     awake = [Item("vLLM (colocated, awake)", layout.vllm_utilization * layout.gpu_bytes, "started first")]
     out = [Phase("start", start_items(shape, layout) + (awake if layout.colocated else []) + runtime(layout))]
     if layout.engine != "none" and layout.staleness <= 0:  # else the producer generates, beside every phase

@@ -2,7 +2,7 @@
 and the checks made of them before any model loads.
 
 Apart from the :class:`~serl_cli.training.learner.Learner` that carries them out, and free of
-torch: the online loop's configuration (``stages.online_config``) and ``serl train``'s one-line
+torch: the online loop's configuration (``online.config``) and ``serl train``'s one-line
 errors need the settings and their checks, not the update.
 """
 

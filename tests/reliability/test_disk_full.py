@@ -96,7 +96,7 @@ def test_disk_full_at_an_online_checkpoint_is_one_line_and_resume_finishes(tiny_
     import yaml
     from test_resume_kill import online_cfg
 
-    from serl_cli.stages.online import run_online
+    from serl_cli.online.loop import run_online
 
     ref = tmp_path / "ref"
     run_online(online_cfg(tiny_model_dir, ref))

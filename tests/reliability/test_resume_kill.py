@@ -251,8 +251,8 @@ def test_single_update_resumes_identical_after_sigkill(expert_run, reference_upd
 
 
 def online_cfg(model, out):
+    from serl_cli.online.config import OnlineConfig
     from serl_cli.rollout.engines import SamplingConfig
-    from serl_cli.stages.online_config import OnlineConfig
     from serl_cli.stages.rollout import RolloutConfig
 
     # sft on the policy's own samples always has a gradient, so iteration 1 samples from changed weights
@@ -269,7 +269,7 @@ def online_cfg(model, out):
 
 @pytest.fixture(scope="module")
 def reference_online(tiny_model_dir, tmp_path_factory):
-    from serl_cli.stages.online import run_online
+    from serl_cli.online.loop import run_online
 
     out = tmp_path_factory.mktemp("ref") / "online"
     run_online(online_cfg(tiny_model_dir, out))
@@ -277,7 +277,7 @@ def reference_online(tiny_model_dir, tmp_path_factory):
 
 
 def test_online_loop_resumes_identical_after_sigkill(tiny_model_dir, reference_online, tmp_path):
-    from serl_cli.stages.online import run_online
+    from serl_cli.online.loop import run_online
 
     ref = reference_online
     rng = random.Random(11)
@@ -305,7 +305,7 @@ def test_online_loop_resumes_identical_after_sigkill(tiny_model_dir, reference_o
 def test_online_resume_after_a_kill_between_metrics_and_done(tiny_model_dir, reference_online, tmp_path):
     """The state a SIGKILL leaves when it lands after iteration 0 appended its metrics line
     and before the manifest marks it done (a window of a few milliseconds)."""
-    from serl_cli.stages.online import run_online
+    from serl_cli.online.loop import run_online
 
     out = tmp_path / "window"
     cfg = online_cfg(tiny_model_dir, out)

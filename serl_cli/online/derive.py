@@ -1,8 +1,8 @@
 """Run config -> each stage's config, in one place (as prime-rl's ``propagate_shared_fields``).
 
-The online loop's configuration (:class:`~serl_cli.stages.online_config.OnlineConfig`, a run
+The online loop's configuration (:class:`~serl_cli.online.config.OnlineConfig`, a run
 file) holds each setting once; every stage it runs gets its own config from here: the loop's
-iterations, ``serl rollout|eval|annotate --config RUN_FILE`` (``stages.run_file``), the single
+iterations, ``serl rollout|eval|annotate --config RUN_FILE`` (``online.run_file``), the single
 update ``serl train RUN --config RUN_FILE``, and the ablation grid's final evaluation. So a
 stage run by hand on a run file runs as the loop runs it.
 
@@ -22,9 +22,9 @@ from pathlib import Path
 from serl_cli.algos.registry import apply_algorithm, objective
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig, validate
+from serl_cli.online.config import OnlineConfig
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.evaluate import EvalConfig
-from serl_cli.stages.online_config import OnlineConfig
 from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.train_config import TrainConfig
 

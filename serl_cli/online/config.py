@@ -1,6 +1,6 @@
 """The online loop's settings (``serl train --iterations``, an ablation grid's ``base``) and their checks.
 
-Apart from the loop (:mod:`serl_cli.stages.online`) so the settings can be read, resolved and
+Apart from the loop (:mod:`serl_cli.online.loop`) so the settings can be read, resolved and
 checked -- ``serl config``, ``serl ablate``'s grids, a run file -- without the loop's machinery
 (signals, engines, the learner's update).
 """

@@ -6,7 +6,7 @@ after v updates (version 0: the starting policy). Iteration j rolls out with ver
 batch; nothing depends on timing, so a run is deterministic for its seed and resumable, and
 ``producer: inline`` (the same rollouts made one after the other in the trainer's process) is the
 sequential reference the background producer must equal. At k = 0 the loop is the synchronous
-one of :mod:`serl_cli.stages.online` and nothing here runs.
+one of :mod:`serl_cli.online.loop` and nothing here runs.
 
 **Versions are files.** After each update the trainer publishes the new weights to
 ``RUN/policy_versions/v{n:06d}.safetensors`` (written whole, then renamed); the producer loads
@@ -186,9 +186,9 @@ class VersionedPolicy:
 
     def produce(self, iteration: int, version: int, rcfg) -> Produced:
         from serl_cli.models.loading import set_torch_threads
+        from serl_cli.online.ranks import as_stored
+        from serl_cli.online.stop import Abandon, StoppableEngine
         from serl_cli.rollout.engines import ModelPolicy
-        from serl_cli.stages.online_ranks import as_stored
-        from serl_cli.stages.online_stop import Abandon, StoppableEngine
         from serl_cli.stages.rollout import collect, rollout_specs
 
         t0 = time.perf_counter()
@@ -240,7 +240,7 @@ class InlineProducer:
 
 class BackgroundProducer:
     """``producer: background``: a separate Python process serving requests in order (module
-    docstring), started as ``python -m serl_cli.stages.online_producer`` -- not forked, so it holds
+    docstring), started as ``python -m serl_cli.online.producer`` -- not forked, so it holds
     no copy of the trainer's threads or memory, and not through multiprocessing's spawn, which
     would import the caller's main script again -- and spoken to over a socket pair."""
 
@@ -250,7 +250,7 @@ class BackgroundProducer:
         self.stop = stop
         self.conn, theirs = Pipe()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "serl_cli.stages.online_producer", str(theirs.fileno())],
+            [sys.executable, "-m", "serl_cli.online.producer", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
         )
@@ -351,7 +351,7 @@ if __name__ == "__main__":
     from multiprocessing.connection import Connection
 
     # through the package's module, not this __main__: what it sends back must unpickle as
-    # serl_cli.stages.online_producer's classes in the trainer
-    from serl_cli.stages.online_producer import serve as serve_requests
+    # serl_cli.online.producer's classes in the trainer
+    from serl_cli.online.producer import serve as serve_requests
 
     serve_requests(Connection(int(sys.argv[1])))

@@ -1,5 +1,5 @@
 """How an online iteration's work is divided over the processes of a launched job, and what
-each process says of its share (the design: :mod:`serl_cli.stages.online`'s docstring).
+each process says of its share (the design: :mod:`serl_cli.online.loop`'s docstring).
 
 Task group g belongs to process ``g % W`` for the whole iteration -- its rollouts, their
 π_old recompute, their teacher scoring -- and the periodic evaluation's i-th panel task to

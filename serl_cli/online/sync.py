@@ -1,6 +1,6 @@
 """What leaves the trainer after an online iteration's update: the checkpoint (policy,
 resume state, teacher snapshot) and the new weights of an engine that holds its own copy
-(vLLM). Apart from the loop (:mod:`serl_cli.stages.online`), whose docstring gives the rules.
+(vLLM). Apart from the loop (:mod:`serl_cli.online.loop`), whose docstring gives the rules.
 """
 
 from __future__ import annotations

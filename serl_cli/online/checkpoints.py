@@ -1,5 +1,5 @@
 """Where the online loop's iterations keep their checkpoints, which are due, which one a
-resumed run starts from, and which are pruned (the rules: :mod:`serl_cli.stages.online`'s
+resumed run starts from, and which are pruned (the rules: :mod:`serl_cli.online.loop`'s
 docstring). Decided from the run directory's files alone, before any model loads; apart from
 the loop so they read, and are tested, on their own.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
 from serl_cli.models.loading import ADAPTER_CONFIG
-from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.online.config import OnlineConfig
 
 
 def iter_dir(run: Path, k: int) -> Path:

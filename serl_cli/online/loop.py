@@ -17,11 +17,12 @@ An iteration counts as finished once the manifest says so; ``--resume`` restarts
 the newest iteration with a checkpoint (model, optimizer, update counter, teacher), redoing
 any finished iterations after it, so a resumed run's artifacts equal an uninterrupted run's.
 It resumes with the settings the run was made with: another setting is refused, bar those
-:mod:`serl_cli.stages.resume_settings` lets a resume change, which the manifest records.
+:mod:`serl_cli.stages.resume_settings` lets a resume change (:mod:`serl_cli.online.resume`), which
+the manifest records.
 Iteration k's rollouts use seed ``seed * 1000 + k``; the update is seeded by ``seed``.
 
 **Every process works.** Under torchrun / the deepspeed launcher (W processes; W = 1 is the
-same code) an iteration runs on all of them (:mod:`serl_cli.stages.online_ranks`):
+same code) an iteration runs on all of them (:mod:`serl_cli.online.ranks`):
 
 1. *Rollout.* The iteration's task groups are drawn as in ``serl rollout`` (the same on
    every process); group g is process ``g % W``'s. With the hf engine each process generates
@@ -66,7 +67,7 @@ at the last iteration, and when the run is stopped; then only the newest ``keep_
 them stay (0: all). ``save_every: 1`` (the default) resumes from the last finished iteration.
 The first one's size is printed, and each one's is in ``timings.jsonl``.
 
-**Preemption** (a SLURM job near its time limit, a requeue; :mod:`serl_cli.stages.online_stop`):
+**Preemption** (a SLURM job near its time limit, a requeue; :mod:`serl_cli.online.stop`):
 SIGTERM or SIGUSR1 asks the loop to stop (a second SIGTERM ends the process at once). Before
 an iteration's update has started the iteration is abandoned -- its rollouts would be
 collected again the same way; once it has started the iteration is finished (update,
@@ -91,13 +92,7 @@ from serl_cli.errors import SerlError
 from serl_cli.method.annotation import annotate_episodes, teacher_wanted
 from serl_cli.method.teacher import TeacherSnapshot
 from serl_cli.models.loading import set_torch_threads
-from serl_cli.rollout.engines import ModelPolicy, close_engine, make_engine, sleep_engine
-from serl_cli.rollout.runner import run_episodes
-from serl_cli.rollout.worlds import build_world, built_split, world_info
-from serl_cli.stages.annotate import write_annotations
-from serl_cli.stages.derive import annotate_config, eval_config, rollout_config, train_config
-from serl_cli.stages.evaluate import model_eval_policy, panel_specs, write_eval
-from serl_cli.stages.online_checkpoints import (
+from serl_cli.online.checkpoints import (
     checkpoint_due,
     finished_iterations,
     iter_dir,
@@ -107,8 +102,9 @@ from serl_cli.stages.online_checkpoints import (
     resume_point,
     retire_old_rollouts,
 )
-from serl_cli.stages.online_config import OnlineConfig, check_online_config
-from serl_cli.stages.online_producer import (
+from serl_cli.online.config import OnlineConfig, check_online_config
+from serl_cli.online.derive import annotate_config, eval_config, rollout_config, train_config
+from serl_cli.online.producer import (
     ProducerSetup,
     check_versions,
     make_producer,
@@ -118,7 +114,7 @@ from serl_cli.stages.online_producer import (
     teacher_version,
     version_weights,
 )
-from serl_cli.stages.online_ranks import (
+from serl_cli.online.ranks import (
     CountingScorer,
     PhaseLog,
     as_stored,
@@ -127,11 +123,16 @@ from serl_cli.stages.online_ranks import (
     own_specs,
     world_size,
 )
-from serl_cli.stages.online_stop import Abandon, Preempted, StoppableEngine, StopSignal
-from serl_cli.stages.online_sync import PolicyOut
-from serl_cli.stages.resume_settings import check_online_resume, record_resume
+from serl_cli.online.resume import check_online_resume, record_resume
+from serl_cli.online.run_file import run_settings
+from serl_cli.online.stop import Abandon, Preempted, StoppableEngine, StopSignal
+from serl_cli.online.sync import PolicyOut
+from serl_cli.rollout.engines import ModelPolicy, close_engine, make_engine, sleep_engine
+from serl_cli.rollout.runner import run_episodes
+from serl_cli.rollout.worlds import build_world, built_split, world_info
+from serl_cli.stages.annotate import write_annotations
+from serl_cli.stages.evaluate import model_eval_policy, panel_specs, write_eval
 from serl_cli.stages.rollout import RolloutConfig, collect, resolve_model, rollout_specs, validate, write_rollout
-from serl_cli.stages.run_file import run_settings
 from serl_cli.training.backends import is_main_process
 from serl_cli.training.learner import Learner
 from serl_cli.training.train_config import recompute_enabled
@@ -153,7 +154,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
     # Every process decides where to start from the files alone, before rank 0 changes the run
     # directory (only once the learner's process group is up and a barrier has passed).
     main = is_main_process()
-    train_cfg = train_config(cfg)  # the update is seeded by the run's seed (stages.derive)
+    train_cfg = train_config(cfg)  # the update is seeded by the run's seed (online.derive)
     start, changed = 0, None
     cfg.model = resolve_model(rollout_config(cfg), world)  # as the manifest records it
     if resume and (run / "manifest.json").exists():
@@ -219,7 +220,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
 
 
 def start_producer(cfg: OnlineConfig, run: Path, learner: Learner, start: int, stop: StopSignal):
-    """The rollout producer of ``max_staleness > 0`` (:mod:`serl_cli.stages.online_producer`):
+    """The rollout producer of ``max_staleness > 0`` (:mod:`serl_cli.online.producer`):
     version 0 published on a fresh run, the versions a resume reads checked, then started."""
     if start == 0:
         publish_version(run, 0, learner.stream_weights())
@@ -491,7 +492,7 @@ class Loop:
         ``it/eval.json`` and the metrics' ``eval_*`` (the main process's)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        ecfg = eval_config(cfg, it)  # as `serl eval --config` runs it on the run file (stages.derive)
+        ecfg = eval_config(cfg, it)  # as `serl eval --config` runs it on the run file (online.derive)
         world = build_world(ecfg.env)
         specs = panel_specs(ecfg, world)
         index = self.own_share(list(range(len(specs))), by_group=False)

@@ -57,16 +57,16 @@ from serl_cli.algos.registry import objective
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import SELECTION_REPORT_FILE
 from serl_cli.config import setting
+from serl_cli.demo.side_by_side import progress_line, run_side_by_side
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
+from serl_cli.online.config import OnlineConfig, OnlineEvalConfig
 from serl_cli.rollout.default_model import default_model_dir
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.rollout.worlds import EnvConfig, build_world
 from serl_cli.stages.evaluate import EvalConfig, run_eval
-from serl_cli.stages.online_config import OnlineConfig, OnlineEvalConfig
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
-from serl_cli.stages.side_by_side import progress_line, run_side_by_side
 from serl_cli.stages.warm_start import BELOW, IN_BAND, STEPPED_OVER, WarmStartConfig, check_warm_start, sft_to_band
 from serl_cli.training.train_config import OptimConfig, TrainConfig
 
@@ -178,7 +178,7 @@ def quick(cfg: DemoConfig) -> DemoConfig:
 
 
 def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
-    from serl_cli.stages.online import run_online  # torch loads now, not while the config is read
+    from serl_cli.online.loop import run_online  # torch loads now, not while the config is read
 
     out = Path(cfg.out)
     if not cfg.algos:

@@ -1,6 +1,6 @@
 """Stopping the online loop on a signal (SLURM's preemption): the request, the exception the
 loop raises, and the engine that stops generating once a stop is requested (the rules:
-:mod:`serl_cli.stages.online`'s docstring, **Preemption**).
+:mod:`serl_cli.online.loop`'s docstring, **Preemption**).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import queue
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.online.config import OnlineConfig
 
 
 def progress_line(algo: str, h: dict) -> str:
@@ -48,7 +48,7 @@ def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
 
 
 def _run_arm(arm: OnlineConfig, lines, parent: int) -> None:
-    from serl_cli.stages.online import run_online
+    from serl_cli.online.loop import run_online
 
     exit_with_parent(parent)
     run_online(arm, overwrite=True, on_iteration=lambda h: lines.put(progress_line(arm.train.algo, h)))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from serl_cli.errors import SerlError
 from serl_cli.models.shapes import ModelShape, model_shape
-from serl_cli.stages.online_config import OnlineConfig
+from serl_cli.online.config import OnlineConfig
 from serl_cli.training.deepspeed_config import resolve_config, uses_bf16, uses_fp16, zero_stage
 from serl_cli.training.launch import check_launch, processes
 from serl_cli.training.memory import LORA_TARGETS, REDUCE_BUCKET, GiB, Layout

@@ -1,7 +1,7 @@
 """The run file (``RUN/online.yaml``, ``experiments/*/*.yaml``): the online loop's configuration
 with each setting once, and how ``serl rollout``, ``serl eval`` and ``serl annotate`` read it when
-given one as ``--config``: as the loop's step (``stages.derive``). The loop itself is
-:mod:`serl_cli.stages.online`."""
+given one as ``--config``: as the loop's step (``online.derive``). The loop itself is
+:mod:`serl_cli.online.loop`."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import dataclasses
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
-from serl_cli.stages.derive import LOOP_SETS, READS, annotate_config, eval_config, rollout_config
+from serl_cli.online.config import OnlineConfig
+from serl_cli.online.derive import LOOP_SETS, READS, annotate_config, eval_config, rollout_config
 from serl_cli.stages.evaluate import EvalConfig
-from serl_cli.stages.online_config import OnlineConfig
 
 
 def run_settings(cfg: OnlineConfig) -> dict:
     """The run's configuration as written to ``RUN/online.yaml`` and the manifest: every setting
-    once, without the per-stage copies the run sets itself (``stages.derive.LOOP_SETS``). Loaded
+    once, without the per-stage copies the run sets itself (``online.derive.LOOP_SETS``). Loaded
     again it gives the same run (``from_dict(OnlineConfig, run_settings(cfg))``)."""
     plain = io.to_plain(cfg)
     for section, keys in LOOP_SETS.items():
@@ -28,7 +28,7 @@ def run_settings(cfg: OnlineConfig) -> dict:
 
 def stage_settings(command: str, run: OnlineConfig) -> dict:
     """What ``serl COMMAND --config RUN_FILE`` runs with (before its own flags): the stage's
-    config as the loop derives it (``stages.derive``), the command's own defaults where the loop
+    config as the loop derives it (``online.derive``), the command's own defaults where the loop
     has none (its output directory; the rollouts' seed is the run's)."""
     if command == "rollout":
         return io.to_plain(rollout_config(run))

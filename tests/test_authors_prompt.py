@@ -34,8 +34,8 @@ from serl_cli.rollout.engines import Generation, ModelPolicy, SamplingConfig
 from serl_cli.rollout.prompts import PromptConfig, authors_action_spans, check_style
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 from serl_cli.rollout.worlds import EnvConfig, build_world
-from serl_cli.stages import show
 from serl_cli.training.train_config import TrainConfig
+from serl_cli.views import show
 
 FIXTURE = Path(__file__).parent / "fixtures" / "authors_templates.txt"
 AUTHORS = PromptConfig(style="authors", max_admissible=-1)

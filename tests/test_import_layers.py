@@ -1,6 +1,6 @@
 """The package's house rules: no import cycles, and imports only run down the layers.
 
-    cli -> api -> {ablate, demo} -> online -> stages -> {method, training, rollout}
+    cli -> api -> {ablate, demo} -> online -> {stages, views} -> {method, training, rollout}
         -> {algos, models, envs} -> {artifacts, config, stats, errors}
 
 (``api``: the Python API, which the CLI is a thin layer over; it never imports the CLI.)
@@ -26,7 +26,7 @@ LAYERS = [
     {"api"},
     {"ablate", "demo"},
     {"online"},
-    {"stages"},
+    {"stages", "views"},
     {"method", "training", "rollout"},
     {"algos", "models", "envs"},
     {"artifacts", "config", "stats", "errors", "__init__"},

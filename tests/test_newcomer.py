@@ -145,7 +145,7 @@ def test_refusals_and_help_say_what_each_command_has(tmp_path):
 def test_plot_names_its_extra(tmp_path, monkeypatch):
     """Without matplotlib: one line naming the `plots` extra."""
     from serl_cli.errors import SerlError
-    from serl_cli.stages.plot import plot_run
+    from serl_cli.views.plot import plot_run
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "mean_reward": 0.5}) + "\n")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what a missing package looks like to import

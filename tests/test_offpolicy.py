@@ -250,7 +250,7 @@ def test_online_run_with_tis_writes_the_mismatch_metrics(stopping_model_dir, tmp
 
 
 def test_plot_draws_the_mismatch_and_weight_panels_only_when_logged():
-    from serl_cli.stages.plot import drawn_panels
+    from serl_cli.views.plot import drawn_panels
 
     plain = [{"iteration": i, "loss": 1.0} for i in range(3)]
     corrected = [{**r, "logp_mismatch_k1": 0.01, "logp_mismatch_k3": 1e-4, "is_weight_mean": 1.0} for r in plain]

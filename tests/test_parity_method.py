@@ -188,7 +188,7 @@ def test_serl_annotate_defaults_reweight_exactly_the_turns_with_a_block_on_their
 ):
     from rich.console import Console
 
-    from serl_cli.stages import show
+    from serl_cli.views import show
 
     run = tmp_path / "r"
     run.mkdir()

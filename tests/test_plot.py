@@ -6,7 +6,7 @@ import pytest
 from support import assert_one_line_error, serl
 
 from serl_cli.artifacts import io
-from serl_cli.stages.plot import plot_run, series
+from serl_cli.views.plot import plot_run, series
 
 pytest.importorskip("matplotlib")
 

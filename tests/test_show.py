@@ -13,7 +13,7 @@ from serl_cli.artifacts.schema import ANNOTATION_KEYS
 from serl_cli.cli import show as _show_cmd  # noqa: F401  (registers `show`)
 from serl_cli.cli.root import app
 from serl_cli.errors import SerlError
-from serl_cli.stages import show
+from serl_cli.views import show
 
 LONG_TAIL = " lorem" * 100  # pushes an observation past show.OBS_CHARS
 
@@ -311,7 +311,7 @@ def test_an_ablation_folder_points_to_its_report(tmp_path):
 def test_an_online_runs_folders_are_never_cut_at_80_columns():
     """The iteration folders' names are what `serl show RUN/iter_XXXX` takes: at 80 columns they
     were cut to iter_00…; the numbers' columns give way instead."""
-    from serl_cli.stages import show_online
+    from serl_cli.views import show_online
 
     rows = [
         {"folder": f"iter_{k:04d}", "status": "done", "episodes": 128, "checkpoint": k == 11}

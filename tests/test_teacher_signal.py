@@ -188,10 +188,10 @@ def test_an_annotated_update_logs_the_signal_and_plot_draws_its_panel(sokoban_ru
     teacher-signal panel reads it (before: a promised panel that never appeared)."""
     import shutil
 
-    from serl_cli.stages.plot import drawn_panels
     from serl_cli.stages.train import train_on_run
     from serl_cli.training.step import OptimConfig
     from serl_cli.training.train_config import TrainConfig
+    from serl_cli.views.plot import drawn_panels
 
     run = tmp_path / "run"
     shutil.copytree(sokoban_run, run)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from serl_cli.cli.root import app, console
-from serl_cli.stages.plot import plot_run
+from serl_cli.views.plot import plot_run
 
 
 @app.command("plot")

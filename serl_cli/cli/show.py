@@ -11,8 +11,8 @@ from rich.console import Console
 from serl_cli.artifacts import io
 from serl_cli.cli.root import app, console
 from serl_cli.errors import SerlError
-from serl_cli.stages import show as sh
-from serl_cli.stages import show_online
+from serl_cli.views import show as sh
+from serl_cli.views import show_online
 
 
 @app.command("show")

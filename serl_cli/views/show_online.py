@@ -1,7 +1,7 @@
 """``serl show RUN`` on an online run (``serl train --iterations``): its ``iter_XXXX`` folders.
 
 The run's own directory holds no episodes: each iteration's are in its folder, which
-``serl show RUN/iter_XXXX`` renders as any run (:mod:`serl_cli.stages.show`). Here: what ran,
+``serl show RUN/iter_XXXX`` renders as any run (:mod:`serl_cli.views.show`). Here: what ran,
 and one line per iteration folder -- its status in the manifest, its metrics, its checkpoint.
 """
 

@@ -15,12 +15,12 @@ from envs.sokoban.env import SokobanWorld
 from serl_cli.artifacts.records import make_annotation, make_episode, make_turn
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
-from serl_cli.method import teacher_gate as gate
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
-from serl_cli.method.reading_sft import episode_at, parse_reading, reading_examples, state_moves
-from serl_cli.method.selection_report import selection_report
+from serl_cli.method.diagnostics import teacher_gate as gate
+from serl_cli.method.diagnostics.selection_report import selection_report
+from serl_cli.method.diagnostics.update import update_figures, weight_figures
+from serl_cli.method.sft.reading import episode_at, parse_reading, reading_examples, state_moves
 from serl_cli.method.teacher import teacher_prompt
-from serl_cli.method.update_diagnostics import update_figures, weight_figures
 from serl_cli.models.loading import load_model
 from serl_cli.models.tiny import init_model
 from serl_cli.rollout.default_model import tokenizer_corpus
@@ -368,7 +368,7 @@ def test_the_loose_bounds_arm_is_a_valid_setting_and_c_above_one_is_refused():
 def test_parameter_steps_are_the_distances_between_consecutive_checkpoints(tmp_path):
     from safetensors.torch import save_file
 
-    from serl_cli.method.update_diagnostics import parameter_steps
+    from serl_cli.method.diagnostics.update import parameter_steps
 
     states = [
         {"a": torch.tensor([0.0, 0.0]), "b": torch.tensor([1.0])},

@@ -11,7 +11,7 @@ from scipy import stats
 
 from serl_cli.artifacts.records import make_annotation, make_episode
 from serl_cli.errors import SerlError
-from serl_cli.method.selection_report import selection_report
+from serl_cli.method.diagnostics.selection_report import selection_report
 
 
 def rec(episode, turn, selected, sources=(), fired=(), advantage=0.0):

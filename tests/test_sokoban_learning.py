@@ -14,7 +14,7 @@ from serl_cli.cli.demo import _env_in
 from serl_cli.demo.pipeline import DemoConfig, demo_defaults, quick, run_demo
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
-from serl_cli.method.hindsight_sft import hindsight_examples
+from serl_cli.method.sft.hindsight import hindsight_examples
 from serl_cli.method.teacher import block_ids, teacher_prompt_ids
 from serl_cli.models.loading import load_model
 from serl_cli.models.tiny import init_model

@@ -1,4 +1,5 @@
-"""The teacher-signal gate of a Sokoban warm start (serl_cli.method.teacher_gate; docs/studies/sokoban_v4.md).
+"""The teacher-signal gate of a Sokoban warm start (serl_cli.method.diagnostics.teacher_gate;
+docs/studies/sokoban_v4.md).
 
     python experiments/sokoban/teacher_gate.py --model runs/v4/warm_start --seen runs/v4/expert --out runs/v4/gate
 
@@ -21,8 +22,8 @@ from pathlib import Path
 
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts
-from serl_cli.method import teacher_gate as gate
 from serl_cli.method.annotation import action_format
+from serl_cli.method.diagnostics import teacher_gate as gate
 from serl_cli.models.loading import load_model
 from serl_cli.rollout.engines import SamplingConfig
 from serl_cli.rollout.prompts import trained_prompt

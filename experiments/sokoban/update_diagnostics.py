@@ -1,4 +1,4 @@
-"""The mechanism figures of one SERL update on one batch (serl_cli.method.update_diagnostics).
+"""The mechanism figures of one SERL update on one batch (serl_cli.method.diagnostics.update).
 
     python experiments/sokoban/update_diagnostics.py RUN --model DIR [--sources expert --trajectory aligned
         --placement all --weight-clip 0.2 --mixing-lambda 0.5]
@@ -20,7 +20,7 @@ from serl_cli.algos.objectives import turn_advantages
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts, turn_samples
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
-from serl_cli.method.update_diagnostics import update_figures
+from serl_cli.method.diagnostics.update import update_figures
 from serl_cli.models.loading import load_model
 from serl_cli.training.train_config import TrainConfig
 

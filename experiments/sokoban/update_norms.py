@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from statistics import mean
 
-from serl_cli.method.update_diagnostics import parameter_steps
+from serl_cli.method.diagnostics.update import parameter_steps
 
 
 def run_steps(start: str, run: str) -> list[float]:

@@ -83,7 +83,8 @@ def _selection(train: Path) -> dict | None:
         "iteration": reports[-1].parent.name,
         "selected_fraction": r.get("counts", {}).get("selected_fraction"),
         "verdict": r.get("tests", {}).get("verdict"),
-        # against the scorable turns alone (method.selection_report): the comparison a matched-budget rule needs
+        # against the scorable turns alone (method.diagnostics.selection_report): the comparison a
+        # matched-budget rule needs
         "verdict_scorable": r.get("scorable", {}).get("tests", {}).get("verdict"),
     }
 

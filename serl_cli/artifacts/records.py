@@ -51,7 +51,7 @@ class Turn:
     off_expert: bool = False  # a noisy expert's exploration move: it reaches a state, it is no SFT target
     invalid: bool | None = None  # prompt.style authors: the reply broke the authors' rule; None: feedback decides
     engine_logprobs: list[float] | None = None  # the engine's log-probs where the trainer recomputed pi_old
-    hindsight: str | None = None  # an SFT example's block in its prompt (method.hindsight_sft, reading_sft)
+    hindsight: str | None = None  # an SFT example's block in its prompt (method.sft: hindsight, reading)
     policy_version: int | None = None  # max_staleness > 0: the policy version (updates done) that wrote it
     extra: dict = field(default_factory=dict)  # keys this version does not know, written back as they came
 

@@ -32,7 +32,7 @@ loop divided over its processes; under ``serl annotate`` journaled, its units nu
 the weights' own).
 
 :func:`signal_rows` keeps the per-turn figures (for intervals, or a subset of turns: the
-teacher-signal gate, ``method.teacher_gate``); :func:`summarize` averages them.
+teacher-signal gate, ``method.diagnostics.teacher_gate``); :func:`summarize` averages them.
 """
 
 from __future__ import annotations

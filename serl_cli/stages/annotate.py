@@ -28,7 +28,7 @@ from serl_cli.artifacts.schema import (
 )
 from serl_cli.errors import SerlError
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes, validate
-from serl_cli.method.selection_report import selection_report
+from serl_cli.method.diagnostics.selection_report import selection_report
 from serl_cli.training.scoring import score, score_units
 from serl_cli.training.train_config import TrainConfig
 

@@ -25,8 +25,8 @@ from serl_cli.artifacts.schema import (
 )
 from serl_cli.errors import SerlError
 from serl_cli.method.feedback import parse_sources
-from serl_cli.method.hindsight_sft import examples_for_run
-from serl_cli.method.reading_sft import is_reading, parse_reading, reading_examples_for_run
+from serl_cli.method.sft.hindsight import examples_for_run
+from serl_cli.method.sft.reading import is_reading, parse_reading, reading_examples_for_run
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.stages.resume_settings import without_changeable
 from serl_cli.training.backends import is_main_process
@@ -102,7 +102,7 @@ def check_hindsight_sft(cfg: TrainConfig) -> None:
 
 def hindsight_sft_examples(episodes: list[Episode], cfg: TrainConfig, tokenizer, rollout_cfg: dict) -> list[Episode]:
     """With ``train.hindsight_sft``, the SFT data's teacher-prompt examples: reading examples for a
-    ``"reading: ..."`` spec (``method.reading_sft``), else hindsight examples (``method.hindsight_sft``)."""
+    ``"reading: ..."`` spec (``method.sft.reading``), else hindsight examples (``method.sft.hindsight``)."""
     if cfg.hindsight_sft is None:
         return []
     prompt = rollout_cfg.get("prompt") or {}

@@ -204,7 +204,7 @@ class TrainConfig:
     )
     checkpoint: str | None = setting(None, "where the updated policy goes; null: RUN/checkpoint")
     hindsight_sft: str | None = setting(
-        None, 'sft: also teacher prompts built by these feedback sources, e.g. "ref|error" (method.hindsight_sft)'
+        None, 'sft: also teacher prompts built by these feedback sources, e.g. "ref|error" (method.sft.hindsight)'
     )
 
 

@@ -2,7 +2,7 @@
 
 Its target is the expert's move whatever the block says, so it cannot teach reading: the state
 alone gives the target away (study v3's teacher did not read its blocks, docs/RESULTS.md).
-Reading SFT (``method.reading_sft``, ``train.hindsight_sft: "reading: ..."``) does; this module
+Reading SFT (``method.sft.reading``, ``train.hindsight_sft: "reading: ..."``) does; this module
 stays as the recipe study v3 ran.
 
 SERL's teacher is the policy itself, shown a hindsight block (METHOD.md 4). The paper's

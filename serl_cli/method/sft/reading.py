@@ -2,7 +2,7 @@
 
 SERL's teacher is the policy shown a hindsight block (METHOD.md 4). A pretrained LLM reads
 such a block zero-shot; a model trained from scratch on CPU has never seen one. Hindsight SFT
-(``method.hindsight_sft``) shows it blocks, but its target is the expert's move, which the
+(``method.sft.hindsight``) shows it blocks, but its target is the expert's move, which the
 state alone determines: nothing rewards reading, and study v3's teacher did not read
 (docs/RESULTS.md). Here every example's target depends on what the block says, in states
 where the state alone does not give it away. This is a **small-scale necessity, not part of
@@ -43,7 +43,7 @@ from dataclasses import replace
 from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
-from serl_cli.method.hindsight_sft import example_episode, example_turn
+from serl_cli.method.sft.hindsight import example_episode, example_turn
 from serl_cli.method.teacher import teacher_prompt
 from serl_cli.rollout.prompts import format_reply
 

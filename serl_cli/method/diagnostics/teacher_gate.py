@@ -33,7 +33,7 @@ from serl_cli.artifacts.records import Episode
 from serl_cli.method import feedback as fb
 from serl_cli.method import teacher_signal as ts
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes, teacher_prompts
-from serl_cli.method.reading_sft import episode_at, named_context, played_turn, state_moves
+from serl_cli.method.sft.reading import episode_at, named_context, played_turn, state_moves
 from serl_cli.method.teacher import teacher_prompt
 from serl_cli.stats.summary import t_interval, wilson_interval
 

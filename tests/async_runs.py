@@ -98,7 +98,8 @@ def run_config(algo: str, model: Path, out: Path, **top) -> OnlineConfig:
         out=str(out),
         rollout=RolloutConfig(tasks=3, group_size=2, sampling=SamplingConfig(1.0, 1.0, 1), prompt=COMPACT, threads=1),
         train=TrainConfig(algo=algo, optim=OptimConfig(lr=1e-4), mini_batches=2, invalid_action_penalty=0.1, threads=1),
-        annotate=AnnotateConfig(sources="error,diff", placement="feedback"),
+        # the teacher signal on every iteration, as the loop checked it when the reference was recorded
+        annotate=AnnotateConfig(sources="error,diff", placement="feedback", teacher_signal_every=1),
         **{"keep_last": 0, **top},
     )
 

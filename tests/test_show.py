@@ -8,7 +8,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import TURN_KEYS
+from serl_cli.artifacts.records import TURN_KEYS, Manifest
 from serl_cli.artifacts.schema import ANNOTATION_KEYS
 from serl_cli.cli import show as _show_cmd  # noqa: F401  (registers `show`)
 from serl_cli.cli.root import app
@@ -318,7 +318,7 @@ def test_an_online_runs_folders_are_never_cut_at_80_columns():
         | {key: 0.123456 for _, key in show_online.ITERATION_COLUMNS}
         for k in range(12)
     ]
-    manifest = {"stages": {"online": {"status": "done", "config": {"iterations": 12}}}}
+    manifest = Manifest.from_dict({"stages": {"online": {"status": "done", "config": {"iterations": 12}}}})
     for width in (80, 60):
         console = Console(width=width, record=True)
         console.print(show_online.online_view("runs/sokoban/serl", manifest, rows))

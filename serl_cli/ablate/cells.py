@@ -11,6 +11,8 @@ from pathlib import Path
 
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io, runlock
+from serl_cli.artifacts.records import Manifest
+from serl_cli.artifacts.schema import read_manifest
 from serl_cli.errors import SerlError
 
 
@@ -67,7 +69,7 @@ def _teacher_tokens(train: Path) -> int:
     total = 0
     for m in sorted(train.glob("iter_*/manifest.json")):
         try:
-            stats = io.read_json(m).get("stages", {}).get("annotate", {}).get("stats") or {}
+            stats = Manifest.from_dict(io.read_json(m), str(m)).stage("annotate").stats
         except SerlError:
             continue
         total += int(stats.get("teacher_tokens_scored", 0) or 0)
@@ -195,6 +197,6 @@ def _run_cell(record: dict, out: str | Path, cell: dict, index: int, log) -> str
 
 def _online_done(train: Path) -> bool:
     try:
-        return io.load_manifest(train).get("stages", {}).get("online", {}).get("status") == "done"
+        return read_manifest(train).stage("online").done
     except SerlError:
         return False

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from serl_cli.artifacts import io
+from serl_cli.artifacts.schema import read_manifest
 from serl_cli.cli.root import app, console
 from serl_cli.errors import SerlError
 from serl_cli.views import show as sh
@@ -42,7 +42,7 @@ def show_command(
     if (Path(run) / "grid.json").is_file() and not (Path(run) / "manifest.json").is_file():
         # an ablation's folder holds runs, one per cell: its view is the report over them
         raise SerlError(f"{run} is an ablation directory (grid.json), not a run: use serl ablate --report {run}")
-    stored = io.load_manifest(run)
+    stored = read_manifest(run)
     if show_online.is_online_run(run, stored):  # the online loop's run: its episodes are in its iterations
         rows = show_online.iteration_rows(run, stored)
         if episode is not None:

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from serl_cli.artifacts import io
+from serl_cli.artifacts.records import Manifest
 from serl_cli.errors import SerlError
 from serl_cli.models.loading import ADAPTER_CONFIG
 from serl_cli.online.config import OnlineConfig
@@ -26,12 +27,8 @@ def keep_iterations_before(path: Path, start: int) -> None:
         io.write_jsonl(path, [r for r in io.iter_jsonl(path) if r.get("iteration", -1) < start])
 
 
-def finished_iterations(manifest: dict) -> int:
-    done = [
-        int(name.split("_")[1])
-        for name, s in manifest.get("stages", {}).items()
-        if name.startswith("iter_") and s.get("status") == "done"
-    ]
+def finished_iterations(manifest: Manifest) -> int:
+    done = [int(name.split("_")[1]) for name, s in manifest.stages.items() if name.startswith("iter_") and s.done]
     return max(done) + 1 if done else 0
 
 

@@ -87,7 +87,7 @@ from typing import cast
 from serl_cli.algos.objectives import annotation_advantages, get_objective
 from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Episode, Metrics
-from serl_cli.artifacts.schema import METRICS_FILE, append_metrics, turn_samples
+from serl_cli.artifacts.schema import METRICS_FILE, append_metrics, read_manifest, turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.method.annotation import annotate_episodes, teacher_wanted
 from serl_cli.method.teacher import TeacherSnapshot
@@ -158,9 +158,9 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
     start, changed = 0, None
     cfg.model = resolve_model(rollout_config(cfg), world)  # as the manifest records it
     if resume and (run / "manifest.json").exists():
-        manifest = io.load_manifest(run)
+        manifest = read_manifest(run)
         finished = finished_iterations(manifest)
-        stored = manifest["stages"].get("online", {}).get("config")
+        stored = manifest.stage("online").get("config")
         changed = check_online_resume(run, stored, run_settings(cfg), finished)  # before anything is written
         start = resume_point(run, cfg, finished)
     elif main and run.exists() and any(run.iterdir()) and not overwrite:

@@ -221,10 +221,10 @@ def host_memory_bytes() -> float:
 
 def run_model(run: str | None) -> str | None:
     """The model a run's rollouts came from (what ``serl train RUN`` updates by default)."""
-    from serl_cli.artifacts import io
+    from serl_cli.artifacts.schema import read_manifest
 
     try:
-        return io.load_manifest(run)["stages"]["rollout"]["config"].get("model") if run else None
+        return read_manifest(run).rollout_config.get("model") if run else None
     except (SerlError, OSError, KeyError, TypeError, ValueError):
         return None
 

@@ -29,7 +29,7 @@ from typing import Literal, get_args
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.records import Episode
-from serl_cli.artifacts.schema import ROLLOUTS_FILE, write_rollouts
+from serl_cli.artifacts.schema import ROLLOUTS_FILE, read_manifest, write_rollouts
 from serl_cli.config import at_least, setting, within
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Device, Dtype, check_names
@@ -226,7 +226,7 @@ def journal_header(cfg: RolloutConfig, episodes: int) -> dict:
 def check_same_rollout(out: Path, cfg: RolloutConfig) -> None:
     """``--resume`` of a finished rollout keeps it only if it was made with these settings (as
     an interrupted one's journal header is checked: all but ``threads`` and ``out``)."""
-    stored = io.load_manifest(out)["stages"]["rollout"].get("config")
+    stored = read_manifest(out).stage("rollout").get("config")
     if not isinstance(stored, dict):
         return
     now = io.to_plain(cfg)
@@ -243,10 +243,10 @@ def check_same_rollout(out: Path, cfg: RolloutConfig) -> None:
 
 def _finished_summary(out: Path) -> dict | None:
     try:
-        stage = io.load_manifest(out).get("stages", {}).get("rollout", {})
+        stage = read_manifest(out).stage("rollout")
     except SerlError:
         return None
-    return stage.get("summary") if stage.get("status") == "done" and (out / ROLLOUTS_FILE).is_file() else None
+    return stage.get("summary") if stage.done and (out / ROLLOUTS_FILE).is_file() else None
 
 
 def run_rollout(

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.records import Episode
-from serl_cli.artifacts.schema import read_rollouts
+from serl_cli.artifacts.schema import read_manifest, read_rollouts
 from serl_cli.config import setting
 from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import ModelPolicy, SamplingConfig, make_engine
@@ -152,8 +152,7 @@ def sft_to_band(
 
 
 def _sft_to_band(run: Path, sft: TrainConfig, cfg: WarmStartConfig, env: EnvConfig, log) -> dict:
-    manifest = io.load_manifest(run)
-    rollout_cfg = manifest["stages"]["rollout"]["config"]
+    rollout_cfg = read_manifest(run).rollout_config
     model_name = sft.model or rollout_cfg["model"]
     prompt = PromptConfig(**rollout_cfg["prompt"])
     io.mark_stage(run, "warm_start", "running")

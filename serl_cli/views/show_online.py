@@ -13,7 +13,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from serl_cli.artifacts.records import Metrics
+from serl_cli.artifacts.records import Manifest, Metrics
 from serl_cli.artifacts.schema import METRICS_FILE, ROLLOUTS_FILE, read_metrics
 
 ITERATION_COLUMNS = [  # (column, metrics.jsonl key)
@@ -28,13 +28,13 @@ STALE_COLUMNS = [  # an asynchronous run's (max_staleness > 0) too
 ]
 
 
-def is_online_run(run_dir: str | Path, manifest: dict) -> bool:
+def is_online_run(run_dir: str | Path, manifest: Manifest) -> bool:
     """An online loop's run directory (``serl train --iterations``): its episodes are in its
     ``iter_XXXX`` folders, not beside the manifest."""
-    return "online" in manifest.get("stages", {}) and not (Path(run_dir) / ROLLOUTS_FILE).exists()
+    return manifest.has("online") and not (Path(run_dir) / ROLLOUTS_FILE).exists()
 
 
-def iteration_rows(run_dir: str | Path, manifest: dict) -> list[dict]:
+def iteration_rows(run_dir: str | Path, manifest: Manifest) -> list[dict]:
     """One row per ``iter_XXXX`` folder: its status in the manifest (an iteration the loop
     abandoned on a stop, or is running, is not done), the iteration's metrics line, and
     whether it kept a checkpoint."""
@@ -42,7 +42,6 @@ def iteration_rows(run_dir: str | Path, manifest: dict) -> list[dict]:
     metrics: dict[int, Metrics] = {}
     if (run / METRICS_FILE).is_file():
         metrics = {r["iteration"]: r for r in read_metrics(run / METRICS_FILE) if "iteration" in r}
-    stages = manifest.get("stages", {})
     rows = []
     for d in sorted(p for p in run.glob("iter_*") if p.is_dir()):
         try:
@@ -55,7 +54,7 @@ def iteration_rows(run_dir: str | Path, manifest: dict) -> list[dict]:
             {
                 "iteration": k,
                 "folder": d.name,
-                "status": str((stages.get(d.name) or {}).get("status", "not finished")),
+                "status": str(manifest.stage(d.name).status or "not finished"),
                 "episodes": m.get("episodes"),
                 **{key: m.get(key) for _, key in ITERATION_COLUMNS},
                 **stale,
@@ -65,19 +64,19 @@ def iteration_rows(run_dir: str | Path, manifest: dict) -> list[dict]:
     return rows
 
 
-def online_view(run_dir: str | Path, manifest: dict, rows: list[dict]) -> RenderableType:
+def online_view(run_dir: str | Path, manifest: Manifest, rows: list[dict]) -> RenderableType:
     """An online run for a person: what ran, then one line per iteration folder."""
-    cfg = (manifest.get("stages", {}).get("online") or {}).get("config") or {}
-    status = (manifest.get("stages", {}).get("online") or {}).get("status", "?")
-    commit = (manifest.get("git_commit") or "unknown")[:10]
+    online = manifest.stage("online")
+    cfg, status = online.config, online.status or "?"
+    commit = (manifest.git_commit or "unknown")[:10]
     algo, env = (cfg.get("train") or {}).get("algo", "?"), (cfg.get("env") or {}).get("name", "?")
     staleness = cfg.get("max_staleness") or 0
     columns = ITERATION_COLUMNS + (STALE_COLUMNS if staleness else [])
     head = Text(
         f"online run {run_dir}: {algo} on {env}, {cfg.get('iterations', '?')} iterations ({status}); "
         + (f"rollouts up to {staleness} update(s) stale; " if staleness else "")
-        + f"serl {manifest.get('serl_version')}, "
-        f"seed {manifest.get('seed')}, commit {commit}",
+        + f"serl {manifest.serl_version}, "
+        f"seed {manifest.seed}, commit {commit}",
         style="bold",
     )
     table = Table(title="iterations", title_justify="left", header_style="bold")

@@ -26,7 +26,7 @@ from support import rollout_config
 
 from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Episode, make_episode, make_turn
-from serl_cli.artifacts.schema import read_annotations, read_rollouts
+from serl_cli.artifacts.schema import read_annotations, read_manifest, read_rollouts
 from serl_cli.method import feedback as fb
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
 from serl_cli.models.loading import load_model
@@ -221,7 +221,7 @@ def test_serl_annotate_defaults_reweight_exactly_the_turns_with_a_block_on_their
         reweighted += 1
     assert reweighted >= 2
     # and `serl show` displays it: the action tokens shaded, the rest dim, the scope named
-    manifest = io.load_manifest(run)
+    manifest = read_manifest(run)
     ann = {(r.episode, r.turn): r for r in records}
     console = Console(record=True, width=200)
     console.print(show.episode_view(manifest, episodes, ann, 0))

@@ -117,7 +117,7 @@ def test_processes_score_disjoint_shares_and_return_one_process_bit_for_bit(mode
             finally:
                 forwards.handle.remove()
             rows.append(sum(r for r, _ in forwards.shapes))
-            assert rows[-1] == own_items(model, tok, batch, 1024, rank, world) > 0
+            assert rows[-1] == own_items(model, batch, 1024, rank, world) > 0
         assert sum(rows) == 90  # each distinct item scored once, by one process
         keys = [i for part in board.values() for i in part]
         assert len(keys) == len(set(keys)) == 90  # disjoint shares
@@ -127,11 +127,11 @@ def test_processes_score_disjoint_shares_and_return_one_process_bit_for_bit(mode
 def test_a_batch_too_few_for_the_processes_is_split_so_that_each_works(model_and_tokenizer):
     model, tok = model_and_tokenizer
     batch = items(6, len(tok), seed=5)[:6]  # 6 items, one CPU micro-batch for one process
-    assert len(plan(model, tok, batch, 16384)[0]) == 1
+    assert len(plan(model, batch, 16384)[0]) == 1
     alone = score(model, tok, batch, 1.0, 16384)
     board: dict = {}
     for rank in range(2):
-        assert own_items(model, tok, batch, 16384, rank, 2) > 0
+        assert own_items(model, batch, 16384, rank, 2) > 0
         try:
             got = score(model, tok, batch, 1.0, 16384, ranks=ProcessGroup(rank, 2, board))
         except Unpublished:

@@ -80,7 +80,7 @@ class CountingScorer:
         out = self.scorer(model, tokenizer, items, temperature, micro_batch_tokens)
         self.seconds += time.perf_counter() - t0
         self.total += len(items)
-        self.own += own_items(model, tokenizer, items, micro_batch_tokens, self.rank, self.world)
+        self.own += own_items(model, items, micro_batch_tokens, self.rank, self.world)
         return out
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serl_cli.algos.batch import make_micro_batches
+from serl_cli.algos.batch import collate, micro_batch_groups
 from serl_cli.models.device import model_device
 from serl_cli.training.step import action_logprobs
 
@@ -51,7 +51,7 @@ def score_units(tokenizer, items: list[ScoreItem], micro_batch_tokens: int) -> l
     indices. Scoring one unit's items alone packs them into that same single micro-batch (on a
     CPU, a unit over :data:`CPU_MICRO_BATCH_TOKENS` is split further: the same log-probs, faster)."""
     order = _by_length(items, list(range(len(items))))
-    return [mb.index for mb in make_micro_batches(items, order, micro_batch_tokens, pad_id(tokenizer))]
+    return micro_batch_groups(items, order, micro_batch_tokens)
 
 
 @torch.no_grad()
@@ -68,9 +68,10 @@ def score(
     if not items:
         return []
     rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
-    batches, same = plan(model, tokenizer, items, micro_batch_tokens, world)
-    dealt = deal([mb.input_ids.numel() for mb in batches], world)
-    mine = [batches[b] for b in dealt[rank]]
+    groups, same = plan(model, items, micro_batch_tokens, world)
+    dealt = deal([padded_tokens(items, g) for g in groups], world)
+    pad = pad_id(tokenizer)
+    mine = [collate(items, groups[b], pad) for b in dealt[rank]]  # only this process's batches are built
     # ZeRO-3's forward is a collective: every process runs the most any of them has
     passes = max(len(d) for d in dealt) if ranks is not None and ranks.collective_forward else len(mine)
     out: dict[int, list[float]] = {}
@@ -78,7 +79,7 @@ def score(
     model.eval()
     for j in range(passes):
         if j >= len(mine):  # a stand-in pass: its result is dropped
-            action_logprobs(model, batches[0], temperature)
+            action_logprobs(model, collate(items, groups[0], pad), temperature)
             continue
         mb = mine[j]
         logp = action_logprobs(model, mb, temperature)
@@ -92,22 +93,28 @@ def score(
     return [list(out[same[i]]) for i in range(len(items))]
 
 
-def plan(model, tokenizer, items: list[ScoreItem], micro_batch_tokens: int, world: int = 1):
-    """The micro-batches :func:`score` runs for ``items`` over ``world`` processes, and for each item
-    the index of the item whose log-probs it takes: an item equal to an earlier one (the same prompt
-    and reply tokens: a state a group's rollouts or the teacher signal meet again) is scored once
-    and its log-probs copied. The batches are one process's, unless they would be fewer than the
-    processes: then smaller, about a process's share of the tokens each, so that every one works."""
+def plan(model, items: list[ScoreItem], micro_batch_tokens: int, world: int = 1):
+    """The micro-batches :func:`score` runs for ``items`` over ``world`` processes, as lists of item
+    indices, and for each item the index of the item whose log-probs it takes: an item equal to an
+    earlier one (the same prompt and reply tokens: a state a group's rollouts or the teacher signal
+    meet again) is scored once and its log-probs copied. The batches are one process's, unless they
+    would be fewer than the processes: then smaller, about a process's share of the tokens each, so
+    that every one works."""
     first: dict[tuple, int] = {}
     same = [first.setdefault((tuple(it.prompt_ids), tuple(it.action_ids)), i) for i, it in enumerate(items)]
     order = _by_length(items, [i for i in range(len(items)) if same[i] == i])
     cap = _cpu_capped(model, micro_batch_tokens)
-    batches = make_micro_batches(items, order, cap, pad_id(tokenizer))
-    if world > 1 and len(batches) < world <= len(order):
+    groups = micro_batch_groups(items, order, cap)
+    if world > 1 and len(groups) < world <= len(order):
         lengths = [len(items[i].prompt_ids) + len(items[i].action_ids) for i in order]
         share = max(max(lengths), -(-sum(lengths) // world))
-        batches = make_micro_batches(items, order, min(cap, share), pad_id(tokenizer))
-    return batches, same
+        groups = micro_batch_groups(items, order, min(cap, share))
+    return groups, same
+
+
+def padded_tokens(items: list[ScoreItem], group: list[int]) -> int:
+    """A micro-batch's padded tokens: its rows times its longest prompt and reply (``collate``'s width)."""
+    return len(group) * max(len(items[i].prompt_ids) + len(items[i].action_ids) for i in group)
 
 
 def deal(sizes: list[int], world: int) -> list[list[int]]:
@@ -122,11 +129,11 @@ def deal(sizes: list[int], world: int) -> list[list[int]]:
     return dealt
 
 
-def own_items(model, tokenizer, items: list[ScoreItem], micro_batch_tokens: int, rank: int, world: int) -> int:
+def own_items(model, items: list[ScoreItem], micro_batch_tokens: int, rank: int, world: int) -> int:
     """How many of ``items`` process ``rank`` of ``world`` scores itself (a copy of a duplicate not counted)."""
-    batches, _ = plan(model, tokenizer, items, micro_batch_tokens, world)
-    dealt = deal([mb.input_ids.numel() for mb in batches], world)
-    return sum(len(batches[b].index) for b in dealt[rank])
+    groups, _ = plan(model, items, micro_batch_tokens, world)
+    dealt = deal([padded_tokens(items, g) for g in groups], world)
+    return sum(len(groups[b]) for b in dealt[rank])
 
 
 def _cpu_capped(model, micro_batch_tokens: int) -> int:

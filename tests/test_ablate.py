@@ -696,8 +696,8 @@ def test_report_names_how_the_final_evaluation_decoded():
 
 
 def test_start_model_identity_is_by_content():
-    """--reuse's check: a checkpoint retrained under the same path is another start; where it lies and
-    its optimizer state are not."""
+    """--reuse's check: a checkpoint retrained under the same path is another start; where it lies, its
+    optimizer state and its update record (whose wall-clock timings differ on every rebuild) are not."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as a_dir, tempfile.TemporaryDirectory() as b_dir:
@@ -706,6 +706,7 @@ def test_start_model_identity_is_by_content():
             (d / "config.json").write_text('{"hidden_size": 8}')
             (d / "model.safetensors").write_bytes(bytes(range(256)) * 4)
         (b / "trainer_state.pt").write_bytes(b"optimizer moments")
+        (b / "serl_update.json").write_text('{"timing": {"update_s": 812.4}}')
         ident = ab_cells.start_model_identity(str(a))
         assert ident.startswith("sha256:") and ident == ab_cells.start_model_identity(str(b))
         weights = bytearray(bytes(range(256)) * 4)

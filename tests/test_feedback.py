@@ -354,6 +354,14 @@ def test_token_cutter(tokenizer, budget):
             assert out == text
 
 
+@pytest.mark.parametrize("budget", [3, 10, 25, 1000])
+def test_cutting_a_batch_equals_cutting_each(tokenizer, budget):
+    """The annotation cuts every block of a batch in one tokenizer call: the same strings as one at a time."""
+    texts = TEXTS + ["", TEXTS[0]]
+    assert fb.cut_all(tokenizer, budget, texts) == [fb.make_cutter(tokenizer, budget)(t) for t in texts]
+    assert fb.cut_all(tokenizer, budget, []) == []
+
+
 # ------------------------------------------------------------------ anchors
 
 

@@ -34,6 +34,7 @@ from serl_cli.method.teacher import (
     spliced_part,
     teacher_prompt,
     teacher_prompt_ids,
+    teacher_prompts_for,
     teacher_suffix,
 )
 from serl_cli.rollout.engines import ModelPolicy, SamplingConfig
@@ -187,6 +188,25 @@ def test_a_tokenizer_merging_across_the_boundary_falls_back(family):
     assert BLOCK in _text(tok, teacher)
 
 
+BLOCKS = [BLOCK, "x", "ends in a newline\n", BLOCK, "Reference:\n[turn 1] click[b0x] ]]"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("merging", [False, True])
+def test_teacher_prompts_for_a_batch_equal_one_at_a_time(family, merging):
+    """The annotation's batched teacher prompts (one chat-template call for every distinct block) are
+    teacher_prompt's ids, turn by turn: on the spliced path, on the fallback (a tokenizer merging across
+    the boundary), for a prompt rendered with other kwargs (cut short) and for a repeated block."""
+    tok = merging_tokenizer(family) if merging else family_tokenizer(family)
+    student = render_prompt_ids(tok, _messages(family))
+    # cut short, the prompt does not end with the template's tail: the fallback, where it has an end of turn
+    other = student[:-1] if end_of_turn_id(tok) in student[:-1] else student
+    prompts = [student, other, student] + [student] * (len(BLOCKS) - 3)
+    one_at_a_time = [teacher_prompt(tok, p, b) for p, b in zip(prompts, BLOCKS, strict=True)]
+    assert teacher_prompts_for(tok, prompts, BLOCKS) == one_at_a_time
+    assert teacher_prompts_for(tok, [], []) == []
+
+
 def test_the_fallback_closes_the_block_with_the_templates_end_of_turn():
     """A Gemma prompt that does not end as the template ends a user message (cut short here): the
     block goes before its last <end_of_turn>, the token that closes Gemma's messages, not <eos>."""
@@ -261,11 +281,11 @@ def test_annotation_passes_the_kwargs_to_the_teacher_prompt(monkeypatch):
     tok = family_tokenizer("qwen3")
     asked = []
 
-    def spy(tokenizer, prompt_ids, block, chat_template_kwargs=None):
+    def spy(tokenizer, prompt_ids, blocks, chat_template_kwargs=None):
         asked.append(chat_template_kwargs)
-        return teacher_prompt(tokenizer, prompt_ids, block, chat_template_kwargs)
+        return teacher_prompts_for(tokenizer, prompt_ids, blocks, chat_template_kwargs)
 
-    monkeypatch.setattr(annotation, "teacher_prompt", spy)
+    monkeypatch.setattr(annotation, "teacher_prompts_for", spy)
     student = render_prompt_ids(tok, _messages("qwen3"), NO_THINKING)
     annotate_episodes(
         _group(tok, student),

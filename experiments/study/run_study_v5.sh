@@ -58,8 +58,9 @@ for bounds in "authors expert 0.2 0.5" "middle expert 0.5 0.5" "loose expert 1.0
         --model $S/warm_start --sources $2 --weight-clip $3 --mixing-lambda $4 > $K/diagnostics/$1.json
 done
 
-# 4. the grid, arm by arm in the file's order (v4's identical cells copied where the warm start is v4's by content)
-serl ablate experiments/study/sokoban_v5.yaml --out $V/grid --reuse $K4 --parallel "$PARALLEL" -q
+# 4. the grid, arm by arm in the file's order (v4's identical cells copied where the warm start is v4's by content, and
+#    this study's kept cells where it is this study's: a rebuilt machine resumes from the summaries)
+serl ablate experiments/study/sokoban_v5.yaml --out $V/grid --reuse $K4 --reuse $K --parallel "$PARALLEL" -q
 serl ablate --report $V/grid --keep $K -q
 
 # 5. v4's grid completed (seeds 5-9 of SERL-ref, SERL-error,diff and SDPO): only from v4's own warm start, since

@@ -39,11 +39,15 @@ def select_cell(record: dict, index: int) -> dict:
 
 _WHOLE_FILE_LIMIT = 256 << 20  # hash files up to this size whole; larger weight shards by size and both ends
 _END_BYTES = 16 << 20
+# what a training writes beside the model, not the model: its optimizer state, and a single update's record
+# (stages.train.UPDATE_RECORD), whose wall-clock timings differ on every rebuild of the same weights
+_NOT_THE_MODEL = ("trainer_state", "serl_update.json")
 
 
 def start_model_identity(model: str | None) -> str:
     """What a cell's online run starts from, by content: ``sha256:...`` over a local model directory's
-    files (its trainer state aside), ``name:...`` for a hub name, ``embedded`` for the default model.
+    files (its trainer state and update record aside), ``name:...`` for a hub name, ``embedded`` for the
+    default model.
     ``serl ablate --reuse`` copies a cell only where this matches, so a checkpoint retrained under
     the same path (other code, other data) is never mistaken for the one the cell started from."""
     if model is None:
@@ -52,7 +56,7 @@ def start_model_identity(model: str | None) -> str:
     if not root.is_dir():
         return f"name:{model}"
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("trainer_state")):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(_NOT_THE_MODEL)):
         size = path.stat().st_size
         digest.update(f"{path.relative_to(root).as_posix()}\0{size}\0".encode())
         with path.open("rb") as f:

@@ -31,7 +31,7 @@ from serl_cli.method import anchors as anchors_mod
 from serl_cli.method import feedback as fb
 from serl_cli.method import placement, teacher_signal
 from serl_cli.method.annotate_config import AnnotateConfig, validate
-from serl_cli.method.teacher import action_span_mask, teacher_prompt
+from serl_cli.method.teacher import action_span_mask, teacher_prompts_for
 from serl_cli.training.scoring import ScoreItem, score
 
 
@@ -59,7 +59,10 @@ def teacher_prompts(
     """The teacher's prompt of each record in ``keys``: the student's prompt (``prompt_ids``, in
     record order) with the record's block spliced in. Built once per annotation: the teacher
     scores the student's reply on it, and the teacher signal the expert's reply."""
-    return {k: teacher_prompt(tokenizer, prompt_ids[k], records[k].hindsight, chat_template_kwargs) for k in keys}
+    keys = list(keys)
+    blocks = [records[k].hindsight or "" for k in keys]
+    built = teacher_prompts_for(tokenizer, [prompt_ids[k] for k in keys], blocks, chat_template_kwargs)
+    return dict(zip(keys, built, strict=True))
 
 
 def action_format(env_cfg: dict | None):
@@ -81,7 +84,13 @@ def action_masks(
     turns = [t for e in episodes for t in e.turns]
     tagged = all(ACTION_TAG_RE.search(t.action_text or "") for t in turns)
     fmt = None if spans == "authors" or tagged else action_format(env_cfg)
-    masks = [action_span_mask(tokenizer, t.action_ids, "none", fmt, spans) for t in turns]
+    # a reply's mask depends on its tokens alone, and replies repeat (a Sokoban batch has a handful)
+    by_reply: dict[tuple, list[int]] = {}
+    for t in turns:
+        key = tuple(t.action_ids)
+        if key not in by_reply:
+            by_reply[key] = action_span_mask(tokenizer, t.action_ids, "none", fmt, spans)
+    masks = [list(by_reply[tuple(t.action_ids)]) for t in turns]
     failed = [k for k, m in enumerate(masks) if not any(m)]
     if unparsed != "none":
         for k in failed:
@@ -133,7 +142,6 @@ def annotate_episodes(
         if cfg.granularity == "anchor"
         else {}
     )
-    cut = fb.make_cutter(tokenizer, cfg.max_hindsight_tokens)  # the whole block, not each source
     samples = turn_samples(episodes)
     if advantages is None:
         advantages = episode_advantages(samples, 1e-6).tolist()
@@ -144,6 +152,7 @@ def annotate_episodes(
     use_teacher = teacher_wanted(cfg)
 
     records: list[Annotation] = []
+    blocks: list[str | None] = []  # each turn's block, uncut
     i = 0
     for e_idx, ep in enumerate(episodes):
         key = ep.group_key
@@ -155,6 +164,7 @@ def annotate_episodes(
                 text, used, fired = anchors_mod.hindsight_anchor(ctx, spec, anchors[key])
             else:
                 text, used, fired = fb.hindsight_step(ctx, spec)
+            blocks.append(text or None)
             records.append(
                 Annotation(
                     episode=e_idx,
@@ -165,7 +175,7 @@ def annotate_episodes(
                     selected=False,
                     sources=used,
                     fired=fired,
-                    hindsight=(cut(text) or None) if text else None,
+                    hindsight=None,  # the block, cut below
                     action_mask=masks[i],
                     teacher_logprobs=None,
                     weights=None,
@@ -175,6 +185,11 @@ def annotate_episodes(
                 )
             )
             i += 1
+    # the whole block is cut, not each source; in one tokenizer call for the batch
+    with_block = [k for k, b in enumerate(blocks) if b is not None]
+    cut = fb.cut_all(tokenizer, cfg.max_hindsight_tokens, [blocks[k] or "" for k in with_block])
+    for k, text in zip(with_block, cut, strict=True):
+        records[k].hindsight = text or None
 
     def scorable(r: Annotation) -> bool:
         """Selected, would the teacher score it? A block, and -- where the teacher serves the weights

@@ -114,18 +114,31 @@ def make_cutter(tokenizer, max_tokens: int) -> Callable[[str], str]:
     """Cut to at most ``max_tokens`` tokens of ``tokenizer``, cleanly; short texts unchanged."""
 
     def cut(text: str) -> str:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) <= max_tokens:
-            return text
-        n = max_tokens - len(tokenizer.encode(" ...", add_special_tokens=False))
-        while n > 0:  # re-encoding a cut text may merge differently: shrink until it fits
-            out = _trim(tokenizer.decode(ids[:n]), text)
-            if len(tokenizer.encode(out, add_special_tokens=False)) <= max_tokens:
-                return out
-            n -= 1
-        return ""  # the budget cannot hold even the marker
+        return _cut_encoded(tokenizer, max_tokens, text, tokenizer.encode(text, add_special_tokens=False))
 
     return cut
+
+
+def cut_all(tokenizer, max_tokens: int, texts: list[str]) -> list[str]:
+    """:func:`make_cutter`'s cut of each of ``texts``, each distinct text cut once: a batch's blocks
+    repeat (a group's rollouts meet the same states; 173 distinct of 585 in a Sokoban iteration), and
+    encoding one took ~0.1 ms, most of the annotate stage's time outside the teacher (issue 39)."""
+    cut = make_cutter(tokenizer, max_tokens)
+    done = {text: cut(text) for text in dict.fromkeys(texts)}
+    return [done[text] for text in texts]
+
+
+def _cut_encoded(tokenizer, max_tokens: int, text: str, ids: list[int]) -> str:
+    """``text`` (whose tokens are ``ids``) cut to at most ``max_tokens`` tokens, cleanly."""
+    if len(ids) <= max_tokens:
+        return text
+    n = max_tokens - len(tokenizer.encode(" ...", add_special_tokens=False))
+    while n > 0:  # re-encoding a cut text may merge differently: shrink until it fits
+        out = _trim(tokenizer.decode(ids[:n]), text)
+        if len(tokenizer.encode(out, add_special_tokens=False)) <= max_tokens:
+            return out
+        n -= 1
+    return ""  # the budget cannot hold even the marker
 
 
 @dataclass

@@ -310,6 +310,37 @@ def test_a_child_of_a_group_of_one_makes_its_own_group(tmp_path):
     assert child_port != parent_port
 
 
+GROUP_TIMEOUTS = """
+import torch, torch.distributed as dist
+from deepspeed.utils import groups
+from serl_cli.training.deepspeed import _import_deepspeed, init_distributed
+init_distributed(_import_deepspeed(), timeout_s=77)
+cpu = torch.device("cpu")
+made = dist.new_group([0])  # as DeepSpeed makes its groups: comm/torch.py new_group(ranks), no timeout
+print(dist.group.WORLD._get_backend(cpu).options._timeout.total_seconds(),
+      made._get_backend(cpu).options._timeout.total_seconds(),
+      groups._get_data_parallel_group()._get_backend(cpu).options._timeout.total_seconds())
+"""
+
+
+@needs_deepspeed
+def test_every_process_group_times_out_after_dist_timeout_s(tmp_path):
+    """train.dist_timeout_s bounds every group, not only the world group: DeepSpeed's own groups took
+    torch's default (30 minutes under gloo, 10 under NCCL), so a rank whose peer died waited that long."""
+    script = tmp_path / "timeouts.py"
+    script.write_text(GROUP_TIMEOUTS)
+    p = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SERL_THREADS": "1"},
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split()[-3:] == ["77.0", "77.0", "77.0"]
+
+
 @needs_deepspeed
 def test_the_lr_schedule_runs_in_the_engine_and_resumes_from_its_checkpoint(tiny_model_dir, tmp_path):
     """train.optim.schedule under DeepSpeed: the engine steps serl's scheduler after each applied

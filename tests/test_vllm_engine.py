@@ -512,3 +512,51 @@ def test_gpu_check_smoke_on_vllm_cpu(tmp_path):
     assert r["engine"] == "vllm" and all(s["status"] == "ok" for s in r["stages"].values())
     assert r["vllm_generate_tokens_per_s"] > 0 and r["serl_engine_tokens_per_s"] > 0
     assert r["weight_sync_bytes"] > 0 and r["online"]["weight_sync_s"] is not None
+
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (serl[deepspeed])"
+)
+
+
+@needs_vllm
+@needs_deepspeed
+def test_two_trainer_ranks_with_the_vllm_engine(tiny_model_dir, tmp_path):
+    """Issue 39, item 12: ZeRO-3 on two gloo ranks with rank 0's vLLM engine serving both, as the paper
+    configs run it (trainer ranks beside vLLM). Two SERL iterations and an evaluation after the second:
+    each rank updates and scores its share, and the rollouts of iteration 1 are the first update's
+    policy's own (the weight sync reached the engine), log-probs and all."""
+    from serl_cli.artifacts.schema import read_rollouts
+
+    out = tmp_path / "run"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "serl_cli"]
+    args = ["train", "--model", str(tiny_model_dir), "--out", str(out), "--engine", "vllm", "--algo", "serl"]
+    args += ["--iterations", "2", "--tasks", "2", "--group-size", "2", "--max-turns", "2", "--threads", "1"]
+    args += ["--backend", "deepspeed", "--zero-stage", "3", "--set", "env.settings.catalog=synthetic"]
+    args += ["--set", "rollout.sampling.max_new_tokens=8", "--set", "rollout.vllm.dtype=float32"]
+    args += ["--set", "rollout.vllm.max_model_len=2048", "--set", "rollout.vllm.enforce_eager=true"]
+    args += ["--set", "train.optim.lr=3e-2", "--set", "train.distill_coef=0.1"]  # the teacher scores every turn
+    args += ["--set", "annotate.teacher_sync_interval=1", "--set", "keep_last=0"]
+    args += ["--set", "eval.episodes=3", "--set", "eval.every=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SERL_THREADS": "1", "COLUMNS": "200"}
+    p = subprocess.run([*launch, *args], capture_output=True, text=True, env=env, timeout=1200)
+    assert p.returncode == 0, p.stderr[-4000:]
+
+    records = [json.loads(line) for line in (out / "timings.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        ranks = record["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert all(r["teacher_items"] > 0 and r["update_s"] > 0 for r in ranks), ranks  # a share each
+        assert record["update"]["weight_sync_bytes"] > 0  # the update reached vLLM, in memory
+    assert (out / "iter_0001" / "eval.json").is_file()
+
+    after_first, _ = load_model(str(out / "iter_0000" / "checkpoint"))
+    start, _ = load_model(str(tiny_model_dir))
+    turns = [
+        (t.prompt_ids, t.action_ids, t.behaviour_logprobs) for ep in read_rollouts(out / "iter_0001") for t in ep.turns
+    ]
+    assert turns
+    gaps = [(rescore(after_first.eval(), p_, a, 1.0) - torch.tensor(lp)).abs().max().item() for p_, a, lp in turns]
+    assert max(gaps) < TOL  # iteration 1 sampled from the first update's weights
+    assert max((rescore(start.eval(), p_, a, 1.0) - torch.tensor(lp)).abs().max().item() for p_, a, lp in turns) > TOL

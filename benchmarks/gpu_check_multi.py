@@ -1,5 +1,6 @@
-"""The GPU check's multi-GPU mode: one SERL iteration of the online loop on 2-4 GPUs, in the
-layouts a paper run uses, with each rank's peak memory and its seconds per phase.
+"""The GPU check's multi-GPU mode: two SERL iterations of the online loop on 2-4 GPUs and an
+evaluation after the second, in the layouts a paper run uses, with each rank's peak memory and
+its seconds per phase.
 
     bash benchmarks/gpu_check.sh --multi                 # 2-4 GPUs, a few minutes per layout
     bash benchmarks/gpu_check.sh --multi --smoke         # the same phases on 2 gloo ranks on the CPU (CI)
@@ -16,11 +17,13 @@ Layouts, on N GPUs (every one ZeRO-3, ``serl train`` under torchrun, one process
 * ``smoke``: 2 gloo processes on the CPU, fp32; vLLM where installed, else the hf engine
   (each process generating its own task groups).
 
-Each runs one iteration on Sokoban with the model :func:`benchmarks.gpu_check.build_model`
+Each runs two iterations on Sokoban with the model :func:`benchmarks.gpu_check.build_model`
 builds (Qwen2.5 shapes, random weights, serl's tokenizer): SERL with the teacher scoring
 every turn with a block (``annotate.skip_zero_advantage: false``), π_old recomputed, the
 paper's entropy bonus (so every turn trains, whatever the random model's rewards). Each
-rank's figures come from the run's ``timings.jsonl`` (``ranks``): its peak memory -- its
+rank's figures come from the second iteration's ``timings.jsonl`` row (``ranks``): its rollout and
+the evaluation after it run on an engine woken from the sleep of the first update (``colocated``),
+and on weights the first sync pushed. Its peak memory -- its
 trainer process's: allocated on its GPU (vLLM's own processes are not in it), or its resident
 set on a CPU -- and its seconds in rollout, recompute, teacher, update and sync. The
 ``plan GiB`` column holds ``serl plan``'s estimate of the rank's peak when :func:`run_layouts`
@@ -77,7 +80,7 @@ def run_config(layout: dict, model_dir: Path, out: Path, args) -> dict:
     return {
         "env": {"name": "sokoban", "split": "train", "max_turns": args.max_turns},
         "model": str(model_dir),
-        "iterations": 1,
+        "iterations": 2,  # the second's rollout and the evaluation follow a wake-up and a weight sync
         "seed": 0,
         "out": str(out),
         "rollout": {
@@ -112,6 +115,7 @@ def run_config(layout: dict, model_dir: Path, out: Path, args) -> dict:
             "threads": args.threads,
         },
         "annotate": {"skip_zero_advantage": False, "teacher_sync_interval": 1},
+        "eval": {"episodes": args.tasks, "every": 2, "temperature": 0.0},
     }
 
 
@@ -142,7 +146,14 @@ def rank_rows(run: Path, estimate=None, cfg: dict | None = None) -> tuple[list[d
         row.update({f"{p}_s": r.get(f"{p}_s") for p in PHASES})
         row["plan_estimate_bytes"] = estimate(cfg, len(last["ranks"]), r["rank"]) if estimate else None
         rows.append(row)
-    return rows, {"iteration_s": last["iteration_s"], "weight_sync_s": last["update"].get("weight_sync_s")}
+    iterations = len((run / "timings.jsonl").read_text().splitlines())
+    evaluated = json.loads((run / f"iter_{iterations - 1:04d}" / "eval.json").read_text())
+    return rows, {
+        "iteration_s": last["iteration_s"],
+        "weight_sync_s": last["update"].get("weight_sync_s"),
+        "iterations": iterations,
+        "eval_episodes": evaluated["episodes"],
+    }
 
 
 def plan_estimate(smoke: bool):

@@ -5,7 +5,7 @@ a Sokoban rollout, one DeepSpeed ZeRO-2 update in bf16 (the torch backend withou
 DeepSpeed) with the engine-trainer mismatch, the in-memory weight sync and one online
 iteration. The GPU figures themselves (MFU, vLLM throughput) exist only on a GPU.
 
-Its multi-GPU mode (``--multi``, ``benchmarks/gpu_check_multi.py``) runs one SERL iteration
+Its multi-GPU mode (``--multi``, ``benchmarks/gpu_check_multi.py``) runs two SERL iterations
 per layout under torchrun; ``--multi --smoke`` runs the same phases on 2 gloo ranks on the CPU.
 """
 
@@ -116,6 +116,7 @@ def test_multi_smoke_times_every_phase_on_two_cpu_ranks(tmp_path):
     assert data["ok"] and data["smoke"]
     (res,) = data["results"]
     assert res["layout"]["name"] == "smoke" and [r["rank"] for r in res["ranks"]] == [0, 1]
+    assert res["iterations"] == 2 and res["eval_episodes"] == 2  # a second rollout, then the evaluation
     for r in res["ranks"]:
         assert r["peak_memory_bytes"] > 0 and r["plan_estimate_bytes"] > 0  # serl plan's estimate beside it
         assert all(r[f"{p}_s"] >= 0 for p in ("rollout", "recompute", "teacher", "update"))

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -205,6 +206,21 @@ def test_shared_memory_chunks_round_trip(tiny_model_dir):
     assert chunks > 1 and set(back) == set(dict(pairs))
     for name, t in pairs:
         assert back[name].dtype == torch.bfloat16 and torch.equal(back[name], t.to(torch.bfloat16)), name
+
+
+def test_a_small_dev_shm_is_said_once_and_the_sync_goes_by_rpc(monkeypatch):
+    """Docker's 64 MB /dev/shm cannot hold a 256 MiB block twice over: no block is made (tmpfs would
+    fault on the write), and the reason and the way out reach the caller in one line."""
+    from serl_cli.rollout.engines import vllm_sync
+
+    assert vllm_sync.shm_shortfall(2 * 2**30, 256 * 2**20) is None
+    why = vllm_sync.shm_shortfall(64 * 2**20, 256 * 2**20)
+    assert why is not None and "64 MiB free" in why and "512 MiB" in why and "--shm-size" in why
+    assert "\n" not in why
+    monkeypatch.setattr(vllm_sync.os, "statvfs", lambda path: SimpleNamespace(f_bavail=16384, f_frsize=4096))
+    said = []
+    assert vllm_sync.shared_block(1024, warn=said.append) is None
+    assert said == [vllm_sync.shm_shortfall(64 * 2**20, vllm_sync.SYNC_CHUNK_BYTES)]
 
 
 def test_visible_devices_narrows_and_restores(monkeypatch):

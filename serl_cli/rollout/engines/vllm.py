@@ -32,6 +32,7 @@ vLLM is an optional extra: it is imported here, inside the engine, never by the 
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,7 +285,7 @@ class VLLMEngine:
         else:
             pairs, size = named_tensors, largest * self.dtype.itemsize
         sent = 0
-        block = shared_block(size)
+        block = shared_block(size, warn=self._warn_once)
         if block is not None:  # the workers are processes on this host: one copy through shared memory
             try:
                 for rows in shared_chunks(pairs, self.dtype, block, block.size):
@@ -301,6 +302,12 @@ class VLLMEngine:
         self._wake("kv_cache")
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
         return {"weight_sync_bytes": sent, "weight_sync_s": round(time.perf_counter() - t0, 4)}
+
+    def _warn_once(self, why: str) -> None:
+        """A note on stderr, once per engine (every sync would meet the same small /dev/shm)."""
+        if not getattr(self, "_warned", False):
+            self._warned = True
+            print(f"serl: note: {why}", file=sys.stderr, flush=True)
 
     def sleep(self) -> None:
         """Free the engine's GPU memory (``sleep: true``) until the next weight update:

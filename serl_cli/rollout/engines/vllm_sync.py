@@ -169,15 +169,35 @@ def largest_bytes(pairs, dtype) -> int:
     return max([0] + [t.numel() * (width if t.is_floating_point() else t.element_size()) for _, t in pairs])
 
 
-def shared_block(largest: int, limit: int = SYNC_CHUNK_BYTES):
+SHM = "/dev/shm"
+
+
+def shm_shortfall(free_bytes: int, size: int) -> str | None:
+    """Why a weight-sync block of ``size`` bytes cannot go through ``/dev/shm`` with ``free_bytes``
+    free (it wants twice the block: tmpfs grants more than it has and faults on the write), and the
+    way out; None where it fits."""
+    if free_bytes >= 2 * size:
+        return None
+    return (
+        f"{SHM} has {free_bytes / 2**20:.0f} MiB free, under the {2 * size / 2**20:.0f} MiB a weight sync's "
+        f"shared block needs: the weights reach vLLM pickled inside its RPC messages instead, slower "
+        f"(give the container more, e.g. docker run --shm-size=4g)"
+    )
+
+
+def shared_block(largest: int, limit: int = SYNC_CHUNK_BYTES, warn=None):
     """A shared-memory block for :func:`shared_chunks`: ``limit`` bytes, or ``largest`` (the
-    biggest tensor's); None where the system refuses one."""
+    biggest tensor's); None where the system refuses one, with ``warn(why)`` called where
+    ``/dev/shm`` is too small (Docker's default is 64 MB; issue 39, item 7)."""
     from multiprocessing import shared_memory
 
     size = max(limit, largest)
     try:  # tmpfs grants a block bigger than its free space and faults on the write: look first
-        free = os.statvfs("/dev/shm")
-        if free.f_bavail * free.f_frsize < 2 * size:
+        free = os.statvfs(SHM)
+        why = shm_shortfall(free.f_bavail * free.f_frsize, size)
+        if why is not None:
+            if warn is not None:
+                warn(why)
             return None
         return shared_memory.SharedMemory(create=True, size=size)
     except OSError:

@@ -208,3 +208,21 @@ def test_a_rank_that_raises_ends_the_run_on_every_rank(tiny_model_dir, tmp_path)
     # torchrun returns once every worker has ended: well inside the 900 s every group waits
     assert elapsed < 300, elapsed
     assert not (out / "iter_0000" / "checkpoint").exists()  # no iteration finished
+
+
+def test_a_collective_whose_peer_ended_is_one_line():
+    """Rank 0, waiting in a gather for a rank that failed, says so in one line (gloo's closed
+    connection, torch's DistNetworkError); any other RuntimeError stays the traceback it was."""
+    import torch.distributed as dist
+
+    from serl_cli.cli.root import peer_lost
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:36549. This is typically caused by a remote worker crashing."
+    )
+    line = peer_lost(gloo)
+    assert line is not None and "\n" not in line
+    assert line.startswith("another process of this run ended") and "(Connection closed by peer)" in line
+    assert peer_lost(dist.DistNetworkError("store: connection refused\nmore")) is not None
+    assert peer_lost(RuntimeError("CUDA out of memory")) is None

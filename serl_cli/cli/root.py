@@ -203,10 +203,34 @@ def run() -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         _say_interrupted()
+    except RuntimeError as e:
+        lost = peer_lost(e)
+        if lost is None:
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(lost)}", highlight=False, soft_wrap=True)
+        sys.exit(2)
     except SystemExit as e:  # typer turns Ctrl-C into a silent exit 130
         if e.code == INTERRUPTED_EXIT and _caused_by_ctrl_c(e):
             _say_interrupted()
         raise
+
+
+# what gloo says when the process at the other end of a collective has gone (its own error is its own)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def peer_lost(e: BaseException) -> str | None:
+    """One line for a collective that failed because another process of the run ended (gloo's
+    closed connection, torch's DistNetworkError), instead of a traceback of the wait; None for any
+    other error. The process that failed says why in its own line (issue 39, item 11)."""
+    dist = sys.modules.get("torch.distributed")
+    network_error = getattr(dist, "DistNetworkError", None) if dist is not None else None
+    text = str(e)
+    if not (any(p in text for p in PEER_GONE) or (network_error is not None and isinstance(e, network_error))):
+        return None
+    said = next((p for p in PEER_GONE if p in text), None)
+    first = said or next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+    return f"another process of this run ended while this one waited for it ({first}): its own error says why"
 
 
 def _caused_by_ctrl_c(e: BaseException) -> bool:

@@ -180,7 +180,9 @@ def test_hindsight_sft_settings_are_checked(cfg, match):
 def test_quick_demo_runs_end_to_end_on_sokoban(micro_dir, tmp_path):
     cfg = quick(DemoConfig(model=str(micro_dir), threads=1, out=str(tmp_path / "demo")))
     summary = run_demo(cfg, log=lambda *_: None)
+    # the evaluations ran in the arms' processes, in whatever order they ended: the table keeps its own
     assert list(summary["results"]) == ["expert", "warm start", "warm start + grpo", "warm start + serl"]
+    assert list(summary["kept_iterations"]) == ["grpo", "serl"] and set(summary["gains"]) == {"grpo", "serl"}
     for r in summary["results"].values():
         assert r["episodes"] == cfg.eval_episodes and 0 <= r["success_rate"] <= 1 and len(r["success_ci95"]) == 2
     assert summary["results"]["expert"]["success_rate"] == 1.0

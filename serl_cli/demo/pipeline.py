@@ -90,9 +90,10 @@ class DemoConfig:
     )
     sft: TrainConfig = setting(
         factory=lambda: TrainConfig(algo="sft", epochs=4, mini_batches=150, optim=OptimConfig(lr=1e-3)),
-        doc="the warm start, ~76 examples a step; with warm_start, epochs is the most SFT may run (600 steps: the "
-        "slowest machine reached the band by ~400, docs/RESULTS.md). No hindsight SFT: from the start that has "
-        "it, RL gained half as much (docs/RESULTS.md, the demo)",
+        doc="the warm start, ~76 examples a step; with warm_start, epochs is the most SFT may run (600 steps; seeds "
+        "0-2 and 4 reached the band in 260-390, seed 3 ended below it: at lr 5e-4 every seed 0-6 reached it, but RL "
+        "from those starts gained less on seeds 0 and 1, docs/studies/sokoban_testbed.md). No hindsight SFT: from "
+        "the start that has it, RL gained half as much (docs/RESULTS.md, the demo)",
     )
     warm_start: WarmStartConfig | None = setting(
         factory=WarmStartConfig,
@@ -219,35 +220,49 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
         f"[4/{steps}] online: {', '.join(cfg.algos)}, {n} iteration{'' if n == 1 else 's'} each"
         f"{', side by side' if side_by_side else ''}"
     )
+    kept: dict[str, dict | None] = {}
+
+    def arm_policy(arm: OnlineConfig) -> tuple[str, str]:
+        """The arm's row name and the checkpoint it is scored with: its best iterate (logged)."""
+        best = kept[arm.train.algo] = best_iteration(Path(arm.out))
+        if best is not None:
+            log(
+                f"      {arm.train.algo}: kept iteration {best['iteration']} of {cfg.online.iterations}, success "
+                f"{best['success']:.3f} on {cfg.online.eval.episodes} train rooms"
+            )
+        return f"{ARM_PREFIX}{arm.train.algo}", (best or {}).get("checkpoint") or str(Path(arm.out) / "checkpoint")
+
+    scored: dict[str, tuple[dict, dict[int, float]]] = {}
     if side_by_side:
-        run_side_by_side(arms, log)
+        # the test-panel evaluations share the arms' processes: the warm start's and the expert's
+        # queue behind the arms, and each arm's follows it, so they run while the slower arm trains
+        def evaluation(i: int) -> list:
+            name, model_dir = arm_policy(arms[i])
+            return [(name, _evaluation_job, (cfg, name, model_dir, steps))]
+
+        scored = run_side_by_side(
+            arms,
+            log,
+            after_arm=evaluation,
+            extra=[(name, _evaluation_job, (cfg, name, model_dir, steps)) for name, model_dir in policies.items()],
+        )
     else:
         for arm in arms:
             run_online(arm, overwrite=True, on_iteration=lambda h, algo=arm.train.algo: log(progress_line(algo, h)))
-    kept = {arm.train.algo: best_iteration(Path(arm.out)) for arm in arms}
-    for algo, best in kept.items():
-        if best is not None:
-            log(
-                f"      {algo}: kept iteration {best['iteration']} of {cfg.online.iterations}, success "
-                f"{best['success']:.3f} on {cfg.online.eval.episodes} train rooms"
-            )
-    policies.update(
-        {
-            f"{ARM_PREFIX}{arm.train.algo}": (kept[arm.train.algo] or {}).get("checkpoint")
-            or str(Path(arm.out) / "checkpoint")
-            for arm in arms
-        }
-    )
-
-    results, by_room = {}, {}
+    policies.update(arm_policy(arm) for arm in arms if f"{ARM_PREFIX}{arm.train.algo}" not in scored)
     for name, model_dir in policies.items():
-        results[name], by_room[name] = _evaluate(cfg, name, model_dir, log, steps)
+        if name not in scored:
+            scored[name] = _evaluate(cfg, name, model_dir, log, steps)
+    # the table's order whatever order the evaluations ended in: expert, warm start, then the arms
+    order = [*policies, *(f"{ARM_PREFIX}{arm.train.algo}" for arm in arms)]
+    results = {name: scored[name][0] for name in dict.fromkeys(order)}
+    by_room = {name: scored[name][1] for name in results}
     summary = {
         "results": results,
         "gains": {algo: paired_gain(by_room["warm start"], by_room[ARM_PREFIX + algo]) for algo in cfg.algos},
         "warm_start": warm,
         "iterations": cfg.online.iterations,
-        "kept_iterations": {algo: best and best["iteration"] for algo, best in kept.items()},
+        "kept_iterations": {algo: kept.get(algo) and kept[algo]["iteration"] for algo in cfg.algos},
         "wall_time_s": round(time.time() - started, 1),
         "model": model,
         "eval_temperature": cfg.eval_temperature,
@@ -363,6 +378,11 @@ def _evaluate(cfg: DemoConfig, name: str, model_dir: str | None, log, steps: int
     log(f"[{steps}/{steps}] eval {name}: success {result['success_rate']:.3f}")
     rooms = {row["task_id"]: float(row["success"]) for row in io.iter_jsonl(out / "episodes.jsonl")}
     return result, rooms
+
+
+def _evaluation_job(cfg: DemoConfig, name: str, model_dir: str | None, steps: int, log) -> tuple[dict, dict]:
+    """:func:`_evaluate` in a worker of :func:`run_side_by_side`."""
+    return _evaluate(cfg, name, model_dir, log, steps)
 
 
 def teacher_signal(run: Path) -> dict | None:

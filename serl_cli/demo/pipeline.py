@@ -262,7 +262,7 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
         "gains": {algo: paired_gain(by_room["warm start"], by_room[ARM_PREFIX + algo]) for algo in cfg.algos},
         "warm_start": warm,
         "iterations": cfg.online.iterations,
-        "kept_iterations": {algo: kept.get(algo) and kept[algo]["iteration"] for algo in cfg.algos},
+        "kept_iterations": {algo: (kept.get(algo) or {}).get("iteration") for algo in cfg.algos},
         "wall_time_s": round(time.time() - started, 1),
         "model": model,
         "eval_temperature": cfg.eval_temperature,

@@ -27,7 +27,7 @@ def run_side_by_side(arms: list[OnlineConfig], log, *, after_arm=None, extra=())
     teacher costs more than GRPO's update), so the evaluations run while the slower arm trains.
     Returns every job's result by key."""
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state forked mid-use
-    results = {}
+    results: dict = {}
     with ctx.Manager() as manager:
         lines = manager.Queue()
         with ProcessPoolExecutor(len(arms), mp_context=ctx) as pool:

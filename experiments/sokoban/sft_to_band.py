@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 from serl_cli.config import resolve
-from serl_cli.demo.pipeline import DemoConfig
+from serl_cli.demo.pipeline import DemoConfig, expert_data_config
 from serl_cli.rollout.default_model import default_model_dir
 from serl_cli.rollout.worlds import build_world
-from serl_cli.stages.rollout import RolloutConfig, run_rollout
+from serl_cli.stages.rollout import run_rollout
 from serl_cli.stages.warm_start import sft_to_band
 
 
@@ -46,22 +46,7 @@ def main() -> None:
     out = Path(args.out)
     data = out.parent / f"expert-seed{cfg.seed}"
     if not (data / "rollouts.jsonl").is_file():  # the demo's step 2, once per seed
-        run_rollout(
-            RolloutConfig(
-                env=cfg.env,
-                model=model,
-                policy="expert",
-                tasks=cfg.expert_tasks,
-                group_size=1,
-                expert_noise=cfg.expert_noise,
-                expert_blunders=cfg.expert_blunders,
-                prompt=cfg.prompt,
-                seed=cfg.seed,
-                threads=cfg.threads,
-                out=str(data),
-            ),
-            overwrite=True,
-        )
+        run_rollout(expert_data_config(cfg, model, data), overwrite=True)
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(data, out)

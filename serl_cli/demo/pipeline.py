@@ -178,6 +178,23 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     return q
 
 
+def expert_data_config(cfg: DemoConfig, model: str, out: str | Path) -> RolloutConfig:
+    """The demo's step 2: the noisy-expert games the warm start learns from, written to ``out``."""
+    return RolloutConfig(
+        env=cfg.env,
+        model=model,
+        policy="expert",
+        tasks=cfg.expert_tasks,
+        group_size=1,
+        expert_noise=cfg.expert_noise,
+        expert_blunders=cfg.expert_blunders,
+        prompt=cfg.prompt,
+        seed=cfg.seed,
+        threads=cfg.threads,
+        out=str(out),
+    )
+
+
 def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     from serl_cli.online.loop import run_online  # torch loads now, not while the config is read
 
@@ -193,20 +210,7 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     steps = 5
     log(f"[1/{steps}] model: {model}")
 
-    expert_cfg = RolloutConfig(
-        env=cfg.env,
-        model=model,
-        policy="expert",
-        tasks=cfg.expert_tasks,
-        group_size=1,
-        expert_noise=cfg.expert_noise,
-        expert_blunders=cfg.expert_blunders,
-        prompt=cfg.prompt,
-        seed=cfg.seed,
-        threads=cfg.threads,
-        out=str(out / "expert"),
-    )
-    s = run_rollout(expert_cfg, overwrite=True)
+    s = run_rollout(expert_data_config(cfg, model, out / "expert"), overwrite=True)
     log(f"[2/{steps}] expert data: {s['episodes']} episodes, {s['turns']} turns")
 
     warm = _warm_start(cfg, model, out / "expert", log, steps)

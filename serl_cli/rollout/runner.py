@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ class StepTimeout(Exception):
 def time_limit(seconds: float | None):
     """Raise :class:`StepTimeout` in the block after ``seconds``. SIGALRM interrupts a hung
     Python loop or a blocking call; it exists only on the main thread, so elsewhere (a
-    library embedding serl in a worker thread) the block runs without a limit."""
+    library embedding serl in a worker thread) the block runs without a limit. A timer already
+    set outside (a test runner's own limit) is put back afterwards with the time it has left."""
     if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
@@ -45,12 +47,15 @@ def time_limit(seconds: float | None):
         raise StepTimeout(f"no answer within {seconds:g} s (env.step_timeout_s)")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    outer_left, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_left > 0:  # the outer timer fires at once if its time ran out meanwhile
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - started), 1e-3))
 
 
 def _describe(e: BaseException) -> str:

@@ -7,6 +7,7 @@ misbehave on chosen tasks; the runner and the rollout stage are the real ones.
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 import envs
 from envs.base import EnvError, Feedback, Step, state_key
 from serl_cli.rollout.policies import ExpertPolicy
-from serl_cli.rollout.runner import EpisodeSpec, run_episodes
+from serl_cli.rollout.runner import EpisodeSpec, run_episodes, time_limit
 
 
 class ToyEpisode:
@@ -113,6 +114,25 @@ def test_a_hanging_step_times_out(kind):
     assert records[4].error == "environment timed out: no answer within 0.5 s (env.step_timeout_s)"
     assert records[4].num_turns == 0 and records[4].truncated
     assert all(r.success for i, r in enumerate(records) if i != 4)
+
+
+def test_an_outer_timer_is_put_back_with_the_time_it_has_left():
+    """A test runner's own SIGALRM limit (pytest-timeout) survives the step limits inside it."""
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(time.monotonic()))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        run({}, timeout=0.5)
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 20.0 < left < 30.0 and not fired
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with time_limit(5.0):
+            time.sleep(0.5)  # the outer timer's time runs out inside the block: it fires on the way out
+        time.sleep(0.05)
+        assert len(fired) == 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_failing_reset_records_an_empty_episode_and_the_queue_moves_on():

@@ -5,6 +5,7 @@ post-processes the text (the plain path), with multi-byte characters and special
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -13,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from serl_cli.method import teacher
-from serl_cli.method.teacher import action_span_mask, prefix_texts
+from serl_cli.method.teacher import action_span_mask, prefix_lengths, prefix_texts
 from serl_cli.rollout.prompts import DEFAULT_ACTION_FORMAT as ACTION_FORMAT
 
 TEXTS = [
@@ -98,6 +99,40 @@ def test_one_call_per_reply_gives_every_prefix_decode_and_the_same_mask(name):
         assert action_span_mask(tok, ids, "whole", None, "authors") == reference_mask(
             tok, ids, "whole", None, "authors"
         )
+
+
+def with_added_tokens(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    """Added tokens that are not special (Qwen's ``<tool_call>``), one with a space and one with
+    characters outside the byte table: ``ByteLevel`` decodes those from their UTF-8. On a copy:
+    ``family_tokenizer`` is cached for the other tests."""
+    tok = copy.deepcopy(tok)
+    tok.add_tokens(["<tool_call>", "go north", "café ✓"])
+    return tok
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_prefix_lengths_in_one_pass_are_every_prefix_decode_length(name):
+    tok = with_added_tokens(TOKENIZERS[name]())
+    backend = teacher._backend_decoder(tok)
+    added = tok.convert_tokens_to_ids(["<tool_call>", "go north", "café ✓"])
+    rng = random.Random(1)
+    for ids in replies(tok, n=200):
+        ids = ids + [rng.choice(added)] + ids[: rng.randint(0, 5)]
+        expected = [tok.decode(ids[: k + 1], skip_special_tokens=True) for k in range(len(ids))]
+        assert prefix_lengths(tok, ids) == ([len(t) for t in expected], expected[-1])
+        # the one-pass path is the one that answered, for every byte-level family
+        assert (teacher._byte_level_lengths(tok, backend, ids) is not None) == (name != "sentencepiece-like")
+    assert prefix_lengths(tok, []) == ([], "")
+
+
+def test_the_one_pass_lengths_cut_characters_as_decode_does():
+    """A prefix that ends inside a character has one U+FFFD where its bytes stop; a stray
+    continuation byte is one more; worked by hand on 北 (E5 8C 97)."""
+    tok = family_tokenizer("qwen2.5")
+    table = {b: c for c, b in teacher._BYTE_OF_CHAR.items()}
+    byte_ids = tok.convert_tokens_to_ids([table[b] for b in [0xE5, 0x8C, 0x97, 0x8C, ord("a")]])
+    # "\ufffd", "\ufffd", "北", "北\ufffd", "北\ufffda"
+    assert prefix_lengths(tok, byte_ids) == ([1, 1, 1, 2, 3], "北\ufffda")
 
 
 def test_the_prefixes_really_differ_from_the_text_prefixes():

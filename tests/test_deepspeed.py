@@ -342,6 +342,28 @@ def test_every_process_group_times_out_after_dist_timeout_s(tmp_path):
 
 
 @needs_deepspeed
+def test_a_lock_left_by_a_killed_process_does_not_hold_the_next_one(tmp_path):
+    """torch's JIT leaves its baton file (``lock``) in the op's build folder when the process that held
+    it is killed, and every later DeepSpeed initialize waited for it forever: serl removes it under
+    an flock that dies with its holder (training.deepspeed.load_shm_op)."""
+    import fcntl
+
+    cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
+    extensions = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(cache) / "torch_extensions")
+    (extensions / "deepspeed_shm_comm").mkdir(parents=True, exist_ok=True)
+    stale = extensions / "deepspeed_shm_comm" / "lock"
+    with open(extensions / ".deepspeed_shm_comm.serl-lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # as a serl process would hold it, then be killed
+        stale.touch()
+    script = tmp_path / "timeouts.py"
+    script.write_text(GROUP_TIMEOUTS)
+    env = {**os.environ, "SERL_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(extensions)}
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not stale.exists()
+
+
+@needs_deepspeed
 def test_the_lr_schedule_runs_in_the_engine_and_resumes_from_its_checkpoint(tiny_model_dir, tmp_path):
     """train.optim.schedule under DeepSpeed: the engine steps serl's scheduler after each applied
     step (the lrs the torch backend reports) and keeps its step in the engine's checkpoint."""

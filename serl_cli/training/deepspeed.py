@@ -111,6 +111,33 @@ def every_group_times_out_after(timeout_s: float) -> None:
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
 
 
+def load_shm_op(extensions_dir: Path) -> None:
+    """Build or load DeepSpeed's shared-memory op (CPU accelerator) before DeepSpeed asks for it, with
+    a lock that dies with its process.
+
+    ``deepspeed.init_distributed`` loads the op through torch's JIT (comm/torch.py ``build_shm_op``),
+    and every process -- even with the op built -- runs ninja holding torch's ``FileBaton``: a file
+    ``lock`` in the build folder whose holder deletes it when done. A process killed in that window
+    (Ctrl-C, a scheduler's kill, a test's SIGKILL) leaves the file, and every later process on that
+    cache waits for it forever (``FileBaton.wait`` has no timeout). Here serl processes take an
+    ``flock`` first, which the kernel releases when its holder dies: whoever holds it knows a
+    ``lock`` file it finds is stale and removes it. The loaded op is kept by DeepSpeed
+    (``OpBuilder._loaded_ops``), so its own call later takes no baton."""
+    import fcntl
+
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return  # DeepSpeed would not load it either (comm/torch.py build_shm_op)
+    extensions_dir.mkdir(parents=True, exist_ok=True)
+    with open(extensions_dir / f".{builder.name}.serl-lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (extensions_dir / builder.name / "lock").unlink(missing_ok=True)
+        builder.load()
+
+
 def init_distributed(deepspeed, device: torch.device | None = None, timeout_s: float = 7200) -> None:
     """Join the launcher's process group, or make a one-process group for plain ``serl train``;
     on CUDA bound to ``device``. ``timeout_s``: how long a collective waits for the other
@@ -134,6 +161,7 @@ def init_distributed(deepspeed, device: torch.device | None = None, timeout_s: f
     # the first initialize on a CPU compiles a small shared-memory op; cache it with serl's cache
     cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(cache) / "torch_extensions"))
+    load_shm_op(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
     options = process_group_options(device or torch.device("cpu"), int(os.environ["WORLD_SIZE"]), timeout_s)
     for attempt in range(3):
         try:

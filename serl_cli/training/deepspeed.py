@@ -111,9 +111,11 @@ def every_group_times_out_after(timeout_s: float) -> None:
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
 
 
-def load_shm_op(extensions_dir: Path) -> None:
+def load_shm_op() -> None:
     """Build or load DeepSpeed's shared-memory op (CPU accelerator) before DeepSpeed asks for it, with
-    a lock that dies with its process.
+    a lock that dies with its process. The first initialize on a CPU compiles it (about a minute),
+    cached with serl's cache unless ``TORCH_EXTENSIONS_DIR`` says where; ``.ci/run`` builds it
+    before the tests, so that no test's time limit includes the compile.
 
     ``deepspeed.init_distributed`` loads the op through torch's JIT (comm/torch.py ``build_shm_op``),
     and every process -- even with the op built -- runs ninja holding torch's ``FileBaton``: a file
@@ -128,9 +130,12 @@ def load_shm_op(extensions_dir: Path) -> None:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
+    cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(cache) / "torch_extensions"))
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return  # DeepSpeed would not load it either (comm/torch.py build_shm_op)
+    extensions_dir = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     extensions_dir.mkdir(parents=True, exist_ok=True)
     with open(extensions_dir / f".{builder.name}.serl-lock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
@@ -158,10 +163,7 @@ def init_distributed(deepspeed, device: torch.device | None = None, timeout_s: f
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port or str(_free_port())
         )
         os.environ[SOLO_MARK] = f"{os.getpid()}:{os.environ['MASTER_PORT']}"
-    # the first initialize on a CPU compiles a small shared-memory op; cache it with serl's cache
-    cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(cache) / "torch_extensions"))
-    load_shm_op(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+    load_shm_op()
     options = process_group_options(device or torch.device("cpu"), int(os.environ["WORLD_SIZE"]), timeout_s)
     for attempt in range(3):
         try:

@@ -177,8 +177,9 @@ def test_hindsight_sft_settings_are_checked(cfg, match):
 
 # -- the demo -------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_quick_demo_runs_end_to_end_on_sokoban(micro_dir, tmp_path):
-    cfg = quick(DemoConfig(model=str(micro_dir), threads=1, out=str(tmp_path / "demo")))
+@pytest.mark.parametrize("parallel_arms", [True, False], ids=["side-by-side", "one-after-the-other"])
+def test_quick_demo_runs_end_to_end_on_sokoban(micro_dir, tmp_path, parallel_arms):
+    cfg = quick(DemoConfig(model=str(micro_dir), threads=1, out=str(tmp_path / "demo"), parallel_arms=parallel_arms))
     summary = run_demo(cfg, log=lambda *_: None)
     # the evaluations ran in the arms' processes, in whatever order they ended: the table keeps its own
     assert list(summary["results"]) == ["expert", "warm start", "warm start + grpo", "warm start + serl"]

@@ -253,13 +253,11 @@ def run_demo(cfg: DemoConfig, *, overwrite: bool = False, log=print) -> dict:
     else:
         for arm in arms:
             run_online(arm, overwrite=True, on_iteration=lambda h, algo=arm.train.algo: log(progress_line(algo, h)))
-    policies.update(arm_policy(arm) for arm in arms if f"{ARM_PREFIX}{arm.train.algo}" not in scored)
-    for name, model_dir in policies.items():
-        if name not in scored:
+        for name, model_dir in [*policies.items(), *(arm_policy(arm) for arm in arms)]:
             scored[name] = _evaluate(cfg, name, model_dir, log, steps)
     # the table's order whatever order the evaluations ended in: expert, warm start, then the arms
     order = [*policies, *(f"{ARM_PREFIX}{arm.train.algo}" for arm in arms)]
-    results = {name: scored[name][0] for name in dict.fromkeys(order)}
+    results = {name: scored[name][0] for name in order}
     by_room = {name: scored[name][1] for name in results}
     summary = {
         "results": results,

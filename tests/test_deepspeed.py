@@ -348,8 +348,9 @@ def test_a_lock_left_by_a_killed_process_does_not_hold_the_next_one(tmp_path):
     an flock that dies with its holder (training.deepspeed.load_shm_op)."""
     import fcntl
 
-    cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
-    extensions = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(cache) / "torch_extensions")
+    from serl_cli.rollout.default_model import cache_root
+
+    extensions = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_root() / "torch_extensions")
     (extensions / "deepspeed_shm_comm").mkdir(parents=True, exist_ok=True)
     stale = extensions / "deepspeed_shm_comm" / "lock"
     with open(extensions / ".deepspeed_shm_comm.serl-lock", "w") as guard:

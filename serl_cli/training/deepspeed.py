@@ -130,8 +130,9 @@ def load_shm_op() -> None:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
-    cache = os.environ.get("SERL_CACHE_DIR") or str(Path.home() / ".cache" / "serl")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(cache) / "torch_extensions"))
+    from serl_cli.rollout.default_model import cache_root
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return  # DeepSpeed would not load it either (comm/torch.py build_shm_op)

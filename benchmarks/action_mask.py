@@ -20,7 +20,7 @@ import statistics
 import time
 
 from benchmarks.common import report
-from serl_cli.method.teacher import action_span_mask, prefix_lengths, prefix_texts
+from serl_cli.method.action_mask import action_span_mask, prefix_lengths, prefix_texts
 
 REPLY = (
     "<think>The mug is not on the countertop, and the drawers I opened held only spoons. "

@@ -1,4 +1,4 @@
-"""The action span mask from one call per reply (method.teacher.prefix_texts) is the mask that
+"""The action span mask from one call per reply (method.action_mask.prefix_texts) is the mask that
 decoding every prefix with ``tokenizer.decode`` gave: on many replies, under byte-level BPE
 families, a SentencePiece-style decoder with byte fallback, and a tokenizer whose ``decode``
 post-processes the text (the plain path), with multi-byte characters and special tokens."""
@@ -13,8 +13,8 @@ from support import FAMILIES, family_tokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from serl_cli.method import teacher
-from serl_cli.method.teacher import action_span_mask, prefix_lengths, prefix_texts
+from serl_cli.method import action_mask
+from serl_cli.method.action_mask import action_span_mask, prefix_lengths, prefix_texts
 from serl_cli.rollout.prompts import DEFAULT_ACTION_FORMAT as ACTION_FORMAT
 
 TEXTS = [
@@ -91,7 +91,7 @@ TOKENIZERS = {f: (lambda f=f: family_tokenizer(f)) for f in FAMILIES} | {"senten
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
 def test_one_call_per_reply_gives_every_prefix_decode_and_the_same_mask(name):
     tok = TOKENIZERS[name]()
-    assert teacher._backend_decoder(tok) is not None  # the one-call path is the one under test
+    assert action_mask._backend_decoder(tok) is not None  # the one-call path is the one under test
     for ids in replies(tok):
         assert prefix_texts(tok, ids) == [tok.decode(ids[: k + 1], skip_special_tokens=True) for k in range(len(ids))]
         for args in (("none", None, "last"), ("whole", None, "last"), ("none", ACTION_FORMAT, "last")):
@@ -113,7 +113,7 @@ def with_added_tokens(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
 def test_prefix_lengths_in_one_pass_are_every_prefix_decode_length(name):
     tok = with_added_tokens(TOKENIZERS[name]())
-    backend = teacher._backend_decoder(tok)
+    backend = action_mask._backend_decoder(tok)
     added = tok.convert_tokens_to_ids(["<tool_call>", "go north", "café ✓"])
     rng = random.Random(1)
     for ids in replies(tok, n=200):
@@ -121,7 +121,7 @@ def test_prefix_lengths_in_one_pass_are_every_prefix_decode_length(name):
         expected = [tok.decode(ids[: k + 1], skip_special_tokens=True) for k in range(len(ids))]
         assert prefix_lengths(tok, ids) == ([len(t) for t in expected], expected[-1])
         # the one-pass path is the one that answered, for every byte-level family
-        assert (teacher._byte_level_lengths(tok, backend, ids) is not None) == (name != "sentencepiece-like")
+        assert (action_mask._byte_level_lengths(tok, backend, ids) is not None) == (name != "sentencepiece-like")
     assert prefix_lengths(tok, []) == ([], "")
 
 
@@ -129,7 +129,7 @@ def test_the_one_pass_lengths_cut_characters_as_decode_does():
     """A prefix that ends inside a character has one U+FFFD where its bytes stop; a stray
     continuation byte is one more; worked by hand on 北 (E5 8C 97)."""
     tok = family_tokenizer("qwen2.5")
-    table = {b: c for c, b in teacher._BYTE_OF_CHAR.items()}
+    table = {b: c for c, b in action_mask._BYTE_OF_CHAR.items()}
     byte_ids = tok.convert_tokens_to_ids([table[b] for b in [0xE5, 0x8C, 0x97, 0x8C, ord("a")]])
     # "\ufffd", "\ufffd", "北", "北\ufffd", "北\ufffda"
     assert prefix_lengths(tok, byte_ids) == ([1, 1, 1, 2, 3], "北\ufffda")
@@ -156,6 +156,6 @@ def test_a_tokenizer_that_cleans_up_spaces_takes_the_plain_path():
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", eos_token="[SEP]", clean_up_tokenization_spaces=True
     )
-    assert teacher._backend_decoder(fast) is None
+    assert action_mask._backend_decoder(fast) is None
     for ids in replies(fast, n=10):
         assert action_span_mask(fast, ids, "whole") == reference_mask(fast, ids, "whole")

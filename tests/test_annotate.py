@@ -16,8 +16,9 @@ from support import assert_one_line_error, make_half_successful, rollout_config,
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_annotations, read_rollouts
 from serl_cli.errors import SerlError
+from serl_cli.method.action_mask import action_span_mask
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
-from serl_cli.method.teacher import action_span_mask, teacher_prompt_ids
+from serl_cli.method.teacher import teacher_prompt_ids
 from serl_cli.stages.annotate import run_annotate
 from serl_cli.stages.rollout import run_rollout
 from serl_cli.training.learner import Learner

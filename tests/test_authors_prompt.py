@@ -29,7 +29,7 @@ from serl_cli.algos.objectives import get_objective
 from serl_cli.artifacts.records import make_annotation, make_episode, make_turn
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
-from serl_cli.method.teacher import action_span_mask
+from serl_cli.method.action_mask import action_span_mask
 from serl_cli.rollout.engines import Generation, ModelPolicy, SamplingConfig
 from serl_cli.rollout.prompts import PromptConfig, authors_action_spans, check_style
 from serl_cli.rollout.runner import EpisodeSpec, run_episodes

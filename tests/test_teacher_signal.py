@@ -22,8 +22,9 @@ from serl_cli.artifacts.records import make_annotation, make_episode, make_turn
 from serl_cli.artifacts.schema import read_annotations, read_rollouts
 from serl_cli.cli import show as _show_cmd  # noqa: F401  (registers `show`)
 from serl_cli.cli.root import app
+from serl_cli.method.action_mask import action_span_mask
 from serl_cli.method.annotation import AnnotateConfig, annotate_episodes
-from serl_cli.method.teacher import action_span_mask, block_ids, teacher_prompt_ids
+from serl_cli.method.teacher import block_ids, teacher_prompt_ids
 from serl_cli.method.teacher_signal import SpanScoring, expert_reply_ids, measure, signal_turns, teacher_signal
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.annotate import run_annotate

@@ -30,8 +30,9 @@ from serl_cli.errors import SerlError
 from serl_cli.method import anchors as anchors_mod
 from serl_cli.method import feedback as fb
 from serl_cli.method import placement, teacher_signal
+from serl_cli.method.action_mask import action_span_mask
 from serl_cli.method.annotate_config import AnnotateConfig, validate
-from serl_cli.method.teacher import action_span_mask, teacher_prompts_for
+from serl_cli.method.teacher import teacher_prompts_for
 from serl_cli.training.scoring import ScoreItem, score
 
 

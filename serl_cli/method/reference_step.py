@@ -31,8 +31,9 @@ from serl_cli.algos import core
 from serl_cli.algos.serl import apply_placement, blend_weights, hindsight_weights, mixing_lambda
 from serl_cli.artifacts.records import Episode
 from serl_cli.method import feedback, placement
+from serl_cli.method.action_mask import action_span_mask
 from serl_cli.method.annotation import AnnotateConfig
-from serl_cli.method.teacher import action_span_mask, teacher_prompt
+from serl_cli.method.teacher import teacher_prompt
 
 
 def token_logprobs(model, prompt_ids: list[int], reply_ids: list[int], temperature: float = 1.0) -> torch.Tensor:

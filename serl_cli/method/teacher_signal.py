@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from serl_cli.artifacts.records import Annotation, Episode, Turn
+from serl_cli.method.action_mask import action_span_mask
 from serl_cli.method.feedback import same_action
-from serl_cli.method.teacher import action_span_mask
 from serl_cli.rollout.prompts import reply_ids
 from serl_cli.training.scoring import ScoreItem, score
 

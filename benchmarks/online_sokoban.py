@@ -4,7 +4,7 @@
                                         [--repeats 2] [--threads 1] [--seed 0] [--out FILE]
 
 What ``serl train --iterations K --algo serl`` does once (``serl_cli.online.loop``), with
-the settings of ``serl demo`` on Sokoban (``serl_cli.demo.pipeline.DemoConfig``: the compact
+the settings of ``serl demo`` on Sokoban (``serl_cli.demo.config.DemoConfig``: the compact
 prompt, bare replies, its sampling, annotation and learning rate): ``run_rollout`` of
 ``--tasks`` rooms x ``--group-size`` episodes with the policy in memory, then
 ``annotate_episodes`` with a frozen copy of the policy as the teacher (the online loop's
@@ -40,7 +40,7 @@ from benchmarks.common import Stopwatch, report
 from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Episode
 from serl_cli.artifacts.schema import read_rollouts
-from serl_cli.demo.pipeline import DemoConfig
+from serl_cli.demo.config import DemoConfig
 from serl_cli.method.annotation import annotate_episodes
 from serl_cli.rollout.default_model import default_model_dir
 from serl_cli.rollout.engines import make_engine

@@ -104,7 +104,7 @@ READS_RUN_FILES = ("rollout", "eval", "annotate")
 def config_class(command: str):
     """The settings dataclass behind ``command`` (one of :data:`CONFIG_CLASSES`; ``demo``'s on request)."""
     if command == "demo":  # imported only when asked for
-        from serl_cli.demo.pipeline import DemoConfig
+        from serl_cli.demo.config import DemoConfig
 
         return DemoConfig
     if command not in CONFIG_CLASSES:

@@ -10,7 +10,8 @@ import torch
 from envs.sokoban.env import SokobanWorld
 from serl_cli.artifacts import io
 from serl_cli.cli.demo import in_words
-from serl_cli.demo.pipeline import DemoConfig, _online_arm, best_iteration, demo_defaults, paired_gain, quick
+from serl_cli.demo.config import DemoConfig, demo_defaults, online_arm_config, quick
+from serl_cli.demo.pipeline import best_iteration, paired_gain
 from serl_cli.errors import SerlError
 from serl_cli.models.tiny import init_model
 from serl_cli.rollout.default_model import tokenizer_corpus
@@ -208,11 +209,11 @@ def test_sft_that_never_reaches_the_band_runs_every_pass_and_says_so(expert_run)
 
 def test_only_the_online_arms_end_an_episode_at_a_deadlock():
     cfg = DemoConfig(env=EnvConfig(name="sokoban", split="train", settings={"size": 7}))
-    arm = _online_arm(cfg, "serl", "runs/demo/expert/checkpoint")
+    arm = online_arm_config(cfg, "serl", "runs/demo/expert/checkpoint")
     assert arm.env.settings == {"size": 7, "end_on_deadlock": True} and arm.train.algo == "serl"
     assert cfg.env.settings == {"size": 7}  # the expert data, the warm start and the test panel: env as it is
     webshop = demo_defaults("webshop")  # a setting of Sokoban's world only
-    assert webshop.arm_settings == {} and _online_arm(webshop, "grpo", "ckpt").env.settings == {}
+    assert webshop.arm_settings == {} and online_arm_config(webshop, "grpo", "ckpt").env.settings == {}
 
 
 def test_quick_keeps_a_warm_start_band_at_smoke_sizes():

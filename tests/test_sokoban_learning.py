@@ -11,7 +11,8 @@ from envs.sokoban.rooms import parse_room
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.cli.demo import _env_in
-from serl_cli.demo.pipeline import DemoConfig, demo_defaults, quick, run_demo
+from serl_cli.demo.config import DemoConfig, demo_defaults, quick
+from serl_cli.demo.pipeline import run_demo
 from serl_cli.errors import SerlError
 from serl_cli.method import feedback as fb
 from serl_cli.method.sft.hindsight import hindsight_examples

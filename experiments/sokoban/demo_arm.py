@@ -4,7 +4,7 @@
         [--set online.train.optim.lr=2.0e-4 ...] [--episodes 500] --out DIR
 
 The arm is exactly the one ``serl demo --seed S`` would run from ``WARM_START``
-(``demo.pipeline._online_arm``): the same prompt, rollouts, update, periodic evaluation on train rooms
+(``demo.config.online_arm_config``): the same prompt, rollouts, update, periodic evaluation on train rooms
 and kept iterate. ``--set`` takes the demo's own keys (``online.*``, ``env.*``, as ``serl demo --set``
 would), so a setting of ``online.*`` found here is one ``--set`` away from the demo. ``--set
 env.max_turns=8`` shortens the arm's episodes here (its rollouts and train-room evaluations) while
@@ -29,7 +29,8 @@ from pathlib import Path
 
 from serl_cli.cli.common import save_resolved
 from serl_cli.config import resolve
-from serl_cli.demo.pipeline import DemoConfig, _online_arm, best_iteration, panel_eval_config
+from serl_cli.demo.config import DemoConfig, online_arm_config, panel_eval_config
+from serl_cli.demo.pipeline import best_iteration
 from serl_cli.stages.evaluate import run_eval
 
 EVAL_SEED = 0  # every policy on the same draws, whatever the arm's seed
@@ -63,7 +64,7 @@ def deadlocks(run: Path) -> dict:
 
 def test_panel(cfg: DemoConfig, model: str, episodes: int, out: Path) -> dict:
     """``model`` on the first ``episodes`` rooms of the test panel, as the demo's last step plays them
-    (``demo.pipeline.panel_eval_config``), but with sampling seed 0 and the environment's own turn limit."""
+    (``demo.config.panel_eval_config``), but with sampling seed 0 and the environment's own turn limit."""
     env = dataclasses.replace(cfg.env, max_turns=None)
     panel = dataclasses.replace(cfg, env=env, eval_episodes=episodes, seed=EVAL_SEED)
     r = run_eval(panel_eval_config(panel, model, out), overwrite=True)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = resolve(DemoConfig, config_file=None, flags={"seed": args.seed}, overrides=args.set,
                   base=dataclasses.asdict(DemoConfig()))  # fmt: skip
     out = Path(args.out)
-    arm = _online_arm(cfg, args.algo, args.warm_start)
+    arm = online_arm_config(cfg, args.algo, args.warm_start)
     arm.out = str(out)
     from serl_cli.online.loop import run_online  # torch
 

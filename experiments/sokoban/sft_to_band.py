@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from serl_cli.config import resolve
-from serl_cli.demo.pipeline import DemoConfig, expert_data_config
+from serl_cli.demo.config import DemoConfig, expert_data_config
 from serl_cli.rollout.default_model import default_model_dir
 from serl_cli.rollout.worlds import build_world
 from serl_cli.stages.rollout import run_rollout

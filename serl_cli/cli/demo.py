@@ -10,7 +10,8 @@ from rich.table import Table
 from serl_cli import config as cfgmod
 from serl_cli.cli.common import plural, resolve, save_resolved
 from serl_cli.cli.root import ConfigOpt, QuietOpt, SeedOpt, SetOpt, app, console
-from serl_cli.demo.pipeline import ARM_PREFIX, DemoConfig, demo_defaults, gain_text, quick, run_demo
+from serl_cli.demo.config import DemoConfig, demo_defaults, quick
+from serl_cli.demo.pipeline import ARM_PREFIX, gain_text, run_demo
 
 
 @app.command("demo")

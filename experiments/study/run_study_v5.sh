@@ -64,10 +64,16 @@ serl ablate experiments/study/sokoban_v5.yaml --out $V/grid --reuse $K4 --reuse 
 serl ablate --report $V/grid --keep $K -q
 
 # 5. v4's grid completed (seeds 5-9 of SERL-ref, SERL-error,diff and SDPO): only from v4's own warm start, since
-#    its finished cells are paired with the new ones by that start
+#    its finished cells are paired with the new ones by that start; from any other start, v4's whole grid again
 if [ "$SAME_AS_V4" = yes ]; then
     serl ablate experiments/study/sokoban_v4.yaml --out $S/grid --reuse $K4 --parallel "$PARALLEL" -q
     serl ablate --report $S/grid --keep $K4 -q
 else
-    echo "the warm start is not study v4's by content: v4's grid is not completed (its cells would not pair)"
+    # v4's start cannot be rebuilt (docs/studies/sokoban_v5.md), so v4's grid is run whole from this one: its
+    # GRPO and two SERL-oracle arms are this study's cells (the same cells, reused), the other four arms new.
+    # Kept apart from v4's own cells, which pair only with each other.
+    KEPT=(--reuse $K)
+    [ -d $K4/rebuilt_start ] && KEPT+=(--reuse $K4/rebuilt_start)  # a rebuilt machine resumes from the summaries
+    serl ablate experiments/study/sokoban_v4.yaml --out $S/grid-rebuilt "${KEPT[@]}" --parallel "$PARALLEL" -q
+    serl ablate --report $S/grid-rebuilt --keep $K4/rebuilt_start -q
 fi

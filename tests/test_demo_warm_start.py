@@ -103,7 +103,7 @@ def _result(rate: float) -> dict:
 
 
 def test_the_demo_ends_in_plain_words():
-    cfg = DemoConfig(out="runs/demo")
+    cfg = DemoConfig(out="runs/demo", eval_episodes=200)
     summary = {
         "results": {
             "expert": _result(1.0),

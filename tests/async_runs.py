@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import sys
 from pathlib import Path
 
@@ -114,8 +115,19 @@ def sha(path: Path) -> str:
 
 
 def machine() -> str:
-    """What CPU arithmetic depends on: two machines that agree here give the same bytes."""
-    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
+    """What CPU arithmetic depends on: two machines that agree here give the same bytes. The CPU's
+    model counts: the same torch build at the same capability (AVX512) rounds differently on an
+    AMD EPYC than where the reference was recorded (its model was not kept, so no machine matches
+    it now and the reference is compared as numbers)."""
+    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {cpu_model()}"
+
+
+def cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
 
 
 def summary(run: Path) -> dict:

@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_check.sh --shapes qwen2.5-1.5b --out /tmp/x.json
 #   bash benchmarks/gpu_check.sh --multi               # 2-4 GPUs (benchmarks/gpu_check_multi.py): one SERL
 #                                                      # iteration per layout (ZeRO-3; vLLM tensor parallel 2 on
-#                                                      # GPUs of its own; colocated), each rank's memory and phases
+#                                                      # GPUs of its own; colocated; data parallel engines, as
+#                                                      # the paper configs), each rank's memory and phases
 #   bash benchmarks/gpu_check.sh --multi --smoke       # the same phases on 2 gloo ranks on the CPU (CI)
 #
 # Exit 0 when every stage ran, 1 when one failed (the JSON and the table say which and why).

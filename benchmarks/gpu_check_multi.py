@@ -11,9 +11,13 @@ Layouts, on N GPUs (every one ZeRO-3, ``serl train`` under torchrun, one process
 * ``split``: the trainer on GPUs 0..N-t-1, vLLM with tensor parallel t on the last t GPUs, of
   its own (t = 2 where N >= 3; on 2 GPUs t = 1); the update pushed into it in memory, one
   weight gathered at a time.
-* ``colocated``: the trainer on all N GPUs, vLLM with tensor parallel min(2, N) on the first
-  ones, asleep while the trainer works (``rollout.vllm.sleep``): it starts before the
-  trainer's state is on the GPU.
+* ``colocated``: the trainer on all N GPUs, one vLLM engine with tensor parallel min(2, N) on the
+  first ones (rank 0's, serving every group), asleep while the trainer works
+  (``rollout.vllm.sleep``): it starts before the trainer's state is on the GPU.
+* ``data_parallel``: the paper configs' layout: the trainer on all N GPUs and one vLLM engine
+  per t of them (t = 2 where N is even and at least 4, else 1), each generating its share of the
+  task groups and of the evaluation, all asleep while the trainer works
+  (``rollout.vllm.data_parallel``); every engine takes each weight sync.
 * ``smoke``: 2 gloo processes on the CPU, fp32; vLLM where installed, else the hf engine
   (each process generating its own task groups).
 
@@ -71,6 +75,16 @@ def layouts(gpus: int, smoke: bool, have_vllm: bool) -> list[dict]:
             sleep=True,
             engine="vllm",
         ),
+        dict(
+            name="data_parallel",
+            processes=gpus,
+            train_gpus=list(range(gpus)),
+            rollout_gpus=None,
+            tp=2 if gpus % 2 == 0 and gpus >= 4 else 1,
+            sleep=True,
+            engine="vllm",
+            data_parallel=True,
+        ),
     ]
 
 
@@ -99,6 +113,7 @@ def run_config(layout: dict, model_dir: Path, out: Path, args) -> dict:
                 "enforce_eager": args.smoke or args.eager,
                 "max_model_len": args.max_model_len,
                 "sleep": layout["sleep"],
+                "data_parallel": layout.get("data_parallel", False),
             },
         },
         "train": {

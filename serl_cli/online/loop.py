@@ -25,14 +25,17 @@ Iteration k's rollouts use seed ``seed * 1000 + k``; the update is seeded by ``s
 same code) an iteration runs on all of them (:mod:`serl_cli.online.ranks`):
 
 1. *Rollout.* The iteration's task groups are drawn as in ``serl rollout`` (the same on
-   every process); group g is process ``g % W``'s. With the hf engine each process generates
-   its own groups on its own device with its own model (under ZeRO-3 gathered whole while it
-   generates); with vLLM, rank 0's engine serves every group (vLLM batches them over its own
-   GPUs) and the other processes wait for it. The episodes are gathered and put in the order
-   one process writes them, so every process holds the same batch; rank 0 writes ``iter_k``.
-   A row's draws must not depend on the process or batch it ran in: with hf and W > 1,
-   ``rollout.sampling.coupled`` is required (it keys each row's draws by seed, row and turn),
-   and then 1 and W processes give the same rollouts.
+   every process). With the hf engine group g is process ``g % W``'s: each generates its own
+   groups on its own device with its own model (under ZeRO-3 gathered whole while it
+   generates). With vLLM, rank 0's engine serves every group (vLLM batches them over its own
+   GPUs) and the other processes wait for it; or, with ``rollout.vllm.data_parallel``, every
+   ``tensor_parallel_size`` processes run an engine on their own GPUs and group g is engine
+   ``g % R``'s (R engines), so every GPU generates (:class:`serl_cli.online.ranks.Generators`).
+   The episodes are gathered and put in the order one process writes them, so every process
+   holds the same batch; rank 0 writes ``iter_k``. A row's draws must not depend on the
+   engine or batch it ran in: with several engines ``rollout.sampling.coupled`` is required
+   (it keys each row's draws by seed, row and turn), and then 1 and W processes give the same
+   rollouts (under vLLM up to its kernels' batch-dependent rounding).
 2. *π_old recompute and teacher scoring* go through one function
    (:func:`serl_cli.training.scoring.score`): every process makes the micro-batches one process
    would, scores those dealt to it (largest first, so that each has as many and about as many
@@ -45,13 +48,14 @@ same code) an iteration runs on all of them (:mod:`serl_cli.online.ranks`):
 3. *The teacher* (:class:`serl_cli.method.teacher.TeacherSnapshot`) is never a second model:
    under ZeRO-3 each process keeps a copy of its own partitions, swapped in while it scores;
    otherwise a copy held in CPU memory between scorings (under LoRA the adapter's only).
-4. *The periodic evaluation* is divided the same way (panel task i is process ``i % W``'s;
-   rank 0's engine serves all of them under vLLM), gathered, and rank 0 writes ``eval.json``.
+4. *The periodic evaluation* is divided over the same engines (panel task i is engine
+   ``i % R``'s), gathered, and rank 0 writes ``eval.json``.
 5. *The update* is data parallel over micro-batches (``training.deepspeed``).
 6. *Memory.* Nothing is gathered whole while vLLM generates or evaluates; the in-memory
    weight sync streams the weights (under ZeRO-3 one gathered at a time; under LoRA merged
-   one layer at a time); colocated (``rollout.vllm.sleep``), vLLM starts before the trainer's
-   state is on the GPU, and every process empties its allocator's cache before it wakes;
+   one layer at a time; every engine takes the same stream); colocated (``rollout.vllm.sleep``),
+   vLLM starts before the trainer's state is on the GPU, and every process empties its
+   allocator's cache before an engine wakes;
    ``weight_sync: disk`` writes only the weights vLLM reads when no checkpoint is due.
 7. Each process logs one stderr line per phase with its counts and seconds when W > 1
    (``serl: rank 1/2: rollout 2 group(s), 4 episode(s), 9 turn(s), 3.1 s``), and every
@@ -78,6 +82,7 @@ the same command with ``--resume`` continues. A stop any process got stops them 
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -114,26 +119,20 @@ from serl_cli.online.producer import (
     teacher_version,
     version_weights,
 )
-from serl_cli.online.ranks import (
-    CountingScorer,
-    PhaseLog,
-    as_stored,
-    check_shares,
-    in_spec_order,
-    own_specs,
-    world_size,
-)
+from serl_cli.online.ranks import CountingScorer, Generators, PhaseLog, as_stored, check_shares, in_spec_order
 from serl_cli.online.resume import check_online_resume, record_resume
 from serl_cli.online.run_file import run_settings
 from serl_cli.online.stop import Abandon, Preempted, StoppableEngine, StopSignal
 from serl_cli.online.sync import PolicyOut
 from serl_cli.rollout.engines import ModelPolicy, close_engine, make_engine, sleep_engine
+from serl_cli.rollout.engines.vllm import replica_gpus
 from serl_cli.rollout.runner import run_episodes
 from serl_cli.rollout.worlds import build_world, built_split, world_info
 from serl_cli.stages.annotate import write_annotations
 from serl_cli.stages.evaluate import model_eval_policy, panel_specs, write_eval
 from serl_cli.stages.rollout import RolloutConfig, collect, resolve_model, rollout_specs, validate, write_rollout
 from serl_cli.training.backends import is_main_process
+from serl_cli.training.launch import processes
 from serl_cli.training.learner import Learner
 from serl_cli.training.train_config import recompute_enabled
 
@@ -149,7 +148,10 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
     check_online_config(cfg)
     validate(cfg.rollout)
     sampled = cfg.rollout.sampling.temperature > 0 or (cfg.eval.episodes > 0 and cfg.eval.temperature > 0)
-    check_shares(cfg.rollout.engine, sampled, cfg.rollout.sampling.coupled, world_size())
+    procs, local = processes(os.environ)
+    vcfg = cfg.rollout.vllm
+    generators = Generators.of(cfg.rollout.engine, procs, vcfg.data_parallel, vcfg.tensor_parallel_size, local)
+    check_shares(cfg.rollout.engine, sampled, cfg.rollout.sampling.coupled, procs, generators.replicas)
     world = build_world(cfg.env)
     # Every process decides where to start from the files alone, before rank 0 changes the run
     # directory (only once the learner's process group is up and a barrier has passed).
@@ -169,14 +171,16 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
         )
     last = iter_dir(run, start - 1) / "checkpoint" if start > 0 else None
     policy_dir = cfg.model if last is None else str(last)
-    # vLLM (rank 0's, serving every process) loads its own copy of the policy; it starts before
-    # the trainer's state is on the GPU, so a colocated engine finds the memory it asks for
+    # vLLM (rank 0's serving every process, or one per tensor_parallel_size processes) loads its own
+    # copy of the policy; it starts before the trainer's state is on the GPU, so a colocated engine
+    # finds the memory it asks for
     vllm = cfg.rollout.engine == "vllm"
     engine = producer = None
-    if vllm and main:
-        engine = make_engine(
-            "vllm", None, None, model_dir=policy_dir, vllm=cfg.rollout.vllm, seed=cfg.seed, gpus=cfg.rollout.gpus
-        )
+    rank = int(os.environ.get("RANK", "0"))
+    if vllm and generators.replica(rank) is not None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        gpus = replica_gpus(vcfg, local_rank, cfg.train.gpus) if vcfg.data_parallel else cfg.rollout.gpus
+        engine = make_engine("vllm", None, None, model_dir=policy_dir, vllm=vcfg, seed=cfg.seed, gpus=gpus)
     try:
         learner = Learner(policy_dir, train_cfg, state_file=None if last is None else last / "trainer_state.pt")
         if cfg.max_staleness > 0 and learner.backend.sharded:  # before the run directory is touched
@@ -210,12 +214,12 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
                 teacher.load(last)
         if cfg.max_staleness > 0:
             producer = start_producer(cfg, run, learner, start, stop)
-        loop = Loop(cfg, run, learner, objective, acfg, teacher, engine, stop, world, producer)
+        loop = Loop(cfg, run, learner, objective, acfg, teacher, engine, stop, world, producer, generators)
         return loop.iterations(start, on_iteration)
     finally:
         if producer is not None:
             producer.close()  # an asynchronous run's producer never outlives its loop
-        if main:
+        if vllm:
             close_engine(engine)  # vLLM's engine process and its GPU memory go now, not at exit
 
 
@@ -241,7 +245,18 @@ class Loop:
     """The iterations of one run, on one process (every process runs the same)."""
 
     def __init__(
-        self, cfg: OnlineConfig, run: Path, learner: Learner, objective, acfg, teacher, engine, stop, world, producer
+        self,
+        cfg: OnlineConfig,
+        run: Path,
+        learner: Learner,
+        objective,
+        acfg,
+        teacher,
+        engine,
+        stop,
+        world,
+        producer,
+        generators: Generators,
     ):
         self.cfg, self.run, self.learner, self.objective = cfg, run, learner, objective
         self.producer = producer
@@ -252,6 +267,7 @@ class Loop:
         # pi_old by the trainer before anything reads it (the teacher's weights and the PPO ratio)
         self.recompute = objective.uses_behaviour_logprobs and recompute_enabled(cfg.train, cfg.rollout.engine)
         self.vllm = cfg.rollout.engine == "vllm"
+        self.generators = generators  # who generates which groups (online.ranks)
         self.out = PolicyOut(learner, teacher, engine, cfg.rollout.vllm if self.vllm else None)
 
     def iterations(self, start: int, on_iteration) -> list[Metrics]:
@@ -280,8 +296,7 @@ class Loop:
                 episodes, rollout_wall, abandon, waits = self.produced(k, rcfg, log)
             recomputed, annotations, meta = {}, None, None
             if not abandon:
-                if main:
-                    sleep_engine(self.engine)  # vLLM with sleep: true frees its GPU memory for the trainer
+                sleep_engine(self.engine)  # vLLM with sleep: true frees its GPU memory for the trainer
                 # synchronous: pi_old recomputed first, and the teacher ratio reads it; stale rollouts are
                 # annotated against their own version's log-probs, and the update recomputes pi_prox
                 # where a gradient needs it (Learner.update)
@@ -358,11 +373,10 @@ class Loop:
         return nullcontext() if self.vllm else self.learner.full_model()
 
     def own_share(self, specs: list, by_group: bool = True) -> list:
-        """This process's share of ``specs``: its task groups (or panel tasks); under vLLM rank
-        0's engine serves them all."""
-        if self.vllm:
-            return specs if self.main else []
-        return own_specs(specs, self.rank, self.size) if by_group else specs[self.rank :: self.size]
+        """This process's share of ``specs``: its engine's task groups (or panel tasks); none
+        where it runs no engine (vLLM: rank 0's serves them all, or data parallel one per
+        tensor-parallel group of processes)."""
+        return self.generators.share(specs, self.rank, by_group)
 
     def rollout(self, rcfg: RolloutConfig, log: PhaseLog) -> tuple[list[Episode], float, bool]:
         """Every process's episodes, gathered in one process's order (rank 0 writes them);
@@ -384,7 +398,7 @@ class Loop:
             "rollout",
             time.perf_counter() - t0,
             f"{len(groups)} group(s) {groups}, {len(mine)} episode(s), {sum(r.num_turns for r in records)} turn(s)"
-            + (" (rank 0's vLLM engine serves every group)" if self.vllm and not self.main else ""),
+            + (self.served_by(specs) if self.generators.replica(self.rank) is None else ""),
             groups=len(groups),
             episodes=len(mine),
         )
@@ -396,6 +410,13 @@ class Loop:
         if self.main:
             write_rollout(rcfg, episodes, wall)
         return episodes, wall, False
+
+    def served_by(self, specs: list) -> str:
+        """Which engines generate while this process, which runs none, waits."""
+        if self.generators.replicas == 1:
+            return " (rank 0's vLLM engine serves every group)"
+        servers = sorted({self.generators.server(s.group_id) for s in specs})
+        return f" (the vLLM engines of ranks {', '.join(map(str, servers))} serve the groups)"
 
     def request(self, j: int) -> None:
         """Ask the producer for iteration ``j``'s rollouts, with the version the schedule names."""

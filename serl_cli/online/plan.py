@@ -84,6 +84,7 @@ def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, devic
         vllm_tp=max(1, r.vllm.tensor_parallel_size),
         vllm_utilization=r.vllm.gpu_memory_utilization,
         vllm_sleep=r.vllm.sleep,
+        vllm_data_parallel=r.vllm.data_parallel and r.engine == "vllm",
         gpu_bytes=machine.gpu_memory_gb * GiB,
         reduce_bucket=bucket,
     )
@@ -129,13 +130,20 @@ def fit_layout(cfg: OnlineConfig, gpus: int) -> tuple[OnlineConfig, str | None]:
     """The config's layout replanned for ``gpus`` GPUs per node where it names more (``serl plan
     --gpus 1`` of a config with the trainer on 0-5 and vLLM on 6-7), and a note saying how; the
     config as it is where its GPUs are there. vLLM keeps its GPUs (the last ones) and the trainer
-    takes the rest while at least one is left for it; else vLLM is colocated with the trainer."""
+    takes the rest while at least one is left for it; else vLLM is colocated with the trainer.
+    Data-parallel engines stay on the trainer's GPUs, at tensor parallelism 1 where theirs does
+    not divide ``gpus``."""
     named = gpus_named(cfg)
     if named <= gpus:
         return cfg, None
     own = len(cfg.rollout.gpus or []) if cfg.rollout.engine == "vllm" else 0
     rollout, train = cfg.rollout, cfg.train
-    if own and gpus > own:
+    tp = rollout.vllm.tensor_parallel_size
+    if cfg.rollout.engine == "vllm" and rollout.vllm.data_parallel:  # engines on the trainer's GPUs, as many as fit
+        trainer, tp = gpus, tp if gpus % tp == 0 else 1
+        rollout = replace(rollout, vllm=replace(rollout.vllm, tensor_parallel_size=tp))
+        engine = f"{gpus // tp} vLLM engine(s) of TP {tp} on the same GPUs"
+    elif own and gpus > own:
         trainer = gpus - own
         engine_gpus = list(range(trainer, gpus))
         rollout = replace(rollout, gpus=engine_gpus)
@@ -149,6 +157,8 @@ def fit_layout(cfg: OnlineConfig, gpus: int) -> tuple[OnlineConfig, str | None]:
     was = f"trainer on {_gpu_list(cfg.train.gpus)}" if cfg.train.gpus else "trainer on the node's GPUs"
     if own:
         was += f", vLLM on {_gpu_list(cfg.rollout.gpus or [])}"  # own > 0: it names some
+    elif cfg.rollout.engine == "vllm" and cfg.rollout.vllm.data_parallel:
+        was += f", a vLLM engine per {cfg.rollout.vllm.tensor_parallel_size} of them"
     now = f"trainer on {_gpu_list(list(range(trainer)))}" + (f", {engine}" if engine else "")
     note = f"--gpus {gpus}: the config's layout ({was}) needs {named} GPUs per node; planned for {gpus}: {now}"
     return replace(cfg, rollout=rollout, train=train), note
@@ -161,6 +171,114 @@ def _gpu_list(gpus: list[int]) -> str:
     if gpus == list(range(gpus[0], gpus[-1] + 1)):
         return f"GPUs {gpus[0]}-{gpus[-1]}"
     return f"GPUs {', '.join(map(str, gpus))}"
+
+
+# -- the two layouts of a vLLM run ---------------------------------------------------------------
+@dataclass
+class LayoutOption:
+    """One way to place a vLLM run on the machine: ``split`` (vLLM on GPUs of its own, the
+    trainer on the rest) or ``colocated`` (every GPU trains, and one engine per
+    ``tensor_parallel_size`` of them generates, asleep during the update)."""
+
+    name: str
+    cfg: OnlineConfig
+    plan: Plan
+    generating: int  # GPUs per node that generate
+    training: int  # GPUs per node that train
+    note: str  # the settings that make it, as --set flags, and the launch
+
+
+def split_layout(cfg: OnlineConfig, machine: Machine) -> tuple[OnlineConfig, str]:
+    """vLLM on the last ``tensor_parallel_size`` GPUs (or the config's ``rollout.gpus``), the trainer on the rest."""
+    own = list(cfg.rollout.gpus or [])
+    if not own:
+        tp = max(1, cfg.rollout.vllm.tensor_parallel_size)
+        own = list(range(machine.gpus - tp, machine.gpus))
+    trainer = [g for g in range(machine.gpus) if g not in own]
+    vllm = replace(cfg.rollout.vllm, sleep=False, data_parallel=False)
+    out = replace(cfg, rollout=replace(cfg.rollout, gpus=own, vllm=vllm), train=replace(cfg.train, gpus=trainer))
+    sets = [f"train.gpus=[{','.join(map(str, trainer))}]", f"rollout.gpus=[{','.join(map(str, own))}]"]
+    sets += ["rollout.vllm.sleep=false", "rollout.vllm.data_parallel=false"]
+    return out, " ".join(f"--set {s}" for s in sets) + f" (torchrun --nproc_per_node {len(trainer)})"
+
+
+def colocated_layout(cfg: OnlineConfig, machine: Machine, utilization: float | None = None) -> tuple[OnlineConfig, str]:
+    """Every GPU trains and one engine per ``tensor_parallel_size`` of them generates, asleep during
+    the update; sampling coupled, as several engines need (``online.ranks.check_shares``)."""
+    v = cfg.rollout.vllm
+    vllm = replace(v, sleep=True, data_parallel=True, gpu_memory_utilization=utilization or v.gpu_memory_utilization)
+    sampling = replace(cfg.rollout.sampling, coupled=True)
+    rollout = replace(cfg.rollout, gpus=None, vllm=vllm, sampling=sampling)
+    trainer = list(range(machine.gpus)) if cfg.train.gpus else None  # every GPU, listed where the config lists
+    out = replace(cfg, rollout=rollout, train=replace(cfg.train, gpus=trainer))
+    listed = f"[{','.join(map(str, trainer))}]" if trainer else "null"
+    sets = ["rollout.gpus=null", f"train.gpus={listed}", "rollout.vllm.sleep=true", "rollout.vllm.data_parallel=true"]
+    sets += [] if cfg.rollout.sampling.coupled else ["rollout.sampling.coupled=true"]
+    sets += [f"rollout.vllm.gpu_memory_utilization={utilization:g}"] if utilization else []
+    return out, " ".join(f"--set {s}" for s in sets) + f" (torchrun --nproc_per_node {machine.gpus})"
+
+
+def largest_share(plan: Plan) -> float | None:
+    """The largest ``gpu_memory_utilization`` (two decimals) with which a colocated layout's
+    peak leaves 10 % of the GPU free, where vLLM's share is what does not fit; else None."""
+    from serl_cli.training.plan import HEADROOM
+
+    peak = plan.peak
+    share = sum(i.bytes for i in peak.items if i.name.startswith("vLLM"))
+    if not share:
+        return None
+    most = math.floor(100 * (plan.layout.gpu_bytes * (1 - HEADROOM) - (peak.bytes - share)) / plan.layout.gpu_bytes)
+    return most / 100 if most >= 5 else None
+
+
+def compare_layouts(
+    cfg: OnlineConfig, machine: Machine, *, model: str | None = None, turns: int | None = None
+) -> tuple[list[LayoutOption], LayoutOption, str]:
+    """A vLLM run's two layouts on ``machine``, each planned, the one serl picks and why.
+    Colocated, where it fits (at the config's vLLM share, else at the largest that leaves 10 % free):
+    the update runs on all N GPUs instead of N - v, and generation on N / TP engines instead of one.
+    Where both phases' work divides over GPUs (g and u GPU-seconds an iteration) that is (g + u) / N
+    against the split's g / v + u / (N - v), never longer; where decoding is bound by the longest
+    episodes rather than by throughput, generation gains less, the update's N / (N - v) still holds.
+    Its price: the engines' sleep and wake, and a weight sync into each engine (docs/SCALING.md)."""
+    n = machine.gpus
+    tp = max(1, cfg.rollout.vllm.tensor_parallel_size)
+    options = []
+    if n > tp:
+        split, note = split_layout(cfg, machine)
+        plan = plan_run(split, machine, model=model, turns=turns)
+        options.append(LayoutOption("split", split, plan, tp, n - tp, note))
+    if n % tp == 0:
+        colocated, note = colocated_layout(cfg, machine)
+        plan = plan_run(colocated, machine, model=model, turns=turns)
+        if plan.problems or plan.verdict == "tight":  # a smaller share, where one leaves 10 % free
+            share = largest_share(plan)
+            if share is not None and share < cfg.rollout.vllm.gpu_memory_utilization:
+                colocated, note = colocated_layout(cfg, machine, share)
+                plan = plan_run(colocated, machine, model=model, turns=turns)
+        options.append(LayoutOption("colocated", colocated, plan, n, n, note))
+    if not options:
+        raise SerlError(f"vLLM's tensor_parallel_size {tp} does not fit {n} GPU(s) per node")
+    fitting = [o for o in options if not o.plan.problems]
+    by_name = {o.name: o for o in options}
+    if "colocated" in by_name and not by_name["colocated"].plan.problems:
+        chosen = by_name["colocated"]
+        why = (
+            f"every one of the {n} GPUs generates and trains: where an iteration's g GPU-seconds of generation "
+            f"and u of update divide over GPUs it takes (g + u)/{n}"
+            + (f" against the split's g/{tp} + u/{n - tp}" if n > tp else "")
+            + f"; decoding bound by the longest episodes gains less, the update runs on {n} GPUs"
+            + (f" instead of {n - tp}" if n > tp else "")
+            + "; it pays the engines' sleep and wake and a weight sync into each engine"
+        )
+    elif fitting:
+        chosen = fitting[0]
+        other = by_name.get("colocated")
+        why = f"the colocated layout does not fit: {other.plan.problems[0]}" if other else ""
+    else:
+        chosen = options[0]
+        why = "neither layout fits; the split is shown"
+    return options, chosen, why
 
 
 def check_machine(machine: Machine) -> None:

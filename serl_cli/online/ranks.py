@@ -1,11 +1,15 @@
 """How an online iteration's work is divided over the processes of a launched job, and what
 each process says of its share (the design: :mod:`serl_cli.online.loop`'s docstring).
 
-Task group g belongs to process ``g % W`` for the whole iteration -- its rollouts, their
-π_old recompute, their teacher scoring -- and the periodic evaluation's i-th panel task to
-``i % W``. Whole groups, so a group's advantages never need another process. Each process
-logs one line per phase on stderr (``rank 1/2: rollout 2 group(s) ...``) when there are
-several, so a long phase never looks like a hang, and its seconds go to ``timings.jsonl``.
+An iteration's rollouts are made by R generators (:class:`Generators`): with the hf engine every
+process (R = W, group g is process ``g % W``'s); with vLLM one engine (R = 1, rank 0's) or,
+with ``rollout.vllm.data_parallel``, one engine per ``tensor_parallel_size`` processes (R = W /
+TP, group g is engine ``g % R``'s, on rank ``(g % R) * TP``). The periodic evaluation's i-th
+panel task is generator ``i % R``'s. Whole groups, so a group's advantages never need another
+process. (The π_old recompute and the teacher's scoring are dealt by micro-batch instead:
+:mod:`serl_cli.training.scoring`.) Each process logs one line per phase on stderr (``rank
+1/2: rollout 2 group(s) ...``) when there are several, so a long phase never looks like a
+hang, and its seconds go to ``timings.jsonl``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -29,18 +34,65 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_shares(engine: str, sampled: bool, coupled: bool, world: int) -> None:
-    """Under several processes with the hf engine each process samples its own groups: a
-    row's draws must not depend on which process or batch it ran in, or the run would change
-    with the number of processes. Coupled sampling keys each row's draws by the run's seed,
-    the row and the turn (``rollout.sampling.coupled``), so it is required, not switched on
-    behind the config's back: the same config then gives the same rollouts on 1 or N
-    processes. (vLLM needs nothing: rank 0's engine serves every group.)"""
-    if world > 1 and engine == "hf" and sampled and not coupled:
+@dataclass(frozen=True)
+class Generators:
+    """Which processes generate, and whose task groups each one serves: ``replicas`` engines,
+    engine j on rank ``j * stride``. The hf engine: every process (stride 1). vLLM: rank 0's
+    one engine, or with ``data_parallel`` one per ``tp`` processes, on their GPUs."""
+
+    replicas: int
+    stride: int
+
+    @classmethod
+    def of(cls, engine: str, world: int, data_parallel: bool = False, tp: int = 1, local: int | None = None):
+        """For ``world`` processes, ``local`` of them on each node (an engine's GPUs are on one node)."""
+        if engine != "vllm":
+            return cls(world, 1)
+        if not data_parallel:
+            return cls(1, max(world, 1))
+        if world % tp or (local or world) % tp:
+            raise SerlError(
+                f"rollout.vllm.data_parallel: {local or world} processes per node do not divide into engines of "
+                f"tensor_parallel_size {tp}; start a multiple of {tp} per node"
+            )
+        return cls(world // tp, tp)
+
+    def replica(self, rank: int) -> int | None:
+        """The engine ``rank`` runs (None: it runs none and waits for the others)."""
+        j, r = divmod(rank, self.stride)
+        return j if r == 0 and j < self.replicas else None
+
+    def server(self, group_id: int) -> int:
+        """The rank whose engine generates task group ``group_id`` (panel task i: the same for i)."""
+        return (group_id % self.replicas) * self.stride
+
+    def share(self, specs: list[EpisodeSpec], rank: int, by_group: bool = True) -> list:
+        """``rank``'s share of ``specs``: its engine's task groups, or every R-th of a list (the panel)."""
+        j = self.replica(rank)
+        if j is None:
+            return []
+        return own_specs(specs, j, self.replicas) if by_group else specs[j :: self.replicas]
+
+
+def check_shares(engine: str, sampled: bool, coupled: bool, world: int, replicas: int | None = None) -> None:
+    """Where several engines sample (the hf engine under several processes, or vLLM's
+    data-parallel engines) each samples its own groups: a row's draws must not depend on which
+    engine or batch it ran in, or the run would change with the number of processes. Coupled
+    sampling keys each row's draws by the run's seed, the row and the turn
+    (``rollout.sampling.coupled``), so it is required, not switched on behind the config's
+    back: the same config then gives the same rollouts on 1 or N processes (with vLLM, up to
+    its kernels' batch-dependent rounding). vLLM's one engine needs nothing: it serves every group."""
+    engines = replicas if replicas is not None else (world if engine == "hf" else 1)
+    if engines > 1 and sampled and not coupled:
+        if engine == "hf":
+            why = f"{world} processes with --engine hf sample their own task groups"
+            other = ", or use --engine vllm"
+        else:
+            why = f"rollout.vllm.data_parallel: {engines} vLLM engines sample their own task groups"
+            other = ", or set rollout.vllm.data_parallel=false"
         raise SerlError(
-            f"{world} processes with --engine hf sample their own task groups: set rollout.sampling.coupled=true "
-            f"so a row's draws do not depend on the process it runs in (the run then equals a one-process run "
-            f"with the same settings), or use --engine vllm"
+            f"{why}: set rollout.sampling.coupled=true so a row's draws do not depend on the process it runs in "
+            f"(the run then equals a one-process run with the same settings){other}"
         )
 
 

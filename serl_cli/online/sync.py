@@ -41,7 +41,8 @@ class PolicyOut:
         """After an update, an engine with its own weights (vLLM) serves the new policy: streamed
         in memory (``vllm.weight_sync: memory``; under ZeRO-3 one weight gathered at a time, so
         every process takes part) or reloaded from disk (``disk``: the checkpoint just saved, or
-        else the weights alone, written for it and removed once read)."""
+        else the weights alone, written for it and removed once read). Every process that runs
+        an engine (``vllm.data_parallel``: one per tensor-parallel group) updates its own."""
         if self.vllm is None:
             return {}
         t0 = time.perf_counter()
@@ -54,14 +55,14 @@ class PolicyOut:
             if not saved:  # no checkpoint due: what vLLM reads and nothing else
                 source = learner.save(it / "weights", weights_only=True)
                 out["sync_weights_bytes"] = disk_bytes(source)
-            if main:
+            if self.engine is not None:  # every process that runs an engine (rank 0's, or data parallel)
                 refresh_weights(self.engine, source)
             learner.barrier()
             if main and not saved:
                 shutil.rmtree(source)
         else:
             stream = learner.stream_weights()
-            if main:
+            if self.engine is not None:  # each engine takes the whole stream into its own copy
                 out.update(self.engine.update_weights(stream, largest=learner.largest_weight()))
             else:
                 for _ in stream:  # its part of each weight's gather

@@ -59,6 +59,7 @@ class Layout:
     vllm_tp: int = 1
     vllm_utilization: float = 0.5
     vllm_sleep: bool = False
+    vllm_data_parallel: bool = False  # one engine per vllm_tp trainer GPUs (colocated)
     gpu_bytes: float = 80 * GiB
     reduce_bucket: int = REDUCE_BUCKET
 

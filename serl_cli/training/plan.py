@@ -27,6 +27,7 @@ touched, not reserved, and the model file's pages count while it loads).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from serl_cli.models.shapes import ModelShape
@@ -373,7 +374,8 @@ def advice(plan: Plan, worst: Item, peak: Phase) -> str:
     layout = plan.layout
     if worst.name.startswith("vLLM"):
         rest = peak.bytes - worst.bytes
-        most = (layout.gpu_bytes * (1 - HEADROOM) - rest) / layout.gpu_bytes
+        # floored: a share rounded up would leave under 10 % free
+        most = math.floor(100 * (layout.gpu_bytes * (1 - HEADROOM) - rest) / layout.gpu_bytes) / 100
         if most <= 0.05:
             return f": the trainer alone needs {rest / GiB:.1f} GiB here; give vLLM GPUs of its own (rollout.gpus)"
         sleep = "" if layout.vllm_sleep or worst.name == "vLLM (colocated)" else ", turn on rollout.vllm.sleep"

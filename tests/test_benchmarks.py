@@ -199,3 +199,32 @@ def test_async_learning_reads_success_at_a_wall_time():
 
     points = [(10.0, 0.2), (20.0, 0.4), (30.0, 0.5)]
     assert [success_at(points, t) for t in (5.0, 10.0, 25.0, 99.0)] == [0.2, 0.2, 0.4, 0.5]
+
+
+def test_serl_price_figures_by_hand():
+    from benchmarks.serl_price import bootstrap_median, rows, summarize
+
+    # four paired iterations: SERL 3, 2, 4, 2.2 s against GRPO 2 s each; the first and last measured the signal
+    pairs = [
+        {"serl_s": s, "grpo_s": 2.0, "teacher_signal": flag}
+        for s, flag in ((3.0, True), (2.0, False), (4.0, False), (2.2, True))
+    ]
+    phases = [  # annotate stages of 1.5, 0.5, 1.0 s and none
+        {"iteration_s": p["serl_s"], "annotate_s": a, "teacher_forward_s": t, "annotate_rest_s": None}
+        for p, a, t in zip(pairs, (1.5, 0.5, 1.0, None), (1.0, 0.2, 0.5, None), strict=True)
+    ]
+    data = summarize(pairs, phases)
+    assert data["ratio"]["median"] == pytest.approx((1.1 + 1.5) / 2)  # ratios 1.5, 1.0, 2.0, 1.1
+    assert data["ratio_apart"]["with_signal"]["median"] == pytest.approx((1.5 + 1.1) / 2)
+    assert data["ratio_apart"]["without_signal"]["median"] == pytest.approx(1.5)
+    assert data["ratio_of_sums"] == pytest.approx(11.2 / 8.0)
+    assert data["teacher_forward_per_grpo_iteration"]["median"] == pytest.approx(0.25)  # 0.5, 0.1, 0.25
+    assert "annotate_rest_s" not in data["serl"]  # never measured
+    # the same batch: 3 / (3 - 1.5), 2 / 1.5, 4 / 3; the last iteration has no annotate stage
+    same = data["same_batch_ratio"]
+    assert same["all"]["n"] == 3 and same["all"]["median"] == pytest.approx(4 / 3)
+    assert same["with_signal"]["median"] == pytest.approx(2.0) and same["without_signal"]["max"] == pytest.approx(4 / 3)
+    low, high = data["ratio"]["ci95"]
+    assert 1.0 <= low <= data["ratio"]["median"] <= high <= 2.0
+    assert bootstrap_median([1.2] * 5) == (1.2, 1.2)
+    assert len(rows(data)[0]) == 5

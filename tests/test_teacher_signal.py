@@ -29,6 +29,7 @@ from serl_cli.method.teacher_signal import SpanScoring, expert_reply_ids, measur
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.annotate import run_annotate
 from serl_cli.stages.rollout import run_rollout
+from serl_cli.training.scoring import score
 
 SOKOBAN = EnvConfig(name="sokoban", split="train", max_turns=3)
 
@@ -135,17 +136,13 @@ def test_expert_reply_is_what_the_expert_policy_records(tiny_model_dir, model_an
     assert all(t.action_ids != expert_reply_ids(tok, t.action, not bare) for t in turns)
 
 
-def test_selection_report_has_the_signal_of_forward_passes(sokoban_run, model_and_tokenizer):
-    report = io.read_json(sokoban_run / "selection_report.json")
-    s = report["teacher"]["teacher_signal"]
-    episodes, records = read_rollouts(sokoban_run), read_annotations(sokoban_run)
+def forward_pass_signal(model, tok, episodes, records) -> tuple[list, dict, int]:
+    """The turns with an expert action, the mean probability of the expert's reply with the block
+    and without it, each from a forward pass of its own at temperature 1, and how many turns the
+    teacher moves the right way."""
     turns = [(e, t) for e, ep in enumerate(episodes) for t, turn in enumerate(ep.turns) if turn.expert_action]
-    assert s["turns"] == len(turns) > 0 and s["off_expert_turns"] + s["on_expert_turns"] == s["turns"]
-
-    # the expert's reply scored here, one forward pass per turn and side, at the rollouts' temperature 1
-    model, tok = model_and_tokenizer
     by_turn = {(r.episode, r.turn): r for r in records}
-    probs = {"with": [], "without": []}
+    probs: dict[str, list[float]] = {"with": [], "without": []}
     right = 0
     for e, t in turns:
         turn, rec = episodes[e].turns[t], by_turn[e, t]
@@ -159,7 +156,16 @@ def test_selection_report_has_the_signal_of_forward_passes(sokoban_run, model_an
             probs[side].append(lp[mask].sum().exp().item())
         on_expert = turn.action.strip().lower() == turn.expert_action
         right += rec.log_ratio_mean > 0 if on_expert else rec.log_ratio_mean < 0
-    mean = {k: sum(v) / len(v) for k, v in probs.items()}
+    return turns, {k: sum(v) / len(v) for k, v in probs.items()}, right
+
+
+def test_selection_report_has_the_signal_of_forward_passes(sokoban_run, model_and_tokenizer):
+    report = io.read_json(sokoban_run / "selection_report.json")
+    s = report["teacher"]["teacher_signal"]
+    episodes, records = read_rollouts(sokoban_run), read_annotations(sokoban_run)
+    model, tok = model_and_tokenizer
+    turns, mean, right = forward_pass_signal(model, tok, episodes, records)
+    assert s["turns"] == len(turns) > 0 and s["off_expert_turns"] + s["on_expert_turns"] == s["turns"]
     assert s["expert_prob_with_block"] == pytest.approx(mean["with"], rel=1e-4)
     assert s["expert_prob_without_block"] == pytest.approx(mean["without"], rel=1e-4)
     gain = mean["with"] - mean["without"]
@@ -167,6 +173,36 @@ def test_selection_report_has_the_signal_of_forward_passes(sokoban_run, model_an
     assert s["right_direction"] == pytest.approx(right / len(turns))
     # the manifest's annotate stage carries the same statistics
     assert io.load_manifest(sokoban_run)["stages"]["annotate"]["stats"]["teacher_signal"] == s
+
+
+def test_the_signal_takes_the_annotations_scores_of_the_items_it_scored(tiny_model_dir, model_and_tokenizer, tmp_path):
+    """Where the student took the expert's action, the expert's reply with the block is the item
+    the annotation scored: the signal takes those log-probs and scores only the rest (issue 39, the
+    signal's price), and its figures are still those of forward passes made here."""
+    run = tmp_path / "expert"
+    run_rollout(rollout_config(tiny_model_dir, run, env=SOKOBAN, tasks=2, group_size=1, policy="expert"))
+    episodes = read_rollouts(run)
+    for turn in (t for ep in episodes for t in ep.turns):
+        turn.behaviour_logprobs = [-1.0] * len(turn.action_ids)  # the expert policy records none
+    model, tok = model_and_tokenizer
+    calls: list[list[tuple]] = []
+
+    def counting(model, tok, items, temperature, micro_batch_tokens):
+        calls.append([(tuple(it.prompt_ids), tuple(it.action_ids)) for it in items])
+        return score(model, tok, items, temperature, micro_batch_tokens)
+
+    cfg = AnnotateConfig(sources="obs", placement="all", skip_zero_advantage=False)
+    records, stats = annotate_episodes(episodes, cfg, model, tok, env_cfg=None, scorer=counting)
+    s = stats["teacher_signal"]
+    assert s["on_expert_turns"] == s["turns"] == stats["teacher_turns_scored"] > 0  # the expert's own rollouts
+    annotation, signal = calls
+    # every turn's expert reply with the block was the annotation's item: only the ones without are scored
+    assert len(signal) == len(set(signal)) == s["turns"] and not set(signal) & set(annotation)
+    assert all(len(prompt) < len(teacher) for (prompt, _), (teacher, _) in zip(signal, annotation, strict=True))
+    turns, mean, right = forward_pass_signal(model, tok, episodes, records)
+    assert len(turns) == s["turns"] and s["right_direction"] == pytest.approx(right / len(turns))
+    assert s["expert_prob_with_block"] == pytest.approx(mean["with"], rel=1e-4)
+    assert s["expert_prob_without_block"] == pytest.approx(mean["without"], rel=1e-4)
 
 
 def test_setting_off_measures_nothing(sokoban_run, model_and_tokenizer):

@@ -105,7 +105,7 @@ class AnnotateConfig:
     teacher_signal_every: int = setting(
         10,
         "the online loop checks the teacher (teacher_signal) on iterations 0, every, 2 every, .. and the last: on "
-        "Sokoban a check costs about twice the teacher's own scoring, and it changes no update. 1: every "
+        "Sokoban a check costs about as much as the teacher's own scoring, and it changes no update. 1: every "
         "iteration. serl annotate checks whenever teacher_signal is on",
         limit=at_least(1, "a positive number of iterations", whole=True),
     )

@@ -276,6 +276,7 @@ def annotate_episodes(
                 bare_replies,
                 action_format(env_cfg) if bare_replies else None,
                 scorer=scorer,
+                known={(tuple(it.prompt_ids), tuple(it.action_ids)): lp for it, lp in zip(items, scored, strict=True)},
             ),
         )
         if cfg.teacher_signal

@@ -22,10 +22,11 @@ and are left out. The result also counts the turns on and off the expert's actio
 each side's ``right_direction``: a teacher that lowers every sampled action (a block that
 only flattens the distribution does) scores well off the expert and badly on it.
 
-Cost: two teacher forwards per scored turn with an expert action (the expert's reply with
-the block and without it), each as long as the annotation's own forward for that turn: on
-Sokoban, where the prompt dominates, about 1.7 times the annotation's teacher time
-(``teacher_signal: false`` skips it). The teacher prompts are the annotation's own
+Cost: two teacher forwards per scored turn with an expert action, the expert's reply with the
+block (as long as the annotation's own forward for that turn) and without it (the student's
+prompt: on Sokoban about half as long). Where the student took the expert's action, the first is
+the very item the annotation scored, and its log-probs are taken from there, not scored again
+(``SpanScoring.known``; ``teacher_signal: false`` skips the signal). The teacher prompts are the annotation's own
 (``method.annotation.teacher_prompts``), not rebuilt here. The forwards go through the
 annotation's scorer (:func:`serl_cli.training.scoring.score`'s signature: under the online
 loop divided over its processes; under ``serl annotate`` journaled, its units numbered after
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from serl_cli.artifacts.records import Annotation, Episode, Turn
@@ -130,7 +131,10 @@ class SpanScoring:
     """How the teacher scores a reply's action span: the teacher network and tokenizer, the
     annotation's temperature and micro-batch, the replies' form (bare where the rollouts' prompts
     ask for it, its action then found by the environment's ``action_format``), and the scorer
-    (:func:`serl_cli.training.scoring.score`'s signature)."""
+    (:func:`serl_cli.training.scoring.score`'s signature). ``known``: log-probs the same teacher
+    already gave, by (prompt ids, reply ids), at the same temperature; those items are not scored
+    again (the annotation's own: where the student took the expert's action, the expert reply with
+    the block is the very item the annotation scored)."""
 
     teacher_model: Any
     tokenizer: Any
@@ -139,6 +143,7 @@ class SpanScoring:
     bare_replies: bool = False
     action_format: Any = None
     scorer: Callable = score
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]] = field(default_factory=dict)
 
 
 def span_logprobs(items: list[tuple[list[int], str]], how: SpanScoring) -> list[list[float] | None]:
@@ -151,16 +156,20 @@ def span_logprobs(items: list[tuple[list[int], str]], how: SpanScoring) -> list[
     span = {a: action_span_mask(tokenizer, ids, "none", fmt) for a, ids in reply.items()}
     keep = [j for j, (_, a) in enumerate(items) if any(span[a])]
     out: list[list[float] | None] = [None] * len(items)
-    if not keep:
-        return out
-    scored = how.scorer(
-        how.teacher_model,
-        tokenizer,
-        [ScoreItem(items[j][0], reply[items[j][1]]) for j in keep],
-        how.temperature,
-        how.micro_batch_tokens,
-    )
-    for j, lp in zip(keep, scored, strict=True):
+    found = {j: how.known.get((tuple(items[j][0]), tuple(reply[items[j][1]]))) for j in keep}
+    new = [j for j in keep if found[j] is None]
+    if new:
+        scored = how.scorer(
+            how.teacher_model,
+            tokenizer,
+            [ScoreItem(items[j][0], reply[items[j][1]]) for j in new],
+            how.temperature,
+            how.micro_batch_tokens,
+        )
+        found.update(zip(new, scored, strict=True))
+    for j in keep:
+        lp = found[j]
+        assert lp is not None
         out[j] = [x for x, m in zip(lp, span[items[j][1]], strict=True) if m]
     return out
 

@@ -244,16 +244,17 @@ def test_a_rank_that_raises_ends_the_run_on_every_rank(tiny_model_dir, tmp_path)
     args += ["--iterations", "2", "--tasks", "2", "--group-size", "2", "--max-turns", "2", "--algo", "grpo"]
     args += ["--backend", "deepspeed", "--zero-stage", "3", "--threads", "1"]
     args += ["--set", "rollout.sampling.max_new_tokens=4", "--set", "rollout.sampling.coupled=true"]
-    args += ["--set", "eval.episodes=0", "--set", "train.dist_timeout_s=900"]
+    args += ["--set", "eval.episodes=0", "--set", "train.dist_timeout_s=1800"]
     pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SERL_THREADS": "1", "PYTHONPATH": pythonpath}
     t0 = time.monotonic()
-    p = subprocess.run([*launch, *args], capture_output=True, text=True, env=env, timeout=600)
+    p = subprocess.run([*launch, *args], capture_output=True, text=True, env=env, timeout=1000)
     elapsed = time.monotonic() - t0
     assert p.returncode != 0
     assert "rank 1's environment is broken" in p.stderr, p.stderr[-3000:]
-    # torchrun returns once every worker has ended: well inside the 900 s every group waits
-    assert elapsed < 300, elapsed
+    # torchrun returns once every worker has ended: well inside the 1,800 s every group waits. Alone
+    # this takes about 10 s; in CI, beside the vLLM suite, 160-190 s
+    assert elapsed < 900, elapsed
     assert not (out / "iter_0000" / "checkpoint").exists()  # no iteration finished
 
 

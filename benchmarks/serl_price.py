@@ -114,26 +114,28 @@ def measure(args) -> dict:
     return {"config": vars(args), **summarize(pairs, serl_phases)}
 
 
+def by_signal(flagged: list[tuple[bool, float]]) -> dict[str, list[float]]:
+    """Values flagged by whether their iteration measured the teacher signal: all, with it, without it."""
+    return {
+        "all": [v for _, v in flagged],
+        "with_signal": [v for flag, v in flagged if flag],
+        "without_signal": [v for flag, v in flagged if not flag],
+    }
+
+
 def summarize(pairs: list[dict], serl_phases: list[dict]) -> dict:
     """The figures of paired iterations (``pairs``: each with ``serl_s``, ``grpo_s``, ``teacher_signal``)
     and SERL's phases in the same order."""
-    ratios = [p["serl_s"] / p["grpo_s"] for p in pairs]
-    apart = {
-        name: [p["serl_s"] / p["grpo_s"] for p in pairs if p["teacher_signal"] == flag]
-        for name, flag in (("with_signal", True), ("without_signal", False))
-    }
+    paired = by_signal([(p["teacher_signal"], p["serl_s"] / p["grpo_s"]) for p in pairs])
     # the same batch: a SERL iteration against itself less its annotate stage, which is what GRPO's
     # iteration costs on SERL's own episodes (the arms' episodes part after iteration 0)
-    own = [
-        (p["teacher_signal"], ph["iteration_s"] / (ph["iteration_s"] - ph["annotate_s"]))
-        for ph, p in zip(serl_phases, pairs, strict=True)
-        if ph["annotate_s"] is not None
-    ]
-    same_batch = {
-        "all": [r for _, r in own],
-        "with_signal": [r for flag, r in own if flag],
-        "without_signal": [r for flag, r in own if not flag],
-    }
+    same_batch = by_signal(
+        [
+            (p["teacher_signal"], ph["iteration_s"] / (ph["iteration_s"] - ph["annotate_s"]))
+            for ph, p in zip(serl_phases, pairs, strict=True)
+            if ph["annotate_s"] is not None
+        ]
+    )
     summary = {
         k: spread([p[k] for p in serl_phases if p[k] is not None])
         for k in serl_phases[0]
@@ -142,8 +144,8 @@ def summarize(pairs: list[dict], serl_phases: list[dict]) -> dict:
     return {
         "pairs": pairs,
         "serl_phases": serl_phases,
-        "ratio": ratio_spread(ratios),
-        "ratio_apart": {name: ratio_spread(v) for name, v in apart.items() if v},
+        "ratio": ratio_spread(paired.pop("all")),
+        "ratio_apart": {name: ratio_spread(v) for name, v in paired.items() if v},
         "same_batch_ratio": {name: ratio_spread(v) for name, v in same_batch.items() if v},
         "ratio_of_sums": sum(p["serl_s"] for p in pairs) / sum(p["grpo_s"] for p in pairs),
         "teacher_forward_per_grpo_iteration": spread(

@@ -156,20 +156,22 @@ def span_logprobs(items: list[tuple[list[int], str]], how: SpanScoring) -> list[
     span = {a: action_span_mask(tokenizer, ids, "none", fmt) for a, ids in reply.items()}
     keep = [j for j, (_, a) in enumerate(items) if any(span[a])]
     out: list[list[float] | None] = [None] * len(items)
-    found = {j: how.known.get((tuple(items[j][0]), tuple(reply[items[j][1]]))) for j in keep}
-    new = [j for j in keep if found[j] is None]
-    if new:
-        scored = how.scorer(
+    key = {j: (tuple(items[j][0]), tuple(reply[items[j][1]])) for j in keep}
+    new = [j for j in keep if key[j] not in how.known]
+    scored = (
+        how.scorer(
             how.teacher_model,
             tokenizer,
             [ScoreItem(items[j][0], reply[items[j][1]]) for j in new],
             how.temperature,
             how.micro_batch_tokens,
         )
-        found.update(zip(new, scored, strict=True))
+        if new
+        else []
+    )
+    fresh = {key[j]: lp for j, lp in zip(new, scored, strict=True)}
     for j in keep:
-        lp = found[j]
-        assert lp is not None
+        lp = fresh[key[j]] if key[j] in fresh else how.known[key[j]]
         out[j] = [x for x, m in zip(lp, span[items[j][1]], strict=True) if m]
     return out
 

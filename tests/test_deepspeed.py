@@ -4,7 +4,7 @@ from ZeRO-3, resume from DeepSpeed's own checkpoint, skipped non-finite steps, b
 
 DeepSpeed runs on the CPU here (gloo). Its first initialize on a machine compiles a small
 shared-memory op (about a minute, cached under $TORCH_EXTENSIONS_DIR, by default in
-$SERL_CACHE_DIR/torch_extensions).
+$SERL_CACHE_DIR/torch_extensions/<one folder per Python environment>).
 """
 
 from __future__ import annotations
@@ -348,9 +348,9 @@ def test_a_lock_left_by_a_killed_process_does_not_hold_the_next_one(tmp_path):
     an flock that dies with its holder (training.deepspeed.load_shm_op)."""
     import fcntl
 
-    from serl_cli.rollout.default_model import cache_root
+    from serl_cli.training.deepspeed import extensions_dir
 
-    extensions = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_root() / "torch_extensions")
+    extensions = extensions_dir()
     (extensions / "deepspeed_shm_comm").mkdir(parents=True, exist_ok=True)
     stale = extensions / "deepspeed_shm_comm" / "lock"
     with open(extensions / ".deepspeed_shm_comm.serl-lock", "w") as guard:

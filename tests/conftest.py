@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+# -- a folder nothing can be written into (the read-only checks) --------------------------------------
+@pytest.fixture
+def unwritable(tmp_path) -> Iterator[Path]:
+    """A folder this process cannot create anything in: a read-only one, or for root (who writes
+    into those anyway) a folder of sysfs, which refuses new entries to everyone."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        (folder / "probe").mkdir()
+    except OSError:
+        yield folder
+    else:
+        (folder / "probe").rmdir()
+        sysfs = Path("/sys/kernel")
+        try:
+            (sysfs / "serl-probe").mkdir()
+        except OSError:
+            yield sysfs
+        else:  # pragma: no cover
+            (sysfs / "serl-probe").rmdir()
+            pytest.skip("no folder here refuses this process a new directory")
+    finally:
+        folder.chmod(0o755)

@@ -71,6 +71,40 @@ def test_train_and_test_come_from_different_seeds(world):
     assert world.num_tasks("train") == 100_000 and world.num_tasks("test") == PANEL
 
 
+# -- disjoint_rooms: a train split with no room of the test panel -----------------------------------
+DISJOINT_TRAIN = 300  # train tasks checked: about 70 of them hold a panel room by default
+
+
+@pytest.fixture(scope="module")
+def disjoint() -> SokobanWorld:
+    return SokobanWorld(SokobanConfig(disjoint_rooms=True))
+
+
+def test_default_train_rooms_are_pinned(world):
+    # the first train rooms as they were before disjoint_rooms existed (off by default: nothing changes)
+    texts = "\n\n".join(str(world.room("train", i)) for i in range(DISJOINT_TRAIN))
+    assert hashlib.sha1(texts.encode()).hexdigest()[:16] == TRAIN_SHA1
+
+
+def test_disjoint_rooms_keeps_every_panel_room_out_of_train(world, panel, disjoint):
+    panel_rooms = {level.room for level in panel}
+    assert disjoint.test_rooms == panel_rooms
+    default = [world.room("train", i) for i in range(DISJOINT_TRAIN)]
+    apart = [disjoint.room("train", i) for i in range(DISJOINT_TRAIN)]
+    assert not panel_rooms & set(apart)
+    assert any(room in panel_rooms for room in default)  # by default some are: the seeds differ, the rooms not
+    # only the tasks whose room was a panel room change; every other train task keeps its room
+    assert [a == d for a, d in zip(apart, default, strict=True)] == [d not in panel_rooms for d in default]
+    redrawn = [disjoint.level("train", i) for i in range(DISJOINT_TRAIN) if apart[i] != default[i]]
+    assert min(level.distance(level.start) for level in redrawn) >= SokobanConfig().min_solution  # still kept rooms
+
+
+def test_disjoint_rooms_leaves_the_test_panel_and_the_default_as_they_are(panel, disjoint):
+    assert [str(disjoint.room("test", i)) for i in range(PANEL)] == [str(level.room) for level in panel]
+    assert not SokobanConfig().disjoint_rooms
+    assert make_world("sokoban", disjoint_rooms=True).config.disjoint_rooms
+
+
 # -- solver -------------------------------------------------------------------------------------
 def test_solver_plans_replay_to_a_solve_on_every_panel_room(panel):
     for level in panel:
@@ -326,3 +360,4 @@ def test_registered_with_settings():
 
 
 PANEL_SHA1 = "2270974c5e2afc1f"
+TRAIN_SHA1 = "57983b31549f535c"  # train rooms 0-299 at the default settings

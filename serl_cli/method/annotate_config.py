@@ -21,8 +21,8 @@ Unparsed = Literal["none", "whole"]
 # which characters are the action: last = the executed one by serl's parse (the last closed <action> tag, or a
 # bare action) | authors = every tagged span, malformed tags included, else search[...]/click[...] anywhere
 ActionSpans = Literal["last", "authors"]
-# how ref and expert render: the whole trajectory as "Step k" lines | only this state's action (method.feedback):
-# a prompt with no history cannot tell which line of a trajectory is "now"
+# how ref, expert and shuffled render: the whole trajectory as "Step k" lines | only this state's action
+# (method.feedback): a prompt with no history cannot tell which line of a trajectory is "now"
 Trajectory = Literal["full", "aligned"]
 GRANULARITIES = get_args(Granularity)
 
@@ -31,14 +31,15 @@ GRANULARITIES = get_args(Granularity)
 class AnnotateConfig:
     sources: str = setting(
         "obs",
-        "feedback sources: error, diff, obs, future, ref; ',' combines, '|' falls back (e.g. 'ref|error'; "
+        "feedback sources: error, diff, obs, future, ref, expert (privileged oracle), shuffled (the oracle's "
+        "block naming random other moves: its control; Sokoban); ',' combines, '|' falls back (e.g. 'ref|error'; "
         "METHOD.md 3). obs = the environment's raw answer, the authors' default mode immediate_feedback "
         "(serl_trainer.yaml:47, run_webshop.sh:22, run_alfworld.sh)",
     )
     trajectory: Trajectory = setting(
         "full",
-        "ref and expert: full (the whole trajectory as 'Step k' lines) | aligned (only this state's action: a "
-        "prompt with no history cannot tell which line of a trajectory is now)",
+        "ref, expert and shuffled: full (the whole trajectory as 'Step k' lines) | aligned (only this state's "
+        "action: a prompt with no history cannot tell which line of a trajectory is now)",
     )
     granularity: Granularity = setting("step", "step | anchor")
     placement: str = setting(

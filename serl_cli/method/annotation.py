@@ -159,7 +159,12 @@ def annotate_episodes(
         key = ep.group_key
         for t_idx in range(len(ep.turns)):
             ctx = fb.TurnContext(
-                episode=ep, turn=t_idx, group=groups[key], expert=experts.get(ep.task_id), trajectory=cfg.trajectory
+                episode=ep,
+                turn=t_idx,
+                group=groups[key],
+                expert=experts.get(ep.task_id),
+                trajectory=cfg.trajectory,
+                seed=cfg.seed,
             )
             if cfg.granularity == "anchor":
                 text, used, fired = anchors_mod.hindsight_anchor(ctx, spec, anchors[key])

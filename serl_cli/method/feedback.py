@@ -31,11 +31,12 @@ says whether the evidence counts for placement ``feedback``, serl's turn-selecti
             this turn's state, else the same turn index) differs from the action taken.
     expert  the environment's expert demonstration for the task, labelled as privileged
             oracle information: the paper never uses it. Same step format; fires as ``ref``.
+    shuffled  serl's: the ``expert`` block naming random other moves -- its control (below).
 
 Trajectory rendering (``TurnContext.trajectory``, ``annotate.trajectory``) for ``ref`` and
-``expert``: ``full`` (above) shows the whole trajectory as "Step k" lines, which a prompt
-without history or step index cannot align with "now". ``aligned`` shows only what applies
-to this very state, as the authors' prompt does by saying "you are now at step N":
+``expert`` (``shuffled`` as ``expert``): ``full`` (above) shows the whole trajectory as "Step k"
+lines, which a prompt without history or step index cannot align with "now". ``aligned`` shows
+only what applies to this very state, as the authors' prompt does by saying "you are now at step N":
 
     ref     "What a successful rollout did from this state:" and the reference rollout's
             reply at its last visit of this turn's state; nothing when it never visited it
@@ -45,6 +46,16 @@ to this very state, as the authors' prompt does by saying "you are now at step N
             expert's action from this turn's state (the turn record's ``expert_action``: on
             Sokoban the solver's move); nothing where there is none (a lost task). Fires when
             it differs from the action taken. Still privileged oracle information.
+
+``shuffled`` is the oracle's control: does what the block says matter, or only that there is one?
+Its block is the ``expert`` block, title and layout the same, on the same turns (nothing where the
+expert has nothing), but each move it names is drawn uniformly among the moves other than the
+expert's (``SHUFFLED_MOVES``: Sokoban's four). The draw is a hash of the annotate seed and the turn's
+ids (task, group, rollout, turn; in the full rendering the rollout and the step instead of the turn,
+so the trajectory is the same at every turn, as the expert's is), so one run gives the same blocks on
+every machine and in every process. It fires as ``expert`` does, on the moves it names. The title
+still says oracle: a teacher told otherwise would read another block. At anchor granularity it is
+not pooled: each turn gets its own block, as at step granularity.
 
 Choices written down here: steps are numbered from 1, as serl's student prompt numbers its
 turns (the authors number env steps from 0, rollout_loop.py:502); reasoning is removed with
@@ -63,20 +74,25 @@ back (the first alternative that renders): ``"ref|obs"`` is the authors'
 from __future__ import annotations
 
 import abc
+import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from envs.base import state_key as hash_observation
+from envs.sokoban.rooms import DIRECTIONS
 from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.errors import SerlError
 from serl_cli.rollout.prompts import format_action
 
 TAIL_CHARS = 16  # a cut drops a partial word up to max(20 % of the text, this many characters)
 EFFECT_CHARS = 100  # one line of pooled anchor evidence: a glimpse
-TRAJECTORIES = ("full", "aligned")  # how ref and expert render: the whole trajectory | this state's action
+TRAJECTORIES = ("full", "aligned")  # how ref, expert, shuffled render: the whole trajectory | this state's action
 SECTION_SEPARATOR = "\n\n"  # between sections (PC:452)
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)  # reasoning, removed from shown replies
+# the moves ``shuffled`` draws from: a turn record does not keep the admissible actions, so the source
+# knows one environment's fixed set, Sokoban's, where every move is admissible in every state
+SHUFFLED_MOVES = DIRECTIONS
 
 
 def _norm(action: str | None) -> str:
@@ -147,7 +163,8 @@ class TurnContext:
     turn: int  # index into episode.turns
     group: list[Episode] = field(default_factory=list)  # episodes of this (task_id, group_id), this one included
     expert: list[dict] | None = None  # the expert's steps {"observation", "action"[, "state_key"]} from the start
-    trajectory: str = "full"  # ref and expert: full | aligned (TRAJECTORIES)
+    trajectory: str = "full"  # ref, expert and shuffled: full | aligned (TRAJECTORIES)
+    seed: int = 0  # the annotate seed: shuffled's draws
 
     def __post_init__(self):
         self.group = self.group or [self.episode]
@@ -335,14 +352,72 @@ class Expert(Source):
         return bool(ctx.expert) and _disagrees(ctx, expert_steps(ctx))
 
 
+def other_move(expert_move: str, key: Sequence[object]) -> str:
+    """A move of ``SHUFFLED_MOVES`` other than ``expert_move``, uniform over them, drawn from a hash of
+    ``key``: the same on every machine and in every process (Python's ``hash`` of a string is salted per
+    process, and a shared random stream would depend on the order turns are rendered in)."""
+    others = [m for m in SHUFFLED_MOVES if not same_action(m, expert_move)]
+    if len(others) == len(SHUFFLED_MOVES):
+        raise SerlError(
+            f"the shuffled source draws among {', '.join(SHUFFLED_MOVES)} (Sokoban's moves), and the expert's "
+            f"action {expert_move!r} is none of them: use it on --env sokoban"
+        )
+    digest = hashlib.sha256(":".join(str(k) for k in key).encode()).digest()
+    return others[int.from_bytes(digest[:8], "big") % len(others)]
+
+
+def shuffled_move(ctx: TurnContext) -> str | None:
+    """The move the aligned ``shuffled`` block names at this turn; None where the expert has no action."""
+    move = ctx.step.expert_action
+    if not move:
+        return None
+    ep = ctx.episode
+    return other_move(move, ("shuffled", ctx.seed, ep.task_id, ep.group_id, ep.rollout_index, ctx.turn))
+
+
+def shuffled_steps(ctx: TurnContext) -> list[tuple[str, str]]:
+    """The expert's demonstration (:func:`expert_steps`) with every move replaced by another: drawn per
+    rollout, not per turn, so that, like the expert's, the block is the same at every turn of a rollout."""
+    ep = ctx.episode
+    ids = ("shuffled", ctx.seed, ep.task_id, ep.group_id, ep.rollout_index)
+    return [(other_move(action, (*ids, "step", k)), key) for k, (action, key) in enumerate(expert_steps(ctx))]
+
+
+@register
+class Shuffled(Source):
+    """The oracle's block naming random moves other than the expert's: the control that asks whether
+    the information in the block matters. Rendered and fired as ``expert`` is."""
+
+    name = "shuffled"
+
+    def render(self, ctx):
+        if ctx.aligned:
+            move = shuffled_move(ctx)
+            return section(Expert.aligned_title, format_action(move)) if move else None
+        if not ctx.expert:
+            return None
+        steps = [(k, format_action(action)) for k, (action, _) in enumerate(shuffled_steps(ctx))]
+        return section(Expert.title, trajectory_text(steps))
+
+    def fires(self, ctx):
+        if ctx.aligned:
+            move = shuffled_move(ctx)
+            return move is not None and not same_action(move, _action(ctx.step))
+        return bool(ctx.expert) and _disagrees(ctx, shuffled_steps(ctx))
+
+
+EXPERT_SOURCES = ("expert", "shuffled")  # the sources that read the environment's expert trajectory in full
+
+
 def check_trajectory(trajectory: str) -> None:
     if trajectory not in TRAJECTORIES:
         raise SerlError(f"unknown trajectory rendering {trajectory!r}: choose one of {', '.join(TRAJECTORIES)}")
 
 
 def uses_expert_trajectory(spec, trajectory: str) -> bool:
-    """Whether the blocks need the environment's expert trajectories (``expert``, rendered in full)."""
-    return trajectory == "full" and any("expert" in alts for alts in _spec(spec))
+    """Whether the blocks need the environment's expert trajectories (``expert`` or ``shuffled``, rendered in
+    full)."""
+    return trajectory == "full" and any(name in EXPERT_SOURCES for alts in _spec(spec) for name in alts)
 
 
 def parse_sources(spec: str) -> list[list[str]]:

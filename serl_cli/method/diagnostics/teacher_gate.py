@@ -13,6 +13,10 @@ scored whatever its advantage; a turn whose state appears in the warm start's SF
   intervals over turns (Wilson; t) -- turns of one rollout are not independent, so the
   intervals are indicative -- and how many distinct states the turns cover.
 * ``GATE``: the thresholds the aligned oracle must meet (right direction >= 0.9, gain >= +0.3).
+* the ``shuffled`` block (the oracle's block naming a random other move) is measured as the
+  others, against the real expert move: a teacher that copies its block moves the wrong way on
+  every turn but those whose action is neither the expert's nor the named move, so its right
+  direction falls below one half and its gain below 0; a teacher blind to blocks stays near one half and 0.
 
 The blind-copy check (:func:`blind_copy`): on turns whose state has a deadlocking move d, the
 teacher is shown a block that names d as if it were good -- the aligned oracle's layout
@@ -40,11 +44,13 @@ from serl_cli.stats.summary import t_interval, wilson_interval
 GATE = {"right_direction": 0.9, "expert_prob_gain": 0.3}  # the aligned oracle's thresholds (issue 29)
 MIN_STATES = 200  # held-out panel states the gate needs at least
 # the three blocks of study v4's SERL arms: the aligned oracle and reference on every turn, the
-# environment's feedback on the turns it flagged
+# environment's feedback on the turns it flagged; and the oracle's control, its block naming a random
+# other move (study v6): a teacher that reads moves the wrong way on it, one that ignores blocks does not
 BLOCKS = {
     "expert (aligned)": {"sources": "expert", "trajectory": "aligned", "placement": "all"},
     "ref (aligned)": {"sources": "ref", "trajectory": "aligned", "placement": "all"},
     "error,diff (flagged turns)": {"sources": "error,diff", "placement": "feedback"},
+    "shuffled (aligned)": {"sources": "shuffled", "trajectory": "aligned", "placement": "all"},
 }
 FALSE_BLOCKS = {  # the blind-copy check: a deadlocking move named as good, and its real feedback
     "expert names d": ("named", "expert"),

@@ -58,6 +58,9 @@ def test_ppo_clip_branches_and_clip_frac():
     assert stats["clip_frac"] == approx(2 / 6)  # r=1.5 at A>0 and r=0.5 at A<0
     assert stats["ratio_mean"] == approx(3.1 / 3)  # (1.1+1.5+0.5) * 2 / 6 = 1.03333
     assert stats["approx_kl"] == approx(-math.log(0.825) / 3)  # -2 ln(1.1*1.5*0.5)/6 = 0.064124
+    # k3 = (r - 1) - ln r per token: 0.1 - ln 1.1, 0.5 - ln 1.5, -0.5 - ln 0.5; each twice, mean of 6:
+    # (3.1 - 3 - ln 0.825) / 3 = (0.1 + 0.192372) / 3 = 0.097457, and never below 0
+    assert stats["kl_k3"] == approx((0.1 - math.log(0.825)) / 3)
     # d loss/d logp = -A r / N on the unclipped branch, 0 where the clip binds.
     (grad,) = torch.autograd.grad(loss, logp)
     expected = torch.tensor([[-1.1, 0.0, -0.5], [1.5, 0.0, 1.1]]) / 6

@@ -251,3 +251,104 @@ def test_pi_prox_only_where_a_gradient_is_changes_no_weight(mover, tmp_path, mon
     )
     final = "checkpoint/model.safetensors"
     assert (tmp_path / "some" / final).read_bytes() == (tmp_path / "all" / final).read_bytes()
+
+
+# -- faults, through the command line as a job runs it ---------------------------------------------
+def cli_run(cfg_file: Path, out: Path, *extra: str) -> subprocess.Popen:
+    """``serl train --config CFG --out OUT`` in a session of its own (a job step: one process group)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "serl_cli", "train", "--config", str(cfg_file), "--out", str(out), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        start_new_session=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def run_file(mover, tmp_path_factory) -> Path:
+    """The kill script's run (serl, 6 iterations, max_staleness 1) as a config file."""
+    import yaml
+
+    from serl_cli.online.run_file import run_settings
+
+    cfg = run_config("serl", mover, Path("unused"), max_staleness=1)
+    cfg.iterations = 6
+    path = tmp_path_factory.mktemp("cfg") / "run.yaml"
+    path.write_text(yaml.safe_dump(run_settings(cfg)))
+    return path
+
+
+def wait_for(condition, proc: subprocess.Popen, limit: float = 300) -> None:
+    deadline = time.time() + limit
+    while time.time() < deadline and not condition():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.02)
+    assert condition(), "the moment never came"
+
+
+def assert_same_as_whole(whole: Path, run: Path) -> None:
+    for j in range(6):
+        name = f"iter_{j:04d}/rollouts.jsonl"
+        assert (whole / name).read_bytes() == (run / name).read_bytes(), name
+    assert (whole / "metrics.jsonl").read_bytes() == (run / "metrics.jsonl").read_bytes()
+    final = "checkpoint/model.safetensors"
+    assert (whole / final).read_bytes() == (run / final).read_bytes()
+
+
+def test_a_killed_producer_ends_the_trainer_in_one_line_and_the_run_resumes(run_file, whole_run, tmp_path):
+    out = tmp_path / "run"
+    proc = cli_run(run_file, out)
+    wait_for(lambda: (out / "iter_0002" / "checkpoint").is_dir() and producer_pids(proc.pid), proc)
+    (child,) = producer_pids(proc.pid)
+    os.kill(child, signal.SIGKILL)
+    t0 = time.time()
+    _, stderr = proc.communicate(timeout=60)
+    assert time.time() - t0 < 5, "the trainer took more than 5 s to notice its producer's death"
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]  # beside the run's own notes
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in stderr, stderr
+    assert "rollout producer" in errors[0] and "killed by SIGKILL" in errors[0] and "--resume" in errors[0]
+    resumed = cli_run(run_file, out, "--resume")
+    assert resumed.wait(300) == 0, resumed.communicate()[1][-2000:]
+    assert_same_as_whole(whole_run, out)
+
+
+STARTED = lambda out: (out / "manifest.json").is_file()  # noqa: E731  the model is loaded, no iteration ran
+WAITING = lambda out: (out / "iter_0001" / "rollouts.jsonl").is_file()  # noqa: E731  the issue's own repro
+SAVING = lambda out: any((out / "iter_0002").glob(".checkpoint*"))  # noqa: E731  a checkpoint half-written
+
+
+@pytest.mark.parametrize(
+    ("moment", "delay"), [(STARTED, 0.0), (WAITING, 1.4), (SAVING, 0.0)], ids=["start-up", "rollout", "checkpoint"]
+)
+def test_a_job_s_sigterm_to_every_process_exits_75_and_resumes(run_file, whole_run, tmp_path, moment, delay):
+    """SLURM's preemption: SIGTERM to the whole step, trainer and producer at once, at any phase. The
+    run stops with exit 75 (what the generated sbatch requeues on), and --resume finishes it as if
+    never stopped."""
+    out = tmp_path / "run"
+    proc = cli_run(run_file, out)
+    wait_for(lambda: moment(out), proc)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-2000:]
+    assert "Traceback" not in stderr
+    resumed = cli_run(run_file, out, "--resume")
+    assert resumed.wait(300) == 0, resumed.communicate()[1][-2000:]
+    assert_same_as_whole(whole_run, out)
+
+
+def test_versions_kept_are_those_the_algorithm_reads_and_follow_the_umask(mover, tmp_path):
+    """GRPO has no teacher: a run keeps only the versions a resume at its oldest checkpoint rolls out
+    with (not every teacher_sync_interval-th one since the start), written with the umask's mode."""
+    inline = {"max_staleness": 1, "producer": ProducerConfig(mode="inline"), "keep_last": 1}
+    old = os.umask(0o027)
+    try:
+        run_online(run_config("grpo", mover, tmp_path / "run", **inline))
+    finally:
+        os.umask(old)
+    versions = sorted((tmp_path / "run" / producer.VERSIONS).glob("v*.safetensors"))
+    # the one checkpoint kept is iteration 3's: a resume at 4 rolls out with version 3; 4 is the newest
+    assert [int(v.stem[1:]) for v in versions] == [ITERATIONS - 1, ITERATIONS]
+    assert {v.stat().st_mode & 0o777 for v in versions} == {0o640}

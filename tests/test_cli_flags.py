@@ -142,9 +142,11 @@ def test_help_is_the_settings_doc_with_its_default_in_order():
     assert re.search(r"--count\s+<int>\s+Count them\.\s", text) and "[default: (None)]" not in text
     assert "--on" in text and "--no-on" in text and "whether it is on." in text
     assert "--other" not in text
+    # the command's own options, then its flags in panels by the section they set, each in declared order
     order = [name for name in re.findall(r"│ (--[a-z-]+)", text)]
-    assert order == ["--mode", "--on", "--count", "--name", "--loud", "--config", "--set", "--seed", "--quiet",
-                     "--verbose", "--help"]  # fmt: skip
+    assert order == ["--loud", "--config", "--set", "--seed", "--quiet", "--verbose", "--help", "--mode", "--count",
+                     "--name", "--on"]  # fmt: skip
+    assert re.findall(r"╭─ (\w[\w ]*) ─", text) == ["Options", "Run", "Switches"]
 
 
 def test_a_flag_without_its_setting_fails_at_declaration():

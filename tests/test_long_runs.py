@@ -96,7 +96,8 @@ def reference(tiny_model_dir, tmp_path_factory):
 
 def test_periodic_evaluation_and_checkpoint_retention(reference):
     metrics = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
-    assert [("eval_success_rate" in m) for m in metrics] == [False, True, False]  # after iteration 2 of 3 (every 2)
+    # after iteration 2 of 3 (every 2), and after the last: a run ends with an evaluation
+    assert [("eval_success_rate" in m) for m in metrics] == [False, True, True]
     assert {"eval_score", "eval_invalid_action_rate", "eval_mean_turns"} <= set(metrics[1])
     assert (reference / "iter_0001" / "eval.json").is_file() and not (reference / "iter_0000" / "eval.json").exists()
     # due: iterations 1 (every 2) and 2 (the last); kept: the newest one

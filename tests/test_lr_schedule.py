@@ -105,11 +105,11 @@ def test_an_update_steps_the_schedule_and_reports_its_lr(episodes, stopping_mode
 
 def test_a_default_update_is_the_constant_lr_one(episodes, stopping_model_dir, tmp_path):
     """The default (constant, no warmup) runs as a run did before schedules existed: no scheduler
-    touches the optimizer (its param group holds no initial_lr), no lr metric, and the resume
-    state holds what it held (the updates and AdamW's state)."""
+    touches the optimizer (its param group holds no initial_lr), the lr metric is the constant one, and
+    the resume state holds what it held (the updates and AdamW's state)."""
     default = Learner(str(stopping_model_dir), _cfg())
     metrics = default.update(copy.deepcopy(episodes), 1.0)
-    assert default.backend.scheduler is None and "lr" not in metrics
+    assert default.backend.scheduler is None and metrics["lr"] == 1e-3
     assert default.optimizer.param_groups[0]["lr"] == 1e-3 and "initial_lr" not in default.optimizer.param_groups[0]
     state = torch.load(default.save(tmp_path / "ckpt") / "trainer_state.pt", weights_only=False)
     assert set(state) == {"updates", "optimizer"}
@@ -146,3 +146,25 @@ def test_a_deepspeed_scheduler_section_and_serls_schedule_are_not_both_taken(tmp
     resolve_config(ds, OptimConfig(), bf16_available=False)  # the file's own scheduler alone: fine
     with pytest.raises(SerlError, match=r"has a scheduler section and train\.optim\.schedule/warmup_steps"):
         resolve_config(ds, OptimConfig(warmup_steps=1), bf16_available=False)
+
+
+def test_the_online_loop_derives_total_steps_from_the_run_and_keeps_it():
+    """A schedule without total_steps decays over the run (TRL derives its max steps the same way); the
+    number goes into the run's settings, so a resume that runs longer keeps the run's schedule."""
+    from serl_cli.online.config import OnlineConfig, check_online_config
+    from serl_cli.online.run_file import run_settings
+
+    cfg = OnlineConfig(iterations=10)
+    cfg.train.epochs, cfg.train.mini_batches, cfg.train.optim.schedule = 2, 3, "cosine"
+    check_online_config(cfg)
+    assert cfg.train.optim.total_steps == 60 and run_settings(cfg)["train"]["optim"]["total_steps"] == 60
+    cfg.iterations = 20  # a resume going on for longer: the stored number stands
+    check_online_config(cfg)
+    assert cfg.train.optim.total_steps == 60
+    constant = OnlineConfig(iterations=10)
+    check_online_config(constant)
+    assert constant.train.optim.total_steps == 0
+    by_turns = OnlineConfig(iterations=10)
+    by_turns.train.optim.schedule, by_turns.train.mini_batch_turns = "linear", 64
+    with pytest.raises(SerlError, match="train.optim.total_steps"):
+        check_online_config(by_turns)  # the steps per update depend on the turns: left to set

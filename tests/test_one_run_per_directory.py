@@ -64,8 +64,26 @@ def test_online_resume_with_other_settings_is_refused_and_changes_nothing(online
     before = tree_hash(run.parent)  # the run and its lock's folder
     result = cli(capsys, *args, "--iterations", "2", *change, "--resume")
     line = one_line_error(result, named, "--out", "--overwrite")
-    assert "--resume" not in line  # the way out never continues the run with the other settings
+    # the way out never continues the run with the other settings: only with its own, nothing else given
+    assert "--resume" not in line.replace(f"`serl train --out {run} --resume` alone", "")
     assert tree_hash(run.parent) == before
+
+
+def test_a_resume_needs_only_the_run_and_names_every_difference(online_run, tmp_path, capsys):
+    """`serl train --out RUN --resume` reads RUN's own settings: nothing of the command that made it is
+    retyped; what is given besides must agree, and every setting that does not is named at once."""
+    src, _ = online_run
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    before = tree_hash(run)
+    result = cli(capsys, "train", "--out", str(run), "--resume", "--tasks", "3", "--set", "train.algo=serl")
+    one_line_error(result, "rollout.tasks: stored 1, now 3; train.algo: stored grpo, now serl")
+    assert tree_hash(run) == before
+    code, _, err = cli(capsys, "train", "--out", str(run), "--resume", "--iterations", "2", "-q")
+    assert code == 0, err
+    online = json.loads((run / "manifest.json").read_text())["stages"]["online"]
+    assert online["status"] == "done" and online["config"]["iterations"] == 2
+    assert online["config"]["rollout"]["tasks"] == 1 and online["config"]["env"]["settings"]["catalog"] == "synthetic"
 
 
 def test_online_resume_may_go_on_for_longer_and_the_manifest_says_so(online_run, tmp_path, capsys):

@@ -44,3 +44,18 @@ def test_plot_cli_and_bad_input(tmp_path):
     assert_one_line_error(serl("plot", str(tmp_path), "--x", "wall"), "unknown x axis 'wall'")
     p = serl("plot", str(tmp_path), "--out", str(tmp_path / "c.png"))
     assert p.returncode == 0 and (tmp_path / "c.png").is_file()
+
+
+def test_plot_into_a_folder_it_cannot_write_is_one_line(tmp_path, unwritable):
+    """A run on a read-only mount (or any folder this process cannot write): one line, no traceback."""
+    write_metrics(tmp_path)
+    done = serl("plot", str(tmp_path), "--out", str(unwritable / "curves.png"))
+    assert_one_line_error(done, f"could not write {unwritable / 'curves.png'}", "--out")
+    assert not (unwritable / "curves.png").exists()
+
+
+def test_a_cut_metrics_file_says_how_to_read_the_rest(tmp_path):
+    write_metrics(tmp_path)
+    data = (tmp_path / "metrics.jsonl").read_bytes()
+    (tmp_path / "metrics.jsonl").write_bytes(data[:-10])
+    assert_one_line_error(serl("plot", str(tmp_path)), "truncated last line", "delete the cut last line")

@@ -70,7 +70,10 @@ def test_progress_lines_keep_their_interval_and_stay_off_a_terminal(monkeypatch)
     lines = common.LogProgress(log, "rollout", "episodes", total=8)  # started at 0 s
     for _ in range(4):  # at 10, 31, 40, 62 s: a line at 31 and at 62
         lines.advance()
-    assert log.export_text().splitlines() == ["rollout: 2/8 episodes, 31 s", "rollout: 4/8 episodes, 62 s"]
+    assert log.export_text().splitlines() == [
+        "rollout: 2/8 episodes, 31 s, ETA 1:33",
+        "rollout: 4/8 episodes, 62 s, ETA 1:02",
+    ]
     tty = Console(record=True, force_terminal=True)
     common.LogProgress(tty, "rollout", "episodes").update(5)
     assert tty.export_text() == ""  # the bar is there

@@ -222,7 +222,7 @@ def refused(record: dict, need_tokens: bool = True) -> str:
         (lambda r: r.update(task_id="50494"), f'{WHERE}: task_id must be an integer, got "50494"'),
         (lambda r: r.update(group_id=0.0), f"{WHERE}: group_id must be an integer, got 0.0"),
         (lambda r: r.update(rollout_index=True), f"{WHERE}: rollout_index must be an integer, got true"),
-        (lambda r: r.update(reward="high"), f'{WHERE}: reward must be a number, got "high"'),
+        (lambda r: r.update(reward="high"), f'{WHERE}: reward must be a finite number, got "high"'),
         (lambda r: r.update(success=1), f"{WHERE}: success must be true or false, got 1"),
         (lambda r: r.update(turns=[5]), f"{WHERE}: a turn must be a JSON object, got int"),
         (lambda r: r["turns"][0].pop("feedback"), f"{WHERE}: a turn lacks feedback (rollouts without feedback"),
@@ -232,18 +232,18 @@ def refused(record: dict, need_tokens: bool = True) -> str:
         ),
         (
             lambda r: r["turns"][0].update(action_ids="12 13"),
-            f'{WHERE}: a turn\'s action_ids must be a list of token ids, got "12 13"',
+            f'{WHERE}: a turn\'s action_ids must be a list of token ids (integers from 0), got "12 13"',
         ),
         (
             lambda r: r["turns"][1].update(prompt_ids=[1, 2.0]),
-            f"{WHERE}: a turn's prompt_ids must be a list of token ids, got [1, 2.0]",
+            f"{WHERE}: a turn's prompt_ids must be a list of token ids (integers from 0), got [1, 2.0]",
         ),
         (
             lambda r: r["turns"][0].update(behaviour_logprobs=[-1, "x"]),
             f'{WHERE}: a turn\'s behaviour_logprobs must be a list of numbers, got [-1, "x"]',
         ),
         (lambda r: r["turns"][0].update(action_text=None), f"{WHERE}: a turn's action_text must be a string, got null"),
-        (lambda r: r["turns"][0].update(reward=None), f"{WHERE}: a turn's reward must be a number, got null"),
+        (lambda r: r["turns"][0].update(reward=None), f"{WHERE}: a turn's reward must be a finite number, got null"),
         (lambda r: r["turns"][0].update(done="no"), f'{WHERE}: a turn\'s done must be true or false, got "no"'),
         (lambda r: r["turns"][0].update(state_key=7), f"{WHERE}: a turn's state_key must be a string, got 7"),
         (
@@ -283,7 +283,7 @@ def test_read_rollouts_names_the_file_and_line(tmp_path):
     run = tmp_path / "run"
     io.write_json(run / "manifest.json", io.new_manifest("rollout", {}, 0))
     io.write_jsonl(run / "rollouts.jsonl", [episode_record(), episode_record(reward="high")])
-    with pytest.raises(SerlError, match=r"rollouts\.jsonl:2: reward must be a number"):
+    with pytest.raises(SerlError, match=r"rollouts\.jsonl:2: reward must be a finite number"):
         read_rollouts(run)
     io.write_jsonl(run / "rollouts.jsonl", [episode_record(), {k: 1 for k in ("task_id", "group_id")}])
     with pytest.raises(SerlError, match=r"rollouts\.jsonl:2: record lacks rollout_index, turns, reward, success"):

@@ -81,7 +81,10 @@ def _grid(tmp_path: Path, model: Path, slurm: dict, base: dict | None = None, **
     data = yaml.safe_load(path.read_text())
     data["slurm"] = slurm
     for section, values in (base or {}).items():
-        data["base"].setdefault(section, {}).update(values)
+        if isinstance(values, dict):
+            data["base"].setdefault(section, {}).update(values)
+        else:  # a top-level setting (max_staleness)
+            data["base"][section] = values
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -135,8 +138,24 @@ def _fake_slurm(tmp_path: Path) -> dict:
     }
 
 
-def test_sigusr1_requeues_the_task_and_the_rerun_resumes(tmp_path, tiny_model_dir):
-    grid = _grid(tmp_path, tiny_model_dir, {"signal_grace_s": 120}, algos=("grpo",), seeds=1, iterations=3)
+@pytest.mark.parametrize(
+    ("how", "staleness"),
+    [("USR1 to the batch shell", 0), ("TERM to every process of the job", 1)],
+    ids=["usr1", "group-term"],
+)
+def test_a_stopped_task_is_requeued_and_the_rerun_resumes(tmp_path, tiny_model_dir, how, staleness):
+    """SLURM's time-limit warning (``--signal=B:USR1@...``, to the batch shell), and its preemption
+    (SIGTERM to every process of the job at once: the shell, the cell, its rollout producer): either
+    way the cell checkpoints and exits 75, the task is requeued, and its rerun resumes."""
+    grid = _grid(
+        tmp_path,
+        tiny_model_dir,
+        {"signal_grace_s": 120},
+        {"max_staleness": staleness} if staleness else None,
+        algos=("grpo",),
+        seeds=1,
+        iterations=3,
+    )
     out = tmp_path / "abl"
     assert run(str(grid), "--out", str(out), "--emit", "slurm").returncode == 0
     env = _fake_slurm(tmp_path)
@@ -157,7 +176,10 @@ def test_sigusr1_requeues_the_task_and_the_rerun_resumes(tmp_path, tiny_model_di
             break
         time.sleep(0.05)
     assert p.poll() is None, p.communicate()[1][-2000:]
-    os.kill(p.pid, signal.SIGUSR1)  # what --signal=B:USR1@120 sends the batch shell
+    if staleness:
+        os.killpg(p.pid, signal.SIGTERM)  # the shell leads its own session: every process of the task
+    else:
+        os.kill(p.pid, signal.SIGUSR1)  # what --signal=B:USR1@120 sends the batch shell
     stdout, stderr = p.communicate(timeout=240)
     assert p.returncode == 0, stderr[-2000:]
     assert "requeued" in stdout and (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77_0"]
@@ -269,3 +291,22 @@ def test_a_grid_without_resources_gets_defaults_and_this_interpreter(tmp_path, t
     assert q.returncode == 0, q.stderr[-2000:]
     rec = json.loads((out / "grid.json").read_text())
     assert json.loads((out / "cells" / rec["cells"][0]["name"] / "cell.json").read_text())["status"] == "done"
+
+
+@pytest.mark.parametrize(
+    ("slurm", "needle"),
+    [
+        ({"partition": "gpu\n#SBATCH --wrap=rm"}, "slurm.partition must be one word"),
+        ({"account": "my lab"}, "slurm.account must be one word"),
+        ({"time": "1:00:00 --exclusive"}, "slurm.time must be one word"),
+        ({"setup": ["module load cuda\nrm -rf ~"]}, "slurm.setup must not hold a line break"),
+        ({"extra": ["--qos=high\n--wrap=x"]}, "slurm.extra must not hold a line break"),
+    ],
+)
+def test_slurm_values_that_would_rewrite_the_script_are_refused(slurm, needle):
+    with pytest.raises(SerlError, match=needle):
+        ab._check_slurm(slurm)
+
+
+def test_slurm_values_of_the_usual_shapes_pass():
+    ab._check_slurm({"partition": "gpu-a100,gpu-h100", "account": "lab_1", "time": "2-00:00:00", "mem": "256G"})

@@ -217,3 +217,10 @@ def test_demo_reads_the_environment_from_config_and_set(tmp_path):
     assert _env_in([str(tmp_path / "c.yaml")], None) == "webshop"
     assert _env_in([str(tmp_path / "c.yaml")], ["env.name=sokoban"]) == "sokoban"
     assert _env_in(None, ["seed=3"]) is None
+
+
+def test_the_quick_demo_has_a_folder_of_its_own():
+    """`serl demo --quick` then `serl demo`, as the README runs them: the second must not find the
+    first's run in its folder; an --out given stays the user's."""
+    assert quick(DemoConfig()).out == "runs/demo-quick" != DemoConfig().out
+    assert quick(DemoConfig(out="elsewhere")).out == "elsewhere"

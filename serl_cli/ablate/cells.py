@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from serl_cli import config as cfgmod
+from serl_cli.ablate.grid_record import check_data_dir
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.records import Manifest
 from serl_cli.artifacts.schema import read_manifest
@@ -103,6 +104,7 @@ def run_cell(record: dict, out: str | Path, index: int, log=print) -> str:
 
     cell = select_cell(record, index)
     d = cell_dir(out, cell)
+    check_data_dir(record)  # the data the ablation was started with, or a refusal
     if is_done(out, cell):
         log(f"cell {index} {cell['name']}: done, skipped")
         return "skipped"

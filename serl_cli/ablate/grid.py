@@ -409,6 +409,12 @@ def _explicit_arms(value, base: dict, config_cls) -> list[dict]:
     return out
 
 
+# the slurm settings written as `#SBATCH --key=value`, and what such a value may hold: sbatch splits
+# the line at whitespace, and a line break would end the directives
+SBATCH_WORDS = ("partition", "account", "time", "mem")
+SBATCH_WORD = re.compile(r"[A-Za-z0-9._:,+@/=-]+")
+
+
 def _check_slurm(s: dict) -> None:
     """The ``slurm:`` settings, checked when the grid loads (not when the job starts)."""
     if "gpus" in s and "gpus_per_node" in s:
@@ -423,6 +429,15 @@ def _check_slurm(s: dict) -> None:
         v = s.get(key)
         if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
             raise SerlError(f"slurm.{key} must be a list of lines, got {v!r}")
+    for key in SBATCH_WORDS:  # written into `#SBATCH --key=value`: one word, or sbatch reads another option
+        v = s.get(key)
+        if v is not None and (not isinstance(v, str | int) or isinstance(v, bool) or not SBATCH_WORD.fullmatch(str(v))):
+            raise SerlError(f"slurm.{key} must be one word (letters, digits, and . _ : , + @ / = - only), got {v!r}")
+    for key in ("setup", "extra", "template"):  # a line break would add a line of its own to the script
+        lines = s.get(key)
+        for line in lines if isinstance(lines, list) else [] if lines is None else [lines]:
+            if any(c in str(line) for c in "\n\r\x00"):
+                raise SerlError(f"slurm.{key} must not hold a line break, got {line!r}")
     if s.get("launcher", "auto") not in LAUNCHERS:
         raise SerlError(f"unknown slurm.launcher {s['launcher']!r}: choose one of {', '.join(LAUNCHERS)}")
     if "requeue" in s and not isinstance(s["requeue"], bool):

@@ -8,6 +8,7 @@ alone, never through the grid file.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from serl_cli import config as cfgmod
@@ -32,10 +33,43 @@ def grid_record(grid: Grid, source_args: list[str]) -> dict:
         "baseline": grid.baseline,
         "contrasts": grid.contrasts,
         "cells": cells(grid),
+        # the benchmark data its cells read (env settings with catalog auto look there): each cell must too
+        "data_dir": data_dir_now(),
     }
 
 
+def data_dir_now() -> str | None:
+    """``$SERL_DATA_DIR`` as an absolute path (None: unset)."""
+    value = os.environ.get(DATA_DIR_VAR)
+    return os.path.abspath(value) if value else None
+
+
+def check_data_dir(record: dict) -> None:
+    """A cell runs with the data folder the ablation was started with, or not at all: without it an
+    environment whose catalog is ``auto`` (WebShop) would quietly take serl's synthetic one, and the
+    cell would belong to another grid. A cell started where ``$SERL_DATA_DIR`` is unset takes the
+    recorded folder, when it is there; a record from before serl kept it is not checked."""
+    if "data_dir" not in record:
+        return
+    recorded, now = record["data_dir"], data_dir_now()
+    if recorded == now:
+        return
+    if recorded and now is None and Path(recorded).is_dir():
+        os.environ[DATA_DIR_VAR] = recorded
+        return
+    if recorded and now is None:
+        raise SerlError(
+            f"this ablation was started with {DATA_DIR_VAR}={recorded}, which is not here: set {DATA_DIR_VAR} to "
+            "the same data on this machine before running its cells"
+        )
+    raise SerlError(
+        f"this ablation was started with {DATA_DIR_VAR}={recorded or '(unset)'} and this cell would run with "
+        f"{now or '(unset)'}: run every cell of a grid on the same data (set or unset {DATA_DIR_VAR})"
+    )
+
+
 _IDENTITY = ("version", "axes", "final_eval", "base", "cells")
+DATA_DIR_VAR = "SERL_DATA_DIR"
 _REPORT_KEYS = ("description", "baseline", "contrasts")  # what only the report reads: the grid file's latest word
 
 

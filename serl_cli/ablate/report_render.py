@@ -12,6 +12,7 @@ import io as _stdio
 from pathlib import Path
 
 from serl_cli.ablate.contrasts import contrast_lines
+from serl_cli.artifacts import io
 from serl_cli.stats.summary import fmt, fmt_ci, fmt_p
 
 
@@ -210,10 +211,7 @@ def plot_curves(data: dict, path: Path) -> str | None:
         axes[0].legend(fontsize=7)
     fig.suptitle("learning curves: mean over seeds, shaded ± std")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
+    io.save_figure(fig, path, dpi=100)
     return None
 
 

@@ -6,9 +6,11 @@ cell runs the same way everywhere; a finished cell is skipped and a killed one r
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ from pathlib import Path
 from serl_cli.ablate.cells import cell_config, is_done, run_cell
 from serl_cli.artifacts import io
 from serl_cli.errors import PREEMPTED_EXIT, SerlError
+from serl_cli.online.stop import die_with_parent
 
 SELF_CMD = [sys.executable, "-m", "serl_cli"]  # how a subprocess runs serl itself
 
@@ -61,33 +64,117 @@ def run_cells(record: dict, out: str | Path, *, parallel: int = 1, log=print) ->
         return results
     check_parallel(record, out, parallel)
     todo = [i for i in range(n) if not is_done(out, record["cells"][i])]
-    running: dict[int, subprocess.Popen] = {}
     results, failed = {i: "skipped" for i in range(n) if i not in todo}, []
     logs = Path(out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    while todo or running:
-        while todo and len(running) < parallel:
-            i = todo.pop(0)
-            with open(logs / f"cell_{i}.log", "w", encoding="utf-8") as f:
-                running[i] = subprocess.Popen(cell_command(record, out, str(i)), stdout=f, stderr=subprocess.STDOUT)
-            log(f"cell {i} {record['cells'][i]['name']}: started (log: {logs / f'cell_{i}.log'})")
-        time.sleep(0.5)
-        for i, p in list(running.items()):
-            if p.poll() is not None:
-                del running[i]
+    with CellProcesses() as running:
+        while todo or running.cells:
+            while todo and len(running.cells) < parallel and running.stopped is None:
+                i = todo.pop(0)
+                running.start(i, cell_command(record, out, str(i)), logs / f"cell_{i}.log")
+                log(f"cell {i} {record['cells'][i]['name']}: started (log: {logs / f'cell_{i}.log'})")
+            time.sleep(0.5)
+            for i, code in running.ended():
                 results[i] = (
                     "done"
-                    if p.returncode == 0
-                    else f"stopped (exit {p.returncode}): rerun to resume it"
-                    if p.returncode == PREEMPTED_EXIT
-                    else f"failed (exit {p.returncode})"
+                    if code == 0
+                    else f"stopped (exit {code}): rerun to resume it"
+                    if code == PREEMPTED_EXIT or running.stopped is not None
+                    else f"failed (exit {code})"
                 )
                 log(f"cell {i} {record['cells'][i]['name']}: {results[i]}")
-                if p.returncode:
+                if code and running.stopped is None:
                     failed.append(i)
+            if running.stopped is not None and not running.cells:
+                break
+    if running.stopped is not None:
+        raise CellsStopped(running.stopped, len(todo))
     if failed:
         raise SerlError(f"{len(failed)} cell(s) failed: {', '.join(map(str, failed))} (see {logs}/cell_<i>.log)")
     return results
+
+
+class CellsStopped(Exception):
+    """``serl ablate --parallel`` stopped by a signal: every running cell was asked to stop at its next
+    safe point and has ended; a rerun resumes them and starts the rest."""
+
+    def __init__(self, signum: int, not_started: int):
+        self.signum = signum
+        self.exit_code = INTERRUPTED_EXIT if signum == signal.SIGINT else PREEMPTED_EXIT
+        super().__init__(
+            f"stopped on {signal.Signals(signum).name}: the running cells checkpointed and ended"
+            + (f", {not_started} cell(s) not started" if not_started else "")
+            + "; rerun the same command to resume"
+        )
+
+
+INTERRUPTED_EXIT = 130  # 128 + SIGINT
+
+
+class CellProcesses:
+    """The cells running as processes of their own, tied to this one. Each dies with it (the
+    kernel's parent-death signal: a SIGTERM, upon which a cell checkpoints and ends), so a killed
+    coordinator leaves no orphan to hold a cell's lock. A SIGTERM, SIGUSR1 or SIGINT here asks each
+    cell to stop at its next safe point (SIGUSR1: a cell that got the signal itself, with its
+    process group, takes a second request as the same one), starts no new cell, and waits for the
+    running ones; a second signal ends them at once. Each attempt appends to the cell's log under
+    a header, so an earlier attempt's log is never lost."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self):
+        self.cells: dict[int, subprocess.Popen] = {}
+        self.stopped: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            self._old[sig] = signal.signal(sig, self._stop)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            for p in self.cells.values():  # an error here: the cells must not run on without us
+                if p.poll() is None:
+                    p.send_signal(signal.SIGUSR1)
+            for p in self.cells.values():
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        finally:
+            for sig, old in self._old.items():
+                signal.signal(sig, old)
+
+    def _stop(self, signum, frame) -> None:
+        if self.stopped is not None:  # a second signal: at once
+            for p in self.cells.values():
+                if p.poll() is None:
+                    p.kill()
+            return
+        self.stopped = signum
+        for p in self.cells.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+
+    def start(self, i: int, command: list[str], log_file: Path) -> None:
+        with open(log_file, "a", encoding="utf-8") as f:
+            f.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(command)} ====\n")
+            f.flush()
+            self.cells[i] = subprocess.Popen(
+                command,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            )
+
+    def ended(self) -> list[tuple[int, int]]:
+        """(cell, exit code) of each cell that ended since the last call."""
+        done = [(i, p.returncode) for i, p in self.cells.items() if p.poll() is not None]
+        for i, _ in done:
+            del self.cells[i]
+        return done
 
 
 def check_parallel(record: dict, out: str | Path, parallel: int, cuda_available: bool | None = None) -> None:
@@ -125,14 +212,16 @@ set -euo pipefail
 
 # The cell runs in the background so that this shell can pass a signal on to it: SLURM sends
 # SIGUSR1 {grace} s before the time limit (--signal=B:USR1@...), the cell checkpoints at its next
-# safe point and exits (serl: 75), and the task is requeued; its rerun resumes the cell.
+# safe point and exits (serl: 75), and the task is requeued; its rerun resumes the cell. A SIGTERM
+# is passed on as SIGUSR1, which asks the same: on preemption SLURM sends SIGTERM to every process
+# of the job, the cell included, and a second SIGTERM would end the cell at once, unsaved.
 LAUNCH = """cd {workdir}
 cell="$SLURM_ARRAY_TASK_ID"
 {prepare}{command} &
 child=$!
 stopped=""
 trap 'stopped=USR1; kill -USR1 "$child" 2>/dev/null || true' USR1
-trap 'stopped=TERM; kill -TERM "$child" 2>/dev/null || true' TERM
+trap 'stopped=TERM; kill -USR1 "$child" 2>/dev/null || true' TERM
 rc=0
 wait "$child" || rc=$?
 while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done

@@ -185,7 +185,9 @@ def ppo_clip_loss(
         stats = {
             "clip_frac": masked_mean(clipped, mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
-            "approx_kl": masked_mean(-log_ratio, mask).item(),
+            "approx_kl": masked_mean(-log_ratio, mask).item(),  # k1: unbiased but signed, PPO's usual figure
+            # k3 of KL(pi_old || pi_theta) from pi_old's tokens: (r - 1) - log r >= 0, what a "KL" panel shows
+            "kl_k3": masked_mean(torch.expm1(log_ratio) - log_ratio, mask).item(),
         }
         if dual_clip:
             stats["dual_clip_frac"] = masked_mean(lower, mask).item()

@@ -42,6 +42,8 @@ class Objective:
     # and train.hindsight_sft apply to it
     imitation: bool = False
     baseline: bool = False  # the ablation report's baseline arm when the grid names none
+    # its direction is the group-normalized advantage: a group of one has advantage 0, nothing to learn
+    group_relative: bool = True
     annotate: Mapping = field(default_factory=dict)  # the annotate settings its annotations must have
     train_defaults: Mapping = field(default_factory=dict)  # train settings it takes where the run leaves the default
 
@@ -54,7 +56,17 @@ def register(obj: Objective) -> Objective:
     return obj
 
 
-register(Objective("sft", "sft_prepare", "sft_loss", uses_behaviour_logprobs=False, online=False, imitation=True))
+register(
+    Objective(
+        "sft",
+        "sft_prepare",
+        "sft_loss",
+        uses_behaviour_logprobs=False,
+        online=False,
+        imitation=True,
+        group_relative=False,
+    )
+)
 register(Objective("grpo", "grpo_prepare", baseline=True))
 register(Objective("gigpo", "gigpo_prepare"))
 register(Objective("serl", "weighted_prepare", needs_annotations=True))
@@ -70,6 +82,7 @@ register(
         needs_annotations=True,
         annotate={"skip_zero_advantage": False},
         train_defaults={"distill_coef": 1.0},
+        group_relative=False,
     )
 )
 
@@ -78,6 +91,16 @@ def objective(name: str) -> Objective:
     if name not in OBJECTIVES:
         raise SerlError(f"unknown algorithm {name!r}: choose one of {', '.join(sorted(OBJECTIVES))}")
     return OBJECTIVES[name]
+
+
+def check_group_size(algo: str, group_size: int) -> None:
+    """A group-relative algorithm on groups of one: every advantage is 0, so every update would
+    change nothing however long it ran. Refused rather than run."""
+    if objective(algo).group_relative and group_size < 2:
+        raise SerlError(
+            f"--algo {algo} compares the rollouts of a task's group, and --group-size {group_size} gives every "
+            "advantage 0 (no update would change anything): use --group-size 2 or more"
+        )
 
 
 def annotate_needs(train) -> dict:

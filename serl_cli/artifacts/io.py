@@ -13,8 +13,10 @@ directory, is in :mod:`serl_cli.artifacts.runlock`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gzip
+import hashlib
 import json
 import os
 import platform
@@ -77,6 +79,31 @@ def torch_save(obj, path: str | Path) -> None:
             raise cause from None
 
 
+def torch_load(path: str | Path, what: str, map_location="cpu"):
+    """A ``torch.save`` file serl wrote (``what``: what it holds, for the message), read as tensors
+    and plain values only (``weights_only``): a run folder is data, and a file planted in one can
+    run no code here. An object that is not data, or a truncated file, is refused in one line."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True, map_location=map_location)
+    except pickle.UnpicklingError as e:  # what weights_only refuses: an object that is not data
+        raise SerlError(
+            f"{path} ({what}) holds more than tensors and plain values, and serl never unpickles objects from a "
+            f"run folder ({first_line(e)}): use a checkpoint serl wrote"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:  # truncated, or not a torch file at all
+        raise SerlError(f"{path} ({what}) is unreadable, truncated or corrupt ({first_line(e)})") from None
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's first line of text (its type where it has none), at most ``limit`` characters."""
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:limit]
+
+
 def current_umask() -> int:
     mask = os.umask(0)  # reading it means setting it: put it straight back
     os.umask(mask)
@@ -84,11 +111,11 @@ def current_umask() -> int:
 
 
 def follow_umask(tree: Path) -> None:
-    """Give every file and folder under ``tree`` (itself included) the mode the umask asks for.
+    """Give every file and folder under ``tree`` (itself included; or the file ``tree``) the mode the umask asks for.
     Some writers (safetensors) create 0600 files whatever the umask; call this on a staged
     directory before it is renamed into place."""
     mask = current_umask()
-    tree.chmod(0o777 & ~mask)
+    tree.chmod((0o777 if tree.is_dir() else 0o666) & ~mask)
     for p in tree.rglob("*"):
         p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
 
@@ -309,6 +336,57 @@ def check_output_dir(folder: str | Path) -> None:
         raise SerlError(f"output folder {blocker} is a file, not a directory{where}: choose another --out")
 
 
+def file_sha256(path: Path, chunk: int = 2**24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def digest_files(directory: str | Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """The sha256 of every file directly in ``directory`` (a checkpoint: its weights, trainer
+    state, tokenizer), by name, bar ``skip``: what a record keeps so a resume finds out whether
+    the files it is about to trust are the ones that were written."""
+    directory = Path(directory)
+    return {p.name: file_sha256(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name not in skip}
+
+
+def check_digests(directory: str | Path, recorded: dict | None, what: str) -> None:
+    """Refuse, in one line, ``directory`` when a file ``recorded`` names (:func:`digest_files`) is
+    gone or holds other bytes now; nothing recorded (a run from before serl kept digests): nothing
+    to check."""
+    directory = Path(directory)
+    for name, digest in (recorded or {}).items():
+        path = directory / name
+        if not path.is_file():
+            raise SerlError(f"{path} is gone since {what} wrote it: the checkpoint is incomplete")
+        if file_sha256(path) != digest:
+            raise SerlError(
+                f"{path} has changed since {what} wrote it (its sha256 differs from the record): the file was cut "
+                "or replaced; pass --overwrite to run again"
+            )
+
+
+def save_figure(fig, path: str | Path, dpi: int) -> Path:
+    """A matplotlib figure into ``path`` as a PNG, whole or not at all (written aside, then renamed);
+    a folder that cannot be written (read-only, full) is one line naming it. The figure is closed."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        tmp.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise write_failed(path, e, kept="nothing was written; pass --out FILE to draw it elsewhere") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
 def make_dir(folder: str | Path) -> Path:
     """``mkdir -p`` that refuses a file in the way in one line (:func:`check_output_dir`)."""
     check_output_dir(folder)
@@ -443,12 +521,13 @@ def _check_header(path: Path, found, expected: dict) -> None:
     if not isinstance(found, dict):
         raise SerlError(f"{path} is not a serl journal: delete it or pass --overwrite to start again")
     # the stage's settings first, named as the user sets them (sampling.temperature), then the rest
-    settings = first_difference(found.get("config"), expected.get("config"))
-    rest = first_difference(_without_config(found), _without_config(expected))
-    key, old, new = settings or rest or ("config", found.get("config"), expected.get("config"))
-    key = key or "config"  # a config that is not a mapping at all
+    every = differences(found.get("config"), expected.get("config"))
+    every += differences(_without_config(found), _without_config(expected))
+    every = [(key or "config", old, new) for key, old, new in every]  # "": a config that is not a mapping
+    every = every or [("config", found.get("config"), expected.get("config"))]
+    what = "a different setting" if len(every) == 1 else "different settings"
     raise SerlError(
-        f"{path} belongs to an interrupted run with a different setting ({difference_text(key, old, new)}): "
+        f"{path} belongs to an interrupted run with {what} ({differences_text(every)}): "
         f"resume with the same settings, or pass --overwrite to start again"
     )
 
@@ -460,23 +539,33 @@ def _without_config(header: dict) -> dict:
     return {k: v for k, v in header.items() if k != "config"}
 
 
-def first_difference(stored, now, prefix: str = "") -> tuple[str, Any, Any] | None:
-    """The first setting (dotted path, in ``stored``'s order, then ``now``'s) whose value differs
-    between two plain configs, compared as JSON sees them; None when they are equal."""
+def differences(stored, now, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Every setting (dotted path, in ``stored``'s order, then ``now``'s) whose value differs
+    between two plain configs, compared as JSON sees them."""
     stored, now = json.loads(json.dumps(stored)), json.loads(json.dumps(now))
     if not (isinstance(stored, dict) and isinstance(now, dict)):
-        return None if stored == now else (prefix.rstrip("."), stored, now)
+        return [] if stored == now else [(prefix.rstrip("."), stored, now)]
+    found: list[tuple[str, Any, Any]] = []
     for key in [*stored, *(k for k in now if k not in stored)]:
         a, b = stored.get(key, _ABSENT), now.get(key, _ABSENT)
         if a == b:
             continue
         if isinstance(a, dict) and isinstance(b, dict):
-            found = first_difference(a, b, f"{prefix}{key}.")
-            if found is not None:
-                return found
-            continue
-        return f"{prefix}{key}", a, b
-    return None
+            found += differences(a, b, f"{prefix}{key}.")
+        else:
+            found.append((f"{prefix}{key}", a, b))
+    return found
+
+
+def first_difference(stored, now, prefix: str = "") -> tuple[str, Any, Any] | None:
+    """The first of :func:`differences`; None when the configs are equal."""
+    found = differences(stored, now, prefix)
+    return found[0] if found else None
+
+
+def differences_text(found: list[tuple[str, Any, Any]]) -> str:
+    """``train.algo: stored grpo, now serl; rollout.tasks: stored 4, now 8``."""
+    return "; ".join(difference_text(*d) for d in found)
 
 
 def difference_text(key: str, stored, now) -> str:

@@ -21,6 +21,7 @@ at its default, when written back.)
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TypedDict
@@ -379,6 +380,14 @@ def _ints(v) -> bool:
     return isinstance(v, list) and all(type(x) is int for x in v)
 
 
+def _token_ids(v) -> bool:  # the model's vocabulary bounds them above, where it is known (Learner.update)
+    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+
+
+def _finite(v) -> bool:  # JSON's NaN and Infinity parse as floats: a reward that is one poisons every advantage
+    return type(v) in (int, float) and math.isfinite(v)
+
+
 def _numbers(v) -> bool:
     return isinstance(v, list) and all(type(x) in (int, float) for x in v)
 
@@ -391,15 +400,15 @@ EPISODE_TYPES = {
     "task_id": (lambda v: type(v) is int, "an integer"),
     "group_id": (lambda v: type(v) is int, "an integer"),
     "rollout_index": (lambda v: type(v) is int, "an integer"),
-    "reward": (_number, "a number"),
+    "reward": (_finite, "a finite number"),
     "success": (lambda v: type(v) is bool, "true or false"),
 }
 TURN_TYPES = {
-    "prompt_ids": (_ints, "a list of token ids"),
-    "action_ids": (_ints, "a list of token ids"),
+    "prompt_ids": (_token_ids, "a list of token ids (integers from 0)"),
+    "action_ids": (_token_ids, "a list of token ids (integers from 0)"),
     "behaviour_logprobs": (_numbers, "a list of numbers"),
     "action_text": (lambda v: isinstance(v, str), "a string"),
-    "reward": (_number, "a number"),
+    "reward": (_finite, "a finite number"),
     "done": (lambda v: type(v) is bool, "true or false"),
     "state_key": (lambda v: isinstance(v, str), "a string"),
 }
@@ -444,3 +453,17 @@ def _check_types(record: dict, types: dict, where: str) -> None:
     for key, (ok, what) in types.items():
         if not ok(record[key]):
             raise SerlError(f"{where} {key} must be {what}, got {json.dumps(record[key])[:60]}")
+
+
+def check_token_ids(episodes: list[Episode], vocabulary: int, where: str) -> None:
+    """Every stored token id of ``episodes`` lies in a vocabulary of ``vocabulary`` ids: rollouts
+    made with another model's tokenizer are refused by turn, not met as an index error mid-update."""
+    for episode in episodes:
+        for t, turn in enumerate(episode.turns):
+            top = max(max(turn.prompt_ids, default=-1), max(turn.action_ids, default=-1))
+            if top >= vocabulary:
+                raise SerlError(
+                    f"{where}: task {episode.task_id} (group {episode.group_id}, rollout {episode.rollout_index}), "
+                    f"turn {t}: token id {top} is outside the model's vocabulary of {vocabulary} ids: these "
+                    "rollouts were made with another tokenizer"
+                )

@@ -60,6 +60,22 @@ def _owner_text(owner: dict) -> str:
     return f"pid {owner.get('pid')} on host {owner.get('host')} since {started} ({command})"
 
 
+def writer(run_dir: str | Path) -> str | None:
+    """Who holds ``run_dir``'s lock now (pid, host, since when, its command), None where no live
+    process does: for a reader that finds a stage unfinished, which may be running this minute."""
+    try:
+        owner = json.loads(lock_path(run_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
+        return None
+    if owner.get("host") == platform.node() and (
+        owner["pid"] == os.getpid() or not _is_running(owner["pid"], owner.get("identity"))
+    ):
+        return None  # this very process, or a writer that died here: its run is interrupted, not running
+    return _owner_text(owner)
+
+
 def _make_dirs(path: Path) -> list[Path]:
     """Create ``path`` and missing parents; return the ones created, deepest first."""
     created = []
@@ -77,7 +93,10 @@ def run_lock(run_dir: str | Path, warn=None):
     line naming it. A lock whose owner died on this host: taken over, with a warning."""
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
     path = lock_path(run_dir)
-    created = _make_dirs(path.parent)
+    try:
+        created = _make_dirs(path.parent)
+    except OSError as e:  # a folder that cannot be written (read-only, full): nothing was made
+        raise write_failed(path.parent, e, "nothing was written") from None
     me = {
         "pid": os.getpid(),
         "host": platform.node(),

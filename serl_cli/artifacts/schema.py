@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from serl_cli.artifacts import io
+from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.records import ANNOTATION_KEYS, ROLLOUT_KEYS, Annotation, Episode, Manifest, Metrics  # noqa: F401 (ANNOTATION_KEYS: re-exported)
 from serl_cli.errors import SerlError
 
@@ -39,6 +39,9 @@ def read_rollouts(run_dir: str | Path, *, need_tokens: bool = True) -> list[Epis
     io.load_manifest(run_dir)
     path = io.stored(run_dir / ROLLOUTS_FILE)
     if not path.is_file():
+        holder = runlock.writer(run_dir)
+        if holder is not None:
+            raise SerlError(f"the rollout of {run_dir} is running now, in {holder}: wait for it to finish")
         raise SerlError(
             f"{run_dir} holds no rollouts ({ROLLOUTS_FILE} missing): run `serl rollout --out {run_dir}` first"
         )
@@ -141,6 +144,9 @@ def read_annotations(run_dir: str | Path) -> list[Annotation]:
     if not path.is_file():
         raise SerlError(f"{run} has no annotations: run `serl annotate {run}` first")
     if not stage.done:
+        holder = runlock.writer(run)
+        if holder is not None:
+            raise SerlError(f"the annotation of {run} is running now, in {holder}: wait for it to finish")
         raise SerlError(f"the annotation of {run} did not finish: run `serl annotate {run} --resume` first")
     made_for = stage.get("rollouts_sha256")
     if made_for != rollouts_fingerprint(run):
@@ -157,11 +163,19 @@ def read_metrics(path: str | Path) -> list[Metrics]:
     """The lines of a metrics file, each a JSON object whose counters are integers where present."""
     path = Path(path)
     out = []
-    for n, d in enumerate(io.iter_jsonl(path), 1):
-        for key in _COUNTERS:
-            if key in d and type(d[key]) is not int:
-                raise SerlError(f"{io.stored(path)}:{n}: {key} must be an integer, got {json.dumps(d[key])[:60]}")
-        out.append(cast(Metrics, d))
+    try:
+        for n, d in enumerate(io.iter_jsonl(path), 1):
+            for key in _COUNTERS:
+                if key in d and type(d[key]) is not int:
+                    raise SerlError(f"{io.stored(path)}:{n}: {key} must be an integer, got {json.dumps(d[key])[:60]}")
+            out.append(cast(Metrics, d))
+    except SerlError as e:
+        if "truncated last line" not in str(e):
+            raise
+        raise SerlError(
+            f"{e}; serl writes this file whole, so it was cut afterwards (a copy, a full disk): delete the cut last "
+            "line to read the rest"
+        ) from None
     return out
 
 

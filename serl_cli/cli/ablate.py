@@ -162,7 +162,11 @@ def _run_grid(record: dict, out_dir: Path, cell: int | None, how: Runners, reuse
     elif cell is not None:
         _run_one_cell(record, out_dir, cell, quiet)
     else:
-        runners.run_cells(record, out_dir, parallel=how.parallel, log=log)
+        try:
+            runners.run_cells(record, out_dir, parallel=how.parallel, log=log)
+        except runners.CellsStopped as e:  # the cells checkpointed and ended; a rerun resumes them
+            err_console.print(f"[yellow]stopped:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
         _report(out_dir, quiet)
 
 

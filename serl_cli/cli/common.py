@@ -73,7 +73,24 @@ class LogProgress:
             return
         self.last = now
         of = f"/{self.total}" if self.total else ""
-        self.out.print(f"{self.label}: {done}{of} {self.unit}, {now - self.start:.0f} s", highlight=False)
+        eta = f", ETA {clock_text(remaining(now - self.start, done, self.total))}" if self.total and done else ""
+        self.out.print(f"{self.label}: {done}{of} {self.unit}, {now - self.start:.0f} s{eta}", highlight=False)
+
+
+def remaining(elapsed: float, done: int, total: int) -> float:
+    """Seconds left at the pace so far: ``elapsed`` for ``done`` of ``total`` items."""
+    return elapsed / done * (total - done) if done else float("nan")
+
+
+def clock_text(seconds: float) -> str:
+    """``42 s``, ``3:07``, ``1:02:09``: a duration as a person reads it on a progress line."""
+    if seconds != seconds:  # not yet known
+        return "?"
+    whole = int(round(seconds))
+    if whole < 60:
+        return f"{whole} s"
+    hours, rest = divmod(whole, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
 class Counted:

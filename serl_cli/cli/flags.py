@@ -249,8 +249,33 @@ def option(flag: Flag, command: str, settings: tuple[type, ...]) -> inspect.Para
         *names,
         help=flag.help_in(command) or (f"{doc}." if doc else None),
         show_default=False if default is None or not flag.show_default else str(default),  # null: the doc says
+        rich_help_panel=panel_of(path, switch=plain is bool),
     )
     return inspect.Parameter(flag.param, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info, annotation=annotation)
+
+
+# --help lists a command's flags in panels by the section of the settings they set: a panel's columns
+# are as wide as its own flags need, so a long switch (--gradient-checkpointing/--no-...) narrows the
+# descriptions of its own panel only, and a reader finds the rollout's flags together
+PANELS = {
+    "rollout": "Rollout",
+    "sampling": "Rollout",
+    "prompt": "Rollout",
+    "vllm": "Rollout",
+    "train": "Training",
+    "optim": "Training",
+    "lora": "Training",
+    "annotate": "SERL annotation",
+    "eval": "Evaluation",
+}
+
+
+def panel_of(path: str, *, switch: bool) -> str:
+    """The --help panel of the flag that sets ``path``: its section's, or ``Switches`` for a flag both
+    ways (``--offload/--no-offload``), or ``Run`` for a setting of the run itself."""
+    if switch:
+        return "Switches"
+    return PANELS.get(path.split(".")[0], "Run") if "." in path else "Run"
 
 
 def _shared(verbose: bool) -> list[inspect.Parameter]:

@@ -44,7 +44,9 @@ def plan_command(
     ),
     set_: list[str] | None = SetOpt,
 ):
-    """Per-rank memory of each phase of a run (start-up, generation, scoring, update, checkpoint
+    """Whether a run fits: memory per GPU phase by phase, and disk, before anything loads.
+
+    Per-rank memory of each phase of a run (start-up, generation, scoring, update, checkpoint
     save: weights, gradients, optimizer, activations, logits, teacher, vLLM), the disk per
     checkpoint and for the whole run (rollouts included), and whether the layout fits, before
     anything is loaded; for a vLLM run also its two layouts (split: vLLM on GPUs of its own;

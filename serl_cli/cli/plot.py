@@ -14,7 +14,9 @@ def plot_command(
     x: str = typer.Option("iteration", "--x", help="x axis: iteration | env_steps."),
     out: str | None = typer.Option(None, "--out", help="PNG to write (default: RUN/curves.png)."),
 ):
-    """Plot reward, success, loss, KL, clip fraction, SERL weights and the teacher signal of a run
+    """Plot a run's curves (reward, success, loss, KL, SERL weights...) to curves.png.
+
+    Reward, success, loss, KL (k3), clip fraction, SERL weights and the teacher signal of a run
     (matplotlib: the plots extra, pip install 'serl\\[plots]')."""  # escaped: rich markup would eat [plots]
     path = plot_run(run, x=x, out=out)
     console.print(f"wrote {path}", highlight=False)

@@ -5,8 +5,15 @@ from __future__ import annotations
 from serl_cli import api
 from serl_cli.cli.common import progress_bar, summary_table
 from serl_cli.cli.flags import Given, settings_command
-from serl_cli.cli.root import app, console, journal_resume_option, overwrite_option, resumable_at
-from serl_cli.stages.rollout import RolloutConfig
+from serl_cli.cli.root import (
+    app,
+    console,
+    journal_resume_option,
+    overwrite_option,
+    refuse_resume_with_overwrite,
+    resumable_at,
+)
+from serl_cli.stages.rollout import RolloutConfig, stored_rollout_settings
 
 
 @app.command("rollout")
@@ -17,8 +24,11 @@ def rollout_command(
     resume: bool = journal_resume_option("rollout in --out"),
 ):
     """Run a policy on sampled tasks, G times each; store prompt/action token ids, log-probs and feedback."""
-    cfg = given.resolve(out_dir=True, command="rollout")
-    if resume and not overwrite:
+    refuse_resume_with_overwrite(resume, overwrite)
+    # `serl rollout --out R --resume` continues R with its own settings: what is given besides must agree
+    base = stored_rollout_settings(given.flags["out"]) if resume and given.flags["out"] else None
+    cfg = given.resolve(out_dir=True, command="rollout", base=base)
+    if resume:
         api.require_run_to_resume(cfg.out, "rollout")  # before the Ctrl-C line names it
     resumable_at(cfg.out)  # what Ctrl-C says
     total = cfg.tasks * cfg.group_size

@@ -119,6 +119,12 @@ def overwrite_option(what: str):
     return typer.Option(False, "--overwrite", help=f"Replace {what}.")
 
 
+def refuse_resume_with_overwrite(resume: bool, overwrite: bool) -> None:
+    """``--resume`` keeps what a run did and ``--overwrite`` throws it away: together they ask for both."""
+    if resume and overwrite:
+        raise SerlError("--resume continues a run and --overwrite replaces it: pass one of them")
+
+
 def journal_resume_option(what: str):
     """``--resume`` of a command that keeps a journal of ``what`` it has done (``rollout in --out``)."""
     return typer.Option(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import typer
@@ -13,12 +15,13 @@ from rich.table import Table
 
 from serl_cli import api
 from serl_cli.artifacts.tracking import Tracker, check_backends
-from serl_cli.cli.common import plural, progress_bar, summary_table
+from serl_cli.cli.common import clock_text, plural, progress_bar, remaining, summary_table
 from serl_cli.cli.flags import GIVEN_BY_FLAGS, Given, settings_command
-from serl_cli.cli.root import app, console, err_console, overwrite_option, resumable_at
-from serl_cli.errors import PREEMPTED_EXIT
+from serl_cli.cli.root import app, console, err_console, overwrite_option, refuse_resume_with_overwrite, resumable_at
+from serl_cli.errors import PREEMPTED_EXIT, SerlError
 from serl_cli.online.config import OnlineConfig, check_online_config
 from serl_cli.online.derive import READS, train_config
+from serl_cli.online.resume import stored_settings
 from serl_cli.online.run_file import run_settings
 from serl_cli.training.train_config import check_train_config
 
@@ -52,21 +55,36 @@ def train_command(
     ),
 ):
     """Update a policy: --algo on RUN's rollouts, or the online loop (rollout -> update, K times)."""
+    from serl_cli.online.stop import catch_early
+
+    with catch_early():  # a job's SIGTERM from here on ends in a checkpoint and exit 75
+        train(run, given, resume=resume, overwrite=overwrite, plan_check=not no_plan_check, report_to=report_to)
+
+
+def train(run: str | None, given: Given, *, resume: bool, overwrite: bool, plan_check: bool, report_to) -> None:
+    """The train command's work once its flags are parsed."""
     online = given.flags["iterations"] is not None or run is None
     out = given.flags["out"]  # one update: where its checkpoint goes
     given.flags["out"] = out or (run if online else None)
-    cfg = given.resolve(out_dir=True)
+    refuse_resume_with_overwrite(resume, overwrite)
+    # `serl train --out RUN --resume` continues RUN with its own settings: what is given besides must agree
+    base = stored_settings(given.flags["out"]) if resume and online and given.flags["out"] else None
+    cfg = given.resolve(out_dir=True, base=base)
     # every setting is checked before torch loads (a typo costs no start-up) and before anything is
     # written: here, and again by the API (serl_cli.api) the command runs
-    train = train_config(cfg)
     if online:
-        check_online_config(cfg)
-    else:
+        check_online_config(cfg)  # first: it fills in what the run derives (a schedule's total_steps)
+    train = train_config(cfg)
+    if not online:
         check_train_config(train)
+    if train.optim.lr == 0:  # allowed to the Python API (a measurement that must not move the weights)
+        raise SerlError(
+            "train.optim.lr is 0: every update would leave the policy as it is; set a positive learning rate"
+        )
     from serl_cli.training.backends import is_main_process
 
     main = is_main_process()  # under torchrun / the deepspeed launcher: rank 0 keeps the books
-    how = {"overwrite": overwrite, "resume": resume, "plan_check": not no_plan_check}
+    how = {"overwrite": overwrite, "resume": resume, "plan_check": plan_check}
     trackers = check_backends(report_to) if main else []
     if online:
         online_loop(cfg, how, trackers, main=main, quiet=given.quiet)
@@ -116,6 +134,8 @@ def online_loop(cfg: OnlineConfig, how: dict, trackers: list, *, main: bool, qui
             api.train_online(cfg, **how)
             return
         tracker = Tracker(trackers, cfg.out, Path(cfg.out).name, run_settings(cfg))
+        if not quiet:
+            console.print(settings_block(cfg, resume=how["resume"]), highlight=False, soft_wrap=True)
         try:
             with shown.live or contextlib.nullcontext():
                 history = api.train_online(cfg, on_iteration=shown.logged_to(tracker), **how)
@@ -133,21 +153,28 @@ def online_loop(cfg: OnlineConfig, how: dict, trackers: list, *, main: bool, qui
             soft_wrap=True,
         )
     if history:
-        last = history[-1]
-        console.print(summary_table(f"online {cfg.train.algo}: {cfg.out}", [(k, _fmt(v)) for k, v in last.items()]))
+        elapsed = clock_text(shown.clock() - shown.start)
+        rows = final_rows(history, cfg.iterations, shown.env_steps, elapsed)
+        console.print(summary_table(f"online {cfg.train.algo}: {cfg.out}", rows))
     console.print(f"final policy: {cfg.out}/checkpoint")
 
 
 class IterationsShown:
     """How the online loop shows each iteration's metrics: a live table of the last ``LIVE_ROWS`` on a
     terminal, a line each in a log file, and under ``-q`` nothing but the iterations whose update
-    changed nothing (``empty``: one warning for all of them at the end)."""
+    changed nothing (``empty``: one warning for all of them at the end). Each says the time since the
+    command started and the time left at the pace of the iterations this process ran (a resumed run's
+    earlier ones ran elsewhere)."""
+
+    clock = staticmethod(time.monotonic)
 
     def __init__(self, total: int, quiet: bool):
         self.total, self.quiet = total, quiet
         self.live = Live(console=console, auto_refresh=False) if console.is_terminal and not quiet else None
         self.recent: list[dict] = []
         self.empty: list[int] = []
+        self.start, self.ran = self.clock(), 0
+        self.env_steps = 0  # over the iterations shown here
 
     def logged_to(self, tracker: Tracker):
         """The loop's ``on_iteration``: log to ``tracker``, then show."""
@@ -158,21 +185,33 @@ class IterationsShown:
 
         return on_iteration
 
+    def pace(self, iteration: int) -> str:
+        """``1:23 elapsed, ETA 4:56`` after ``iteration`` (0-based) finished."""
+        self.ran += 1
+        elapsed = self.clock() - self.start
+        left = remaining(elapsed, self.ran, self.ran + self.total - iteration - 1)
+        return f"{clock_text(elapsed)} elapsed, ETA {clock_text(left)}"
+
     def show(self, m: dict) -> None:
+        self.env_steps += m.get("env_steps", 0)
+        pace = self.pace(m["iteration"])
         if self.quiet:
             self.empty.extend([m["iteration"]] if m.get("optimizer_steps") == 0 else [])
             return
         warn_if_no_gradient(m)
         if self.live is None:  # a log file: one line per iteration
             extra = f"  eval success {m['eval_success_rate']:.3f}" if "eval_success_rate" in m else ""
+            lr = f"  lr {m['lr']:.3g}" if "lr" in m else ""
             console.print(
-                f"iteration {m['iteration']}: reward {m['mean_reward']:.3f}  success {m['success_rate']:.3f}  "
-                f"loss {m.get('loss', float('nan')):.4f}  |A| {m.get('mean_abs_advantage', 0):.3f}{extra}",
+                f"iteration {m['iteration'] + 1}/{self.total}: reward {m['mean_reward']:.3f}  "
+                f"success {m['success_rate']:.3f}  loss {m.get('loss', float('nan')):.4f}  "
+                f"|A| {m.get('mean_abs_advantage', 0):.3f}{lr}{extra}  ({pace})",
                 highlight=False,
+                soft_wrap=True,  # one line in a log, however narrow the terminal it thinks it has
             )
             return
         self.recent.append(m)
-        self.live.update(iterations_table(self.recent[-LIVE_ROWS:], self.total), refresh=True)
+        self.live.update(iterations_table(self.recent[-LIVE_ROWS:], self.total, pace), refresh=True)
 
 
 @contextlib.contextmanager
@@ -204,20 +243,68 @@ LIVE_COLUMNS = [
     ("|A|", "mean_abs_advantage"),
     ("grad turns", "turns_with_gradient"),
     ("weight mean", "weight_mean"),
+    ("lr", "lr"),
     ("eval", "eval_success_rate"),
 ]
 
 
-def iterations_table(rows: list[dict], total: int) -> Table:
-    """The last iterations of the online loop, for a live display on a terminal."""
-    table = Table(title=f"online loop: iteration {rows[-1]['iteration'] + 1} of {total}", header_style="bold")
+def iterations_table(rows: list[dict], total: int, pace: str = "") -> Table:
+    """The last iterations of the online loop, for a live display on a terminal (iterations counted
+    from 1, as the title counts them)."""
+    title = f"online loop: iteration {rows[-1]['iteration'] + 1} of {total}" + (f" ({pace})" if pace else "")
+    table = Table(title=title, header_style="bold")
     table.add_column("iteration", justify="right")
     shown = [(name, key) for name, key in LIVE_COLUMNS if any(key in r for r in rows)]
     for name, _ in shown:
         table.add_column(name, justify="right")
     for r in rows:
-        table.add_row(str(r["iteration"]), *(_fmt(r[key]) if key in r else "" for _, key in shown))
+        table.add_row(str(r["iteration"] + 1), *(_fmt(r[key]) if key in r else "" for _, key in shown))
     return table
+
+
+def settings_block(cfg: OnlineConfig, *, resume: bool) -> str:
+    """The settings a run starts with, in a few lines, as TRL and verl print theirs: what a reader of a
+    log checks first. Every setting is in RUN/online.yaml; `serl config show train` prints them too."""
+    r, t, o = cfg.rollout, cfg.train, cfg.train.optim
+    schedule = o.schedule + (f" to step {o.total_steps}" if o.schedule != "constant" else "")
+    warmup = f", warmup {o.warmup_steps}" if o.warmup_steps else ""
+    lines = [
+        f"{'resuming' if resume else 'run'}: {cfg.out}  ({cfg.iterations} iterations, seed {cfg.seed})",
+        f"  model {cfg.model or 'the embedded default'}  env {cfg.env.name} {cfg.env.split}"
+        + (f", max {cfg.env.max_turns} turns" if cfg.env.max_turns else ""),
+        f"  algo {t.algo}  lr {o.lr:g} ({schedule}{warmup})  batch {r.tasks} tasks x {r.group_size}  "
+        f"epochs {t.epochs} x {t.mini_batch_turns or t.mini_batches} "
+        f"{'turns per step' if t.mini_batch_turns else 'steps'}  backend {t.backend}",
+        f"  rollout {r.engine}, T {r.sampling.temperature:g}, {r.sampling.max_new_tokens} new tokens  "
+        f"max_staleness {cfg.max_staleness}  eval "
+        + (f"{cfg.eval.episodes} episodes every {cfg.eval.every}" if cfg.eval.episodes else "none"),
+    ]
+    if t.algo in ("serl", "rlsd", "sdpo"):
+        a = cfg.annotate
+        lines.append(
+            f"  annotate {a.sources} ({a.granularity}, placement {a.placement})  clip {a.weight_clip:g}  "
+            f"lambda {a.mixing_lambda:g} over {a.lambda_decay_steps} updates  teacher sync {a.teacher_sync_interval}"
+        )
+    lines.append(f"  every setting: {cfg.out}/online.yaml")
+    return "\n".join(lines)
+
+
+def final_rows(history: Sequence[Mapping], total: int, env_steps: int, elapsed: str) -> list[tuple[str, str]]:
+    """The run's closing table: where it stands (iterations of the run, updates, environment steps
+    over the iterations run here, the time), then the last iteration's figures."""
+    last = history[-1]
+    head = [
+        ("iterations", f"{last['iteration'] + 1} of {total}"),
+        ("updates", str(last.get("update", ""))),
+        ("environment steps (this run)", str(env_steps)),
+        ("wall time", elapsed),
+    ]
+    skip = {"iteration", "update", "env_steps"}
+    return [
+        *head,
+        (f"-- iteration {last['iteration'] + 1} --", ""),
+        *((k, _fmt(v)) for k, v in last.items() if k not in skip),
+    ]
 
 
 def single_update_note(config_files, overrides) -> str | None:

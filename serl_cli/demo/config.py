@@ -121,6 +121,9 @@ def demo_defaults(env_name: str) -> DemoConfig:
     )
 
 
+QUICK_OUT = "runs/demo-quick"  # serl demo --quick's folder, unless --out names another
+
+
 def quick(cfg: DemoConfig) -> DemoConfig:
     """``cfg`` as a smoke run (``serl demo --quick``): every stage, at sizes that take seconds."""
     q = copy.deepcopy(cfg)
@@ -132,6 +135,8 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     q.online.eval.episodes, q.online.eval.every, q.online.save_every = min(q.online.eval.episodes, 2), 1, 1
     q.online.rollout.tasks, q.online.rollout.group_size = 2, 2
     q.eval_episodes = min(q.eval_episodes, 4)
+    if q.out == DemoConfig().out:  # its own folder: `serl demo --quick` then `serl demo` must not collide
+        q.out = QUICK_OUT
     return q
 
 

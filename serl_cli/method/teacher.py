@@ -303,5 +303,5 @@ class TeacherSnapshot:
         path = self.state_file(directory)
         if not path.is_file():
             return False
-        self.load_state_dict(torch.load(path, map_location="cpu"))
+        self.load_state_dict(io.torch_load(path, "the teacher snapshot"))
         return True

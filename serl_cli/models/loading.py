@@ -114,7 +114,22 @@ def _load_model(name: str, dtype: torch.dtype, attn_implementation: str | None):
             f"cannot load model {name!r}: no such local directory and not loadable "
             f"from the Hugging Face hub{offline}: {first}"
         ) from None
+    check_tokenizer(tokenizer, name)
     return model, tokenizer
+
+
+MIN_VOCABULARY = 16  # fewer tokens than this is no tokenizer: transformers makes a 1-token one from nothing
+
+
+def check_tokenizer(tokenizer, name: str) -> None:
+    """Refuse, by name, a model whose tokenizer files are missing or broken: transformers then
+    builds a tokenizer of one or two tokens from the config alone, and generation fails deep
+    inside (an index out of range) after the run directory was written."""
+    if len(tokenizer) < MIN_VOCABULARY:
+        raise ModelError(
+            f"model {name} has no usable tokenizer: it loads with {len(tokenizer)} token(s) (is tokenizer.json, "
+            f"or vocab.json and merges.txt, missing?)"
+        )
 
 
 def _cached(name: str) -> bool:

@@ -129,6 +129,14 @@ def model_shape(name: str) -> ModelShape:
     return shape
 
 
+def vocabulary(name: str) -> int | None:
+    """The vocabulary size ``name``'s config declares; None where it cannot be told without loading."""
+    try:
+        return model_shape(name).vocab
+    except SerlError:
+        return None
+
+
 def _read(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

@@ -59,6 +59,21 @@ def resume_point(run: Path, cfg: OnlineConfig, finished: int) -> int:
     return 0
 
 
+def record_checkpoint(run: Path, k: int) -> None:
+    """Iteration k's checkpoint files' digests into its manifest entry, for the resume that trusts them."""
+    digests = io.digest_files(iter_dir(run, k) / "checkpoint")
+    io.mark_stage(run, iter_dir(run, k).name, "done", checkpoint_sha256=digests)
+
+
+def check_resume_checkpoint(run: Path, manifest: Manifest, start: int) -> None:
+    """The checkpoint a resume at ``start`` loads holds the files its iteration wrote, byte for byte
+    (a run from before serl kept digests: nothing to check)."""
+    if start > 0:
+        name = iter_dir(run, start - 1).name
+        recorded = manifest.stage(name).get("checkpoint_sha256")
+        io.check_digests(iter_dir(run, start - 1) / "checkpoint", recorded, f"iteration {start - 1}")
+
+
 def prune_checkpoints(run: Path, keep_last: int) -> None:
     """Keep the newest ``keep_last`` iteration checkpoints (0: all); the staging copies a
     crash may leave (``.checkpoint.*``) go with the versions they belong to."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from serl_cli import config as cfgmod
+from serl_cli.algos.registry import check_group_size
 from serl_cli.config import at_least, setting
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import AnnotateConfig
@@ -33,7 +34,9 @@ class OnlineEvalConfig:
         "test-panel episodes evaluated after every `every` iterations; 0: none",
         limit=at_least(0, "0 (none) or more", whole=True),
     )
-    every: int = setting(1, "evaluate after every this many iterations", limit=at_least(1, whole=True))
+    every: int = setting(
+        1, "evaluate after every this many iterations, and after the last", limit=at_least(1, whole=True)
+    )
     split: str | None = setting(
         None, "the split to evaluate; null: the environment's evaluation split (WebShop test, ALFWorld valid_unseen)"
     )
@@ -112,8 +115,20 @@ class OnlineConfig:
     out: str = setting("runs/online", "the run directory")
 
 
+def derive_total_steps(cfg: OnlineConfig) -> None:
+    """A decaying lr schedule without ``train.optim.total_steps`` decays over the run, as TRL derives
+    its max steps: iterations x epochs x mini_batches optimizer steps (an update with no gradient
+    takes none, so the lr then ends above 0). Written into ``cfg``, so the run's settings keep the
+    number: a resume that runs longer keeps the schedule the run started with. With
+    ``mini_batch_turns`` the steps per update depend on the turns, and the number is left to set."""
+    optim = cfg.train.optim
+    if optim.schedule != "constant" and optim.total_steps == 0 and cfg.train.mini_batch_turns <= 0:
+        optim.total_steps = cfg.iterations * cfg.train.epochs * cfg.train.mini_batches
+
+
 def check_online_config(cfg: OnlineConfig) -> None:
     """Everything about the loop's own settings that can be wrong, before any model loads."""
+    derive_total_steps(cfg)
     cfgmod.check_limits(cfg)  # every section's declared limits (setting(..., limit=...))
     if cfg.rollout.engine == "vllm":  # before vLLM starts (a minute)
         check_sampling(cfg.rollout.sampling)
@@ -136,6 +151,7 @@ def check_online_config(cfg: OnlineConfig) -> None:
     check_train_config(cfg.train)  # the same for the backend, its DeepSpeed config, LoRA, device, dtype
     check_rollout_config(cfg.rollout)  # the rollouts' and the annotation's numbers, before the model loads
     check_annotate_config(cfg.annotate)
+    check_group_size(cfg.train.algo, cfg.rollout.group_size)  # last: a setting's own error says more
 
 
 def check_staleness(cfg: OnlineConfig) -> None:
@@ -146,6 +162,11 @@ def check_staleness(cfg: OnlineConfig) -> None:
         raise SerlError(f"max_staleness must be a whole number of updates, 0 (synchronous) or more, got {k}")
     if k == 0:
         return
+    if k >= cfg.iterations:
+        raise SerlError(
+            f"max_staleness {k} must be less than the run's {cfg.iterations} iteration(s): at {cfg.iterations} or "
+            "more every rollout would use the starting policy"
+        )
     if cfg.rollout.engine != "hf":
         raise SerlError(
             "max_staleness > 0 makes its rollouts in a producer process on the hf engine; with --engine vllm the "

@@ -98,11 +98,13 @@ from serl_cli.method.annotation import annotate_episodes, teacher_wanted
 from serl_cli.method.teacher import TeacherSnapshot
 from serl_cli.models.loading import set_torch_threads
 from serl_cli.online.checkpoints import (
+    check_resume_checkpoint,
     checkpoint_due,
     finished_iterations,
     iter_dir,
     keep_iterations_before,
     prune_checkpoints,
+    record_checkpoint,
     resumable,
     resume_point,
     retire_old_rollouts,
@@ -153,6 +155,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
     generators = Generators.of(cfg.rollout.engine, procs, vcfg.data_parallel, vcfg.tensor_parallel_size, local)
     check_shares(cfg.rollout.engine, sampled, cfg.rollout.sampling.coupled, procs, generators.replicas)
     world = build_world(cfg.env)
+    check_sizes(cfg, world)  # before anything is written
     # Every process decides where to start from the files alone, before rank 0 changes the run
     # directory (only once the learner's process group is up and a barrier has passed).
     main = is_main_process()
@@ -165,6 +168,7 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
         stored = manifest.stage("online").get("config")
         changed = check_online_resume(run, stored, run_settings(cfg), finished)  # before anything is written
         start = resume_point(run, cfg, finished)
+        check_resume_checkpoint(run, manifest, start)  # the files it is about to trust are the ones written
     elif main and run.exists() and any(run.iterdir()) and not overwrite:
         raise SerlError(
             f"run directory {run} already exists: pass --resume to continue it or --overwrite to replace it"
@@ -223,13 +227,23 @@ def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite:
             close_engine(engine)  # vLLM's engine process and its GPU memory go now, not at exit
 
 
+def check_sizes(cfg: OnlineConfig, world) -> None:
+    """The task counts the environment must hold: each iteration's draw of ``rollout.tasks`` and
+    the evaluation panel, refused in one line before the run directory is touched."""
+    rollout_specs(rollout_config(cfg), world)
+    if cfg.eval.episodes:  # the same environment, its evaluation split (null: the environment's own)
+        ecfg = eval_config(cfg, Path(cfg.out))
+        ecfg.env.split = ecfg.env.split or world.eval_split
+        panel_specs(ecfg, world)
+
+
 def start_producer(cfg: OnlineConfig, run: Path, learner: Learner, start: int, stop: StopSignal):
     """The rollout producer of ``max_staleness > 0`` (:mod:`serl_cli.online.producer`):
     version 0 published on a fresh run, the versions a resume reads checked, then started."""
     if start == 0:
         publish_version(run, 0, learner.stream_weights())
     else:
-        check_versions(run, start, cfg.max_staleness, cfg.annotate.teacher_sync_interval)
+        check_versions(run, start, cfg.max_staleness, versions_interval(cfg))
     setup = ProducerSetup(
         run=str(run),
         model=str(cfg.model),
@@ -308,6 +322,8 @@ class Loop:
             if abandon or signum is not None:  # iteration k is redone on resume; k - 1 must have its checkpoint
                 if k > 0 and not resumable(run, k - 1):
                     self.out.save(iter_dir(run, k - 1) / "checkpoint", cfg.rollout.prompt)
+                    if main:
+                        record_checkpoint(run, k - 1)
                 if main:
                     prune_checkpoints(run, cfg.keep_last)
                 assert signum is not None  # rollouts are abandoned only on a stop request: a process got a signal
@@ -333,7 +349,7 @@ class Loop:
             if saved:
                 timing["checkpoint_bytes"] = self.out.save(it / "checkpoint", rcfg.prompt)
             timing.update(self.out.sync_engine(it, saved, log))
-            if cfg.eval.episodes and (k + 1) % cfg.eval.every == 0:
+            if cfg.eval.episodes and ((k + 1) % cfg.eval.every == 0 or k == cfg.iterations - 1):  # and at the end
                 metrics.update(self.evaluate(rcfg, it, log))
             ranks = learner.all_gather(log.finish())
             row = cast(Metrics, metrics)  # the update's figures, the loop's and the evaluation's
@@ -353,10 +369,12 @@ class Loop:
                     },
                 )
                 io.mark_stage(run, it.name, "done")
+                if saved:
+                    record_checkpoint(run, k)
                 retire_old_rollouts(run, k, cfg.old_rollouts)
                 prune_checkpoints(run, cfg.keep_last)
                 if self.producer is not None:
-                    prune_versions(run, oldest_resume(run), cfg.max_staleness, self.acfg.teacher_sync_interval)
+                    prune_versions(run, oldest_resume(run), cfg.max_staleness, versions_interval(cfg))
                 if on_iteration:
                     on_iteration(row)
             if signum is not None:
@@ -542,6 +560,13 @@ class Loop:
             "eval_invalid_action_rate": ev["invalid_action_rate"],
             "eval_mean_turns": ev["mean_turns"],
         }
+
+
+def versions_interval(cfg: OnlineConfig) -> int:
+    """Every how many versions a teacher snapshot is read from the version files: the teacher's sync
+    interval, or 1 for an algorithm without a teacher (GRPO), whose runs then keep only the versions
+    their rollouts use (``prune_versions``)."""
+    return cfg.annotate.teacher_sync_interval if get_objective(cfg.train.algo).needs_annotations else 1
 
 
 def stale_stats(episodes: list[Episode], k: int) -> dict:

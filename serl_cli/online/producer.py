@@ -30,6 +30,7 @@ word is reported with its exit code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -44,6 +45,7 @@ import torch
 
 from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
+from serl_cli.online.stop import die_with_parent
 
 if TYPE_CHECKING:  # the environment loads in the producer's process, when it starts
     from serl_cli.rollout.worlds import EnvConfig
@@ -72,6 +74,7 @@ def version_file(run: Path, version: int) -> Path:
 def publish_version(run: Path, version: int, weights) -> Path:
     """``weights`` (``(name, tensor)`` pairs: the learner's stream) as version ``version``, whole
     or not at all: a temporary file renamed into place."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     path = version_file(run, version)
@@ -80,8 +83,9 @@ def publish_version(run: Path, version: int, weights) -> Path:
     partial = path.with_name(f".{path.name}.partial")
     try:
         save_file(tensors, str(partial))
+        io.follow_umask(partial)  # safetensors makes 0600 files whatever the umask
         os.replace(partial, path)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
         partial.unlink(missing_ok=True)
         raise io.write_failed(path, e) from None
     return path
@@ -242,7 +246,13 @@ class BackgroundProducer:
     """``producer: background``: a separate Python process serving requests in order (module
     docstring), started as ``python -m serl_cli.online.producer`` -- not forked, so it holds
     no copy of the trainer's threads or memory, and not through multiprocessing's spawn, which
-    would import the caller's main script again -- and spoken to over a socket pair."""
+    would import the caller's main script again -- and spoken to over a socket pair.
+
+    **Its death is noticed within** ``POLL_S``: the end of the connection (EOF on a read, a
+    broken pipe on a write) means it is gone, and whatever it sent before going (its error) is
+    read first. A stop request explains a death (the job's SIGTERM reached it too): the
+    iteration is abandoned as at k = 0; otherwise the run ends with one line naming the
+    producer and how it ended."""
 
     def __init__(self, setup: ProducerSetup, stop):
         from multiprocessing import Pipe
@@ -253,13 +263,28 @@ class BackgroundProducer:
             [sys.executable, "-m", "serl_cli.online.producer", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
+            # the kernel ends it with this process from its first instruction, before its imports
+            # (seconds) could leave it orphaned; the child checks the parent it was forked from
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
         theirs.close()
-        self.conn.send(setup)
+        self.gone = False  # its end of the connection closed
         self.ready: dict[int, Produced] = {}
+        self._send(setup)
 
     def submit(self, iteration: int, version: int, rcfg) -> None:
-        self.conn.send((iteration, version, rcfg))
+        self._send((iteration, version, rcfg))
+
+    def _send(self, message) -> None:
+        if self.gone:
+            self._check_gone()
+            return
+        try:
+            self.conn.send(message)
+        except OSError:  # BrokenPipeError, ConnectionResetError: it went
+            self.gone = True
+            self._drain()  # what it said before it went (its error) comes first
+            self._check_gone()
 
     def take(self, iteration: int) -> tuple[Produced | None, float]:
         """Iteration ``iteration``'s rollouts and the seconds the trainer waited for them; None
@@ -268,25 +293,49 @@ class BackgroundProducer:
         while iteration not in self.ready:
             if self.stop.requested:
                 return None, time.perf_counter() - t0
+            if self.gone:
+                self._check_gone()
+                return None, time.perf_counter() - t0  # gone on the job's stop request
             if self.conn.poll(POLL_S):
                 self._receive()
-            elif self.process.poll() is not None and not self.conn.poll(0):
-                if self.stop.requested:  # it was told to stop too (the job's SIGTERM)
-                    return None, time.perf_counter() - t0
-                raise SerlError(
-                    f"the rollout producer (pid {self.process.pid}) died with exit code {self.process.returncode}"
-                )
+            elif self.process.poll() is not None:  # ended, and its end of the socket with it
+                self._drain()
+                self.gone = True
         return self.ready.pop(iteration), time.perf_counter() - t0
 
-    def _receive(self) -> None:
+    def _receive(self) -> bool:
+        """One message in; False at the end of the connection (at EOF ``poll`` is always true)."""
         try:
             kind, payload = self.conn.recv()
-        except (EOFError, OSError):  # it went; take() reports how
-            self.process.wait(5)
-            return
+        except (EOFError, OSError):  # its end closed: it went (take() says how)
+            self.gone = True
+            return False
         if kind == "error":
+            self.gone = True
             raise SerlError(f"the rollout producer failed: {payload}")
         self.ready[payload.iteration] = payload
+        return True
+
+    def _drain(self) -> None:
+        """Read whatever it sent before it went (an error is raised from here)."""
+        with contextlib.suppress(OSError):
+            while self.conn.poll(0) and self._receive():
+                pass
+
+    def _check_gone(self) -> None:
+        """It is gone: a stop request explains that (nothing raised: the loop abandons or finishes
+        its iteration as on any stop); anything else ends the run in one line."""
+        try:
+            code = self.process.wait(5)
+        except subprocess.TimeoutExpired:  # its connection closed, yet it runs on: it is of no use
+            self.process.kill()
+            code = self.process.wait(5)
+        if self.stop.requested:
+            return
+        raise SerlError(
+            f"the rollout producer (pid {self.process.pid}) {ended(code)} while the trainer ran: "
+            "the finished iterations are checkpointed, continue with --resume"
+        )
 
     def close(self) -> None:
         """End the producer now: its unfinished work is of no use to anyone."""
@@ -300,31 +349,29 @@ class BackgroundProducer:
         self.conn.close()
 
 
+def ended(code: int) -> str:
+    """How a process ended, from its return code (negative: the signal that ended it)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def make_producer(mode: str, setup: ProducerSetup, stop):
     return BackgroundProducer(setup, stop) if mode == "background" else InlineProducer(setup, stop)
 
 
 # -- the producer process -----------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """Ask the kernel to end this process when its parent does (Linux); elsewhere the
-    parent check between turns does it."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def serve(conn) -> None:
     """The producer process: the setup, then requests, each answered with its rollouts, until
     the trainer goes (its end of the connection closes, or it is no longer this process's parent)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # preemption: the trainer decides what survives
-    _die_with_parent()
     try:
         setup = conn.recv()
+        die_with_parent(setup.parent)  # again: a spawn not made by BackgroundProducer
         gone = ParentGone(setup.parent)
         policy = VersionedPolicy(setup, gone)
         idle = time.perf_counter()

@@ -22,11 +22,12 @@ def check_online_resume(run, stored: dict | None, now: dict, finished: int) -> d
     if stored is None:  # a manifest from before the settings were recorded: nothing to hold it to
         return {}
     stored = with_defaults(stored)
-    diff = io.first_difference(without_changeable(stored), without_changeable(now))
-    if diff is not None:
+    found = io.differences(without_changeable(stored), without_changeable(now))
+    if found:
         raise SerlError(
-            f"cannot resume {run} with other settings ({io.difference_text(*diff)}): a run directory holds "
-            f"one run; pass a new --out to start another, or --overwrite to start this one again"
+            f"cannot resume {run} with other settings ({io.differences_text(found)}): a run directory holds "
+            f"one run; `serl train --out {run} --resume` alone continues it with its own settings; pass a new --out "
+            "to start another, or --overwrite to start this one again"
         )
     if now["iterations"] < finished:
         raise SerlError(
@@ -34,6 +35,18 @@ def check_online_resume(run, stored: dict | None, now: dict, finished: int) -> d
             f"iterations; pass at least {finished}, or a new --out to start another run"
         )
     return changed_settings(stored, now)
+
+
+def stored_settings(run) -> dict | None:
+    """The settings the online run in ``run`` was made with (its manifest's, as in ``online.yaml``, at
+    this version's defaults where it lacks a newer setting): what ``serl train --out RUN --resume``
+    runs with. None where ``run`` holds no online run."""
+    from pathlib import Path
+
+    if not (Path(run) / "manifest.json").is_file():
+        return None
+    stored = io.read_json(Path(run) / "manifest.json").get("stages", {}).get("online", {}).get("config")
+    return with_defaults(stored) if isinstance(stored, dict) else None
 
 
 def with_defaults(stored: dict) -> dict:

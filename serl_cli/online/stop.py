@@ -5,6 +5,7 @@ loop raises, and the engine that stops generating once a stop is requested (the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -18,6 +19,23 @@ if TYPE_CHECKING:  # the engine's types, without loading it where the loop only 
     from serl_cli.rollout.engines import Generation, SamplingConfig
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask the kernel to send this process SIGTERM when its parent dies (Linux), and end it now
+    where the parent ``parent`` is already gone (it died before the request took hold). Meant
+    for a child between fork and exec (``preexec_fn``; the request survives exec), so that it
+    holds from the child's first instruction: a rollout producer, an ablation's cells. Elsewhere
+    than Linux nothing is asked (the producer also checks its parent between turns)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 class Preempted(Exception):
@@ -34,22 +52,59 @@ class Preempted(Exception):
         )
 
 
+_early: list[int] = []  # a stop signal taken before the loop's StopSignal was installed (catch_early)
+
+
+@contextlib.contextmanager
+def catch_early():
+    """While it lasts a SIGTERM/SIGUSR1 is a stop request, even before the loop has started: the
+    command that runs the loop enters it first, so that a job's SIGTERM while it reads its
+    settings or loads the model still ends in a checkpoint and exit 75, not the default death
+    (143) that a SLURM script would not requeue. The loop's :class:`StopSignal` takes it over;
+    the handlers before it are put back at its end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def record(signum, frame) -> None:
+        if not _early:
+            print(
+                f"serl: {signal.Signals(signum).name} while starting: stopping once the run is set up (exit "
+                f"{PREEMPTED_EXIT})",
+                file=sys.stderr,
+                flush=True,
+            )
+        _early.append(signum)
+
+    old = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        _early.clear()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 class StopSignal:
     """SIGTERM / SIGUSR1 -> a request to stop at the next safe point (the handlers are
-    installed in the main thread only, and restored on exit)."""
+    installed in the main thread only, and restored on exit). A signal :func:`catch_early`
+    took before is this one's from the start."""
 
     def __init__(self):
-        self.signum: int | None = None
+        self.signum: int | None = _early[0] if _early else None
         self._old: dict = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)
+        _early.clear()
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None and signum == signal.SIGTERM:  # a second SIGTERM: stop now, as without serl
+        # a second SIGTERM: stop now, as without serl (a SIGUSR1 before it -- the batch shell passing on
+        # the job's SIGTERM, SLURM's time-limit warning -- asked for the same stop: this one is the first)
+        if self.signum == signal.SIGTERM and signum == signal.SIGTERM:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return

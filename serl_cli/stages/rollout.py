@@ -29,7 +29,7 @@ from typing import Literal, get_args
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io, runlock
 from serl_cli.artifacts.records import Episode
-from serl_cli.artifacts.schema import ROLLOUTS_FILE, read_manifest, write_rollouts
+from serl_cli.artifacts.schema import ROLLOUTS_FILE, read_manifest, rollouts_fingerprint, write_rollouts
 from serl_cli.config import at_least, setting, within
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Device, Dtype, check_names
@@ -164,7 +164,7 @@ def write_rollout(cfg: RolloutConfig, records: list[Episode], wall: float) -> di
     io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed))
     write_rollouts(out, records)
     summary = rollout_summary(records, wall)
-    io.mark_stage(out, "rollout", "done", summary=summary)
+    io.mark_stage(out, "rollout", "done", summary=summary, rollouts_sha256=rollouts_fingerprint(out))
     return summary
 
 
@@ -223,6 +223,18 @@ def journal_header(cfg: RolloutConfig, episodes: int) -> dict:
     return {"stage": "rollout", "config": plain, "episodes": episodes}
 
 
+def stored_rollout_settings(out: str | Path) -> dict | None:
+    """The settings the rollout in ``out`` was made with (its manifest's, written when it started):
+    what ``serl rollout --out OUT --resume`` runs with. None where there is none."""
+    if not (Path(out) / "manifest.json").is_file():
+        return None
+    try:
+        stored = read_manifest(out).stage("rollout").get("config")
+    except SerlError:  # a damaged manifest: the resume itself says what is wrong
+        return None
+    return stored if isinstance(stored, dict) else None
+
+
 def check_same_rollout(out: Path, cfg: RolloutConfig) -> None:
     """``--resume`` of a finished rollout keeps it only if it was made with these settings (as
     an interrupted one's journal header is checked: all but ``threads`` and ``out``)."""
@@ -233,11 +245,21 @@ def check_same_rollout(out: Path, cfg: RolloutConfig) -> None:
     if cfg.model is None:  # the manifest holds the model it resolved to
         now["model"] = resolve_model(cfg, build_world(cfg.env))
     stored, now = ({k: v for k, v in c.items() if k not in ("threads", "out")} for c in (stored, now))
-    diff = io.first_difference(stored, now)
-    if diff is not None:
+    found = io.differences(stored, now)
+    if found:
         raise SerlError(
-            f"cannot resume {out} with other settings ({io.difference_text(*diff)}): it holds a finished "
+            f"cannot resume {out} with other settings ({io.differences_text(found)}): it holds a finished "
             f"rollout made with the stored ones; pass a new --out for another, or --overwrite to run it again"
+        )
+
+
+def check_rollouts_unchanged(out: Path) -> None:
+    """A finished rollout kept by ``--resume`` holds the records it wrote (its recorded fingerprint)."""
+    recorded = read_manifest(out).stage("rollout").get("rollouts_sha256")
+    if recorded is not None and rollouts_fingerprint(out) != recorded:
+        raise SerlError(
+            f"{out / ROLLOUTS_FILE} has changed since the rollout wrote it (its sha256 differs from the record): "
+            "pass --overwrite to run the rollout again"
         )
 
 
@@ -292,6 +314,7 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
     )
     if finished is not None:
         check_same_rollout(out, cfg)
+        check_rollouts_unchanged(out)
         return finished
     validate(cfg)
     world = build_world(cfg.env)
@@ -335,6 +358,6 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
     wall = time.time() - started
     write_rollouts(out, records)
     summary = rollout_summary(records, wall)
-    io.mark_stage(out, "rollout", "done", summary=summary)
+    io.mark_stage(out, "rollout", "done", summary=summary, rollouts_sha256=rollouts_fingerprint(out))
     journal.unlink(missing_ok=True)
     return summary

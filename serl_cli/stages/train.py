@@ -13,7 +13,7 @@ from pathlib import Path
 from serl_cli.algos.objectives import get_objective
 from serl_cli.algos.registry import objective
 from serl_cli.artifacts import io, runlock
-from serl_cli.artifacts.records import Episode, StageRecord
+from serl_cli.artifacts.records import Episode, StageRecord, check_token_ids
 from serl_cli.artifacts.schema import (
     METRICS_FILE,
     ROLLOUTS_FILE,
@@ -27,6 +27,7 @@ from serl_cli.errors import SerlError
 from serl_cli.method.feedback import parse_sources
 from serl_cli.method.sft.hindsight import examples_for_run
 from serl_cli.method.sft.reading import is_reading, parse_reading, reading_examples_for_run
+from serl_cli.models.shapes import vocabulary as model_vocabulary
 from serl_cli.rollout.prompts import PromptConfig
 from serl_cli.stages.resume_settings import without_changeable
 from serl_cli.training.backends import is_main_process
@@ -178,6 +179,7 @@ def _train_on_run(
     identity = update_identity(run, cfg, model_name)
     if checkpoint.exists() and not overwrite:
         record = check_checkpoint_is_ours(checkpoint, read_update_record(checkpoint), identity, resume)
+        io.check_digests(checkpoint, record.get("weights_sha256"), "this update")
         if not books:  # the record is written with the weights: the update finished
             return record["metrics"]
         if stage.done:
@@ -187,6 +189,9 @@ def _train_on_run(
     episodes = training_episodes(read_rollouts(run), cfg, run)
     if not model_name:
         raise SerlError(f"no model to train: {run}/manifest.json names none; pass --model")
+    vocabulary = model_vocabulary(model_name)
+    if vocabulary is not None:  # before anything is written (the update checks again, on the loaded model)
+        check_token_ids(episodes, vocabulary, str(run / ROLLOUTS_FILE))
     cfg.model = model_name
     annotations, meta = None, None
     if get_objective(cfg.algo).needs_annotations:
@@ -218,8 +223,8 @@ def _train_on_run(
     record = {**identity, "stage": stage_name, "rollouts": str(run), "metrics": metrics, "timing": timing}
 
     def add_record(staging: Path) -> None:  # into the checkpoint, so it is there exactly when the weights are
-        if main:
-            io.write_json(staging / UPDATE_RECORD, record)
+        if main:  # with the hash of each file beside it: a resume that keeps the update checks them
+            io.write_json(staging / UPDATE_RECORD, {**record, "weights_sha256": io.digest_files(staging)})
 
     # a full disk here is one clear error; the old checkpoint, if any, is still in place
     prompt = PromptConfig(**rollout_cfg["prompt"]) if "prompt" in rollout_cfg else None

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from serl_cli.artifacts.io import follow_umask, torch_save
+from serl_cli.artifacts.io import follow_umask, torch_load, torch_save
+from serl_cli.errors import SerlError
 from serl_cli.models.device import precision_of, tag
 
 
@@ -62,6 +63,15 @@ def write_model_files(
         torch_save(extra_state, directory / "trainer_state.pt")
     for name, text in (extra_files or {}).items():
         (directory / name).write_text(text, encoding="utf-8")
+
+
+def read_trainer_state(path: Path) -> dict:
+    """``trainer_state.pt`` (the update counter, the optimizer's moments, the schedule's step, the
+    KL reference), as data only (:func:`~serl_cli.artifacts.io.torch_load`)."""
+    state = torch_load(path, "the trainer state")
+    if not isinstance(state, dict) or not isinstance(state.get("updates"), int):
+        raise SerlError(f"{path} is not a serl trainer state (it has no update counter)")
+    return state
 
 
 def commit_dir(tmp: Path, path: Path) -> None:

@@ -417,6 +417,7 @@ class DeepSpeedBackend:
                 f"cannot resume with --backend deepspeed: {directory} has no DeepSpeed checkpoint "
                 f"({ENGINE_DIR}/{ENGINE_TAG}); it was written by another backend"
             )
+        loads_data_only(self.engine)
         try:
             path, _ = self.engine.load_checkpoint(
                 str(engine_dir),
@@ -445,3 +446,37 @@ class DeepSpeedBackend:
     def barrier(self) -> None:
         if self.world > 1:
             self._dist.barrier()
+
+
+# The types DeepSpeed pickles into its checkpoint beside tensors and plain values (ZeRO 1-3 on
+# deepspeed 0.19.8: the loss scaler, the stage enum, bf16/ZeRO fragment addresses): the only
+# objects a resume lets its files build.
+DEEPSPEED_STATE_TYPES = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
+
+
+def loads_data_only(engine) -> None:
+    """Make ``engine`` read its checkpoint files as data (``torch.load(weights_only=True)`` with
+    :data:`DEEPSPEED_STATE_TYPES` allowed), where DeepSpeed's own engine unpickles whatever they
+    hold: a run folder someone else wrote runs no code on a resume."""
+    import importlib
+
+    from serl_cli.artifacts import io
+
+    allowed = []
+    for module, name in DEEPSPEED_STATE_TYPES:
+        try:
+            allowed.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # another DeepSpeed release: what it lacks it cannot have written
+            continue
+    checkpoints = engine.checkpoint_engine
+
+    def load(path: str, map_location=None):
+        with torch.serialization.safe_globals(allowed):
+            return io.torch_load(path, "a DeepSpeed checkpoint file", map_location=map_location or "cpu")
+
+    checkpoints.load = load

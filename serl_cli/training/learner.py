@@ -23,7 +23,7 @@ from serl_cli.algos import core
 from serl_cli.algos.batch import make_micro_batches, micro_batch_groups, right_aligned
 from serl_cli.algos.objectives import UpdateInputs, default_advantages, get_objective, turn_advantages
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import Annotation, Episode
+from serl_cli.artifacts.records import Annotation, Episode, check_token_ids
 from serl_cli.artifacts.schema import turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.device import tag
@@ -31,7 +31,7 @@ from serl_cli.models.loading import adapter_dir, base_model_name, load_adapters
 from serl_cli.rollout.prompts import PROMPT_FILE, PromptConfig, prompt_file_text
 from serl_cli.training import lora as lora_mod
 from serl_cli.training.backends import make_backend
-from serl_cli.training.checkpoint import commit_dir, frozen_copy, write_policy
+from serl_cli.training.checkpoint import commit_dir, frozen_copy, read_trainer_state, write_policy
 from serl_cli.training.scoring import ScoreItem, score
 from serl_cli.training.step import action_logprobs
 from serl_cli.training.train_config import TrainConfig, check_train_config, recompute_enabled, resolve_correction
@@ -144,7 +144,7 @@ class Learner:
             tag(self.reference.to(self.backend.device), self.backend.precision)
         self.updates = 0
         if resume_file is not None:
-            state = torch.load(resume_file, weights_only=False, map_location="cpu")
+            state = read_trainer_state(resume_file)
             self.backend.load_state(state, resume_file.parent)
             self.updates = state["updates"]
             if self.reference is not None and "reference" in state:
@@ -200,6 +200,11 @@ class Learner:
     def all_gather(self, obj) -> list:
         """``obj`` of every process, in rank order."""
         return self.backend.all_gather(obj)
+
+    def current_lr(self) -> float:
+        """The learning rate the optimizer's next step takes (its schedule's, where one runs)."""
+        groups = getattr(self.optimizer, "param_groups", None)
+        return float(groups[0]["lr"]) if groups else float(self.cfg.optim.lr)
 
     def barrier(self) -> None:
         self.backend.barrier()
@@ -265,6 +270,7 @@ class Learner:
         and after each one (a progress bar; its last call has ``done == total``). ``staleness``: how
         many updates behind this learner the rollouts' policy is (the online loop's ``max_staleness``)."""
         cfg = self.cfg
+        check_token_ids(episodes, self.model.get_input_embeddings().num_embeddings, "the update's rollouts")
         objective = get_objective(cfg.algo)
         recomputed = {}
         recompute = objective.uses_behaviour_logprobs and recompute_enabled(cfg, engine, rollout_half, staleness)
@@ -338,10 +344,7 @@ class Learner:
                     logp_ref=self._reference_logprobs(mb, temperature),
                 )
 
-            if entropy:
-                step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature, entropy=True))
-            else:
-                step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature))
+            step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature, entropy=entropy))
             tick.step(len(mbs))
         self.model.eval()
         self.updates += 1
@@ -354,6 +357,7 @@ class Learner:
             "turns_with_gradient": len(active),
         }
         metrics.update(mean_step_stats(step_stats))
+        metrics.setdefault("lr", self.current_lr())  # no step applied: the lr the next one would take
         metrics.update(prepared.stats)
         metrics.update(episode_stats(episodes))
         metrics.update(recomputed)
@@ -396,7 +400,8 @@ class Learner:
         settings it was trained on (so `serl eval` prompts it the same way). Every process
         calls it; the main one writes the model files into a staging sibling that replaces
         ``path`` only when complete. ``extra(directory)``: what every process adds to the
-        staging directory (the teacher snapshot). ``weights_only``: only what an engine reads
+        staging directory once the policy's files are in it (the teacher snapshot, a record).
+        ``weights_only``: only what an engine reads
         to serve the policy (``vllm.weight_sync: disk``): the model files and tokenizer, no
         resume state. A write that fails (a full disk) is one :class:`SerlError` naming
         ``path``; the previous checkpoint there is untouched and the staging folder removed."""
@@ -430,11 +435,11 @@ class Learner:
             if self.reference is not None:
                 state["reference"] = self.reference.state_dict()
             files = {PROMPT_FILE: prompt_file_text(prompt)} if prompt is not None else {}
-        if extra is not None:
-            extra(staging)
         with self.full_model() as module:
             if self.is_main:
                 write_policy(module, self.tokenizer, staging, self.cfg.lora if self.uses_lora else None, state, files)
+        if extra is not None:  # after the weights: a record of them can hash them
+            extra(staging)
         self.barrier()
 
 

@@ -53,8 +53,8 @@ class OptimConfig:
     )
     total_steps: int = setting(
         0,
-        "linear, cosine: the optimizer step where the lr reaches 0 and stays (the online loop with epochs 1 and "
-        "mini_batches 1: its iterations); 0 with constant",
+        "linear, cosine: the optimizer step where the lr reaches 0 and stays; 0 in the online loop: iterations x "
+        "epochs x mini_batches, written into the run's settings (set it with mini_batch_turns); 0 with constant",
         limit=at_least(0, "a whole number of optimizer steps (0 or more)", whole=True),
     )
 
@@ -284,7 +284,7 @@ def _check_schedule(optim: OptimConfig) -> None:
         raise SerlError(
             f"train.optim.schedule {optim.schedule} decays until train.optim.total_steps, which must be above "
             f"train.optim.warmup_steps ({optim.warmup_steps}), got {optim.total_steps}: set it to the run's "
-            "optimizer steps (the online loop: iterations x epochs x mini_batches)"
+            "optimizer steps (the online loop derives iterations x epochs x mini_batches where mini_batch_turns is 0)"
         )
 
 

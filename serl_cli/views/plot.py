@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Metrics
 from serl_cli.artifacts.schema import METRICS_FILE
 from serl_cli.artifacts.schema import read_metrics as read_metrics_file
@@ -24,7 +25,7 @@ PANELS = [
     ("reward", ["mean_reward"]),
     ("success", ["success_rate", "eval_success_rate"]),
     ("loss", ["loss", "pg_loss"]),
-    ("KL", ["kl_ref", "approx_kl"]),  # k3 to the reference; PPO's approx KL to the behaviour policy
+    ("KL (k3)", ["kl_ref", "kl_k3"]),  # k3 estimates, both >= 0: to the reference, and to the rollouts' policy
     ("clip fraction", ["clip_frac"]),
     # the rollout engine against the trainer (train.recompute_logp_old) and the off-policy correction's weights
     ("engine mismatch", ["logp_mismatch_k1", "logp_mismatch_k3"]),
@@ -98,9 +99,4 @@ def plot_run(run_dir: str, *, x: str = "iteration", out: str | None = None) -> P
         ax.axis("off")
     fig.suptitle(str(run), fontsize=9)
     fig.tight_layout()
-    target = Path(out) if out else run / "curves.png"
-    tmp = target.with_name(f".{target.name}.tmp.png")  # written aside, then renamed: never a half PNG
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(target)
-    return target
+    return io.save_figure(fig, Path(out) if out else run / "curves.png", dpi=110)

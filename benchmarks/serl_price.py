@@ -4,8 +4,8 @@
                                     [--threads 1] [--seed 0] [--serl-set KEY=VALUE ..] [--out FILE] [--work DIR]
 
 Each round runs ``serl train --config experiments/sokoban/serl.yaml --set annotate.placement=all
---set annotate.sources=obs`` and ``serl train --config experiments/sokoban/grpo.yaml`` (the
-issue-39 comparison), one after the other in fresh processes, from the same warm start with the
+--set annotate.sources=obs`` and ``serl train --config experiments/sokoban/grpo.yaml`` (the comparison
+of docs/SCALING.md, "SERL's price"), one after the other in fresh processes, from the same warm start with the
 same seed and ``--iterations``, the periodic evaluation off (``eval.episodes=0``: the same for both
 arms, and not an iteration's price). The order alternates between rounds (the machine is shared:
 whoever runs second in a round would otherwise always meet the same neighbours).
@@ -20,7 +20,7 @@ update changes what the next rollout meets: one arm's iteration may have twice t
 with a gradient), so the paired ratio mixes SERL's price with that difference; the same-batch ratio,
 each SERL iteration against itself less its annotate stage (what GRPO's rollout and update cost on
 those episodes), is SERL's price alone. SERL's phases (``annotate``: the teacher's
-forward passes and the rest, ``teacher_signal`` included) against its update. Targets (issue 39):
+forward passes and the rest, ``teacher_signal`` included) against its update. Targets (docs/SCALING.md, "SERL's price"):
 the ratio at most 1.15, the teacher's forward less than the update, the annotate stage outside the
 teacher's forward under a quarter of the teacher's.
 """
@@ -193,7 +193,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a setting for the SERL arm after the issue-39 ones (repeatable), e.g. annotate.placement=feedback",
+        help="a setting for the SERL arm, applied after its own (annotate.placement=all, annotate.sources=obs) "
+        "(repeatable), e.g. annotate.placement=feedback",
     )
     ap.add_argument("--work", default=None, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--out", default=None)

@@ -219,24 +219,15 @@ def _default_of(f: dataclasses.Field):
 
 
 def _coerce(tp, value, where: str):
+    """``value`` as a setting of type ``tp`` (a section, a choice of words, a union, a container or
+    a scalar), or one line saying what the setting at ``where`` must be."""
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
     if origin is typing.Literal:
         return _one_of(typing.get_args(tp), value, where)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, where)
-            except SerlError as e:
-                errors.append(e)
-        raise errors[0]
+        return _coerce_union(typing.get_args(tp), value, where)
     if tp is tuple or origin is tuple:  # YAML has lists only: a tuple setting loads as the tuple it dumped
         if not isinstance(value, (list, tuple)):
             raise SerlError(f"setting {where} must be a list, got {value!r}")
@@ -246,6 +237,29 @@ def _coerce(tp, value, where: str):
         if want in (dict, list) and not isinstance(value, want):
             raise SerlError(f"setting {where} must be a {want.__name__}, got {value!r}")
         return value
+    return _coerce_scalar(tp, value, where)
+
+
+def _coerce_union(args: tuple, value, where: str):
+    """``value`` as the first of the union's types that takes it; None only where the union allows it.
+    Where none takes it, the first type's error says what the setting must be."""
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(arg, value, where)
+        except SerlError as e:
+            errors.append(e)
+    raise errors[0]
+
+
+def _coerce_scalar(tp, value, where: str):
+    """``value`` as a bool, int, float or str setting: a bool is never a number (YAML's ``true`` is
+    not 1), a float may be written as a string and a str as a number. Any other type takes the value
+    as it is."""
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -1,5 +1,5 @@
 """``prompt.style: authors``: the paper authors' prompt, reply rule and action spans, and GiGPO's
-observation anchor (issue 28).
+observation anchor (docs/PARITY.md).
 
 The fixture of truth is the authors' template strings, copied verbatim into
 tests/fixtures/authors_templates.txt from github.com/OliverLeeXZ/SERL at 5a2a85b

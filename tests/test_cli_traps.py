@@ -1,4 +1,4 @@
-"""Issue 40, items 4-7 and 9: inputs that used to trap a researcher.
+"""Inputs that used to trap a researcher.
 
 The SLURM scripts run the same from any directory; a file in --out's way and a malformed
 $SERL_THREADS are one line; a --set path means the same with or without a config; ``serl plan
@@ -55,7 +55,7 @@ def assert_one_line(code: int, err: str, *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
-# -- item 4: the job array runs the same from any directory --------------------------------------
+# -- the job array runs the same from any directory --------------------------------------
 
 
 def test_slurm_scripts_run_from_where_they_were_written(tmp_path, tiny_model_dir, monkeypatch, capsys):
@@ -99,7 +99,7 @@ def test_a_setup_that_activates_an_environment_runs_its_python(tmp_path, tiny_mo
     assert "${SERL:-python -m serl_cli} ablate --report" in text
 
 
-# -- item 5: tracebacks -----------------------------------------------------------------------------
+# -- tracebacks -----------------------------------------------------------------------------
 
 
 def test_out_naming_a_file_is_one_line(tmp_path, monkeypatch, capsys):
@@ -150,7 +150,7 @@ def test_no_command_still_shows_the_help(capsys, monkeypatch):
     assert "Usage" in out + err and "rollout" in out + err
 
 
-# -- item 6: one --set scheme ----------------------------------------------------------------------
+# -- one --set scheme ----------------------------------------------------------------------
 
 
 def test_a_run_file_path_in_set_works_without_a_run_file(tmp_path, monkeypatch, capsys):
@@ -202,7 +202,7 @@ def test_ablate_set_takes_the_grid_files_paths(tmp_path, tiny_model_dir, monkeyp
     assert_one_line(code, err, "unknown setting base.iteratons", "did you mean base.iterations?")
 
 
-# -- item 7: serl plan --gpus ------------------------------------------------------------------------
+# -- serl plan --gpus ------------------------------------------------------------------------
 
 
 def test_plan_replans_the_layout_for_gpus(monkeypatch, capsys):
@@ -244,7 +244,7 @@ def test_plan_names_a_tiny_models_size(tiny_model_dir, tmp_path, monkeypatch, ca
     assert f"({count(params)} parameters)" in out and "0.00B" not in out
 
 
-# -- item 9: --help as it is accepted ----------------------------------------------------------------
+# -- --help as it is accepted ----------------------------------------------------------------
 
 
 def _commands():

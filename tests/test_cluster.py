@@ -54,7 +54,7 @@ def test_threads_are_the_cpus_a_process_may_use_shared_by_the_nodes_ranks():
 
 
 def test_the_group_is_bound_to_the_gpu_serl_trains_on():
-    from serl_cli.training.deepspeed import process_group_options
+    from serl_cli.training.distributed import process_group_options
 
     # train.gpus [2, ..., 7]: LOCAL_RANK 1 trains on cuda:3, and NCCL must be bound there, not to cuda:1
     options = process_group_options(torch.device("cuda", 3), world_size=6, timeout_s=5400)

@@ -281,7 +281,7 @@ def test_non_finite_loss_skips_the_step(tiny_model_dir):
 
 SOLO_GROUP = """
 import os, subprocess, sys
-from serl_cli.training.deepspeed import _import_deepspeed, init_distributed
+from serl_cli.training.distributed import _import_deepspeed, init_distributed
 init_distributed(_import_deepspeed())  # this process's group of one, its store on MASTER_PORT
 if sys.argv[1:] == ["parent"]:  # a child inherits RANK/MASTER_PORT: it must make its own group, on another port
     child = subprocess.run([sys.executable, __file__], capture_output=True, text=True)
@@ -313,7 +313,7 @@ def test_a_child_of_a_group_of_one_makes_its_own_group(tmp_path):
 GROUP_TIMEOUTS = """
 import torch, torch.distributed as dist
 from deepspeed.utils import groups
-from serl_cli.training.deepspeed import _import_deepspeed, init_distributed
+from serl_cli.training.distributed import _import_deepspeed, init_distributed
 init_distributed(_import_deepspeed(), timeout_s=77)
 cpu = torch.device("cpu")
 made = dist.new_group([0])  # as DeepSpeed makes its groups: comm/torch.py new_group(ranks), no timeout
@@ -345,10 +345,10 @@ def test_every_process_group_times_out_after_dist_timeout_s(tmp_path):
 def test_a_lock_left_by_a_killed_process_does_not_hold_the_next_one(tmp_path):
     """torch's JIT leaves its baton file (``lock``) in the op's build folder when the process that held
     it is killed, and every later DeepSpeed initialize waited for it forever: serl removes it under
-    an flock that dies with its holder (training.deepspeed.load_shm_op)."""
+    an flock that dies with its holder (training.distributed.load_shm_op)."""
     import fcntl
 
-    from serl_cli.training.deepspeed import extensions_dir
+    from serl_cli.training.distributed import extensions_dir
 
     extensions = extensions_dir()
     (extensions / "deepspeed_shm_comm").mkdir(parents=True, exist_ok=True)

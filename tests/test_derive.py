@@ -101,7 +101,8 @@ def loop_run(stopping_model_dir, tmp_path_factory) -> Path:
     advantage settings (cross-step groups, the invalid-action penalty: not the annotation's own
     default), and a periodic evaluation sampled at 0.4. Half of each group is made successful as the
     loop reads its rollouts (rewards are data here) so that advantages, and weights, are not all 0."""
-    import serl_cli.online.loop as online
+    import serl_cli.online.sources as sources
+    from serl_cli.online.loop import run_online
     from serl_cli.online.run_file import run_settings
 
     run = tmp_path_factory.mktemp("loop") / "run"
@@ -128,11 +129,11 @@ def loop_run(stopping_model_dir, tmp_path_factory) -> Path:
             f"out={run}",
         ],
     )
-    gathered = online.as_stored  # the loop's batch, as every process holds it and rank 0 writes it
+    gathered = sources.as_stored  # the loop's batch, as every process holds it and rank 0 writes it
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(online, "as_stored", lambda records: half_successful(gathered(records)))
-        online.run_online(cfg)
+        mp.setattr(sources, "as_stored", lambda records: half_successful(gathered(records)))
+        run_online(cfg)
     (run / "online.yaml").write_text(yaml.safe_dump(run_settings(cfg), sort_keys=False))
     return run
 

@@ -267,10 +267,6 @@ def test_hf_engine_and_eval_policy_run_under_autocast(tiny_model_dir):
 def test_annotate_scores_with_the_teacher_in_bf16(tiny_model_dir, tmp_path):
     """`serl annotate RUN --device cpu --dtype bf16`: the teacher's log-probs are bf16 autocast
     numbers, close to the fp32 ones and not equal to them."""
-    from serl_cli.method.annotation import AnnotateConfig
-
-    if "device" not in AnnotateConfig.__dataclass_fields__:
-        pytest.skip("AnnotateConfig has no device/dtype yet (the method/annotation.py change of issue 18)")
     run = tmp_path / "run"
     run_rollout(
         rollout_config(tiny_model_dir, run, tasks=1, group_size=2, max_new_tokens=6, env=synthetic_env(max_turns=2))

@@ -283,8 +283,8 @@ def test_gumbel_rows_draw_from_the_tempered_softmax():
 
 
 def test_gumbel_rows_draw_each_rows_stream_on_the_scores_device():
-    """A row's noise is its seed's stream from a generator on the device of the scores (issue 39,
-    item 10): on a CPU, the CPU generator's, step after step -- the draws coupled runs always made."""
+    """A row's noise is its seed's stream from a generator on the device of the scores: on a CPU,
+    the CPU generator's, step after step -- the draws coupled runs always made."""
     from serl_cli.rollout.engines.hf import GumbelRows
 
     scores = torch.zeros(2, 5)

@@ -1,4 +1,4 @@
-"""A world's optional capabilities (issue 41): each a small protocol in ``envs.base``, asked with
+"""A world's optional capabilities: each a small protocol in ``envs.base``, asked with
 ``isinstance`` rather than ``hasattr``, and checked once when ``make_world`` builds the world."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Limits declared with the settings (issue 41): ``setting(..., limit=...)`` says which values a
+"""Limits declared with the settings: ``setting(..., limit=...)`` says which values a
 number may take, ``config.check_limits`` refuses any other in one line, and the docs show it."""
 
 from __future__ import annotations

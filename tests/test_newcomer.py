@@ -1,4 +1,4 @@
-"""What a newcomer tried that went wrong (issue 30, section 3): the WebShop catalog that ran is
+"""What a newcomer tried that went wrong: the WebShop catalog that ran is
 said and recorded, Ctrl-C says how to resume, `serl env play` says how to quit, and the help
 and refusals say what is true of each command."""
 

@@ -1,4 +1,4 @@
-"""``old_rollouts`` (issue 39, item 9): a finished iteration's rollouts and annotations, which the
+"""``old_rollouts``: a finished iteration's rollouts and annotations, which the
 loop never reads again, kept, gzipped or deleted once a later iteration is done; gzipped records
 read as before (``serl show``, the readers of ``artifacts``), and ``serl plan`` counts what is kept
 (tests/test_plan.py)."""

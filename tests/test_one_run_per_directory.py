@@ -1,4 +1,4 @@
-"""One run per directory (issue 40): a resume keeps the settings its run was made with, no
+"""One run per directory: a resume keeps the settings its run was made with, no
 command replaces a checkpoint another training wrote unless told ``--overwrite`` (nor does any
 error's advice lead there), and training only reads the run whose rollouts it trains on when
 its checkpoint goes elsewhere -- so several trainings read one rollout directory at once."""
@@ -119,7 +119,7 @@ def expert_run(tiny_model_dir, tmp_path):
 
 
 def test_resume_never_replaces_another_updates_checkpoint(expert_run, capsys):
-    """Issue 40, item 2: the refusal's advice was '--resume to keep it', and --resume with another
+    """The refusal's advice was '--resume to keep it', and --resume with another
     algorithm then trained over the checkpoint."""
     run = expert_run
     assert cli(capsys, "train", str(run), "--algo", "sft", "--threads", "1", "-q")[0] == 0

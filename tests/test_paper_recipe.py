@@ -1,4 +1,4 @@
-"""The paper configs run the authors' recipe (issue 28): their prompt, every admissible action, the
+"""The paper configs run the authors' recipe (docs/PARITY.md): their prompt, every admissible action, the
 real WebShop catalog, their training length and validation size, GiGPO's anchor key and the
 action spans; a WebShop paper config refuses to run without the catalog; and each one runs end
 to end on CPU at toy size (the tiny model, one CPU process, a few tasks, turns and tokens)."""

@@ -1,4 +1,5 @@
-"""A teacher that reads (issue 29): aligned ref/expert blocks, reading SFT, the perfect teacher's
+"""A teacher that reads (study v4's positive control, docs/studies/sokoban_v4.md): aligned ref/expert
+blocks, reading SFT, the perfect teacher's
 weights, the selection check among scorable turns, the teacher-signal gate and the update
 diagnostics. Hand-made turns where the figures are worked by hand; Sokoban rollouts of the
 noisy expert, recorded with the micro model's tokenizer, elsewhere."""

@@ -35,8 +35,9 @@ from serl_cli.training.train_config import TrainConfig
 
 @pytest.fixture(scope="module")
 def serl_run(stopping_model_dir, tmp_path_factory):
-    import serl_cli.online.loop as online
+    import serl_cli.online.sources as sources
     from serl_cli.method.annotate_config import AnnotateConfig
+    from serl_cli.online.loop import run_online
 
     run = tmp_path_factory.mktemp("records") / "run"
     cfg = OnlineConfig(
@@ -48,10 +49,10 @@ def serl_run(stopping_model_dir, tmp_path_factory):
         annotate=AnnotateConfig(sources="error", unparsed="whole"),
         train=TrainConfig(algo="serl", optim=OptimConfig(lr=1e-3), threads=1),
     )
-    gathered = online.as_stored
+    gathered = sources.as_stored  # where the synchronous source puts the gathered episodes in stored form
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(online, "as_stored", lambda records: half_successful(gathered(records)))
-        history = online.run_online(cfg)
+        mp.setattr(sources, "as_stored", lambda records: half_successful(gathered(records)))
+        history = run_online(cfg)
     return run, history
 
 

@@ -24,6 +24,7 @@ from support import run, tiny_grid
 
 from serl_cli.ablate import cells as ab_cells
 from serl_cli.ablate import grid as ab
+from serl_cli.ablate import grid_checks
 from serl_cli.ablate import grid_record as ab_record
 from serl_cli.errors import SerlError
 
@@ -109,11 +110,11 @@ def test_multi_node_and_deepspeed_launchers(tmp_path, tiny_model_dir):
     assert f"${{DEEPSPEED:-{sys.executable} -m deepspeed.launcher.runner}} --num_nodes 1 --num_gpus 2" in text
     assert "--requeue" not in text and "--signal" not in text
     with pytest.raises(SerlError, match="unknown slurm.launcher 'mpirun'"):
-        ab._check_slurm({"launcher": "mpirun"})
+        grid_checks.check_slurm({"launcher": "mpirun"})
     with pytest.raises(SerlError, match="not both"):
-        ab._check_slurm({"gpus": 1, "gpus_per_node": 2})
+        grid_checks.check_slurm({"gpus": 1, "gpus_per_node": 2})
     with pytest.raises(SerlError, match="slurm.setup must be a list"):
-        ab._check_slurm({"setup": "module load cuda"})
+        grid_checks.check_slurm({"setup": "module load cuda"})
 
 
 def _fake_slurm(tmp_path: Path) -> dict:
@@ -305,8 +306,8 @@ def test_a_grid_without_resources_gets_defaults_and_this_interpreter(tmp_path, t
 )
 def test_slurm_values_that_would_rewrite_the_script_are_refused(slurm, needle):
     with pytest.raises(SerlError, match=needle):
-        ab._check_slurm(slurm)
+        grid_checks.check_slurm(slurm)
 
 
 def test_slurm_values_of_the_usual_shapes_pass():
-    ab._check_slurm({"partition": "gpu-a100,gpu-h100", "account": "lab_1", "time": "2-00:00:00", "mem": "256G"})
+    grid_checks.check_slurm({"partition": "gpu-a100,gpu-h100", "account": "lab_1", "time": "2-00:00:00", "mem": "256G"})

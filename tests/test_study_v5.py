@@ -1,4 +1,4 @@
-"""Study v5's grid (issue 42, experiments/study/sokoban_v5.yaml): every arm from study v4's reading
+"""Study v5's grid (experiments/study/sokoban_v5.yaml, docs/studies/sokoban_v5.md): every arm from study v4's reading
 warm start on 10 seeds, the bounds and schedules each arm says, the step-matched learning rates
 those of the measured steps, and each arm contrasted with GRPO."""
 

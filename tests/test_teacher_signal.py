@@ -177,8 +177,8 @@ def test_selection_report_has_the_signal_of_forward_passes(sokoban_run, model_an
 
 def test_the_signal_takes_the_annotations_scores_of_the_items_it_scored(tiny_model_dir, model_and_tokenizer, tmp_path):
     """Where the student took the expert's action, the expert's reply with the block is the item
-    the annotation scored: the signal takes those log-probs and scores only the rest (issue 39, the
-    signal's price), and its figures are still those of forward passes made here."""
+    the annotation scored: the signal takes those log-probs and scores only the rest (its price: docs/SCALING.md,
+    "SERL's price"), and its figures are still those of forward passes made here."""
     run = tmp_path / "expert"
     run_rollout(rollout_config(tiny_model_dir, run, env=SOKOBAN, tasks=2, group_size=1, policy="expert"))
     episodes = read_rollouts(run)

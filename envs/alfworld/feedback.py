@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass
 
 Fact = tuple  # (predicate, *argument names)
 
@@ -137,46 +138,84 @@ def why_inadmissible(verb: str, args: dict[str, str], facts: frozenset[Fact]) ->
     for name in args.values():
         if name not in known:
             return f"there is no {name!r} here"
-    loc_of_recep = _index(facts, "receptacleatlocation")
-    loc_of_obj = _index(facts, "objectatlocation")
-    agent_loc = next((f[2] for f in facts if f[0] == "atlocation"), None)
-    held = holding(facts)
-    opened = {f[1] for f in facts if f[0] == "opened"}
-    openable = {f[1] for f in facts if f[0] == "openable"}
+    scene = _Scene.of(facts)
     # a branch below reads only the arguments its verb's pattern names, so the "" default never shows
     o, r = args.get("o", ""), args.get("r", "")
-
-    def away(recep: str) -> str | None:
-        return f"you are not at {recep}" if loc_of_recep.get(recep) != agent_loc else None
-
     if verb == "go to":
-        if r not in loc_of_recep:
-            return f"{r} is not a place you can go to"
-        return f"you are already at {r}" if loc_of_recep[r] == agent_loc else "you cannot go there"
+        return _why_not_go_to(r, scene)
     if verb in ("open", "close"):
-        if r not in openable:
-            return f"{r} cannot be opened or closed"
-        return away(r) or (f"{r} is already open" if verb == "open" else f"{r} is already closed")
+        return _why_not_open_or_close(verb, r, scene)
     if verb == "take":
-        if held:
-            return f"your hands are full: you are holding {held[0]}"
-        if _index(facts, "inreceptacle").get(o) != r:
-            return f"{o} is not in/on {r}"
-        return away(r) or (f"{r} is closed" if r in openable and r not in opened else f"{o} cannot be picked up")
+        return _why_not_take(o, r, scene)
     if verb in ("put", "heat", "cool", "clean"):
-        if o not in held:
-            return f"you are not holding {o}"
-        if reason := away(r):
-            return reason
-        if verb == "put":
-            return f"{r} is closed" if r in openable and r not in opened else f"{o} cannot go in/on {r}"
-        return f"you cannot {verb} {o} with {r}"
+        return _why_not_put_or_apply(verb, o, r, scene)
     if verb in ("use", "toggle"):
-        if loc_of_obj.get(o) != agent_loc:
-            return f"{o} is not here"
-        return f"{o} cannot be used"
+        return f"{o} is not here" if scene.loc_of_obj.get(o) != scene.agent_loc else f"{o} cannot be used"
     if verb == "examine":
         return f"{o} is not here"
     if verb == "slice":
         return f"you need to hold {args.get('k')} and be where {o} is"
     return "the game does not accept it here"
+
+
+@dataclass(frozen=True)
+class _Scene:
+    """What a command's preconditions read of a state: where the agent, the receptacles and the
+    objects are, what the agent holds, and which receptacles open and are open."""
+
+    facts: frozenset[Fact]
+    loc_of_recep: dict[str, str]
+    loc_of_obj: dict[str, str]
+    agent_loc: str | None
+    held: list[str]
+    opened: set[str]
+    openable: set[str]
+
+    @classmethod
+    def of(cls, facts: frozenset[Fact]) -> _Scene:
+        return cls(
+            facts=facts,
+            loc_of_recep=_index(facts, "receptacleatlocation"),
+            loc_of_obj=_index(facts, "objectatlocation"),
+            agent_loc=next((f[2] for f in facts if f[0] == "atlocation"), None),
+            held=holding(facts),
+            opened={f[1] for f in facts if f[0] == "opened"},
+            openable={f[1] for f in facts if f[0] == "openable"},
+        )
+
+    def away(self, recep: str) -> str | None:
+        return f"you are not at {recep}" if self.loc_of_recep.get(recep) != self.agent_loc else None
+
+    def closed(self, recep: str) -> bool:
+        return recep in self.openable and recep not in self.opened
+
+
+def _why_not_go_to(r: str, scene: _Scene) -> str:
+    if r not in scene.loc_of_recep:
+        return f"{r} is not a place you can go to"
+    return f"you are already at {r}" if scene.loc_of_recep[r] == scene.agent_loc else "you cannot go there"
+
+
+def _why_not_open_or_close(verb: str, r: str, scene: _Scene) -> str:
+    if r not in scene.openable:
+        return f"{r} cannot be opened or closed"
+    return scene.away(r) or (f"{r} is already open" if verb == "open" else f"{r} is already closed")
+
+
+def _why_not_take(o: str, r: str, scene: _Scene) -> str:
+    if scene.held:
+        return f"your hands are full: you are holding {scene.held[0]}"
+    if _index(scene.facts, "inreceptacle").get(o) != r:
+        return f"{o} is not in/on {r}"
+    return scene.away(r) or (f"{r} is closed" if scene.closed(r) else f"{o} cannot be picked up")
+
+
+def _why_not_put_or_apply(verb: str, o: str, r: str, scene: _Scene) -> str:
+    """put, heat, cool, clean: each an object the agent holds, taken to a receptacle it is at."""
+    if o not in scene.held:
+        return f"you are not holding {o}"
+    if reason := scene.away(r):
+        return reason
+    if verb == "put":
+        return f"{r} is closed" if scene.closed(r) else f"{o} cannot go in/on {r}"
+    return f"you cannot {verb} {o} with {r}"

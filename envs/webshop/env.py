@@ -187,13 +187,17 @@ class WebShopEpisode:
             shown = action if len(action) <= 80 else action[:77] + "..."
             return f"unparseable action {shown!r}: expected search[query] or click[target]"
         verb, arg = m.group(1), m.group(2).strip().lower()
-        if verb == "search":
-            if self.state.page != "start":
-                return "there is no search bar on this page: click[back to search] first"
-            if not arg:
-                return "empty search query"
-            self.state = PageState(page="results", query=arg, hits=self.world.search(arg))
-            return None
+        return self._search(arg) if verb == "search" else self._click(arg)
+
+    def _search(self, query: str) -> str | None:
+        if self.state.page != "start":
+            return "there is no search bar on this page: click[back to search] first"
+        if not query:
+            return "empty search query"
+        self.state = PageState(page="results", query=query, hits=self.world.search(query))
+        return None
+
+    def _click(self, arg: str) -> str | None:
         targets = self.clickables()
         if arg == "search":
             return "click[search] does nothing: type a query with search[...]"

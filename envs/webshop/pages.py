@@ -153,7 +153,7 @@ def describe_change(before: PageState, after: PageState, products: list[dict]) -
         if before.options.get(name) != value:
             was = before.options.get(name)
             notes.append(f"selected {name}: {value}" + (f" (was {was})" if was else ""))
-    for name in before.options.keys() - after.options.keys():
+    for name in sorted(before.options.keys() - after.options.keys()):  # a set: its order is not the run's
         notes.append(f"cleared {name}")
     if after.page == "done":
         notes.append(f"bought {after.asin}, score {after.reward:.3f}")

@@ -1,4 +1,5 @@
-"""The size of each step of online runs, from their kept iteration checkpoints (study v5, issue 42).
+"""The size of each step of online runs, from their kept iteration checkpoints (study v5's step-matched
+learning rates, docs/studies/sokoban_v5.md).
 
     python experiments/sokoban/update_norms.py --start MODEL RUN [RUN ...]
 

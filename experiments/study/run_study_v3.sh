@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Study v3 (docs/RESULTS.md, issue 17) end to end on 6x6 one-box Sokoban, on CPU: the warm starts, SFT alone on
+# Study v3 (docs/studies/sokoban_v3.md) end to end on 6x6 one-box Sokoban, on CPU: the warm starts, SFT alone on
 # the panel, then the five grids of experiments/study/sokoban_v3_*.yaml, PARALLEL cells at a time (one torch
 # thread each). Cells are resumable: rerunning the script skips what is done and resumes what was stopped.
 # Arms shared between grids are trained once (`serl ablate --reuse` copies the finished cells).

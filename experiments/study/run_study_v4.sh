@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Study v4 (docs/studies/sokoban_v4.md, issue 29) end to end on 6x6 one-box Sokoban, on CPU: the noisy-expert data,
+# Study v4 (docs/studies/sokoban_v4.md) end to end on 6x6 one-box Sokoban, on CPU: the noisy-expert data,
 # the reading-capable warm start, the teacher-signal gate (the script stops if the teacher does not read), SFT alone
 # on the panel, the mechanism figures of a first update, then the grid of experiments/study/sokoban_v4.yaml,
 # PARALLEL cells at a time (one torch thread each). Cells are resumable: rerunning the script skips what is done

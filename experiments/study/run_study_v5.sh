@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Study v5 (docs/studies/sokoban_v5.md, issue 42): SERL's schedule and bounds from study v4's warm start, on CPU.
+# Study v5 (docs/studies/sokoban_v5.md): SERL's schedule and bounds from study v4's warm start, on CPU.
 # It shares v4's recipe for the warm start and gate (runs/study-v4; rebuilt here when absent; where it is v4's by
 # content, v4's identical cells are reused and v4's grid is completed), measures the step each arm takes (the learning
 # rates of the step-matched arms come from that), the mechanism figures of a first update at every bound, then the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Study v3 on WebShop (docs/RESULTS.md, issue 17): question (a) on the real 1k catalog, on CPU, at the scale the
+# Study v3 on WebShop (docs/studies/sokoban_v3.md, "WebShop"): question (a) on the real 1k catalog, on CPU, at the scale the
 # budget allows. Needs SERL_DATA_DIR (the catalog). Resumable: rerunning skips what is done.
 #   the noisy expert's data -> the warm start (SFT, one epoch) -> SFT alone on the test panel
 #   -> the grid experiments/study/webshop_v3_methods.yaml -> summaries kept under docs/results/webshop_v3/

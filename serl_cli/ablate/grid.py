@@ -102,36 +102,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serl_cli import config as cfgmod
+from serl_cli.ablate.grid_checks import (
+    ARM_AXES,
+    AXES,
+    axis_list,
+    check_arm_settings,
+    checked_contrasts,
+    checked_final_eval,
+    checked_grid,
+    checked_slurm,
+    fail_unknown,
+    seed_list,
+)
 from serl_cli.algos.registry import apply_algorithm, objective
 from serl_cli.artifacts import io
 from serl_cli.config import setting
 from serl_cli.errors import SerlError
-from serl_cli.method.annotate_config import AnnotateConfig, validate
+from serl_cli.method.annotate_config import AnnotateConfig
 from serl_cli.training.train_config import TrainConfig
 
-AXES = ("env", "algo", "sources", "granularity", "placement", "seeds")
 TOP_KEYS = ("description", "base_config", "base", "grid", "arms", "baseline", "contrasts", "final_eval", "slurm")
-CONTRAST_KEYS = ("name", "plus", "minus")
 ARM_KEYS = ("name", "env", "algo", "sources", "granularity", "placement", "set")
-FINAL_EVAL_KEYS = ("episodes", "split", "panel")
-SLURM_KEYS = (
-    "partition",
-    "account",
-    "time",
-    "nodes",
-    "gpus_per_node",
-    "gpus",
-    "cpus_per_task",
-    "mem",
-    "setup",
-    "launcher",
-    "max_parallel",
-    "requeue",
-    "signal_grace_s",
-    "template",
-    "extra",
-)
-LAUNCHERS = ("auto", "torchrun", "deepspeed", "none")
 
 
 @dataclass
@@ -152,34 +143,6 @@ class Grid:
     product: bool = setting(True, "whether the axes' product makes arms (not when only arms: and seeds are given)")
     baseline: str | None = setting(None, "the arm the report pairs the others with; null: the first grpo arm")
     contrasts: list = setting(factory=list, doc="[{name, plus: [arms], minus: [arms]}]: the report's contrasts")
-
-
-def _fail_unknown(keys, known, where: str) -> None:
-    unknown = sorted(set(keys) - set(known))
-    if unknown:
-        raise SerlError(f"unknown key {where}{unknown[0]} in the ablation grid (known: {', '.join(known)})")
-
-
-def _as_list(value, name: str) -> list:
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",")] if name != "sources" else [value]
-    if not isinstance(value, list):
-        raise SerlError(f"grid.{name} must be a list, got {value!r}")
-    return [str(v) for v in value]
-
-
-def _seeds(value) -> list[int]:
-    if isinstance(value, bool):
-        raise SerlError(f"grid.seeds must be a count or a list of integers, got {value!r}")
-    if isinstance(value, int):
-        if value < 1:
-            raise SerlError(f"empty grid: grid.seeds is {value}; give a count of at least 1 or a list of seeds")
-        return list(range(value))
-    if isinstance(value, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in value):
-        if len(set(value)) != len(value):
-            raise SerlError(f"grid.seeds names a seed twice: {value}")
-        return list(value)
-    raise SerlError(f"grid.seeds must be a count or a list of integers, got {value!r}")
 
 
 # the grid file's sections a --set path may start with (base.iterations=30, grid.seeds=5,
@@ -211,17 +174,65 @@ def load_grid(
     overrides: list[str] | None = None,
     flags: dict | None = None,
 ) -> Grid:
-    """Build the grid from a grid file and/or flags (see the module docstring for the rule)."""
+    """Build the grid from a grid file and/or flags (see the module docstring for the rule). Each
+    phase checks what it reads, in the order below: of two mistakes, the error names the first."""
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
+
+    # 1. the grid file, with the --set paths into its own sections; the other paths are the base's
+    data, base_overrides = _read_grid_file(path, list(overrides or []))
+
+    # 2. the base every cell starts from, resolved: unknown keys and bad types fail before any arm
+    base = _resolve_base(data, path, config_file, base_overrides, flags.pop("iterations", None))
+
+    # 3. the axes: the grid file's (an axis it leaves out holds the base's value), then the flags'
+    given_axes = checked_grid(data.get("grid"))
+    axes = _flag_axes(_file_axes(given_axes, base), flags, shorthand=not path)
+
+    # 4. the fixed panel every cell is scored on, and the job array's settings
+    final_eval = checked_final_eval(data.get("final_eval"), flags.get("episodes"))
+    slurm = checked_slurm(data.get("slurm"))
+
+    # 5. the arms: the grid file's own, and the axes' product unless only arms: and seeds were given
+    explicit = _explicit_arms(data.get("arms"), base)
+    axis_given = any(k != "seeds" for k in given_axes) or any(k in flags for k in ARM_AXES)
+    grid = Grid(
+        base=absolute_local_paths(base),
+        axes=axes,
+        final_eval=final_eval,
+        slurm=slurm,
+        description=str(data.get("description", "")),
+        extra_arms=explicit,
+        product=axis_given or not explicit,
+    )
+    check_arm_settings(grid.axes, grid.extra_arms, product=grid.product)
+
+    # 6. what the report reads, by the arms' names: the baseline and the contrasts
+    names = _arm_names(grid)
+    grid.baseline = _baseline(data.get("baseline"), names)
+    grid.contrasts = checked_contrasts(data.get("contrasts"), names)
+    return grid
+
+
+def _read_grid_file(path: str | None, overrides: list[str]) -> tuple[dict, list[str]]:
+    """The grid file (none: flags alone) with the ``--set`` paths into its sections applied, and
+    the ``--set`` paths left for the base. Its own keys are checked before any ``--set`` is read."""
     data: dict = {}
     if path:
         data = cfgmod.load_yaml(path)
-        _fail_unknown(data, TOP_KEYS, "")
-    on_file, overrides = split_overrides(list(overrides or []))
+        fail_unknown(data, TOP_KEYS, "")
+    on_file, on_base = split_overrides(overrides)
     data = cfgmod.apply_overrides(data, on_file)
-    _fail_unknown(data, TOP_KEYS, "")
+    fail_unknown(data, TOP_KEYS, "")
     if path and (not isinstance(data.get("grid"), dict) or not data["grid"]):
         raise SerlError(f"empty grid in {path}: give grid: with at least one axis ({', '.join(AXES)})")
+    return data, on_base
+
+
+def _resolve_base(
+    data: dict, path: str | None, config_file: str | None, overrides: list[str], iterations: int | None
+) -> dict:
+    """The OnlineConfig every cell starts from, as plain settings: the grid file's base_config
+    then base:, under --config, --set and --iterations. out and seed are each cell's own."""
     base = data.get("base") or {}
     if not isinstance(base, dict):
         raise SerlError("base: must be a mapping of online-loop settings")
@@ -230,95 +241,70 @@ def load_grid(
     if config_file:
         base = cfgmod.merge(base, cfgmod.load_yaml(config_file))
     base = cfgmod.apply_overrides(base, overrides)
-    if "iterations" in flags:
-        base = cfgmod.merge(base, {"iterations": flags.pop("iterations")})
+    if iterations is not None:
+        base = cfgmod.merge(base, {"iterations": iterations})
     from serl_cli.online.config import OnlineConfig
 
     resolved = cfgmod.from_dict(OnlineConfig, base, "base")  # unknown keys and bad types fail here
     base_plain = io.to_plain(resolved)
     base_plain.pop("out", None)
     base_plain.pop("seed", None)
+    return base_plain
 
-    raw = dict(data.get("grid") or {})
-    _fail_unknown(raw, AXES, "grid.")
-    for key, value in raw.items():
-        if value is None or value == [] or value == "":
-            raise SerlError(f"empty grid: grid.{key} has no values")
-    axes = {
-        "env": _as_list(raw.get("env", [base_plain["env"]["name"]]), "env"),
-        "algo": _as_list(raw.get("algo", [base_plain["train"]["algo"]]), "algo"),
-        "sources": _as_list(raw.get("sources", [base_plain["annotate"]["sources"]]), "sources"),
-        "granularity": _as_list(raw.get("granularity", [base_plain["annotate"]["granularity"]]), "granularity"),
-        "placement": _as_list(raw.get("placement", [base_plain["annotate"]["placement"]]), "placement"),
-        "seeds": _seeds(raw.get("seeds", 1)),
+
+def _file_axes(raw: dict, base: dict) -> dict:
+    """Every axis as a list: the grid file's, else the base's one value (seeds: 1, seed 0)."""
+    annotate = base["annotate"]
+    return {
+        "env": axis_list(raw.get("env", [base["env"]["name"]]), "env"),
+        "algo": axis_list(raw.get("algo", [base["train"]["algo"]]), "algo"),
+        "sources": axis_list(raw.get("sources", [annotate["sources"]]), "sources"),
+        "granularity": axis_list(raw.get("granularity", [annotate["granularity"]]), "granularity"),
+        "placement": axis_list(raw.get("placement", [annotate["placement"]]), "placement"),
+        "seeds": seed_list(raw.get("seeds", 1)),
     }
-    # flags replace axes; --sources from flags alone is the shorthand (each, all, + grpo)
+
+
+def _flag_axes(axes: dict, flags: dict, *, shorthand: bool) -> dict:
+    """``axes`` with each axis a flag gives replaced by the flag's comma list. Without a grid file
+    (``shorthand``), ``--sources`` of several adds their combination and, without ``--algo``, the
+    GRPO baseline (the module docstring's flags shorthand)."""
     for name in ("env", "algo", "granularity", "placement"):
         if name in flags:
             axes[name] = [v.strip() for v in str(flags[name]).split(",") if v.strip()]
     if "sources" in flags:
         listed = [s.strip() for s in str(flags["sources"]).split(",") if s.strip()]
-        if not path and len(listed) > 1:
+        if shorthand and len(listed) > 1:
             listed = listed + [",".join(listed)]
         axes["sources"] = listed
-        if not path and "algo" not in flags:
+        if shorthand and "algo" not in flags:
             axes["algo"] = ["grpo", "serl"]
     if "seeds" in flags:
-        axes["seeds"] = _seeds(flags["seeds"])
+        axes["seeds"] = seed_list(flags["seeds"])
     for name, values in axes.items():
         if not values:
             raise SerlError(f"empty grid: the {name} axis has no values")
+    return axes
 
-    fe = data.get("final_eval") or {}
-    if not isinstance(fe, dict):
-        raise SerlError("final_eval: must be a mapping {episodes, split, panel}")
-    _fail_unknown(fe, FINAL_EVAL_KEYS, "final_eval.")
-    final_eval = {"episodes": fe.get("episodes"), "split": None if fe.get("split") is None else str(fe["split"])}
-    if "panel" in fe:  # absent means "first", so grids written before panels existed stay the same grid
-        from serl_cli.stages.evaluate import PANELS
 
-        final_eval["panel"] = str(fe["panel"])
-        if final_eval["panel"] not in PANELS:
-            raise SerlError(f"final_eval.panel {final_eval['panel']!r} is unknown: choose one of {', '.join(PANELS)}")
-    if "episodes" in flags:
-        final_eval["episodes"] = flags["episodes"]
-    if final_eval["episodes"] is not None and (
-        not isinstance(final_eval["episodes"], int) or final_eval["episodes"] < 1
-    ):
-        raise SerlError(f"final_eval.episodes must be a positive integer, got {final_eval['episodes']!r}")
-    slurm = data.get("slurm") or {}
-    if not isinstance(slurm, dict):
-        raise SerlError("slurm: must be a mapping")
-    _fail_unknown(slurm, SLURM_KEYS, "slurm.")
-    _check_slurm(slurm)
-    explicit = _explicit_arms(data.get("arms"), base_plain, OnlineConfig)
-    for arm in explicit:
-        arm["set"] = absolute_local_paths(arm["set"])
-    axis_given = any(k != "seeds" for k in raw) or any(
-        k in flags for k in ("env", "algo", "sources", "granularity", "placement")
-    )
-    grid = Grid(
-        base=absolute_local_paths(base_plain),
-        axes=axes,
-        final_eval=final_eval,
-        slurm=slurm,
-        description=str(data.get("description", "")),
-        extra_arms=explicit,
-        product=axis_given or not explicit,
-    )
-    _validate_axes(grid)
+def _arm_names(grid: Grid) -> list[str]:
+    """The arms' names, each one once: a cell's directory and the report's rows go by them."""
     names = [a["name"] for a in arms(grid)]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise SerlError(f"two arms share the name {dup[0]}: give each entry of arms: its own name")
-    if data.get("baseline") is not None:
-        grid.baseline = _safe(str(data["baseline"]))
-        if grid.baseline not in names:
-            raise SerlError(
-                f"baseline {data['baseline']!r} is not an arm of this grid: choose one of {', '.join(names)}"
-            )
-    grid.contrasts = _contrasts(data.get("contrasts"), names)
-    return grid
+    return names
+
+
+def _baseline(value, names: list[str]) -> str | None:
+    """The grid file's ``baseline:``, made safe as arm names are (None where not given: the report's
+    default, the first grpo arm)."""
+    if value is None:
+        return None
+    baseline = _safe(str(value))
+    if baseline not in names:
+        raise SerlError(f"baseline {value!r} is not an arm of this grid: choose one of {', '.join(names)}")
+    return baseline
 
 
 # the settings that name a model: a local directory or a hub name (Qwen/Qwen2.5-7B-Instruct)
@@ -342,58 +328,26 @@ def absolute_local_paths(settings: dict) -> dict:
     return out
 
 
-def _contrasts(value, names: list[str]) -> list[dict]:
-    """The grid file's ``contrasts:``, checked: each a name, plus arms (at least one) and minus arms, all
-    arms of this grid (an arm may repeat: ``minus: [grpo, grpo]`` counts it twice)."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise SerlError("contrasts: must be a list of {name, plus: [arms], minus: [arms]}")
-    out: list[dict] = []
-    for i, con in enumerate(value):
-        if not isinstance(con, dict):
-            raise SerlError(f"contrasts[{i}] must be a mapping {{name, plus, minus}}")
-        _fail_unknown(con, CONTRAST_KEYS, f"contrasts[{i}].")
-        if not con.get("name"):
-            raise SerlError(f"contrasts[{i}] needs a name")
-        name = str(con["name"])
-        sides = {}
-        for side in ("plus", "minus"):
-            arms_ = con.get(side) or []
-            if not isinstance(arms_, list):
-                raise SerlError(f"contrast {name!r}: {side} must be a list of arm names")
-            for arm in map(str, arms_):
-                if arm not in names:
-                    raise SerlError(
-                        f"contrast {name!r} names arm {arm!r}, which is not an arm of this grid: "
-                        f"choose among {', '.join(names)}"
-                    )
-            sides[side] = [str(a) for a in arms_]
-        if not sides["plus"]:
-            raise SerlError(f"contrast {name!r} needs at least one plus arm")
-        if any(c["name"] == name for c in out):
-            raise SerlError(f"two contrasts are named {name!r}: give each its own name")
-        out.append({"name": name, **sides})
-    return out
-
-
-def _explicit_arms(value, base: dict, config_cls) -> list[dict]:
+def _explicit_arms(value, base: dict) -> list[dict]:
     """The grid file's ``arms:`` list: arms beyond the axes' product, each with its own
     settings (``set:``, merged into the base for its cells), e.g. another warm start or looser
-    weight bounds. An arm's sources, granularity and placement default to the base's."""
+    weight bounds. An arm's sources, granularity and placement default to the base's; the
+    models its ``set:`` names locally are made absolute (:func:`absolute_local_paths`)."""
+    from serl_cli.online.config import OnlineConfig
+
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(a, dict) for a in value):
         raise SerlError("arms: must be a list of mappings, each with a name and an algo")
-    out = []
+    out: list[dict] = []
     for i, a in enumerate(value):
-        _fail_unknown(a, ARM_KEYS, f"arms[{i}].")
+        fail_unknown(a, ARM_KEYS, f"arms[{i}].")
         if not a.get("name") or not a.get("algo"):
             raise SerlError(f"arms[{i}] needs a name and an algo")
         overrides = a.get("set") or {}
         if not isinstance(overrides, dict):
             raise SerlError(f"arms[{i}].set must be a mapping of online-loop settings")
-        cfgmod.from_dict(config_cls, cfgmod.merge(base, overrides), f"arms[{i}].set")  # unknown keys fail here
+        cfgmod.from_dict(OnlineConfig, cfgmod.merge(base, overrides), f"arms[{i}].set")  # unknown keys fail here
         ann = base["annotate"]
         out.append(
             {
@@ -406,42 +360,9 @@ def _explicit_arms(value, base: dict, config_cls) -> list[dict]:
                 "set": overrides,
             }
         )
+    for arm in out:  # once every arm's settings are checked
+        arm["set"] = absolute_local_paths(arm["set"])
     return out
-
-
-# the slurm settings written as `#SBATCH --key=value`, and what such a value may hold: sbatch splits
-# the line at whitespace, and a line break would end the directives
-SBATCH_WORDS = ("partition", "account", "time", "mem")
-SBATCH_WORD = re.compile(r"[A-Za-z0-9._:,+@/=-]+")
-
-
-def _check_slurm(s: dict) -> None:
-    """The ``slurm:`` settings, checked when the grid loads (not when the job starts)."""
-    if "gpus" in s and "gpus_per_node" in s:
-        raise SerlError("slurm: give gpus_per_node (gpus is its older name), not both")
-    for key in ("nodes", "gpus_per_node", "gpus", "cpus_per_task", "max_parallel", "signal_grace_s"):
-        v = s.get(key)
-        if v is not None and (
-            not isinstance(v, int) or isinstance(v, bool) or v < (0 if key in ("gpus", "gpus_per_node") else 1)
-        ):
-            raise SerlError(f"slurm.{key} must be a positive integer, got {v!r}")
-    for key in ("setup", "extra"):
-        v = s.get(key)
-        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
-            raise SerlError(f"slurm.{key} must be a list of lines, got {v!r}")
-    for key in SBATCH_WORDS:  # written into `#SBATCH --key=value`: one word, or sbatch reads another option
-        v = s.get(key)
-        if v is not None and (not isinstance(v, str | int) or isinstance(v, bool) or not SBATCH_WORD.fullmatch(str(v))):
-            raise SerlError(f"slurm.{key} must be one word (letters, digits, and . _ : , + @ / = - only), got {v!r}")
-    for key in ("setup", "extra", "template"):  # a line break would add a line of its own to the script
-        lines = s.get(key)
-        for line in lines if isinstance(lines, list) else [] if lines is None else [lines]:
-            if any(c in str(line) for c in "\n\r\x00"):
-                raise SerlError(f"slurm.{key} must not hold a line break, got {line!r}")
-    if s.get("launcher", "auto") not in LAUNCHERS:
-        raise SerlError(f"unknown slurm.launcher {s['launcher']!r}: choose one of {', '.join(LAUNCHERS)}")
-    if "requeue" in s and not isinstance(s["requeue"], bool):
-        raise SerlError(f"slurm.requeue must be true or false, got {s['requeue']!r}")
 
 
 def _base_configs(grid_path: Path, value) -> dict:
@@ -455,21 +376,6 @@ def _base_configs(grid_path: Path, value) -> dict:
         p = Path(f) if Path(f).is_absolute() else grid_path.parent / f
         out = cfgmod.merge(out, cfgmod.load_yaml(p))
     return out
-
-
-def _validate_axes(grid: Grid) -> None:
-    for arm in grid.extra_arms:
-        if objective(arm["algo"]).needs_annotations:
-            validate(AnnotateConfig(sources=arm["sources"], granularity=arm["granularity"], placement=arm["placement"]))
-    for algo in grid.axes["algo"] if grid.product else []:
-        if not objective(algo).online:  # an unknown algorithm: one line naming the known ones
-            raise SerlError(
-                f"--algo {algo} is not an online algorithm: warm-start with `serl train RUN --algo {algo}` and "
-                "give its checkpoint as base.model"
-            )
-    if any(objective(a).needs_annotations for a in grid.axes["algo"]):
-        for s, g, p in itertools.product(grid.axes["sources"], grid.axes["granularity"], grid.axes["placement"]):
-            validate(AnnotateConfig(sources=s, granularity=g, placement=p))
 
 
 def _safe(text: str) -> str:

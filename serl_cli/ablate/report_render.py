@@ -31,21 +31,51 @@ def _decoding(rec: dict) -> str:
 def render_markdown(
     data: dict, rows: list[dict], png: str | None, png_note: str | None, contrasts: list[dict] | None = None
 ) -> str:
+    """``report.md``: what ran, then one section per question the report answers, each a table
+    with a row per arm (``rows``: :func:`serl_cli.ablate.report.summarize`)."""
+    lines = _summary(data, rows)
+    lines += _results(rows)
+    lines += _against_baseline(rows, data["baseline"])
+    if contrasts:
+        lines += contrast_lines(contrasts)
+    if data["budgets"]:
+        lines += _at_budgets(rows, data["budgets"])
+    lines += _selection_bias(rows)
+    lines += _teacher_signal(rows)
+    lines += _cost(rows)
+    lines += ["", "## Learning curves", ""]
+    lines.append(f"![learning curves]({png})" if png else f"(no plot: {png_note})")
+    if data["unfinished"]:
+        lines += ["", "## Unfinished cells", ""]
+        lines += [f"- cell {u['index']} `{u['name']}`: {u['status']}" for u in data["unfinished"]]
+    return "\n".join(lines) + "\n"
+
+
+def _panel(fe: dict) -> str:
+    """The tasks of the final evaluation's fixed panel, in words."""
+    if not fe.get("episodes"):
+        return f"all tasks of the `{fe['split']}` split"
+    if fe.get("panel", "first") == "spread":
+        return f"{fe['episodes']} tasks evenly spaced over the `{fe['split']}` split"
+    return f"the first {fe['episodes']} tasks of the `{fe['split']}` split"
+
+
+def _summary(data: dict, rows: list[dict]) -> list[str]:
+    """The title, and what ran: the cells, how many finished, and the panel they were all scored on."""
     rec = data["record"]
     n, unfinished = len(rec["cells"]), data["unfinished"]
-    fe = rec["final_eval"]
-    if not fe.get("episodes"):
-        panel = f"all tasks of the `{fe['split']}` split"
-    elif fe.get("panel", "first") == "spread":
-        panel = f"{fe['episodes']} tasks evenly spaced over the `{fe['split']}` split"
-    else:
-        panel = f"the first {fe['episodes']} tasks of the `{fe['split']}` split"
-    lines = [
+    return [
         "# Ablation report",
         "",
         f"{n} cells ({n - len(unfinished)} finished, {len(unfinished)} unfinished): {len(rows)} arms x "
-        f"seeds {rec['axes']['seeds']}. Final evaluation: {panel}, {_decoding(rec)}, "
+        f"seeds {rec['axes']['seeds']}. Final evaluation: {_panel(rec['final_eval'])}, {_decoding(rec)}, "
         f"the same panel for every cell.",
+    ]
+
+
+def _results(rows: list[dict]) -> list[str]:
+    """Each arm's final success, score and panel AUC over its seeds."""
+    lines = [
         "",
         "## Results (final evaluation, mean ± std over seeds, 95 % t-interval)",
         "",
@@ -59,14 +89,18 @@ def render_markdown(
             f"{fmt_ci(r['score_ci_lo'], r['score_ci_hi'], 1)} | {_pm(r['auc_mean'], r['auc_std'], 3)} | "
             f"{fmt_ci(r['auc_ci_lo'], r['auc_ci_hi'], 3)} |"
         )
-    lines += [
+    return lines + [
         "",
         "Panel AUC: the test-panel success of the evaluations during training, averaged over "
         "environment steps (trapezoid rule from the first evaluation to the last).",
     ]
-    lines += [
+
+
+def _against_baseline(rows: list[dict], baseline: str) -> list[str]:
+    """Each other arm minus the baseline, paired by seed."""
+    lines = [
         "",
-        f"## Difference from the baseline `{data['baseline']}` (paired by seed, paired t-test)",
+        f"## Difference from the baseline `{baseline}` (paired by seed, paired t-test)",
         "",
         "Pairing is valid because every cell is evaluated on the same fixed test panel; "
         "Wilcoxon signed-rank p is given where at least 6 seeds pair. Holm p: adjusted over this table's "
@@ -76,7 +110,7 @@ def render_markdown(
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        if r["arm"] == data["baseline"]:
+        if r["arm"] == baseline:
             continue
         d_s = "n/a" if r["diff_success"] is None else f"{r['diff_success']:+.3f}"
         d_a = "n/a" if r["diff_auc"] is None else f"{r['diff_auc']:+.3f}"
@@ -85,23 +119,29 @@ def render_markdown(
             f"{fmt_p(r['p_success'])} | {fmt_p(r['p_success_holm'])} | {fmt_p(r['wilcoxon_p_success'])} | {d_a} | "
             f"{fmt_ci(r['diff_auc_ci_lo'], r['diff_auc_ci_hi'], 3)} | {fmt_p(r['p_auc'])} | {fmt_p(r['p_auc_holm'])} |"
         )
-    if contrasts:
-        lines += contrast_lines(contrasts)
-    if data["budgets"]:
-        cols = [f"success_at_{b}_steps" for b in data["budgets"]]
-        lines += [
-            "",
-            "## Panel success at fixed environment-step budgets (mean over seeds)",
-            "",
-            "The last evaluation within each budget. One budget per evaluation round: the most "
-            "environment steps any cell had taken by that round, so every cell had evaluated at "
-            "least that often within it.",
-            "",
-            "| arm | " + " | ".join(f"{b} steps" for b in data["budgets"]) + " |",
-            "| --- | " + " | ".join("---" for _ in cols) + " |",
-        ]
-        lines += [f"| {r['arm']} | " + " | ".join(fmt(r[k]) for k in cols) + " |" for r in rows]
-    lines += [
+    return lines
+
+
+def _at_budgets(rows: list[dict], budgets: list) -> list[str]:
+    """Each arm's panel success within the same environment-step budgets: arms compared at equal experience."""
+    cols = [f"success_at_{b}_steps" for b in budgets]
+    lines = [
+        "",
+        "## Panel success at fixed environment-step budgets (mean over seeds)",
+        "",
+        "The last evaluation within each budget. One budget per evaluation round: the most "
+        "environment steps any cell had taken by that round, so every cell had evaluated at "
+        "least that often within it.",
+        "",
+        "| arm | " + " | ".join(f"{b} steps" for b in budgets) + " |",
+        "| --- | " + " | ".join("---" for _ in cols) + " |",
+    ]
+    return lines + [f"| {r['arm']} | " + " | ".join(fmt(r[k]) for k in cols) + " |" for r in rows]
+
+
+def _selection_bias(rows: list[dict]) -> list[str]:
+    """Whether the turns placement selected differ from the rest (the selection report's verdicts)."""
+    lines = [
         "",
         "## Selection bias (last iteration's selection report, per seed)",
         "",
@@ -116,7 +156,12 @@ def render_markdown(
             f"| {r['arm']} | {fmt(r['selected_fraction'])} | {r['selection_verdicts'] or 'n/a (no annotation)'} | "
             f"{r['selection_verdicts_scorable'] or 'n/a'} |"
         )
-    lines += [
+    return lines
+
+
+def _teacher_signal(rows: list[dict]) -> list[str]:
+    """Whether the hindsight block moves the teacher toward the expert, and how much the weights change the update."""
+    lines = [
         "",
         "## Teacher signal (last iteration that measured it, mean over seeds)",
         "",
@@ -138,7 +183,12 @@ def render_markdown(
             f"| {r['arm']} | {r['teacher_signal_seeds']} | {fmt(r['teacher_right_direction'])} | {gain} | "
             f"{fmt(r['advantage_mass_moved'], 4)} |"
         )
-    lines += [
+    return lines
+
+
+def _cost(rows: list[dict]) -> list[str]:
+    """What each arm cost: wall time and the tokens the teacher scored."""
+    lines = [
         "",
         "## Cost",
         "",
@@ -151,12 +201,7 @@ def render_markdown(
             f"{fmt(r['wall_time_s_mean'], 1)} | "
             f"{r['teacher_tokens_total'] if r['teacher_tokens_total'] is not None else 'n/a'} |"
         )
-    lines += ["", "## Learning curves", ""]
-    lines.append(f"![learning curves]({png})" if png else f"(no plot: {png_note})")
-    if unfinished:
-        lines += ["", "## Unfinished cells", ""]
-        lines += [f"- cell {u['index']} `{u['name']}`: {u['status']}" for u in unfinished]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot_curves(data: dict, path: Path) -> str | None:

@@ -7,7 +7,8 @@ These dataclasses are the one definition of the record: the code reads their att
 (``ROLLOUT_KEYS``, ``TURN_KEYS``, ``ANNOTATION_KEYS``: a record without one is refused on reading); the others are
 optional and take their default where a record lacks them. ``from_dict`` checks a record as
 ``serl_cli.artifacts.schema.read_rollouts`` always has (keys, types, token/log-prob alignment),
-in one-line errors naming the file and line.
+in one-line errors naming the file and line; what each field's type must be is in
+``serl_cli.artifacts.record_checks``.
 
 ``to_dict`` writes the keys in field order -- the order the rollout runner (and ``serl annotate``)
 has always written them -- so a run's ``rollouts.jsonl`` (``annotations.jsonl``) is byte-identical
@@ -21,11 +22,11 @@ at its default, when written back.)
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TypedDict
 
+from serl_cli.artifacts.record_checks import ANNOTATION_TYPES, EPISODE_TYPES, TURN_TYPES, check_types
 from serl_cli.errors import SerlError
 
 
@@ -70,7 +71,7 @@ class Turn:
         missing = [k for k in TURN_KEYS if k not in d]
         if missing:
             raise SerlError(f"{where}: a turn lacks {', '.join(missing)} (rollouts without feedback or token fields)")
-        _check_types(d, TURN_TYPES, f"{where}: a turn's")
+        check_types(d, TURN_TYPES, f"{where}: a turn's")
         if need_tokens and (not d["prompt_ids"] or not d["action_ids"]):
             raise SerlError(
                 f"{where}: a turn has no token ids: these rollouts were not recorded with a model tokenizer"
@@ -128,7 +129,7 @@ class Episode:
             raise SerlError(f"{where}: record lacks {', '.join(missing)}")
         if not isinstance(d["turns"], list):
             raise SerlError(f"{where}: 'turns' must be a list")
-        _check_types(d, EPISODE_TYPES, f"{where}:")
+        check_types(d, EPISODE_TYPES, f"{where}:")
         turns = [Turn.from_dict(t, where, need_tokens=need_tokens) for t in d["turns"]]
         return cls(**{**_known(d, _EPISODE_FIELDS), "turns": turns}, extra=_unknown(d, _EPISODE_FIELDS))
 
@@ -169,7 +170,7 @@ class Annotation:
         missing = [k for k in ANNOTATION_KEYS if k not in d]
         if missing:
             raise SerlError(f"{where}: record lacks {', '.join(missing)}")
-        _check_types(d, ANNOTATION_TYPES, f"{where}:")
+        check_types(d, ANNOTATION_TYPES, f"{where}:")
         for name in ("teacher_logprobs", "weights"):
             if d[name] is not None and len(d[name]) != len(d["action_mask"]):
                 raise SerlError(f"{where}: {name} and action_mask differ in length")
@@ -373,86 +374,6 @@ def _to_dict(record, names: tuple[str, ...], when_set: dict) -> dict:
             d[name] = value
     d.update(record.extra)
     return d
-
-
-# -- what each required field must be: a wrong type is refused on reading, not found mid-update ------
-def _ints(v) -> bool:
-    return isinstance(v, list) and all(type(x) is int for x in v)
-
-
-def _token_ids(v) -> bool:  # the model's vocabulary bounds them above, where it is known (Learner.update)
-    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
-
-
-def _finite(v) -> bool:  # JSON's NaN and Infinity parse as floats: a reward that is one poisons every advantage
-    return type(v) in (int, float) and math.isfinite(v)
-
-
-def _numbers(v) -> bool:
-    return isinstance(v, list) and all(type(x) in (int, float) for x in v)
-
-
-def _number(v) -> bool:
-    return type(v) in (int, float)
-
-
-EPISODE_TYPES = {
-    "task_id": (lambda v: type(v) is int, "an integer"),
-    "group_id": (lambda v: type(v) is int, "an integer"),
-    "rollout_index": (lambda v: type(v) is int, "an integer"),
-    "reward": (_finite, "a finite number"),
-    "success": (lambda v: type(v) is bool, "true or false"),
-}
-TURN_TYPES = {
-    "prompt_ids": (_token_ids, "a list of token ids (integers from 0)"),
-    "action_ids": (_token_ids, "a list of token ids (integers from 0)"),
-    "behaviour_logprobs": (_numbers, "a list of numbers"),
-    "action_text": (lambda v: isinstance(v, str), "a string"),
-    "reward": (_finite, "a finite number"),
-    "done": (lambda v: type(v) is bool, "true or false"),
-    "state_key": (lambda v: isinstance(v, str), "a string"),
-}
-
-
-def _optional(check):
-    return lambda v: v is None or check(v)
-
-
-def _strings(v) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-
-def _int(v) -> bool:
-    return type(v) is int
-
-
-def _bool(v) -> bool:
-    return type(v) is bool
-
-
-ANNOTATION_TYPES = {
-    "episode": (_int, "an integer"),
-    "task_id": (_int, "an integer"),
-    "group_id": (_int, "an integer"),
-    "rollout_index": (_int, "an integer"),
-    "turn": (_int, "an integer"),
-    "selected": (_bool, "true or false"),
-    "sources": (_strings, "a list of source names"),
-    "fired": (_strings, "a list of source names"),
-    "hindsight": (_optional(lambda v: isinstance(v, str)), "a string or null"),
-    "action_mask": (_ints, "a list of 0s and 1s"),
-    "teacher_logprobs": (_optional(_numbers), "a list of numbers or null"),
-    "weights": (_optional(_numbers), "a list of numbers or null"),
-    "advantage": (_number, "a number"),
-    "log_ratio_mean": (_optional(_number), "a number or null"),
-    "distill": (_bool, "true or false"),
-}
-
-
-def _check_types(record: dict, types: dict, where: str) -> None:
-    for key, (ok, what) in types.items():
-        if not ok(record[key]):
-            raise SerlError(f"{where} {key} must be {what}, got {json.dumps(record[key])[:60]}")
 
 
 def check_token_ids(episodes: list[Episode], vocabulary: int, where: str) -> None:

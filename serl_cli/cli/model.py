@@ -17,7 +17,7 @@ from serl_cli.errors import SerlError
 from serl_cli.rollout.worlds import EnvConfig
 
 Preset = Literal["micro", "tiny", "small"]  # serl_cli.models.tiny.PRESETS (tests/test_model_fetch.py checks)
-FetchDtype = Literal["bf16", "fp16", "fp32"]  # serl_cli.models.fetch.DTYPE_WORDS
+FetchDtype = Literal["bf16", "fp16", "fp32"]  # serl_cli.models.gguf_weights.DTYPE_WORDS
 
 
 @dataclass

@@ -228,7 +228,7 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 def peer_lost(e: BaseException) -> str | None:
     """One line for a collective that failed because another process of the run ended (gloo's
     closed connection, torch's DistNetworkError), instead of a traceback of the wait; None for any
-    other error. The process that failed says why in its own line (issue 39, item 11)."""
+    other error. The process that failed says why in its own line."""
     dist = sys.modules.get("torch.distributed")
     network_error = getattr(dist, "DistNetworkError", None) if dist is not None else None
     text = str(e)

@@ -66,7 +66,8 @@ class DemoConfig:
         "wins; four optimizer steps an iteration cost no more compute than one and moved the panel +9 points in "
         "40 iterations where one step moved it +0.5 (docs/RESULTS.md, the Sokoban demo). Each arm's policy is "
         "its best checkpoint, not its last: every 10 iterations it plays the first 100 train rooms at the "
-        "evaluation's temperature (the test panel only scores); the last iterate is a noisy draw (issue 30)",
+        "evaluation's temperature (the test panel only scores); the last iterate is a noisy draw "
+        "(docs/studies/sokoban_testbed.md)",
     )
     arm_settings: dict = setting(
         factory=lambda: {"end_on_deadlock": True},

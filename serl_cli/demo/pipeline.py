@@ -39,7 +39,7 @@ and ``sft`` (where the arms start); the steps themselves need no change.
 Threads: one torch thread per process unless ``threads`` (``--threads``) says otherwise. The
 model is 0.9M parameters: a second thread buys little on its small matrices, and on a 2-core
 machine where the two arms already run side by side, or anything else is running, extra
-threads fight for the cores. Issue 30 measured the SFT alone at 9 min 21 s with two threads
+threads fight for the cores. The SFT alone took 9 min 21 s with two threads
 on a busy 2-core machine against 131 s with one. One thread also gives the same numbers on
 every machine of the same CPU family, where the thread count would otherwise change the
 floating-point summation order.

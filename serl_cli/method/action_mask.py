@@ -9,17 +9,23 @@ prefix decoded in one call into the Rust tokenizer otherwise (docs/SCALING.md, i
 
 from __future__ import annotations
 
-from typing import get_args
+from typing import TYPE_CHECKING, cast, get_args
 
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import ActionSpans, Unparsed
 from serl_cli.rollout.prompts import action_span, authors_action_spans
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
+
+    from envs.base import ActionFormat
+
 UNPARSED = get_args(Unparsed)  # a reply with no parseable action: no weights (the authors') | all of it
 ACTION_SPANS = get_args(ActionSpans)  # last: serl's parse of the executed action | authors: their mask's spans
 
 
-def _backend_decoder(tokenizer):
+def _backend_decoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
     """The Rust tokenizer whose ``decode`` is all of ``tokenizer.decode`` (skipping special
     tokens), or None: a slow tokenizer, a class that overrides ``_decode``, or one whose
     ``clean_up_tokenization_spaces`` post-processing would run after the backend's decode."""
@@ -35,7 +41,7 @@ def _backend_decoder(tokenizer):
     return backend if hasattr(backend, "decode_batch") else None
 
 
-def prefix_texts(tokenizer, ids: list[int]) -> list[str]:
+def prefix_texts(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:
     """``tokenizer.decode(ids[:k + 1], skip_special_tokens=True)`` for every k, exactly.
 
     A prefix's text is not always a prefix of the whole text (half a UTF-8 character decodes
@@ -45,7 +51,8 @@ def prefix_texts(tokenizer, ids: list[int]) -> list[str]:
     Tokenizers whose ``decode`` does more than the backend's call take the plain path."""
     backend = _backend_decoder(tokenizer)
     if backend is None:
-        return [tokenizer.decode(ids[: k + 1], skip_special_tokens=True) for k in range(len(ids))]
+        # one sequence of ids decodes to one string
+        return [cast(str, tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
     ids = [int(i) for i in ids]
     return backend.decode_batch([ids[: k + 1] for k in range(len(ids))], skip_special_tokens=True)
 
@@ -62,7 +69,9 @@ def _byte_of_char() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_of_char()
 
 
-def _byte_level_lengths(tokenizer, backend, ids: list[int]) -> tuple[list[int], str] | None:
+def _byte_level_lengths(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer, ids: list[int]
+) -> tuple[list[int], str] | None:
     """Every prefix's decoded length under a byte-level BPE in one pass over the reply, with its
     text; None where the tokenizer is not that kind or the pass disagrees with ``decode``.
 
@@ -104,7 +113,7 @@ def _byte_level_lengths(tokenizer, backend, ids: list[int]) -> tuple[list[int], 
     return lengths, text
 
 
-def prefix_lengths(tokenizer, ids: list[int]) -> tuple[list[int], str]:
+def prefix_lengths(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> tuple[list[int], str]:
     """``len(tokenizer.decode(ids[:k + 1], skip_special_tokens=True))`` for every k, and the whole
     reply's text: in one pass under a byte-level BPE (Qwen, Llama 3, GPT-2), the time linear in the
     reply's length; otherwise from :func:`prefix_texts`, whose cost grows with its square."""
@@ -118,7 +127,11 @@ def prefix_lengths(tokenizer, ids: list[int]) -> tuple[list[int], str]:
 
 
 def action_span_mask(
-    tokenizer, action_ids: list[int], unparsed: str = "none", action_format=None, spans: str = "last"
+    tokenizer: PreTrainedTokenizerBase,
+    action_ids: list[int],
+    unparsed: str = "none",
+    action_format: ActionFormat | None = None,
+    spans: str = "last",
 ) -> list[int]:
     """1 for tokens of the parsed action, 0 for reasoning, tags and the end token (METHOD.md 5).
 

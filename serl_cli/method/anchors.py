@@ -43,13 +43,13 @@ def anchor_groups(group: list[Episode], similarity: float | None = None) -> dict
     keys = [(p, t) for p, e in enumerate(group) for t in range(len(e.turns))]
     parent = {k: k for k in keys}
 
-    def find(k):
+    def find(k: tuple[int, int]) -> tuple[int, int]:
         while parent[k] != k:
             parent[k] = parent[parent[k]]
             k = parent[k]
         return k
 
-    def union(a, b):
+    def union(a: tuple[int, int], b: tuple[int, int]) -> None:
         ra, rb = find(a), find(b)
         parent[max(ra, rb)] = min(ra, rb)
 
@@ -113,7 +113,9 @@ def _pool_expert(ctx: TurnContext, members: list[tuple[int, int]]) -> tuple[str 
     )
 
 
-def hindsight_anchor(ctx: TurnContext, spec, anchors: dict) -> tuple[str | None, list[str], list[str]]:
+def hindsight_anchor(
+    ctx: TurnContext, spec: str | list[list[str]], anchors: dict[tuple[int, int], int]
+) -> tuple[str | None, list[str], list[str]]:
     """(block, used, fired) pooling the anchor state's evidence; a singleton falls back to step.
 
     Pooled, per source named in the spec (fallback chains as in step), one titled section

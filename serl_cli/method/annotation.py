@@ -13,27 +13,40 @@ every weight is 1, as in the authors' trainer (recipe/serl/serl_ray_trainer.py:4
 verl/workers/actor/dp_actor.py:77-81).
 Where the turns carry an expert action, the statistics also say whether the teacher moves
 the student the right way (``method.teacher_signal``).
+:func:`annotate_episodes` reads as these steps in order -- blocks, cut, select, score, weigh,
+stats -- each a function below it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from serl_cli.algos.objectives import episode_advantages
 from serl_cli.algos.serl import apply_placement, blend_weights, hindsight_weights, mixing_lambda
 from serl_cli.artifacts.records import Annotation, Episode
-from serl_cli.artifacts.schema import turn_samples
+from serl_cli.artifacts.schema import TurnSample, turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.method import anchors as anchors_mod
 from serl_cli.method import feedback as fb
 from serl_cli.method import placement, teacher_signal
 from serl_cli.method.action_mask import action_span_mask
 from serl_cli.method.annotate_config import AnnotateConfig, validate
+from serl_cli.method.cutting import cut_all
 from serl_cli.method.teacher import teacher_prompts_for
 from serl_cli.training.scoring import ScoreItem, score
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from serl_cli.rollout.prompts import ActionFormat
+
+# a scorer: serl_cli.training.scoring.score's signature, the teacher's log-probs of each item's action tokens
+Scorer = Callable[..., list[list[float]]]
 
 
 def expert_trajectories(env_cfg: dict, episodes: list[Episode]) -> dict[int, list[dict]]:
@@ -55,7 +68,11 @@ def expert_trajectories(env_cfg: dict, episodes: list[Episode]) -> dict[int, lis
 
 
 def teacher_prompts(
-    records: list[Annotation], prompt_ids: list[list[int]], tokenizer, keys, chat_template_kwargs: dict | None = None
+    records: list[Annotation],
+    prompt_ids: list[list[int]],
+    tokenizer: PreTrainedTokenizerBase,
+    keys: Iterable[int],
+    chat_template_kwargs: dict | None = None,
 ) -> dict[int, list[int]]:
     """The teacher's prompt of each record in ``keys``: the student's prompt (``prompt_ids``, in
     record order) with the record's block spliced in. Built once per annotation: the teacher
@@ -66,7 +83,7 @@ def teacher_prompts(
     return dict(zip(keys, built, strict=True))
 
 
-def action_format(env_cfg: dict | None):
+def action_format(env_cfg: dict | None) -> ActionFormat:
     """The environment's action format (which untagged replies are a bare action); WebShop's without one."""
     from serl_cli.rollout.prompts import DEFAULT_ACTION_FORMAT, action_format_of
     from serl_cli.rollout.worlds import EnvConfig, build_world
@@ -75,7 +92,11 @@ def action_format(env_cfg: dict | None):
 
 
 def action_masks(
-    tokenizer, episodes: list[Episode], unparsed: str, env_cfg: dict | None, spans: str = "last"
+    tokenizer: PreTrainedTokenizerBase,
+    episodes: list[Episode],
+    unparsed: str,
+    env_cfg: dict | None,
+    spans: str = "last",
 ) -> tuple[list[list[int]], int]:
     """The parsed action's tokens of every turn, in turn order, and how many replies had no
     parseable action. The environment is built (for its bare-action format) only if some
@@ -110,12 +131,12 @@ def teacher_wanted(cfg: AnnotateConfig) -> bool:
 def annotate_episodes(
     episodes: list[Episode],
     cfg: AnnotateConfig,
-    teacher_model,
-    tokenizer,
+    teacher_model: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     env_cfg: dict | None,
     temperature: float = 1.0,
-    scorer=score,
+    scorer: Scorer = score,
     advantages: list[float] | None = None,
     chat_template_kwargs: dict | None = None,
     bare_replies: bool = False,
@@ -133,6 +154,70 @@ def annotate_episodes(
     for the teacher's prompts (``method.teacher.teacher_prompt``); ``bare_replies``: whether they asked for
     bare replies (``prompt.bare_replies``), the form the teacher signal scores the expert's reply in."""
     spec = validate(cfg)
+    evidence = gather_evidence(episodes, cfg, spec, env_cfg)
+    samples = turn_samples(episodes)
+    advantages = turn_advantages(samples, advantages)
+    masks, parse_failures = action_masks(tokenizer, episodes, cfg.unparsed, env_cfg, cfg.action_spans)
+    lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
+    use_teacher = teacher_wanted(cfg)
+
+    # 1. blocks: what the sources say of each turn, at the chosen granularity, uncut
+    blocks = hindsight_blocks(episodes, cfg, spec, evidence)
+    records = unscored_records(episodes, blocks, masks, advantages)
+
+    # 2. cut: the whole block, not each source, as the authors cap the whole teacher prompt
+    cut_blocks(records, [text for text, _, _ in blocks], tokenizer, cfg.max_hindsight_tokens)
+
+    # 3. select: first where the rule allows it, so the teacher scores only the turns that need it
+    scores_first = placement.needs_teacher_before_selection(cfg.placement)
+    if not scores_first:
+        select_turns(records, cfg)
+    to_score = turns_to_score(records, cfg, scores_first) if use_teacher else []
+
+    # 4. score: the teacher's log-probs of the student's reply, the block in its prompt
+    work = score_turns(
+        records, samples, to_score, teacher_model, tokenizer, cfg, temperature, scorer, chat_template_kwargs
+    )
+    if scores_first:  # gap: the rule reads the scores it has just been given
+        select_turns(records, cfg)
+
+    # 5. weigh: the selected, scored turns get METHOD.md 6's weights; the rest keep weight 1
+    weigh_turns(records, samples, episodes, cfg, lam)
+
+    # 6. stats: the teacher's work, and whether it moves the student the right way
+    stats = pass_stats(records, work, lam, use_teacher, parse_failures)
+    if cfg.teacher_signal:
+        how = teacher_signal.SpanScoring(
+            teacher_model,
+            tokenizer,
+            temperature,
+            cfg.micro_batch_tokens,
+            bare_replies,
+            action_format(env_cfg) if bare_replies else None,
+            scorer=scorer,
+            known=work.known(),
+        )
+        signal = teacher_signal.measure(records, episodes, work.prompts, how)
+        if signal is not None:
+            stats["teacher_signal"] = signal
+    return records, stats
+
+
+@dataclass
+class Evidence:
+    """What a turn's block is built from beyond its own rollout: its group's rollouts, their
+    anchor states (``anchor`` granularity only), the environment's expert episode by task (the
+    ``expert`` and ``shuffled`` sources rendered in full only; the aligned rendering reads each
+    turn's own ``expert_action``)."""
+
+    groups: dict[tuple, list[Episode]]
+    anchors: dict[tuple, dict[tuple[int, int], int]]
+    experts: dict[int, list[dict]]
+
+
+def gather_evidence(
+    episodes: list[Episode], cfg: AnnotateConfig, spec: list[list[str]], env_cfg: dict | None
+) -> Evidence:
     needs_expert = fb.uses_expert_trajectory(spec, cfg.trajectory) and env_cfg
     experts = expert_trajectories(env_cfg, episodes) if needs_expert and env_cfg else {}
     groups: dict[tuple, list[Episode]] = {}
@@ -143,106 +228,164 @@ def annotate_episodes(
         if cfg.granularity == "anchor"
         else {}
     )
-    samples = turn_samples(episodes)
-    if advantages is None:
-        advantages = episode_advantages(samples, 1e-6).tolist()
-    elif len(advantages) != len(samples):
-        raise SerlError(f"annotate: {len(advantages)} advantages for {len(samples)} turns")
-    masks, parse_failures = action_masks(tokenizer, episodes, cfg.unparsed, env_cfg, cfg.action_spans)
-    lam = mixing_lambda(cfg.update_step, cfg.mixing_lambda, cfg.lambda_decay_steps)
-    use_teacher = teacher_wanted(cfg)
+    return Evidence(groups, anchors, experts)
 
-    records: list[Annotation] = []
-    blocks: list[str | None] = []  # each turn's block, uncut
-    i = 0
-    for e_idx, ep in enumerate(episodes):
+
+def turn_advantages(samples: list[TurnSample], advantages: list[float] | None) -> list[float]:
+    """The advantage that signs each turn's weights: the caller's, one per turn, or the plain episode GRPO one."""
+    if advantages is None:
+        return episode_advantages(samples, 1e-6).tolist()
+    if len(advantages) != len(samples):
+        raise SerlError(f"annotate: {len(advantages)} advantages for {len(samples)} turns")
+    return advantages
+
+
+def hindsight_blocks(
+    episodes: list[Episode], cfg: AnnotateConfig, spec: list[list[str]], evidence: Evidence
+) -> list[tuple[str | None, list[str], list[str]]]:
+    """(block, sources used, sources fired) of every turn, in turn order; the block uncut, None where empty."""
+    out = []
+    for ep in episodes:
         key = ep.group_key
         for t_idx in range(len(ep.turns)):
             ctx = fb.TurnContext(
                 episode=ep,
                 turn=t_idx,
-                group=groups[key],
-                expert=experts.get(ep.task_id),
+                group=evidence.groups[key],
+                expert=evidence.experts.get(ep.task_id),
                 trajectory=cfg.trajectory,
                 seed=cfg.seed,
             )
             if cfg.granularity == "anchor":
-                text, used, fired = anchors_mod.hindsight_anchor(ctx, spec, anchors[key])
+                text, used, fired = anchors_mod.hindsight_anchor(ctx, spec, evidence.anchors[key])
             else:
                 text, used, fired = fb.hindsight_step(ctx, spec)
-            blocks.append(text or None)
-            records.append(
-                Annotation(
-                    episode=e_idx,
-                    task_id=ep.task_id,
-                    group_id=ep.group_id,
-                    rollout_index=ep.rollout_index,
-                    turn=t_idx,
-                    selected=False,
-                    sources=used,
-                    fired=fired,
-                    hindsight=None,  # the block, cut below
-                    action_mask=masks[i],
-                    teacher_logprobs=None,
-                    weights=None,
-                    advantage=advantages[i],
-                    log_ratio_mean=None,
-                    distill=False,
-                )
-            )
-            i += 1
-    # the whole block is cut, not each source; in one tokenizer call for the batch
+            out.append((text or None, used, fired))
+    return out
+
+
+def unscored_records(
+    episodes: list[Episode],
+    blocks: list[tuple[str | None, list[str], list[str]]],
+    masks: list[list[int]],
+    advantages: list[float],
+) -> list[Annotation]:
+    """One record per turn, in turn order: its sources, mask and advantage; not yet selected,
+    cut, scored or weighted."""
+    turns = [(e_idx, ep, t_idx) for e_idx, ep in enumerate(episodes) for t_idx in range(len(ep.turns))]
+    return [
+        Annotation(
+            episode=e_idx,
+            task_id=ep.task_id,
+            group_id=ep.group_id,
+            rollout_index=ep.rollout_index,
+            turn=t_idx,
+            selected=False,
+            sources=used,
+            fired=fired,
+            hindsight=None,  # the block, once cut
+            action_mask=mask,
+            teacher_logprobs=None,
+            weights=None,
+            advantage=advantage,
+            log_ratio_mean=None,
+            distill=False,
+        )
+        for (e_idx, ep, t_idx), (_, used, fired), mask, advantage in zip(turns, blocks, masks, advantages, strict=True)
+    ]
+
+
+def cut_blocks(
+    records: list[Annotation], blocks: list[str | None], tokenizer: PreTrainedTokenizerBase, max_tokens: int
+) -> None:
+    """Each record's block cut to ``max_tokens``, in one tokenizer call for the batch."""
     with_block = [k for k, b in enumerate(blocks) if b is not None]
-    cut = fb.cut_all(tokenizer, cfg.max_hindsight_tokens, [blocks[k] or "" for k in with_block])
+    cut = cut_all(tokenizer, max_tokens, [blocks[k] or "" for k in with_block])
     for k, text in zip(with_block, cut, strict=True):
         records[k].hindsight = text or None
 
-    def scorable(r: Annotation) -> bool:
-        """Selected, would the teacher score it? A block, and -- where the teacher serves the weights
-        alone -- a nonzero advantage and some token to weight."""
-        if r.hindsight is None:
-            return False
-        return not cfg.skip_zero_advantage or (r.advantage != 0 and (cfg.tokens == "reply" or any(r.action_mask)))
 
-    def turn_infos() -> list[placement.TurnInfo]:
-        return [
-            placement.TurnInfo(k, bool(r.fired), r.log_ratio_mean, r.hindsight is not None, scorable(r))
-            for k, r in enumerate(records)
-        ]
+def scorable(r: Annotation, cfg: AnnotateConfig) -> bool:
+    """Selected, would the teacher score it? A block, and -- where the teacher serves the weights
+    alone -- a nonzero advantage and some token to weight."""
+    if r.hindsight is None:
+        return False
+    return not cfg.skip_zero_advantage or (r.advantage != 0 and (cfg.tokens == "reply" or any(r.action_mask)))
 
-    # Select first where the rule allows it, so the teacher scores only the turns that need it.
-    need_scores_first = placement.needs_teacher_before_selection(cfg.placement)
-    if need_scores_first:
-        to_score = [k for k, r in enumerate(records) if r.hindsight is not None]
-    else:
-        for r, c in zip(
-            records, placement.select(cfg.placement, turn_infos(), rho=cfg.rho, seed=cfg.seed), strict=True
-        ):
-            r.selected = bool(c)
-        to_score = [k for k, r in enumerate(records) if r.selected and scorable(r)]
-    if not use_teacher:
-        to_score = []  # no teacher prompt, no forward pass (serl_ray_trainer.py:405-433)
 
+def select_turns(records: list[Annotation], cfg: AnnotateConfig) -> None:
+    """Mark the critical set S of the placement rule on the records."""
+    infos = [
+        placement.TurnInfo(k, bool(r.fired), r.log_ratio_mean, r.hindsight is not None, scorable(r, cfg))
+        for k, r in enumerate(records)
+    ]
+    for r, chosen in zip(records, placement.select(cfg.placement, infos, rho=cfg.rho, seed=cfg.seed), strict=True):
+        r.selected = bool(chosen)
+
+
+def turns_to_score(records: list[Annotation], cfg: AnnotateConfig, scores_first: bool) -> list[int]:
+    """The records the teacher scores: every one with a block where the rule reads the scores
+    (``gap``), else the selected scorable ones. With no teacher wanted, none: no teacher prompt,
+    no forward pass (serl_ray_trainer.py:405-433)."""
+    if scores_first:
+        return [k for k, r in enumerate(records) if r.hindsight is not None]
+    return [k for k, r in enumerate(records) if r.selected and scorable(r, cfg)]
+
+
+@dataclass
+class TeacherWork:
+    """What the teacher did: each scored record's prompt, the items it scored, their log-probs, the time taken."""
+
+    prompts: dict[int, list[int]]
+    items: list[ScoreItem]
+    scored: list[list[float]]
+    seconds: float
+
+    def known(self) -> dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]]:
+        """The scores by (prompt ids, reply ids): the teacher signal does not score them again."""
+        return {
+            (tuple(it.prompt_ids), tuple(it.action_ids)): lp for it, lp in zip(self.items, self.scored, strict=True)
+        }
+
+
+def score_turns(
+    records: list[Annotation],
+    samples: list[TurnSample],
+    to_score: list[int],
+    teacher_model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: AnnotateConfig,
+    temperature: float,
+    scorer: Scorer,
+    chat_template_kwargs: dict | None,
+) -> TeacherWork:
+    """The teacher's log-probs of the reply of each record in ``to_score``, with the record's
+    block in its prompt, and their mean log-ratio to the student's on the action's tokens."""
     t0 = time.perf_counter()
     prompts = teacher_prompts(records, [s.prompt_ids for s in samples], tokenizer, to_score, chat_template_kwargs)
     items = [ScoreItem(prompts[k], samples[k].action_ids) for k in to_score]
     scored = scorer(teacher_model, tokenizer, items, temperature, cfg.micro_batch_tokens) if items else []
     for k, lp in zip(to_score, scored, strict=True):
-        old = samples[k].behaviour_logprobs
         records[k].teacher_logprobs = lp
-        mask = records[k].action_mask
-        diffs = [a - b for a, b, m in zip(lp, old, mask, strict=True) if m] or [
-            a - b for a, b in zip(lp, old, strict=True)
-        ]
-        records[k].log_ratio_mean = sum(diffs) / len(diffs) if diffs else 0.0
-    teacher_s = time.perf_counter() - t0
+        records[k].log_ratio_mean = mean_log_ratio(lp, samples[k].behaviour_logprobs, records[k].action_mask)
+    return TeacherWork(prompts, items, scored, time.perf_counter() - t0)
 
-    if need_scores_first:
-        for r, c in zip(
-            records, placement.select(cfg.placement, turn_infos(), rho=cfg.rho, seed=cfg.seed), strict=True
-        ):
-            r.selected = bool(c)
 
+def mean_log_ratio(teacher: list[float], old: list[float], mask: list[int]) -> float:
+    """Mean of log pi_T - log pi_old over the action's tokens (``mask``); over every reply
+    token where the mask marks none."""
+    diffs = [a - b for a, b, m in zip(teacher, old, mask, strict=True) if m] or [
+        a - b for a, b in zip(teacher, old, strict=True)
+    ]
+    return sum(diffs) / len(diffs) if diffs else 0.0
+
+
+def weigh_turns(
+    records: list[Annotation], samples: list[TurnSample], episodes: list[Episode], cfg: AnnotateConfig, lam: float
+) -> None:
+    """METHOD.md 6's weights on every selected, scored record: signed by its advantage,
+    clipped, blended by ``lam``, on the parsed action's tokens (serl) or every reply token
+    (rlsd); a failed rollout's turn also carries the distillation term."""
     for k, r in enumerate(records):
         if not r.selected or r.teacher_logprobs is None:
             continue
@@ -256,37 +399,21 @@ def annotate_episodes(
         )
         r.weights = apply_placement(w, where).tolist()
         r.distill = not episodes[r.episode].success
-    stats: dict[str, Any] = {
+
+
+def pass_stats(
+    records: list[Annotation], work: TeacherWork, lam: float, use_teacher: bool, parse_failures: int
+) -> dict[str, Any]:
+    """The pass's statistics, as the stage records them: the critical set's size and the teacher's work."""
+    return {
         "turns": len(records),
         "selected": sum(r.selected for r in records),
-        "teacher_turns_scored": len(items),
-        "teacher_tokens_scored": sum(len(it.prompt_ids) + len(it.action_ids) for it in items),
-        "teacher_action_tokens": sum(len(it.action_ids) for it in items),
-        "teacher_s": round(teacher_s, 3),
+        "teacher_turns_scored": len(work.items),
+        "teacher_tokens_scored": sum(len(it.prompt_ids) + len(it.action_ids) for it in work.items),
+        "teacher_action_tokens": sum(len(it.action_ids) for it in work.items),
+        "teacher_s": round(work.seconds, 3),
         "lambda": lam,
         "teacher_skipped": not use_teacher,
         "turns_with_block": sum(r.hindsight is not None for r in records),
         "action_parse_failures": parse_failures,
     }
-    signal = (
-        teacher_signal.measure(
-            records,
-            episodes,
-            prompts,
-            teacher_signal.SpanScoring(
-                teacher_model,
-                tokenizer,
-                temperature,
-                cfg.micro_batch_tokens,
-                bare_replies,
-                action_format(env_cfg) if bare_replies else None,
-                scorer=scorer,
-                known={(tuple(it.prompt_ids), tuple(it.action_ids)): lp for it, lp in zip(items, scored, strict=True)},
-            ),
-        )
-        if cfg.teacher_signal
-        else None
-    )
-    if signal is not None:
-        stats["teacher_signal"] = signal
-    return records, stats

@@ -62,7 +62,8 @@ turns (the authors number env steps from 0, rollout_loop.py:502); reasoning is r
 the authors' ``<think>...</think>`` rule (recipe/serl/serl_ray_trainer.py:186-188). Actions
 compare case- and whitespace-insensitively. Blocks are not cut here: the annotation cuts the
 whole block to ``max_hindsight_tokens`` (the authors cap the whole teacher prompt,
-``max_reprompt_len``, serl_ray_trainer.py:562).
+``max_reprompt_len``, serl_ray_trainer.py:562) with the cutters of ``serl_cli.method.cutting``
+(``make_cutter``, ``cut_all``, ``char_cutter``: re-exported here, where their callers import them).
 
 The ``anchor`` granularity's pooled block lives in ``serl_cli.method.anchors``.
 
@@ -76,16 +77,22 @@ from __future__ import annotations
 import abc
 import hashlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from envs.base import state_key as hash_observation
 from envs.sokoban.rooms import DIRECTIONS
 from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.errors import SerlError
+
+# re-exported: the cutters' callers import them from here
+from serl_cli.method.cutting import TAIL_CHARS as TAIL_CHARS
+from serl_cli.method.cutting import char_cutter
+from serl_cli.method.cutting import cut_all as cut_all
+from serl_cli.method.cutting import make_cutter as make_cutter
 from serl_cli.rollout.prompts import format_action
 
-TAIL_CHARS = 16  # a cut drops a partial word up to max(20 % of the text, this many characters)
 EFFECT_CHARS = 100  # one line of pooled anchor evidence: a glimpse
 TRAJECTORIES = ("full", "aligned")  # how ref, expert, shuffled render: the whole trajectory | this state's action
 SECTION_SEPARATOR = "\n\n"  # between sections (PC:452)
@@ -105,58 +112,6 @@ def same_action(a: str | None, b: str | None) -> bool:
     return _norm(a) == _norm(b)
 
 
-def _trim(head: str, full: str) -> str:
-    """``head`` (a prefix of ``full``) ended cleanly: no partial word, then " ..."."""
-    head = head.rstrip("\ufffd")  # a split UTF-8 character decodes to U+FFFD: drop it
-    if not full[len(head) : len(head) + 1].isspace():  # the cut fell inside a word
-        space = max(head.rfind(" "), head.rfind("\n"))
-        if space >= 0 and len(head) - space <= max(0.2 * len(head), TAIL_CHARS):
-            head = head[:space]  # drop the partial word; a long unbroken run (a URL, an id) stays cut
-    return head.rstrip() + " ..."
-
-
-def char_cutter(max_chars: int) -> Callable[[str], str]:
-    """Cut to at most ``max_chars`` characters, cleanly (for tests and tokenizer-less use)."""
-
-    def cut(text: str) -> str:
-        if len(text) <= max_chars:
-            return text
-        return _trim(text[: max_chars - 4], text) if max_chars >= 4 else ""  # room for " ..." or nothing
-
-    return cut
-
-
-def make_cutter(tokenizer, max_tokens: int) -> Callable[[str], str]:
-    """Cut to at most ``max_tokens`` tokens of ``tokenizer``, cleanly; short texts unchanged."""
-
-    def cut(text: str) -> str:
-        return _cut_encoded(tokenizer, max_tokens, text, tokenizer.encode(text, add_special_tokens=False))
-
-    return cut
-
-
-def cut_all(tokenizer, max_tokens: int, texts: list[str]) -> list[str]:
-    """:func:`make_cutter`'s cut of each of ``texts``, each distinct text cut once: a batch's blocks
-    repeat (a group's rollouts meet the same states; 173 distinct of 585 in a Sokoban iteration), and
-    encoding one took ~0.1 ms, most of the annotate stage's time outside the teacher (issue 39)."""
-    cut = make_cutter(tokenizer, max_tokens)
-    done = {text: cut(text) for text in dict.fromkeys(texts)}
-    return [done[text] for text in texts]
-
-
-def _cut_encoded(tokenizer, max_tokens: int, text: str, ids: list[int]) -> str:
-    """``text`` (whose tokens are ``ids``) cut to at most ``max_tokens`` tokens, cleanly."""
-    if len(ids) <= max_tokens:
-        return text
-    n = max_tokens - len(tokenizer.encode(" ...", add_special_tokens=False))
-    while n > 0:  # re-encoding a cut text may merge differently: shrink until it fits
-        out = _trim(tokenizer.decode(ids[:n]), text)
-        if len(tokenizer.encode(out, add_special_tokens=False)) <= max_tokens:
-            return out
-        n -= 1
-    return ""  # the budget cannot hold even the marker
-
-
 @dataclass
 class TurnContext:
     episode: Episode  # the rollout record
@@ -166,7 +121,7 @@ class TurnContext:
     trajectory: str = "full"  # ref, expert and shuffled: full | aligned (TRAJECTORIES)
     seed: int = 0  # the annotate seed: shuffled's draws
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.group = self.group or [self.episode]
 
     @property
@@ -215,9 +170,10 @@ class Source(abc.ABC):
 
 
 SOURCES: dict[str, Source] = {}
+SourceClass = TypeVar("SourceClass", bound=type[Source])
 
 
-def register(cls):
+def register(cls: SourceClass) -> SourceClass:
     SOURCES[cls.name] = cls()
     return cls
 
@@ -234,10 +190,10 @@ class TurnField(Source):
     def bad(self, turn: Turn) -> bool:
         return False
 
-    def render(self, ctx):
+    def render(self, ctx: TurnContext) -> str | None:
         return section(self.title, self.value(ctx.step))
 
-    def fires(self, ctx):
+    def fires(self, ctx: TurnContext) -> bool:
         return self.bad(ctx.step)
 
 
@@ -245,10 +201,10 @@ class TurnField(Source):
 class Error(TurnField):
     name, title, pooled_title = "error", "Environment error at the current step:", "Errors other attempts got here:"
 
-    def value(self, turn):
+    def value(self, turn: Turn) -> str | None:
         return turn.feedback.get("error")
 
-    def bad(self, turn):
+    def bad(self, turn: Turn) -> bool:
         return bool(self.value(turn))
 
 
@@ -256,10 +212,10 @@ class Error(TurnField):
 class Diff(TurnField):
     name, title, pooled_title = "diff", "What changed after the current step:", "What other attempts changed here:"
 
-    def value(self, turn):
+    def value(self, turn: Turn) -> str | None:
         return turn.feedback.get("diff")
 
-    def bad(self, turn):
+    def bad(self, turn: Turn) -> bool:
         return same_action(self.value(turn), "no change")
 
 
@@ -268,7 +224,7 @@ class Obs(TurnField):  # never fires: shown whatever happened, it flags nothing 
     # the authors' title for their default mode, immediate_feedback (PC:1634-1637)
     name, title, pooled_title = "obs", "Immediate feedback from the current step:", "What other attempts saw next:"
 
-    def value(self, turn):
+    def value(self, turn: Turn) -> str | None:
         return turn.next_observation
 
 
@@ -279,7 +235,7 @@ class Future(Source):
 
     name, title = "future", "Observed future trajectory of the current step:"  # PC:1642-1652
 
-    def render(self, ctx):
+    def render(self, ctx: TurnContext) -> str | None:
         later = [(k, _reply(t)) for k, t in enumerate(ctx.episode.turns) if k > ctx.turn]
         return section(self.title, trajectory_text(later)) if later else None
 
@@ -310,7 +266,7 @@ class Ref(Source):
     name, title = "ref", "Successful trajectory in the same task, if any:"  # PC:1630-1633
     aligned_title = "What a successful rollout did from this state:"
 
-    def render(self, ctx):
+    def render(self, ctx: TurnContext) -> str | None:
         ref = reference_rollout(ctx)
         if ref is None:
             return None
@@ -319,7 +275,7 @@ class Ref(Source):
             return section(self.aligned_title, _matching_action(ctx, replies))
         return section(self.title, trajectory_text([(k, _reply(t)) for k, t in enumerate(ref.turns)]))
 
-    def fires(self, ctx):
+    def fires(self, ctx: TurnContext) -> bool:
         ref = reference_rollout(ctx)
         return ref is not None and _disagrees(ctx, [(_action(t), t.state_key) for t in ref.turns])
 
@@ -337,7 +293,7 @@ class Expert(Source):
     name, title = "expert", "Expert demonstration for this task (privileged oracle information):"
     aligned_title = "The expert's action from this state (privileged oracle information):"
 
-    def render(self, ctx):
+    def render(self, ctx: TurnContext) -> str | None:
         if ctx.aligned:
             move = ctx.step.expert_action
             return section(self.aligned_title, format_action(move)) if move else None
@@ -345,7 +301,7 @@ class Expert(Source):
             return None
         return section(self.title, trajectory_text([(k, format_action(s["action"])) for k, s in enumerate(ctx.expert)]))
 
-    def fires(self, ctx):
+    def fires(self, ctx: TurnContext) -> bool:
         if ctx.aligned:
             move = ctx.step.expert_action
             return bool(move) and not same_action(move, _action(ctx.step))
@@ -390,7 +346,7 @@ class Shuffled(Source):
 
     name = "shuffled"
 
-    def render(self, ctx):
+    def render(self, ctx: TurnContext) -> str | None:
         if ctx.aligned:
             move = shuffled_move(ctx)
             return section(Expert.aligned_title, format_action(move)) if move else None
@@ -399,7 +355,7 @@ class Shuffled(Source):
         steps = [(k, format_action(action)) for k, (action, _) in enumerate(shuffled_steps(ctx))]
         return section(Expert.title, trajectory_text(steps))
 
-    def fires(self, ctx):
+    def fires(self, ctx: TurnContext) -> bool:
         if ctx.aligned:
             move = shuffled_move(ctx)
             return move is not None and not same_action(move, _action(ctx.step))
@@ -414,7 +370,7 @@ def check_trajectory(trajectory: str) -> None:
         raise SerlError(f"unknown trajectory rendering {trajectory!r}: choose one of {', '.join(TRAJECTORIES)}")
 
 
-def uses_expert_trajectory(spec, trajectory: str) -> bool:
+def uses_expert_trajectory(spec: str | list[list[str]], trajectory: str) -> bool:
     """Whether the blocks need the environment's expert trajectories (``expert`` or ``shuffled``, rendered in
     full)."""
     return trajectory == "full" and any(name in EXPERT_SOURCES for alts in _spec(spec) for name in alts)
@@ -442,15 +398,15 @@ def parse_sources(spec: str) -> list[list[str]]:
     return out
 
 
-def _spec(spec) -> list[list[str]]:
+def _spec(spec: str | list[list[str]]) -> list[list[str]]:
     return parse_sources(spec) if isinstance(spec, str) else spec
 
 
-def _block(sections: list[str], used: list[str], fired: list[str]):
+def _block(sections: list[str], used: list[str], fired: list[str]) -> tuple[str | None, list[str], list[str]]:
     return (SECTION_SEPARATOR.join(sections) if sections else None), used, fired
 
 
-def hindsight_step(ctx: TurnContext, spec) -> tuple[str | None, list[str], list[str]]:
+def hindsight_step(ctx: TurnContext, spec: str | list[list[str]]) -> tuple[str | None, list[str], list[str]]:
     """(block, sources used, sources fired): per combined part, the first alternative that renders."""
     pieces, used, fired = [], [], []
     for alts in _spec(spec):

@@ -58,7 +58,7 @@ PLACEMENTS: dict[str, Rule] = {}
 _NEEDS_TEACHER: set[str] = set()
 
 
-def placement(name: str, *, needs_teacher: bool = False):
+def placement(name: str, *, needs_teacher: bool = False) -> Callable[[Rule], Rule]:
     """Register a rule under ``name``; ``needs_teacher``: it reads every turn's teacher score."""
 
     def wrap(fn: Rule) -> Rule:

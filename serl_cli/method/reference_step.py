@@ -25,6 +25,8 @@ bare format are left to the pipeline too: this file builds no environment.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from serl_cli.algos import core
@@ -35,8 +37,11 @@ from serl_cli.method.action_mask import action_span_mask
 from serl_cli.method.annotation import AnnotateConfig
 from serl_cli.method.teacher import teacher_prompt
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def token_logprobs(model, prompt_ids: list[int], reply_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+
+def token_logprobs(model: Any, prompt_ids: list[int], reply_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
     """log pi(reply_k | prompt, reply_<k) for one turn, [K]: one unpadded forward pass."""
     ids = torch.tensor([prompt_ids + reply_ids])
     logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
@@ -44,9 +49,9 @@ def token_logprobs(model, prompt_ids: list[int], reply_ids: list[int], temperatu
 
 
 def reference_step(
-    policy,
-    teacher,
-    tokenizer,
+    policy: Any,
+    teacher: Any,
+    tokenizer: PreTrainedTokenizerBase,
     group: list[Episode],
     cfg: AnnotateConfig,
     *,

@@ -46,9 +46,10 @@ re-rendered prompt could merge it (``]`` + ``\\n\\n`` under a Qwen or Llama 3 to
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
@@ -56,6 +57,11 @@ from serl_cli.artifacts import io
 from serl_cli.errors import SerlError
 from serl_cli.method.annotate_config import Tokens
 from serl_cli.rollout.prompts import end_of_turn_id, render_prompt_ids, tokenizer_fact
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from serl_cli.training.learner import Learner
 
 # The authors' default template (serl_trainer.yaml:65; the code default at PC:1569-1572).
 REPROMPT_TEMPLATE = "{prompt}\n\n{privileged_context}\n\nCorrectly solve the current task.\n"
@@ -81,7 +87,7 @@ def teacher_prompt_ids(prompt_ids: list[int], block_ids: list[int], end_of_turn_
 PROBE_TEXTS = ("Probe message A", "Probe message B")
 
 
-def _render_probe(tokenizer, text: str, chat_template_kwargs: dict | None) -> list[int] | None:
+def _render_probe(tokenizer: PreTrainedTokenizerBase, text: str, chat_template_kwargs: dict | None) -> list[int] | None:
     if text not in PROBE_TEXTS:
         return _render_probe_now(tokenizer, text, chat_template_kwargs)
     # the two fixed probes depend only on the tokenizer and the kwargs, and every scored turn needs them
@@ -89,7 +95,9 @@ def _render_probe(tokenizer, text: str, chat_template_kwargs: dict | None) -> li
     return tokenizer_fact(tokenizer, key, lambda: _render_probe_now(tokenizer, text, chat_template_kwargs))
 
 
-def _render_probe_now(tokenizer, text: str, chat_template_kwargs: dict | None) -> list[int] | None:
+def _render_probe_now(
+    tokenizer: PreTrainedTokenizerBase, text: str, chat_template_kwargs: dict | None
+) -> list[int] | None:
     """A one-user-message prompt, as the student's prompts are rendered; None where the
     tokenizer has no chat template or the template refuses it."""
     from jinja2 import TemplateError
@@ -107,7 +115,7 @@ def _common_suffix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def chat_tail(tokenizer, chat_template_kwargs: dict | None = None) -> list[int] | None:
+def chat_tail(tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict | None = None) -> list[int] | None:
     """The token ids the chat template writes after the user message's text (the end of the
     user turn, the assistant header): the longest common suffix of two probe prompts."""
     a, b = (_render_probe(tokenizer, text, chat_template_kwargs) for text in PROBE_TEXTS)
@@ -126,7 +134,9 @@ def spliced_part(student: list[int], teacher: list[int], tail: list[int]) -> lis
     return teacher[cut:end]
 
 
-def inserted_ids(tokenizer, block: str, tail: list[int], chat_template_kwargs: dict | None = None) -> list[int] | None:
+def inserted_ids(
+    tokenizer: PreTrainedTokenizerBase, block: str, tail: list[int], chat_template_kwargs: dict | None = None
+) -> list[int] | None:
     """The block's ids as the chat template renders them at the end of a user message
     (:func:`spliced_part` of a probe with and without it); None where the check fails."""
     text = PROBE_TEXTS[0]
@@ -141,7 +151,9 @@ def _ends_with(ids: list[int], tail: list[int]) -> bool:
     return len(ids) >= len(tail) and ids[len(ids) - len(tail) :] == tail
 
 
-def teacher_prompt(tokenizer, prompt_ids: list[int], block: str, chat_template_kwargs: dict | None = None) -> list[int]:
+def teacher_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], block: str, chat_template_kwargs: dict | None = None
+) -> list[int]:
     """The teacher's prompt: the stored student ``prompt_ids`` with the hindsight ``block``
     (the sections' text) at the end of the user message (module docstring: the layout and
     its fallback). ``chat_template_kwargs``: those the student's prompts were rendered with."""
@@ -171,7 +183,10 @@ def teacher_suffix(block: str) -> str:
 
 
 def teacher_prompts_for(
-    tokenizer, prompt_ids: list[list[int]], blocks: list[str], chat_template_kwargs: dict | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: list[list[int]],
+    blocks: list[str],
+    chat_template_kwargs: dict | None = None,
 ) -> list[list[int]]:
     """:func:`teacher_prompt` of each stored prompt with its block, the same ids, with every distinct
     block's probe rendered in one batched chat-template call (a call per turn cost ~0.3 ms of
@@ -197,7 +212,9 @@ def teacher_prompts_for(
     return out
 
 
-def _render_probes(tokenizer, texts: list[str], chat_template_kwargs: dict | None) -> list[list[int] | None]:
+def _render_probes(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], chat_template_kwargs: dict | None
+) -> list[list[int] | None]:
     """:func:`_render_probe_now` of each text, in one batched ``apply_chat_template`` call (the same
     template render and tokenization per conversation); one at a time where the batch is refused."""
     from jinja2 import TemplateError
@@ -205,7 +222,8 @@ def _render_probes(tokenizer, texts: list[str], chat_template_kwargs: dict | Non
     if not texts:
         return []
     try:
-        ids = tokenizer.apply_chat_template(
+        # a list of id lists, or a BatchEncoding holding them, as the transformers version has it
+        ids: Any = tokenizer.apply_chat_template(
             [[{"role": "user", "content": t}] for t in texts],
             add_generation_prompt=True,
             tokenize=True,
@@ -218,7 +236,7 @@ def _render_probes(tokenizer, texts: list[str], chat_template_kwargs: dict | Non
     return [list(row) for row in ids]
 
 
-def block_ids(tokenizer, text: str) -> list[int]:
+def block_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """The tokens spliced into the student's user message for the block ``text``."""
     return tokenizer.encode(teacher_suffix(text), add_special_tokens=False)
 
@@ -242,7 +260,7 @@ class TeacherSnapshot:
     (``teacher_state.pt``; under ZeRO-3 one file per process, ``teacher_state.rank{r}.pt``).
     """
 
-    def __init__(self, learner):
+    def __init__(self, learner: Learner) -> None:
         self.learner, self.backend = learner, learner.backend
         self.params = learner.trained_parameters()
         self.saved: dict[str, torch.Tensor] = {}
@@ -257,7 +275,7 @@ class TeacherSnapshot:
         self.saved = {name: self._keep(self.backend.local_values(p)) for name, p in self.params}
 
     @contextmanager
-    def scoring(self):
+    def scoring(self) -> Iterator[Any]:  # the policy network: a Hugging Face model, or its peft wrapper
         """The network to score with: the live one holding the teacher's weights until the
         block ends (every process enters: under ZeRO-3 every gathered copy is dropped first
         and last, so its forwards gather the teacher's partitions, then the policy's)."""

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serl_cli.artifacts.records import Annotation, Episode, Turn
 from serl_cli.method.action_mask import action_span_mask
@@ -49,8 +49,11 @@ from serl_cli.method.feedback import same_action
 from serl_cli.rollout.prompts import reply_ids
 from serl_cli.training.scoring import ScoreItem, score
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def expert_reply_ids(tokenizer, action: str, bare_replies: bool = False) -> list[int]:
+
+def expert_reply_ids(tokenizer: PreTrainedTokenizerBase, action: str, bare_replies: bool = False) -> list[int]:
     """The expert's action as a reply, tokenized as ``TokenizedExpertPolicy`` records it for SFT:
     tagged, or bare where the rollouts' prompts ask for bare replies (``prompt.bare_replies``) --
     scored in the wrong form, the expert's reply has almost no probability under either prompt."""

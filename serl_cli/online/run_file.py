@@ -6,6 +6,7 @@ given one as ``--config``: as the loop's step (``online.derive``). The loop itse
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from serl_cli import config as cfgmod
 from serl_cli.artifacts import io
@@ -13,6 +14,9 @@ from serl_cli.errors import SerlError
 from serl_cli.online.config import OnlineConfig
 from serl_cli.online.derive import LOOP_SETS, READS, annotate_config, eval_config, rollout_config
 from serl_cli.stages.evaluate import EvalConfig
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 def run_settings(cfg: OnlineConfig) -> dict:
@@ -48,7 +52,7 @@ class RunFileReader:
     ``ignored``: the top-level keys of ``--set`` in the run layout that the command does not read,
     for :meth:`note` (the sections of a file it does not read are expected, and not named)."""
 
-    def __init__(self, command: str, cls, base: dict | None = None):
+    def __init__(self, command: str, cls: type[DataclassInstance], base: dict | None = None):
         self.command, self.base = command, base or {}
         own = {f.name for f in dataclasses.fields(cls)}
         run = {f.name for f in dataclasses.fields(OnlineConfig)}

@@ -10,13 +10,22 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Protocol
 
 from serl_cli.errors import PREEMPTED_EXIT
 
 if TYPE_CHECKING:  # the engine's types, without loading it where the loop only stops
     from serl_cli.rollout.engines import Generation, SamplingConfig
+
+    class StopRequest(Protocol):
+        """What asks a rollout to stop: a :class:`StopSignal`, or the producer's ``ParentGone``."""
+
+        @property
+        def requested(self) -> bool: ...
+
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -56,7 +65,7 @@ _early: list[int] = []  # a stop signal taken before the loop's StopSignal was i
 
 
 @contextlib.contextmanager
-def catch_early():
+def catch_early() -> Iterator[None]:
     """While it lasts a SIGTERM/SIGUSR1 is a stop request, even before the loop has started: the
     command that runs the loop enters it first, so that a job's SIGTERM while it reads its
     settings or loads the model still ends in a checkpoint and exit 75, not the default death
@@ -66,7 +75,7 @@ def catch_early():
         yield
         return
 
-    def record(signum, frame) -> None:
+    def record(signum: int, frame: FrameType | None) -> None:
         if not _early:
             print(
                 f"serl: {signal.Signals(signum).name} while starting: stopping once the run is set up (exit "
@@ -90,18 +99,18 @@ class StopSignal:
     installed in the main thread only, and restored on exit). A signal :func:`catch_early`
     took before is this one's from the start."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.signum: int | None = _early[0] if _early else None
         self._old: dict = {}
 
-    def __enter__(self):
+    def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)
         _early.clear()
         return self
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         # a second SIGTERM: stop now, as without serl (a SIGUSR1 before it -- the batch shell passing on
         # the job's SIGTERM, SLURM's time-limit warning -- asked for the same stop: this one is the first)
         if self.signum == signal.SIGTERM and signum == signal.SIGTERM:
@@ -117,7 +126,7 @@ class StopSignal:
             )
         self.signum = signum
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
@@ -134,7 +143,9 @@ class StoppableEngine:
     """The loop's engine during the rollout phase: a generation round does not start once a
     stop is requested (the iteration is abandoned; it is redone, identically, on resume)."""
 
-    def __init__(self, engine, stop: StopSignal):
+    # engine: an Engine, or None on a process that generates nothing (a vLLM rank that runs no engine),
+    # which is never asked to generate: Any
+    def __init__(self, engine: Any, stop: StopRequest):
         self.engine, self.stop = engine, stop
 
     def generate(
@@ -144,5 +155,5 @@ class StoppableEngine:
             raise Abandon()
         return self.engine.generate(prompts, sampling, seed, row_seeds=row_seeds)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)

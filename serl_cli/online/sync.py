@@ -9,9 +9,17 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from serl_cli.models.device import release_memory
-from serl_cli.rollout.engines import refresh_weights
+from serl_cli.rollout.engines import refresh_weights, sleep_engine
+
+if TYPE_CHECKING:
+    from serl_cli.method.teacher import TeacherSnapshot
+    from serl_cli.online.ranks import PhaseLog
+    from serl_cli.rollout.engines.vllm import VLLMConfig
+    from serl_cli.rollout.prompts import PromptConfig
+    from serl_cli.training.learner import Learner
 
 
 def disk_bytes(path: Path) -> int:
@@ -22,13 +30,18 @@ def disk_bytes(path: Path) -> int:
 class PolicyOut:
     """The learner's policy out to disk and to the engine (every process calls each method)."""
 
-    def __init__(self, learner, teacher, engine, vllm=None):
+    # engine: the rollout engine (None: a vLLM rank that runs none); Any, as the weight stream goes
+    # to vLLM's own update_weights, which the Engine protocol does not declare
+    def __init__(self, learner: Learner, teacher: TeacherSnapshot | None, engine: Any, vllm: VLLMConfig | None = None):
         self.learner, self.teacher, self.engine, self.vllm = learner, teacher, engine, vllm
         self.sized = False  # the first checkpoint's size is printed
 
-    def save(self, checkpoint: Path, prompt) -> int:
+    def save(self, checkpoint: Path, prompt: PromptConfig) -> int:
         """An iteration's checkpoint: the policy, its resume state, and the teacher snapshot
-        (so a resumed run matches); returns its size in bytes."""
+        (so a resumed run matches); returns its size in bytes. An engine that holds its own copy
+        sleeps first (colocated: a save gathers the whole model, and an awake engine's memory
+        with it would not fit)."""
+        sleep_engine(self.engine)
         teacher = self.teacher
         self.learner.save(checkpoint, prompt=prompt, extra=teacher.save if teacher is not None else None)
         size = disk_bytes(checkpoint)
@@ -37,7 +50,12 @@ class PolicyOut:
             print(f"serl: a checkpoint of this run takes {size / 2**20:.1f} MiB ({checkpoint})", file=sys.stderr)
         return size
 
-    def sync_engine(self, it: Path, saved: bool, log) -> dict:
+    def save_final(self, path: Path, prompt: PromptConfig) -> None:
+        """The run's final policy, the engine asleep as for every save (the last weight sync woke it)."""
+        sleep_engine(self.engine)
+        self.learner.save(path, prompt=prompt)
+
+    def sync_engine(self, it: Path, saved: bool, log: PhaseLog) -> dict:
         """After an update, an engine with its own weights (vLLM) serves the new policy: streamed
         in memory (``vllm.weight_sync: memory``; under ZeRO-3 one weight gathered at a time, so
         every process takes part) or reloaded from disk (``disk``: the checkpoint just saved, or

@@ -77,6 +77,11 @@ class PromptConfig:
         True, "serl style: the system message (the environment's rules, the action format); false: none"
     )
     bare_replies: bool = setting(False, "demonstrations reply with the bare action, not <action>...</action>")
+    instruction: str = setting(
+        "",
+        "serl style: a line added at the end of the user message, e.g. the reply format a small chat model "
+        "needs to hear last (experiments/smollm2/); empty: none",
+    )
     chat_template_kwargs: dict = setting(
         factory=dict,
         doc="keyword arguments for the tokenizer's chat template, on every prompt the student and the teacher "
@@ -128,6 +133,8 @@ def build_messages(
         listed = admissible_shown(admissible, cfg)
         more = f" (and {len(admissible) - len(listed)} more)" if len(admissible) > len(listed) else ""
         lines.append("Admissible actions: " + ", ".join(listed) + more)
+    if cfg.instruction:  # last: a small chat model follows what it read last (docs/MODELS.md, SmolLM2)
+        lines.append(cfg.instruction)
     user = {"role": "user", "content": "\n".join(lines)}
     if not cfg.system:
         return [user]

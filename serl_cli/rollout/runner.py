@@ -101,89 +101,111 @@ def run_episodes(
         if on_episode_done:
             on_episode_done(rec)
 
-    def start_more():
+    def start_more():  # a finished episode's place goes to the next spec, in spec order
         while pending and len(live) < batch_size:
             i = pending.pop()
-            spec = specs[i]  # reward and success are set when the episode ends (_finish, _fail)
-            rec = Episode(
-                task_id=spec.task_id,
-                group_id=spec.group_id,
-                rollout_index=spec.rollout_index,
-                turns=[],
-                reward=0.0,
-                success=False,
-            )
-            try:
-                with time_limit(step_timeout_s):
-                    ep = world.new_episode(split, max_turns)
-                    step = ep.reset(specs[i].task_id)
-            except EnvError:
-                raise
-            except Exception as e:  # any failure of the environment ends this episode only
-                _fail(rec, _describe(e))
+            rec, started = _start(world, split, specs[i], max_turns, step_timeout_s)
+            if started is None:
                 close(i, rec)
-                continue
-            rec.instruction, rec.initial_observation = ep.instruction, step.observation
-            live.append((i, ep, step, rec))
+            else:
+                ep, step = started
+                live.append((i, ep, step, rec))
 
     action_format = action_format_of(world)
     authors_prompt = world.authors_prompt if isinstance(world, AuthorsPrompted) else None  # prompt.style authors
     start_more()
     while live:
-        contexts = [
-            {
-                "instruction": ep.instruction,
-                "turns": rec.turns,
-                "rules": world.rules,
-                "action_format": action_format,
-                "authors_prompt": authors_prompt,
-                "episode": ep,
-                "row": (rec.group_id, rec.rollout_index),
-            }
-            for _, ep, _, rec in live
-        ]
+        # one round: the policy decides for every live episode at once, then each environment steps
+        contexts = [_context(world, ep, rec, action_format, authors_prompt) for _, ep, _, rec in live]
         decisions = policy.act([step for _, _, step, _ in live], contexts)
         still_live = []
         for (i, ep, step, rec), d in zip(live, decisions, strict=True):
-            try:
-                with time_limit(step_timeout_s):
-                    nxt = ep.step(d.action)
-            except Exception as e:  # the episode ends with the error; the run goes on
-                _fail(rec, _describe(e))
-                close(i, rec)
-                continue
-            feedback = nxt.feedback.to_dict()
-            if d.parse_error:  # the policy's reply held no well-formed action: say so, not just "invalid"
-                feedback["error"] = d.parse_error
-            rec.turns.append(
-                Turn(
-                    turn=len(rec.turns),
-                    observation=step.observation,
-                    state_key=step.state_key,
-                    expert_action=step.expert_action,
-                    prompt_ids=d.prompt_ids,
-                    action_ids=d.action_ids,
-                    action_text=d.text,
-                    action=d.action,
-                    behaviour_logprobs=d.logprobs,
-                    next_observation=nxt.observation,
-                    next_state_key=nxt.state_key,
-                    feedback=feedback,
-                    reward=nxt.reward,
-                    done=nxt.done,
-                    info=nxt.info,
-                    off_expert=bool(d.off_expert),
-                    invalid=d.invalid,
-                )
-            )
-            if nxt.done:
-                _finish(rec, nxt)
+            nxt = _advance(ep, step, d, rec, step_timeout_s)
+            if nxt is None or nxt.done:
                 close(i, rec)
             else:
                 still_live.append((i, ep, nxt, rec))
         live = still_live
         start_more()
     return records  # type: ignore[return-value]
+
+
+def _start(
+    world: World, split: str, spec: EpisodeSpec, max_turns: int | None, step_timeout_s: float | None
+) -> tuple[Episode, tuple[EnvEpisode, Step] | None]:
+    """A new episode of ``spec``'s task and its record, with the episode and its first step; no
+    episode (None) where the environment failed to start it, the record then closed as a failure."""
+    # reward and success are set when the episode ends (_finish, _fail)
+    rec = Episode(
+        task_id=spec.task_id,
+        group_id=spec.group_id,
+        rollout_index=spec.rollout_index,
+        turns=[],
+        reward=0.0,
+        success=False,
+    )
+    try:
+        with time_limit(step_timeout_s):
+            ep = world.new_episode(split, max_turns)
+            step = ep.reset(spec.task_id)
+    except EnvError:
+        raise
+    except Exception as e:  # any failure of the environment ends this episode only
+        _fail(rec, _describe(e))
+        return rec, None
+    rec.instruction, rec.initial_observation = ep.instruction, step.observation
+    return rec, (ep, step)
+
+
+def _context(world: World, ep: EnvEpisode, rec: Episode, action_format, authors_prompt) -> dict:
+    """What the policy reads of one live episode besides its current step (the prompt's parts)."""
+    return {
+        "instruction": ep.instruction,
+        "turns": rec.turns,
+        "rules": world.rules,
+        "action_format": action_format,
+        "authors_prompt": authors_prompt,
+        "episode": ep,
+        "row": (rec.group_id, rec.rollout_index),
+    }
+
+
+def _advance(ep: EnvEpisode, step: Step, d: Decision, rec: Episode, step_timeout_s: float | None) -> Step | None:
+    """Step ``ep`` by the decision and record the turn; the record is closed where the episode ends
+    (done: finished; None: the environment failed, and the turn is not recorded)."""
+    try:
+        with time_limit(step_timeout_s):
+            nxt = ep.step(d.action)
+    except Exception as e:  # the episode ends with the error; the run goes on
+        _fail(rec, _describe(e))
+        return None
+    feedback = nxt.feedback.to_dict()
+    if d.parse_error:  # the policy's reply held no well-formed action: say so, not just "invalid"
+        feedback["error"] = d.parse_error
+    rec.turns.append(
+        Turn(
+            turn=len(rec.turns),
+            observation=step.observation,
+            state_key=step.state_key,
+            expert_action=step.expert_action,
+            prompt_ids=d.prompt_ids,
+            action_ids=d.action_ids,
+            action_text=d.text,
+            action=d.action,
+            behaviour_logprobs=d.logprobs,
+            next_observation=nxt.observation,
+            next_state_key=nxt.state_key,
+            feedback=feedback,
+            reward=nxt.reward,
+            done=nxt.done,
+            info=nxt.info,
+            off_expert=bool(d.off_expert),
+            invalid=d.invalid,
+        )
+    )
+    if nxt.done:
+        _finish(rec, nxt)
+    return nxt
 
 
 def _finish(rec: Episode, last: Step) -> None:

@@ -3,7 +3,8 @@
 Why a target and not a step count: the SFT curve is flat for hundreds of steps and then climbs
 steeply (docs/RESULTS.md, the warm-start curve). On that slope, floating-point differences between
 CPUs and thread counts moved where 300 fixed steps land from 0.16 to 0.49 success, and RL from the
-top of that range gained almost nothing (issue 30). A target lands every machine at the same place.
+top of that range gained almost nothing (docs/studies/sokoban_testbed.md). A target lands every machine at
+the same place.
 
 Why the default band is 0.40-0.50 and not lower: from checkpoints still low on the climb (0.22-0.26
 on the test panel) 40 iterations of GRPO or SERL left the policy where it was, whatever the learning

@@ -15,16 +15,19 @@ state, and the process group's basics (rank, all-gather, barrier).
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from serl_cli.algos.batch import MicroBatch
 from serl_cli.errors import SerlError
-from serl_cli.models.device import grad_scaler, tag
+from serl_cli.models.device import Precision, grad_scaler, tag
 from serl_cli.models.device import resolve as resolve_precision
 from serl_cli.training.step import LossFn, accumulate_step, made_by_wrap, make_optimizer, make_scheduler
+from serl_cli.training.train_config import TrainConfig
 
 
 def is_main_process() -> bool:
@@ -43,7 +46,7 @@ class TorchBackend:
     sharded = False  # every weight whole in this process
     load_dtype = torch.float32  # master weights: the update of a small lr survives only in fp32
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: TrainConfig):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SerlError(
                 "the torch backend runs in one process: under torchrun or the deepspeed launcher "
@@ -52,15 +55,15 @@ class TorchBackend:
         self.cfg = cfg
         self.precision = resolve_precision(cfg.device, cfg.dtype, cfg.attn_implementation, cfg.gpus)
         self.scaler = grad_scaler(self.precision)
-        self.model = None
+        self.model: Any = None  # the policy, made by wrap(): a Hugging Face model, or its peft wrapper
         self._optimizer: torch.optim.Optimizer | None = None
-        self.scheduler = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
 
     @property
     def device(self) -> torch.device:
         return self.precision.device
 
-    def wrap(self, model) -> None:
+    def wrap(self, model: Any) -> None:  # a Hugging Face model, or its peft wrapper
         if model.device != self.device:
             model = model.to(self.device)
         self.model = tag(model, self.precision)
@@ -72,7 +75,7 @@ class TorchBackend:
         return made_by_wrap(self._optimizer, "optimizer")
 
     @property
-    def module(self):
+    def module(self) -> Any:
         """The network as the user knows it (a Hugging Face model, or its peft wrapper)."""
         return self.model
 
@@ -102,14 +105,14 @@ class TorchBackend:
         return stats
 
     @contextmanager
-    def full_model(self):
+    def full_model(self) -> Iterator[Any]:
         yield self.model
 
-    def gathered(self, params):
+    def gathered(self, params: list[torch.nn.Parameter]) -> AbstractContextManager:
         """Context: ``params`` whole while it lasts (they always are here)."""
         return nullcontext()
 
-    def local_values(self, param) -> torch.Tensor:
+    def local_values(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The tensor holding this process's values of ``param``: here the whole weight."""
         return param.data
 
@@ -133,7 +136,7 @@ class TorchBackend:
             self.scaler.load_state_dict(state["grad_scaler"])
         load_scheduler(self.scheduler, state)
 
-    def all_gather(self, obj) -> list:
+    def all_gather(self, obj: object) -> list:
         """``obj`` of every process, in rank order."""
         return [obj]
 
@@ -141,7 +144,7 @@ class TorchBackend:
         pass
 
 
-def load_scheduler(scheduler, state: dict) -> None:
+def load_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR | None, state: dict) -> None:
     """Put the schedule's step count back. A checkpoint without one was trained at a constant
     lr: a schedule added on resume starts at its step 0 (its warmup), which the optimizer's
     own restored lr is set to."""
@@ -156,16 +159,84 @@ def load_scheduler(scheduler, state: dict) -> None:
         group["lr"] = base * factor(0)
 
 
-def _deepspeed_backend(cfg):
+class Backend(Protocol):
+    """What the learner asks of a training backend: the model wrapped for training, one optimizer
+    step over micro-batches, the weights whole when something outside training reads them, the
+    resume state, and the processes' collectives (one process: trivial). What a backend is -- data
+    parallel, ZeRO, its own checkpoint -- is ``train_config.BACKEND_TRAITS``, for code that must not
+    load it; nothing compares a backend's name."""
+
+    name: str
+    rank: int
+    world: int
+    is_main: bool
+    load_dtype: torch.dtype  # what the model loads in
+    precision: Precision
+
+    @property
+    def sharded(self) -> bool:
+        """Weights partitioned over the processes (ZeRO-3): run the model inside ``full_model()``."""
+        ...
+
+    @property
+    def collective_forward(self) -> bool:
+        """A forward pass is a collective: every process runs as many."""
+        ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def module(self) -> Any: ...
+
+    @property
+    def optimizer(self) -> Any: ...
+
+    def wrap(self, model: Any) -> None: ...
+
+    def step(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        num_tokens: float,
+        temperature: float,
+        entropy: bool = False,
+    ) -> dict: ...
+
+    def full_model(self) -> AbstractContextManager: ...
+
+    def gathered(self, params: list[torch.nn.Parameter]) -> AbstractContextManager: ...
+
+    def local_values(self, param: torch.nn.Parameter) -> torch.Tensor: ...
+
+    def release_gathered(self) -> None: ...
+
+    def resume_state(self) -> dict: ...
+
+    def save_engine_state(self, directory: Path) -> None: ...
+
+    def load_state(self, state: dict, directory: Path) -> None: ...
+
+    def all_gather(self, obj: object) -> list: ...
+
+    def barrier(self) -> None: ...
+
+
+def _torch_backend(cfg: TrainConfig) -> Backend:
+    return TorchBackend(cfg)
+
+
+def _deepspeed_backend(cfg: TrainConfig) -> Backend:
     from serl_cli.training.deepspeed import DeepSpeedBackend
 
     return DeepSpeedBackend(cfg)
 
 
-BACKENDS = {"torch": TorchBackend, "deepspeed": _deepspeed_backend}
+BACKENDS: dict[str, Callable[[TrainConfig], Backend]] = {"torch": _torch_backend, "deepspeed": _deepspeed_backend}
 
 
-def make_backend(cfg):
+def make_backend(cfg: TrainConfig) -> Backend:
+    """The training backend ``cfg.backend`` names (DeepSpeed imported only when chosen)."""
     if cfg.backend not in BACKENDS:
         raise SerlError(f"unknown backend {cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
     return BACKENDS[cfg.backend](cfg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,8 +18,15 @@ from serl_cli.artifacts.io import follow_umask, torch_load, torch_save
 from serl_cli.errors import SerlError
 from serl_cli.models.device import precision_of, tag
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-def frozen_copy(model, device=None):
+    from serl_cli.training.train_config import LoraConfig
+
+
+# the replica (a PreTrainedModel) typed as a torch Module: transformers wraps PreTrainedModel.to with
+# functools.wraps, which mypy then sees unbound (a device passed to it is refused)
+def frozen_copy(model: PreTrainedModel, device: torch.device | str | None = None) -> torch.nn.Module:
     """A frozen replica of a (plain Hugging Face) model, built from its config and weights:
     no DeepSpeed or peft state comes along."""
     from transformers import AutoModelForCausalLM
@@ -32,7 +40,11 @@ def frozen_copy(model, device=None):
 
 
 def save_checkpoint(
-    model, tokenizer, path: str | Path, extra_state: dict | None = None, extra_files: dict[str, str] | None = None
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    path: str | Path,
+    extra_state: dict | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """A Hugging Face model directory (safetensors), written to a temp sibling then renamed."""
     path = Path(path)
@@ -48,8 +60,8 @@ def save_checkpoint(
 
 
 def write_model_files(
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     directory: Path,
     *,
     state_dict: dict | None = None,
@@ -89,7 +101,14 @@ def commit_dir(tmp: Path, path: Path) -> None:
         shutil.rmtree(old)
 
 
-def write_policy(module, tokenizer, directory: Path, lora=None, state: dict | None = None, files=None) -> None:
+def write_policy(
+    module: Any,  # the policy: a Hugging Face model, or under LoRA its peft wrapper
+    tokenizer: PreTrainedTokenizerBase,
+    directory: Path,
+    lora: LoraConfig | None = None,
+    state: dict | None = None,
+    files: dict[str, str] | None = None,
+) -> None:
     """A policy's checkpoint files: the model (``lora``: its ``LoraConfig``, saved merged --
     the adapter kept in ``adapter/`` -- or adapter-only), the tokenizer, ``state`` as
     ``trainer_state.pt`` (None: none) and ``files`` (name -> text)."""

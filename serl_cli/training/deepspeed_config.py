@@ -67,7 +67,7 @@ def load_config_file(path: str | Path) -> dict:
     return data
 
 
-def _own(config: dict, key: str, value, why: str, where: str) -> None:
+def _own(config: dict, key: str, value: object, why: str, where: str) -> None:
     """Set a key serl decides; a file that sets it to something else is refused ("auto" is fine)."""
     given = config.get(key, "auto")
     if given != "auto" and given != value:
@@ -78,19 +78,35 @@ def _own(config: dict, key: str, value, why: str, where: str) -> None:
     config[key] = value
 
 
-def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool, dtype: str = "auto") -> dict:
+# optim: train_config's OptimConfig (and check_config's cfg its TrainConfig), typed Any: train_config imports
+# this module, and an import back, even for type checking only, is a cycle (tests/test_import_layers.py)
+def resolve_config(ds: DeepSpeedConfig, optim: Any, *, bf16_available: bool, dtype: str = "auto") -> dict:
     """The dictionary handed to ``deepspeed.initialize``: the file (or the stage's default),
     the stage and offload settings, the keys serl owns, and ``train.dtype`` (fp32 | bf16 |
     fp16 sets the file's ``bf16``/``fp16`` sections; ``auto`` leaves them as they are, where
     ``"auto"`` means bf16 when ``bf16_available``)."""
     where = ds.config or "(serl default)"
+    config = _starting_config(ds)
+    _set_zero(config, ds, where)
+    _set_serls_keys(config, optim, where)
+    _set_optimizer(config, optim, where)
+    _set_precision(config, dtype, bf16_available, where)
+    return config
+
+
+def _starting_config(ds: DeepSpeedConfig) -> dict:
+    """A copy of the file, or of serl's config for the stage asked for (checked before it picks one)."""
     if ds.zero_stage is not None and ds.zero_stage not in ZERO_STAGES:
         raise SerlError(f"ZeRO stage must be 1, 2 or 3, got {ds.zero_stage}")
     if ds.config:
         config = load_config_file(ds.config)
     else:
         config = default_config(ds.zero_stage or DEFAULT_STAGE)
-    config = copy.deepcopy(config)
+    return copy.deepcopy(config)
+
+
+def _set_zero(config: dict, ds: DeepSpeedConfig, where: str) -> None:
+    """The ZeRO stage (``train.deepspeed.zero_stage`` over the file's), stage 3's gradient dtypes and offload."""
     zero = config.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise SerlError(f"DeepSpeed config {where}: zero_optimization must be an object")
@@ -111,6 +127,10 @@ def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool, dtype: s
         if stage == 3:
             zero.setdefault("offload_param", {"device": "cpu"})
 
+
+def _set_serls_keys(config: dict, optim: Any, where: str) -> None:
+    """The batch and step keys serl decides, and the defaults that let serl's own optimizer and
+    metrics run under DeepSpeed."""
     # serl micro-batches by tokens and owns the boundary of each optimizer step
     _own(config, "train_micro_batch_size_per_gpu", 1, "serl micro-batches by tokens", where)
     _own(config, "gradient_accumulation_steps", 1, "serl micro-batches by tokens", where)
@@ -124,6 +144,9 @@ def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool, dtype: s
     config.setdefault("zero_force_ds_cpu_optimizer", False)  # ... also with CPU offload
     config.setdefault("steps_per_print", 2**31 - 1)  # serl reports its own metrics
 
+
+def _set_optimizer(config: dict, optim: Any, where: str) -> None:
+    """A file's optimizer and scheduler sections, held to ``train.optim``: one source for each setting."""
     if "scheduler" in config and (optim.schedule != "constant" or optim.warmup_steps > 0):
         raise SerlError(
             f"DeepSpeed config {where} has a scheduler section and train.optim.schedule/warmup_steps set one too: "
@@ -138,6 +161,9 @@ def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool, dtype: s
         _own(params, "betas", list(optim.betas), "train.optim.betas", where)
         _own(params, "weight_decay", float(optim.weight_decay), "train.optim.weight_decay", where)
 
+
+def _set_precision(config: dict, dtype: str, bf16_available: bool, where: str) -> None:
+    """The ``bf16`` and ``fp16`` sections: ``train.dtype`` where it is not auto, then each "auto" decided."""
     for half in ("bf16", "fp16"):
         section = config.get(half)
         if section is not None and not isinstance(section, dict):
@@ -160,7 +186,6 @@ def resolve_config(ds: DeepSpeedConfig, optim, *, bf16_available: bool, dtype: s
         bf16.setdefault("check_grad_overflow", True)  # a non-finite step is skipped, as in fp32
     if config.get("fp16", {}).get("enabled") == "auto":
         config["fp16"]["enabled"] = False
-    return config
 
 
 def zero_stage(config: dict) -> int:
@@ -175,7 +200,7 @@ def uses_fp16(config: dict) -> bool:
     return bool(config.get("fp16", {}).get("enabled"))
 
 
-def check_config(cfg) -> None:
+def check_config(cfg: Any) -> None:  # train_config's TrainConfig (Any: see resolve_config)
     """The configuration resolves and DeepSpeed is installed (nothing is started)."""
     resolve_config(cfg.deepspeed, cfg.optim, bf16_available=False, dtype=cfg.dtype)
     if importlib.util.find_spec("deepspeed") is None:

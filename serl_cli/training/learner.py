@@ -13,28 +13,36 @@ from __future__ import annotations
 import random
 import shutil
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from serl_cli.algos import core
-from serl_cli.algos.batch import make_micro_batches, micro_batch_groups, right_aligned
-from serl_cli.algos.objectives import UpdateInputs, default_advantages, get_objective, turn_advantages
+from serl_cli.algos.batch import MicroBatch, PerTurn, make_micro_batches, micro_batch_groups
+from serl_cli.algos.objectives import (
+    ResolvedObjective,
+    UpdateInputs,
+    default_advantages,
+    get_objective,
+    turn_advantages,
+)
+from serl_cli.algos.offpolicy import offpolicy_correction
 from serl_cli.artifacts import io
 from serl_cli.artifacts.records import Annotation, Episode, check_token_ids
-from serl_cli.artifacts.schema import turn_samples
+from serl_cli.artifacts.schema import TurnSample, turn_samples
 from serl_cli.errors import SerlError
 from serl_cli.models.device import tag
-from serl_cli.models.loading import adapter_dir, base_model_name, load_adapters
 from serl_cli.rollout.prompts import PROMPT_FILE, PromptConfig, prompt_file_text
 from serl_cli.training import lora as lora_mod
 from serl_cli.training.backends import make_backend
 from serl_cli.training.checkpoint import commit_dir, frozen_copy, read_trainer_state, write_policy
+from serl_cli.training.policy import load_policy
 from serl_cli.training.scoring import ScoreItem, score
 from serl_cli.training.step import action_logprobs
-from serl_cli.training.train_config import TrainConfig, check_train_config, recompute_enabled, resolve_correction
+from serl_cli.training.train_config import TrainConfig, check_train_config, recompute_enabled
 from serl_cli.training.update_report import Ticker, episode_stats, mean_step_stats
 
 
@@ -47,71 +55,6 @@ def training_episodes(episodes: list[Episode], cfg: TrainConfig, run: Path) -> l
     if not kept:
         raise SerlError(f"{run} holds no successful episode to clone (train.sft_successful_only is on)")
     return kept
-
-
-def offpolicy_correction(samples: list, cfg: TrainConfig, staleness: int = 0) -> tuple[list[list[float]] | None, dict]:
-    """The off-policy correction of an update's turns (``train.offpolicy``) for rollouts
-    ``staleness`` updates old: each turn's per-token weights pi_prox / pi_behav (None: no
-    correction) and the mismatch statistics, over every turn the trainer recomputed pi_old of
-    (no statistics where it recomputed none: a run without the recompute logs what it always did)."""
-    correction, level = resolve_correction(cfg.offpolicy, staleness)
-    recomputed = [s.engine_logprobs is not None and len(s.engine_logprobs) == len(s.action_ids) for s in samples]
-    if not any(recomputed):  # stale rollouts with no gradient anywhere need no pi_prox (Learner.update)
-        if correction != "none" and samples and staleness == 0:
-            raise SerlError(
-                f"train.offpolicy.correction {correction} needs the trainer's recomputed pi_old, and these turns "
-                "have none: set train.recompute_logp_old to true"
-            )
-        return None, {}
-    if correction != "none" and staleness == 0 and not all(recomputed):
-        raise SerlError(f"train.offpolicy.correction {correction}: some turns' pi_old was not recomputed")
-    rows = [i for i, ok in enumerate(recomputed) if ok]
-    k = max(len(samples[i].action_ids) for i in rows)
-    prox = right_aligned([samples[i].behaviour_logprobs for i in rows], k)
-    behav = right_aligned([samples[i].engine_logprobs for i in rows], k)
-    mask = right_aligned([[1.0] * len(samples[i].action_ids) for i in rows], k)
-    episodes = torch.tensor([samples[i].episode for i in rows])
-    op = cfg.offpolicy
-    bounds = {"tis_cap": op.tis_cap, "mis_low": op.mis_low, "mis_high": op.mis_high}
-    weights, stats = core.offpolicy_weights(prox, behav, mask, correction, level, episode_ids=episodes, **bounds)
-    mismatch = {key: stats[key] for key in ("logp_mismatch_k1", "logp_mismatch_k3")}
-    if correction == "none":
-        return None, mismatch
-    # stale rollouts recompute pi_prox only where a gradient is (Learner.update): elsewhere weight 1
-    per_turn = [[1.0] * len(s.action_ids) for s in samples]
-    for r, i in enumerate(rows):
-        per_turn[i] = weights[r, k - len(samples[i].action_ids) :].tolist()
-    return per_turn, stats
-
-
-def load_policy(
-    model_name: str,
-    cfg: TrainConfig,
-    dtype: torch.dtype,
-    resume_dir: Path | None = None,
-    attn_implementation: str | None = None,
-):
-    """(model, tokenizer) to train. With LoRA, a fresh run adds new adapters to the model (a
-    checkpoint's own adapter, if it has one, is merged into it first), so the model as
-    loaded is the starting policy and the KL reference is that model with adapters off; a
-    resumed run puts its saved adapter back on the same base and keeps training it."""
-    from functools import partial
-
-    from serl_cli.models.loading import load_model
-
-    load_model = partial(load_model, attn_implementation=attn_implementation)
-    if not lora_mod.enabled(cfg.lora):
-        return load_model(model_name, dtype)
-    adapter = adapter_dir(resume_dir) if resume_dir is not None else None
-    if adapter is not None:
-        from transformers import AutoTokenizer
-
-        base, _ = load_model(base_model_name(adapter), dtype)
-        return load_adapters(base, adapter, trainable=True), AutoTokenizer.from_pretrained(str(resume_dir))
-    model, tokenizer = load_model(model_name, dtype)
-    path = Path(model_name).expanduser()
-    base_name = str(path.resolve()) if path.exists() else model_name  # resumable from any working directory
-    return lora_mod.add_adapters(model, cfg.lora, base_name), tokenizer
 
 
 class Learner:
@@ -152,20 +95,20 @@ class Learner:
 
     # -- what the rest of serl sees -------------------------------------------------------------
     @property
-    def model(self):
+    def model(self) -> Any:  # a Hugging Face model, or its peft wrapper
         """The policy network (a Hugging Face model, or its peft wrapper). Under ZeRO-3 its
         weights are partitioned: use :meth:`full_model` to run it outside training."""
         return self.backend.module
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> Any:  # torch's AdamW, or DeepSpeed's optimizer
         return self.backend.optimizer
 
     @property
     def is_main(self) -> bool:
         return self.backend.is_main
 
-    def full_model(self):
+    def full_model(self) -> AbstractContextManager:
         """Context manager: the policy with whole weights, for generation, scoring and saving
         (a collective under ZeRO-3: every process enters)."""
         return self.backend.full_model()
@@ -175,7 +118,7 @@ class Learner:
         the adapters'."""
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
-    def stream_weights(self):
+    def stream_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's weights as ``(Hugging Face name, tensor)`` pairs, what a checkpoint of
         it holds (under LoRA merged, one layer at a time), for an engine with its own copy.
         One tensor at a time, valid until the next is asked for: under ZeRO-3 each is gathered
@@ -192,12 +135,12 @@ class Learner:
         return max(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
 
     @property
-    def scorer(self):
+    def scorer(self) -> Callable[..., list[list[float]]]:
         """:func:`~serl_cli.training.scoring.score` over this learner's processes: each scores
         its share of the items, every one gets all the results."""
         return partial(score, ranks=self.backend)
 
-    def all_gather(self, obj) -> list:
+    def all_gather(self, obj: object) -> list:
         """``obj`` of every process, in rank order."""
         return self.backend.all_gather(obj)
 
@@ -210,7 +153,7 @@ class Learner:
         self.backend.barrier()
 
     # -- the update ------------------------------------------------------------------------------
-    def _reference_logprobs(self, mb, temperature: float):
+    def _reference_logprobs(self, mb: MicroBatch, temperature: float) -> torch.Tensor | None:
         if self.cfg.kl_coef <= 0:
             return None
         with torch.no_grad():
@@ -259,7 +202,7 @@ class Learner:
         annotations: list[Annotation] | None = None,
         annotate_meta: dict | None = None,
         engine: str | None = None,
-        progress=None,
+        progress: Callable[[int, int], object] | None = None,
         rollout_half: bool | None = None,
         staleness: int = 0,
     ) -> dict:
@@ -272,28 +215,13 @@ class Learner:
         cfg = self.cfg
         check_token_ids(episodes, self.model.get_input_embeddings().num_embeddings, "the update's rollouts")
         objective = get_objective(cfg.algo)
-        recomputed = {}
         recompute = objective.uses_behaviour_logprobs and recompute_enabled(cfg, engine, rollout_half, staleness)
-        if recompute and staleness == 0:
-            recomputed = self.recompute_logp_old(episodes, temperature)
-        samples = turn_samples(episodes)
-        # an episode the environment broke (a crash, a timeout) says nothing about the policy:
-        # out of its group's statistics and out of the loss, counted in the metrics
-        faulted = [i for i, s in enumerate(samples) if s.faulted]
-        if faulted:
-            gone = set(faulted)
-            samples = [s for i, s in enumerate(samples) if i not in gone]
-            if annotations is not None and len(annotations) == len(samples) + len(gone):
-                annotations = [a for i, a in enumerate(annotations) if i not in gone]
-        if not objective.uses_behaviour_logprobs:  # imitation: a noisy expert's exploration moves are no targets
-            samples = [s for s in samples if not s.off_expert]
-        if objective.uses_behaviour_logprobs and any(not s.behaviour_logprobs for s in samples):
-            raise SerlError(
-                f"--algo {cfg.algo} needs behaviour log-probs: these rollouts have none (expert data is for --algo sft)"
-            )
+        recomputed = self.recompute_logp_old(episodes, temperature) if recompute and staleness == 0 else {}
+        samples, annotations = self._training_turns(objective, turn_samples(episodes), annotations)
         meta = annotate_meta or {}
-        inputs = UpdateInputs(episodes, annotations, meta.get("config"), meta.get("stats"))
-        prepared = objective.prepare(samples, inputs, cfg)
+        prepared = objective.prepare(
+            samples, UpdateInputs(episodes, annotations, meta.get("config"), meta.get("stats")), cfg
+        )
         active = self._contributing(objective, samples, prepared)
         recompute_s = None
         if recompute and staleness > 0:
@@ -304,56 +232,18 @@ class Learner:
             recompute_s = round(time.perf_counter() - t_recompute, 4)
         offpolicy: dict = {}
         if objective.uses_behaviour_logprobs:
-            prepared.is_weights, offpolicy = offpolicy_correction(samples, cfg, staleness)
+            prepared.is_weights, offpolicy = offpolicy_correction(samples, cfg.offpolicy, staleness)
         if prepared.token_weights is not None and not default_advantages(cfg):
             _check_annotated_advantages(prepared.advantages, annotations, turn_advantages(samples, cfg), cfg)
-        num_tokens = float(sum(len(s.action_ids) for s in samples))
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        rng = random.Random(cfg.seed * 7919 + self.updates)
-        n_mini = -(-len(samples) // cfg.mini_batch_turns) if cfg.mini_batch_turns else cfg.mini_batches
-        n_mini = max(n_mini, 1)
-        # every turn of the step counts in the normalizer, skipped or not (METHOD.md: / N_tokens); a
-        # mini-batch's share of the batch's reply tokens and of its distillation tokens alike, so both
-        # terms keep their scale whatever the number of mini-batches
-        chunk_tokens = num_tokens / n_mini
-        chunk_distill_tokens = prepared.stats.get("distill_tokens", 0) / n_mini
-        entropy = cfg.entropy_coef > 0
         t0 = time.perf_counter()
-        self.model.train()
-        step_stats = []
-        steps = []  # each optimizer step's turns: `epochs` shuffles of the active turns, in n_mini chunks
-        for _ in range(cfg.epochs):
-            order = list(active)
-            rng.shuffle(order)
-            for chunk in (order[i::n_mini] for i in range(n_mini)):
-                if chunk:
-                    chunk.sort(key=lambda i: len(samples[i].prompt_ids) + len(samples[i].action_ids))
-                    steps.append(chunk)
-        tick = Ticker(progress, sum(len(micro_batch_groups(samples, c, cfg.optim.micro_batch_tokens)) for c in steps))
-        for chunk in steps:
-            mbs = make_micro_batches(samples, chunk, cfg.optim.micro_batch_tokens, pad, prepared)
-
-            def loss_fn(mb, logp, n_tokens):
-                tick.one()  # a micro-batch's forward pass is done; its backward follows
-                return objective.loss(
-                    mb,
-                    logp,
-                    cfg,
-                    num_tokens=n_tokens,
-                    distill_tokens=chunk_distill_tokens,
-                    logp_ref=self._reference_logprobs(mb, temperature),
-                )
-
-            step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature, entropy=entropy))
-            tick.step(len(mbs))
-        self.model.eval()
-        self.updates += 1
+        step_stats = self._optimizer_steps(objective, samples, active, prepared, temperature, progress)
         wall = time.perf_counter() - t0
+        num_tokens = sum(len(s.action_ids) for s in samples)
         metrics: dict[str, Any] = {
             "update": self.updates,
             "algo": cfg.algo,
             "turns": len(samples),
-            "action_tokens": int(num_tokens),
+            "action_tokens": num_tokens,
             "turns_with_gradient": len(active),
         }
         metrics.update(mean_step_stats(step_stats))
@@ -370,6 +260,84 @@ class Learner:
             metrics["timing"]["recompute_s"] = recompute_s
         return metrics
 
+    def _training_turns(
+        self, objective: ResolvedObjective, samples: list[TurnSample], annotations: list[Annotation] | None
+    ) -> tuple[list[TurnSample], list[Annotation] | None]:
+        """The turns an update learns from, and their annotations. An episode the environment broke
+        (a crash, a timeout) says nothing about the policy: out of its group's statistics and out of
+        the loss, counted in the metrics. Imitation leaves out a noisy expert's exploration moves."""
+        faulted = {i for i, s in enumerate(samples) if s.faulted}
+        if faulted:
+            kept = [s for i, s in enumerate(samples) if i not in faulted]
+            if annotations is not None and len(annotations) == len(kept) + len(faulted):
+                annotations = [a for i, a in enumerate(annotations) if i not in faulted]
+            samples = kept
+        if not objective.uses_behaviour_logprobs:
+            samples = [s for s in samples if not s.off_expert]
+        if objective.uses_behaviour_logprobs and any(not s.behaviour_logprobs for s in samples):
+            raise SerlError(
+                f"--algo {self.cfg.algo} needs behaviour log-probs: these rollouts have none (expert data is for "
+                "--algo sft)"
+            )
+        return samples, annotations
+
+    def _step_turns(self, samples: list, active: list[int]) -> tuple[list[list[int]], int]:
+        """Each optimizer step's turns: ``epochs`` seeded shuffles of the turns with a gradient, each in
+        ``n`` mini-batches (a count, or the turns / ``mini_batch_turns``), shortest first; and ``n``."""
+        cfg = self.cfg
+        rng = random.Random(cfg.seed * 7919 + self.updates)
+        n_mini = max(-(-len(samples) // cfg.mini_batch_turns) if cfg.mini_batch_turns else cfg.mini_batches, 1)
+        steps = []
+        for _ in range(cfg.epochs):
+            order = list(active)
+            rng.shuffle(order)
+            for chunk in (order[i::n_mini] for i in range(n_mini)):
+                if chunk:
+                    chunk.sort(key=lambda i: len(samples[i].prompt_ids) + len(samples[i].action_ids))
+                    steps.append(chunk)
+        return steps, n_mini
+
+    def _optimizer_steps(
+        self,
+        objective: ResolvedObjective,
+        samples: list,
+        active: list[int],
+        prepared: PerTurn,
+        temperature: float,
+        progress: Callable[[int, int], object] | None,
+    ) -> list[dict]:
+        """Run the update's optimizer steps; each one's statistics. Every turn of a step counts in the
+        normalizer, skipped or not (METHOD.md: / N_tokens): a mini-batch's share of the batch's reply
+        tokens and of its distillation tokens alike, so both terms keep their scale whatever the number
+        of mini-batches."""
+        cfg, tokenizer = self.cfg, self.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        steps, n_mini = self._step_turns(samples, active)
+        chunk_tokens = float(sum(len(s.action_ids) for s in samples)) / n_mini
+        chunk_distill_tokens = prepared.stats.get("distill_tokens", 0) / n_mini
+        self.model.train()
+        tick = Ticker(progress, sum(len(micro_batch_groups(samples, c, cfg.optim.micro_batch_tokens)) for c in steps))
+        step_stats = []
+        for chunk in steps:
+            mbs = make_micro_batches(samples, chunk, cfg.optim.micro_batch_tokens, pad, prepared)
+
+            def loss_fn(mb: MicroBatch, logp: torch.Tensor, n_tokens: float) -> tuple[torch.Tensor, dict]:
+                tick.one()  # a micro-batch's forward pass is done; its backward follows
+                return objective.loss(
+                    mb,
+                    logp,
+                    cfg,
+                    num_tokens=n_tokens,
+                    distill_tokens=chunk_distill_tokens,
+                    logp_ref=self._reference_logprobs(mb, temperature),
+                )
+
+            step_stats.append(self.backend.step(mbs, loss_fn, chunk_tokens, temperature, entropy=cfg.entropy_coef > 0))
+            tick.step(len(mbs))
+        self.model.eval()
+        self.updates += 1
+        return step_stats
+
     def _recompute_for(self, samples: list, active: list[int], episodes: list[Episode], temperature: float) -> dict:
         """pi_prox of the episodes with a turn in ``active``, into those turns and their samples."""
         wanted = {samples[i].episode for i in active}
@@ -380,7 +348,7 @@ class Learner:
                 s.behaviour_logprobs, s.engine_logprobs = turn.behaviour_logprobs, turn.engine_logprobs
         return recomputed
 
-    def _contributing(self, objective, samples, prepared) -> list[int]:
+    def _contributing(self, objective: ResolvedObjective, samples: list, prepared: PerTurn) -> list[int]:
         """Turns whose loss can have a gradient. Without a KL term or an entropy bonus, a turn
         with advantage 0 (a group whose rewards are all equal) and no distillation term adds
         exactly 0 to the loss and its gradient, so it is not run through the model at all. The
@@ -393,7 +361,11 @@ class Learner:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(
-        self, path: str | Path, prompt: PromptConfig | None = None, extra=None, weights_only: bool = False
+        self,
+        path: str | Path,
+        prompt: PromptConfig | None = None,
+        extra: Callable[[Path], object] | None = None,
+        weights_only: bool = False,
     ) -> Path:
         """The policy as a Hugging Face directory (gathered from the ZeRO-3 partitions; with
         LoRA merged or adapter-only, ``train.lora.save``), the resume state, and the prompt
@@ -422,7 +394,9 @@ class Learner:
         self.barrier()
         return path
 
-    def _write_checkpoint(self, staging: Path, prompt: PromptConfig | None, extra, weights_only: bool) -> None:
+    def _write_checkpoint(
+        self, staging: Path, prompt: PromptConfig | None, extra: Callable[[Path], object] | None, weights_only: bool
+    ) -> None:
         if self.is_main:
             if staging.exists():
                 shutil.rmtree(staging)

@@ -24,7 +24,9 @@ peft is an optional extra, imported only when LoRA is on.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,17 +34,21 @@ from serl_cli.errors import SerlError
 from serl_cli.models.loading import import_peft
 from serl_cli.training.train_config import LoraConfig
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
 
 def enabled(cfg: LoraConfig) -> bool:
     return cfg.rank > 0
 
 
-def _target_modules(targets: str):
+def _target_modules(targets: str) -> str | list[str]:
     names = [t.strip() for t in targets.split(",") if t.strip()]
     return "all-linear" if names == ["all-linear"] else names
 
 
-def add_adapters(model, cfg: LoraConfig, base_name: str):
+def add_adapters(model: PreTrainedModel, cfg: LoraConfig, base_name: str) -> PeftModel:
     """``model`` wrapped with fresh trainable adapters (A random from torch's RNG, B = 0,
     so the wrapped model starts exactly equal to ``model``)."""
     peft = import_peft()
@@ -62,25 +68,25 @@ def add_adapters(model, cfg: LoraConfig, base_name: str):
     return wrapped
 
 
-def adapter_state(model) -> dict[str, torch.Tensor]:
+def adapter_state(model: PeftModel) -> dict[str, torch.Tensor]:
     """A detached copy of the adapter weights (peft's names, without the adapter name)."""
     peft = import_peft()
     return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
 
 
-def load_adapter_state(model, state: dict[str, torch.Tensor]) -> None:
+def load_adapter_state(model: PeftModel, state: dict[str, torch.Tensor]) -> None:
     peft = import_peft()
     peft.set_peft_model_state_dict(model, state)
 
 
 @contextmanager
-def reference_view(model):
+def reference_view(model: PeftModel) -> Iterator[PeftModel]:
     """The base model: the starting policy, the adapters switched off for the duration."""
     with model.disable_adapter():
         yield model
 
 
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
     """The base model's state dict with every adapter folded in (``W + delta``), computed
     into new tensors: the live weights are not touched (merging in place and unmerging
     would not give the same floats back)."""
@@ -104,7 +110,9 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def merged_weights(model, gathered):
+def merged_weights(
+    model: PeftModel, gathered: Callable[[list[torch.nn.Parameter]], AbstractContextManager]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`merged_state_dict`'s weights one at a time, each layer's adapter folded in as its
     turn comes (a new tensor for that layer only), the base model's parameter names.
     ``gathered(params)``: the backend's context that makes ``params`` whole (under ZeRO-3 a

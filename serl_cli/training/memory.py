@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serl_cli.models.shapes import ModelShape
+from serl_cli.rollout.engines import ENGINE_TRAITS, engine_traits
+from serl_cli.training.train_config import BackendTraits, backend_traits
 
 GiB = 1024**3
 LOGIT_SLICE_ELEMENTS = 1 << 23  # logits training.token_logprobs works on at a time: 32 MB in fp32
@@ -64,18 +66,42 @@ class Layout:
     reduce_bucket: int = REDUCE_BUCKET
 
     @property
+    def traits(self) -> BackendTraits:
+        return backend_traits(self.backend)
+
+    @property
+    def sharded(self) -> bool:
+        """ZeRO-3: every weight partitioned over the ranks."""
+        return self.traits.zero and self.zero_stage == 3
+
+    @property
+    def flat_partitioned(self) -> bool:
+        """ZeRO-1/2: the weights whole on every rank, flattened into a copy, the optimizer partitioned."""
+        return self.traits.zero and self.zero_stage < 3
+
+    @property
     def module_bytes(self) -> int:
         """Bytes per weight of the module that runs forward: DeepSpeed holds it in 16 bits
         under bf16/fp16, the torch backend keeps fp32 master weights (autocast casts copies)."""
-        return 2 if self.half and self.backend == "deepspeed" else 4
+        return 2 if self.half and self.traits.half_module else 4
 
     @property
     def compute_bytes(self) -> int:
         return 2 if self.half else 4
 
     @property
+    def generates(self) -> bool:
+        """An online run generates (a single update on stored rollouts does not: engine "none")."""
+        return self.engine in ENGINE_TRAITS
+
+    @property
+    def engine_owns_weights(self) -> bool:
+        """The engine holds its own copy of the policy (vLLM), in its own memory."""
+        return self.generates and engine_traits(self.engine).own_weights
+
+    @property
     def colocated(self) -> bool:
-        return self.engine == "vllm" and self.vllm_gpus == 0
+        return self.engine_owns_weights and self.vllm_gpus == 0
 
 
 @dataclass
@@ -114,7 +140,7 @@ def persistent_params(shape: ModelShape) -> int:
 def model_states(shape: ModelShape, layout: Layout) -> list[Item]:
     """Weights, gradients and optimizer state held by one rank for the whole run."""
     p, pt, n, w = shape.params, trainable_params(shape, layout), layout.ranks, layout.module_bytes
-    if layout.backend == "torch":
+    if not layout.traits.zero:
         items = [
             Item("weights", 4 * p, "fp32 master weights"),
             Item("gradients", 4 * pt, "fp32"),

@@ -94,7 +94,7 @@ def runtime(layout: Layout) -> list[Item]:
 def teacher_resident(shape: ModelShape, layout: Layout) -> list[Item]:
     if not layout.teacher or layout.lora_rank > 0:
         return []
-    if layout.backend == "deepspeed" and layout.zero_stage == 3:
+    if layout.sharded:
         return [Item("teacher", 2 * shape.params / layout.ranks, f"sharded like the policy: 1/{layout.ranks}")]
     return []
 
@@ -108,7 +108,7 @@ def reference_resident(shape: ModelShape, layout: Layout) -> list[Item]:
 def producer_items(shape: ModelShape, layout: Layout) -> list[Item]:
     """``max_staleness > 0``: the producer process generates on the trainer's device while the
     trainer scores, updates and saves -- its own copy of the policy, its KV cache and prefill."""
-    if layout.staleness <= 0 or layout.engine != "hf":
+    if layout.staleness <= 0 or not layout.generates or layout.engine_owns_weights:
         return []
     gen = [i for i in generation_items(shape, layout) if i.name != "gathered weights"]
     copy = Item("producer's policy", layout.module_bytes * shape.params, "its own copy, in its own process")
@@ -121,10 +121,10 @@ def phases(shape: ModelShape, layout: Layout) -> list[Phase]:
     # a colocated vLLM starts before the trainer loads (online.loop) and sleeps only later
     awake = [Item("vLLM (colocated, awake)", layout.vllm_utilization * layout.gpu_bytes, "started first")]
     out = [Phase("start", start_items(shape, layout) + (awake if layout.colocated else []) + runtime(layout))]
-    if layout.engine != "none" and layout.staleness <= 0:  # else the producer generates, beside every phase
+    if layout.generates and layout.staleness <= 0:  # else the producer generates, beside every phase
         out.append(Phase("generate", resident + generation_items(shape, layout)))
     scoring = [Item("forward pass", forward_bytes(shape, layout), "pi_old, teacher: no gradients")]
-    if layout.teacher and layout.lora_rank == 0 and not (layout.backend == "deepspeed" and layout.zero_stage == 3):
+    if layout.teacher and layout.lora_rank == 0 and not (layout.sharded):
         scoring.append(Item("teacher on the GPU", 2 * shape.params, "moved in from CPU memory while it scores"))
     out.append(Phase("score", resident + scoring + vllm_asleep(layout)))
     update = [
@@ -149,7 +149,7 @@ def save_items(shape: ModelShape, layout: Layout) -> list[Item]:
     (``lora.merged_state_dict``). The safetensors copy to CPU memory is host memory
     (:func:`host_memory`), not the GPU's."""
     w, items = layout.module_bytes, []
-    if layout.backend == "deepspeed" and layout.zero_stage == 3:
+    if layout.sharded:
         whole = shape.params - persistent_params(shape)
         items.append(Item("gathered for the save", w * whole, "every rank gathers the whole model"))
     if layout.lora_rank > 0 and layout.lora_merged:
@@ -163,10 +163,10 @@ def start_items(shape: ModelShape, layout: Layout) -> list[Item]:
     (twice its size for a moment); at stage 3 too the whole module is moved there first (it is
     not built under ``deepspeed.zero.Init``), then partitioned tensor by tensor."""
     p, w = shape.params, layout.module_bytes
-    flat = layout.backend == "deepspeed" and layout.zero_stage < 3
+    flat = layout.flat_partitioned
     if layout.device == "cpu":
         return [Item("model load", 2 * w * p + (w * p if flat else 0), "weights + the file's pages (+ flat copy)")]
-    if layout.backend == "deepspeed" and layout.zero_stage == 3:
+    if layout.sharded:
         # serl loads without deepspeed.zero.Init, so deepspeed.initialize moves the whole module
         # to the GPU (engine._configure_distributed_model) before ZeRO-3 partitions it
         return [Item("model load", w * p, "the module moved whole, then partitioned")]
@@ -174,13 +174,13 @@ def start_items(shape: ModelShape, layout: Layout) -> list[Item]:
 
 
 def generation_items(shape: ModelShape, layout: Layout) -> list[Item]:
-    if layout.engine == "vllm":
+    if layout.engine_owns_weights:
         if not layout.colocated:
             return []
         return [Item("vLLM (colocated)", layout.vllm_utilization * layout.gpu_bytes, "gpu_memory_utilization")]
     rows, prompt = layout.rollout_rows, layout.prompt_tokens
     items = []
-    if layout.backend == "deepspeed" and layout.zero_stage == 3:
+    if layout.sharded:
         items.append(Item("gathered weights", 2 * shape.params, "the hf engine runs the whole model"))
     kv = kv_bytes_per_token(shape, layout.compute_bytes) * rows * (prompt + layout.reply_tokens)
     items.append(Item("KV cache", kv, f"{rows} rows x {prompt + layout.reply_tokens} tokens"))
@@ -217,7 +217,7 @@ def checkpoint_disk(shape: ModelShape, layout: Layout) -> list[Item]:
     p, pt = shape.params, trainable_params(shape, layout)
     w = layout.module_bytes
     items = [Item("model", w * p, "Hugging Face safetensors")]
-    if layout.backend == "deepspeed":
+    if layout.traits.own_checkpoint:
         items.append(Item("DeepSpeed state", 12 * pt, "fp32 master weights + Adam, all partitions"))
     else:
         items.append(Item("optimizer", 8 * pt, "trainer_state.pt: AdamW's moments"))
@@ -235,9 +235,9 @@ def host_memory(shape: ModelShape, layout: Layout) -> list[Item]:
     loading's copies are gone by then, so the sum below covers it.)"""
     k, p, pt = layout.ranks_per_node, shape.params, trainable_params(shape, layout)
     items = [Item("model loading", k * layout.module_bytes * p, f"{k} rank(s) x the loaded model")]
-    if layout.offload and layout.backend == "deepspeed":
+    if layout.offload and layout.traits.offloads:
         items.append(Item("offloaded states", k * 16 * pt / layout.ranks, "fp32 master, Adam, fp32 gradients"))
-    if layout.teacher and layout.lora_rank == 0 and not (layout.backend == "deepspeed" and layout.zero_stage == 3):
+    if layout.teacher and layout.lora_rank == 0 and not (layout.sharded):
         items.append(Item("teacher", k * 2 * p, "held off the GPU between scorings"))
     return items
 
@@ -328,7 +328,7 @@ def run_disk(shape: ModelShape, layout: Layout, storage: Storage, checkpoint: fl
 
 def estimate(shape: ModelShape, layout: Layout, storage: Storage | None = None) -> Plan:
     plan = Plan(shape, layout, phases(shape, layout))
-    if layout.engine == "vllm" and not layout.colocated:
+    if layout.engine_owns_weights and not layout.colocated:
         plan.vllm = vllm_gpu(shape, layout)
     plan.disk = checkpoint_disk(shape, layout)
     if storage is not None:
@@ -344,7 +344,7 @@ def problems(plan: Plan) -> list[str]:
     gb = layout.gpu_bytes / GiB
     peak = plan.peak
     states = sum(i.bytes for i in model_states(shape, layout))
-    if layout.backend == "torch" and states > layout.gpu_bytes:  # the plainest case: say it plainly
+    if not layout.traits.data_parallel and states > layout.gpu_bytes:  # the plainest case: say it plainly
         out.append(
             f"the torch backend holds the whole model's weights, gradients and AdamW state on one GPU: "
             f"{states / GiB:.0f} GiB of {gb:.0f} GiB; use --backend deepspeed --zero-stage 3 over several GPUs"
@@ -357,7 +357,7 @@ def problems(plan: Plan) -> list[str]:
             f"(largest: {worst.name} {worst.bytes / GiB:.1f} GiB){hint}"
         )
     vllm = plan.vllm or ([] if not layout.colocated else vllm_gpu(shape, layout))
-    if layout.engine == "vllm":
+    if layout.engine_owns_weights:
         kv = next(i for i in vllm if i.name == "KV cache").bytes  # negative: not even the weights fit
         seq = (layout.prompt_tokens + layout.reply_tokens) * kv_bytes_per_token(shape) / layout.vllm_tp
         if kv < seq:
@@ -388,6 +388,6 @@ def advice(plan: Plan, worst: Item, peak: Phase) -> str:
         return ": turn on train.gradient_checkpointing or lower train.optim.micro_batch_tokens"
     if worst.name in ("activations", "logits"):
         return ": lower train.optim.micro_batch_tokens"
-    if layout.backend == "deepspeed" and layout.zero_stage < 3:
+    if layout.flat_partitioned:
         return ": use --zero-stage 3, more GPUs, or --offload"
     return ": use more GPUs or --offload"

@@ -13,7 +13,7 @@ the others, give or take one, and about as many padded tokens), each process sco
 and the results are gathered: every process returns every item's log-probs, bit for bit those
 of one process, since every item is scored in the same micro-batch. Dealing whole task groups
 instead, as the online loop divides its rollouts, left one process with the 50-turn episodes
-and another with the 5-turn ones (issue 39, item 3). Under ZeRO-3 the forward passes gather
+and another with the 5-turn ones. Under ZeRO-3 the forward passes gather
 the weights layer by layer (ZeRO's own hooks): every process must run as many forwards as the
 others, so one with fewer micro-batches runs a stand-in pass (as the backend's optimizer step
 does); no process ever holds the whole model for scoring.
@@ -22,12 +22,16 @@ does); no process ever holds the whole model for scoring.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from serl_cli.algos.batch import collate, micro_batch_groups
 from serl_cli.models.device import model_device
 from serl_cli.training.step import action_logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CPU_MICRO_BATCH_TOKENS = 4096  # on a CPU, scoring's micro-batches are no larger (_cpu_capped)
 
@@ -38,7 +42,7 @@ class ScoreItem:
     action_ids: list[int]
 
 
-def pad_id(tokenizer) -> int:
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
@@ -46,7 +50,7 @@ def _by_length(items: list[ScoreItem], index: list[int]) -> list[int]:
     return sorted(index, key=lambda i: len(items[i].prompt_ids) + len(items[i].action_ids))
 
 
-def score_units(tokenizer, items: list[ScoreItem], micro_batch_tokens: int) -> list[list[int]]:
+def score_units(tokenizer: PreTrainedTokenizerBase, items: list[ScoreItem], micro_batch_tokens: int) -> list[list[int]]:
     """The micro-batches one process's :func:`score` makes for ``items``, as lists of item
     indices. Scoring one unit's items alone packs them into that same single micro-batch (on a
     CPU, a unit over :data:`CPU_MICRO_BATCH_TOKENS` is split further: the same log-probs, faster)."""
@@ -56,12 +60,12 @@ def score_units(tokenizer, items: list[ScoreItem], micro_batch_tokens: int) -> l
 
 @torch.no_grad()
 def score(
-    model,
-    tokenizer,
+    model: Any,  # the policy or a teacher: a Hugging Face model, or its peft wrapper
+    tokenizer: PreTrainedTokenizerBase,
     items: list[ScoreItem],
     temperature: float = 1.0,
     micro_batch_tokens: int = 16384,
-    ranks=None,
+    ranks: Any = None,  # a training Backend, or None; Any: world > 1 only where one is given
 ) -> list[list[float]]:
     """log-probs of each item's action tokens under ``model``, batched by length; with
     ``ranks`` (a backend of several processes) divided over them and gathered (module docstring)."""
@@ -93,7 +97,9 @@ def score(
     return [list(out[same[i]]) for i in range(len(items))]
 
 
-def plan(model, items: list[ScoreItem], micro_batch_tokens: int, world: int = 1):
+def plan(
+    model: Any, items: list[ScoreItem], micro_batch_tokens: int, world: int = 1
+) -> tuple[list[list[int]], list[int]]:
     """The micro-batches :func:`score` runs for ``items`` over ``world`` processes, as lists of item
     indices, and for each item the index of the item whose log-probs it takes: an item equal to an
     earlier one (the same prompt and reply tokens: a state a group's rollouts or the teacher signal
@@ -129,14 +135,14 @@ def deal(sizes: list[int], world: int) -> list[list[int]]:
     return dealt
 
 
-def own_items(model, items: list[ScoreItem], micro_batch_tokens: int, rank: int, world: int) -> int:
+def own_items(model: Any, items: list[ScoreItem], micro_batch_tokens: int, rank: int, world: int) -> int:
     """How many of ``items`` process ``rank`` of ``world`` scores itself (a copy of a duplicate not counted)."""
     groups, _ = plan(model, items, micro_batch_tokens, world)
     dealt = deal([padded_tokens(items, g) for g in groups], world)
     return sum(len(groups[b]) for b in dealt[rank])
 
 
-def _cpu_capped(model, micro_batch_tokens: int) -> int:
+def _cpu_capped(model: Any, micro_batch_tokens: int) -> int:
     """On a CPU, micro-batches of at most :data:`CPU_MICRO_BATCH_TOKENS`: a forward over a large
     one works through activations far bigger than the caches (1.6x slower at 16384 tokens than at
     2048-4096 for the demo's model on Sokoban), and a CPU has no parallelism for a wide batch to fill."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 
@@ -19,7 +19,22 @@ from serl_cli.training.token_logprobs import token_logprobs
 from serl_cli.training.train_config import OptimConfig, scheduled
 
 
-def action_logprobs(model, mb: MicroBatch, temperature: float = 1.0, entropy: bool = False):
+# model: a Hugging Face model, its peft wrapper, or the DeepSpeed engine around one: Any
+@overload
+def action_logprobs(
+    model: Any, mb: MicroBatch, temperature: float = ..., entropy: Literal[False] = ...
+) -> torch.Tensor: ...
+@overload
+def action_logprobs(
+    model: Any, mb: MicroBatch, temperature: float = ..., *, entropy: Literal[True]
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def action_logprobs(
+    model: Any, mb: MicroBatch, temperature: float = ..., entropy: bool = ...
+) -> Any: ...  # entropy not known statically: either of the above
+def action_logprobs(
+    model: Any, mb: MicroBatch, temperature: float = 1.0, entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(a_k | prompt, a_<k) for the reply tokens of each row: [B, K] (0 where masked).
 
     ``entropy=True`` also gives the policy's entropy at each reply position, [B, K] (0 where
@@ -63,7 +78,7 @@ def made_by_wrap(part: T | None, what: str) -> T:
     return part
 
 
-def forward(model, mb: MicroBatch, temperature: float, entropy: bool) -> torch.Tensor:
+def forward(model: Any, mb: MicroBatch, temperature: float, entropy: bool) -> torch.Tensor:
     """The policy's log-probs of ``mb``'s reply tokens; with ``entropy`` the per-token
     entropy is put on ``mb.entropy`` for the loss to read."""
     if not entropy:
@@ -73,15 +88,15 @@ def forward(model, mb: MicroBatch, temperature: float, entropy: bool) -> torch.T
 
 
 def accumulate_step(
-    model,
-    optimizer,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
     micro_batches: list[MicroBatch],
     loss_fn: LossFn,
     num_tokens: float,
     temperature: float,
     grad_clip: float,
     entropy: bool = False,
-    scaler=None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict:
     """One optimizer step over ``micro_batches``; skipped (and reported) if the loss is not finite.
     ``entropy``: also compute the policy's entropy per reply token (``mb.entropy``). ``scaler``:
@@ -123,7 +138,7 @@ def accumulate_step(
     return stats
 
 
-def make_optimizer(model, cfg: OptimConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (all of them, or only the adapters under LoRA)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=False)
@@ -144,7 +159,7 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_scheduler(optimizer, cfg: OptimConfig):
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR | None:
     """The lr schedule of ``optimizer`` (stepped once per applied optimizer step; its state is
     resume state), or None when the lr never changes: no scheduler, not a constant one."""
     if not scheduled(cfg):

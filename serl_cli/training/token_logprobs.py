@@ -14,6 +14,9 @@ The gradients are the closed forms of the same functions: for ``lp = log_softmax
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any, Literal, overload
+
 import torch
 
 from serl_cli.training.memory import LOGIT_SLICE_ELEMENTS
@@ -25,7 +28,7 @@ def positions_per_chunk(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int
     return max(1, chunk_elements // max(vocab, 1))
 
 
-def slices(batch: int, length: int, step: int):
+def slices(batch: int, length: int, step: int) -> Iterator[tuple[slice, slice]]:
     """(rows, positions) slices of ``batch`` rows x ``length`` positions holding at most ``step``
     positions each: several whole rows at a time where a row is shorter than ``step``, else
     ``step`` positions of one row."""
@@ -45,7 +48,10 @@ class TokenLogprobs(torch.autograd.Function):
     unless asked for."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, with_entropy: bool, step: int):
+    # ctx: the context autograd makes, which keeps what is set on it for backward: Any
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length = targets.shape
         logp = torch.empty((batch, length), dtype=torch.float32, device=logits.device)
         ent = torch.empty_like(logp) if with_entropy else None
@@ -59,7 +65,9 @@ class TokenLogprobs(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
+    def backward(
+        ctx: Any, grad_logp: torch.Tensor | None, grad_ent: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None, None, None]:
         logits, targets, ent = ctx.saved_tensors
         batch, length = targets.shape
         if grad_logp is None:  # only the entropy is in the loss
@@ -78,7 +86,21 @@ class TokenLogprobs(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, entropy: bool = False):
+@overload
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = ..., entropy: Literal[False] = ...
+) -> torch.Tensor: ...
+@overload
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = ..., *, entropy: Literal[True]
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = ..., entropy: bool = ...
+) -> Any: ...  # entropy not known statically: either of the above
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(targets) at the first ``K = targets.shape[1]`` positions of ``logits`` ``[B, S, V]``
     (S >= K) under ``softmax(logits / temperature)``: ``[B, K]`` fp32; with ``entropy`` also the
     entropy at each position, ``(logp, entropy)``. Differentiable in ``logits``."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from serl_cli import config as cfgmod
+from serl_cli.algos.offpolicy import resolve_correction
 from serl_cli.algos.registry import OBJECTIVES, GigpoAnchor, GigpoMode, GroupNorm, objective
 from serl_cli.config import Limit, above, at_least, setting, within
 from serl_cli.errors import SerlError
@@ -20,6 +21,32 @@ from serl_cli.models.choices import Attention, Device, Dtype, check_names
 from serl_cli.training.deepspeed_config import DeepSpeedConfig
 
 Backend = Literal["torch", "deepspeed"]  # training.backends.BACKENDS
+
+
+@dataclass(frozen=True)
+class BackendTraits:
+    """What a training backend is, as the memory plan and the checks need to know it without loading it
+    (the code is ``training.backends``): a name is looked up once, here, never compared elsewhere."""
+
+    data_parallel: bool  # several processes train one update (launched by torchrun / the deepspeed launcher)
+    zero: bool  # ZeRO stages apply: 1-2 partition the optimizer (flat copies), 3 the weights too
+    own_checkpoint: bool  # keeps its own resume files (optimizer partitions) beside the Hugging Face weights
+    half_module: bool  # under bf16/fp16 the module's weights are held in 16 bits (torch: fp32 under autocast)
+    offloads: bool  # can hold optimizer states (stage 3: parameters) in CPU memory
+
+
+BACKEND_TRAITS = {
+    "torch": BackendTraits(data_parallel=False, zero=False, own_checkpoint=False, half_module=False, offloads=False),
+    "deepspeed": BackendTraits(data_parallel=True, zero=True, own_checkpoint=True, half_module=True, offloads=True),
+}
+
+
+def backend_traits(name: str) -> BackendTraits:
+    if name not in BACKEND_TRAITS:
+        raise SerlError(f"unknown backend {name!r}: choose one of {', '.join(BACKEND_TRAITS)}")
+    return BACKEND_TRAITS[name]
+
+
 BACKENDS = get_args(Backend)
 LoraSave = Literal["merged", "adapter"]
 SAVE_MODES = get_args(LoraSave)
@@ -263,15 +290,6 @@ def _check_offpolicy(cfg: TrainConfig) -> None:
         raise SerlError(
             f"train.offpolicy.correction {op.correction} needs behaviour log-probs: --algo {cfg.algo} has none"
         )
-
-
-def resolve_correction(cfg: OffPolicyConfig, staleness: int = 0) -> tuple[str, str]:
-    """``(correction, level)`` an update applies, for rollouts ``staleness`` policy versions old
-    (the online loop's ``max_staleness``; 0: synchronous). ``auto``: none on-policy, TIS once
-    stale (an asynchronous loop's default), at ``cfg.level`` (token by default); the other words stand."""
-    if cfg.correction != "auto":
-        return cfg.correction, cfg.level
-    return ("tis" if staleness > 0 else "none"), cfg.level
 
 
 def _check_schedule(optim: OptimConfig) -> None:

@@ -4,6 +4,8 @@ the update."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from serl_cli.artifacts.records import Episode
 
 
@@ -12,7 +14,7 @@ class Ticker:
     and at each optimizer step's end all of the step's (a step that stopped early on a non-finite
     loss, or a DeepSpeed process that ran only its share of the micro-batches, catches up there)."""
 
-    def __init__(self, progress, total: int):
+    def __init__(self, progress: Callable[[int, int], object] | None, total: int):
         self.progress, self.total, self.done, self.base = progress, total, 0, 0
         if progress is not None:
             progress(0, total)

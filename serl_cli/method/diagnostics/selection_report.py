@@ -29,7 +29,8 @@ None and whose verdict says why, never an exception.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, SupportsFloat
 
 import numpy as np
 
@@ -38,7 +39,7 @@ from serl_cli.errors import SerlError
 from serl_cli.stats.summary import scipy_stats
 
 
-def _num(x) -> float | None:
+def _num(x: SupportsFloat | None) -> float | None:
     if x is None:
         return None
     x = float(x)
@@ -49,7 +50,7 @@ def _frac(a: int, b: int) -> float | None:
     return a / b if b else None
 
 
-def distribution(values) -> dict:
+def distribution(values: Iterable[float | None]) -> dict:
     """n, mean, std (population), min, q1, median, q3, max of the non-None values."""
     v = np.asarray([float(x) for x in values if x is not None], dtype=float)
     if v.size == 0:
@@ -73,7 +74,7 @@ def _check(records: list[Annotation], episodes: list[Episode]) -> None:
             raise SerlError(f"annotation record {n} names episode {r.episode!r}, but the run has {len(episodes)}")
 
 
-def _tests(sel_r, uns_r, table, alpha: float) -> dict:
+def _tests(sel_r: list[float], uns_r: list[float], table: list[list[int]], alpha: float) -> dict:
     """Mann-Whitney and Fisher results, None where untestable, plus the reason."""
     out: dict[str, Any] = {
         "alpha": alpha,
@@ -98,7 +99,8 @@ def _tests(sel_r, uns_r, table, alpha: float) -> dict:
     return out
 
 
-def _verdict(t: dict, frac_success, frac_failure, mean_sel, mean_uns) -> str:
+# mean_sel, mean_uns: a float, or None for a sample with no finite mean; compared only where Mann-Whitney ran
+def _verdict(t: dict, frac_success: float, frac_failure: float, mean_sel: Any, mean_uns: Any) -> str:
     mw_p, f_p, alpha = t["mann_whitney"]["p_value"], t["fisher"]["p_value"], t["alpha"]
     if mw_p is None and f_p is None:
         return f"no test: {t['untestable'] or 'the tests gave no p-value'}"

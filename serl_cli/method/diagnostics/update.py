@@ -24,7 +24,7 @@ On one annotated batch (its rollouts, its annotation records, the policy that ma
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ import torch
 from serl_cli.artifacts.records import Annotation, Episode
 from serl_cli.method.reference_step import token_logprobs
 from serl_cli.method.teacher_signal import expert_reply_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def weight_figures(records: list[Annotation], weight_clip: float, lam: float) -> dict:
@@ -66,7 +69,9 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
     return float(a @ b) / (na * nb) if na > 0 and nb > 0 else None
 
 
-def policy_gradients(model, episodes: list[Episode], records: list[Annotation], temperature: float = 1.0):
+def policy_gradients(
+    model: Any, episodes: list[Episode], records: list[Annotation], temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(GRPO's, SERL's) loss gradients on the batch at the policy, flattened; ``records`` in turn order."""
     params = [p for p in model.parameters() if p.requires_grad]
     turns = [t for e in episodes for t in e.turns]
@@ -86,7 +91,13 @@ def policy_gradients(model, episodes: list[Episode], records: list[Annotation], 
     return grpo, serl
 
 
-def expert_gradient(model, tokenizer, episodes: list[Episode], bare_replies: bool, temperature: float = 1.0):
+def expert_gradient(
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    episodes: list[Episode],
+    bare_replies: bool,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor | None, int]:
     """The SFT gradient toward the expert's move on the failed rollouts' turns that have one; None without any."""
     params = [p for p in model.parameters() if p.requires_grad]
     moves = [(t.prompt_ids, t.expert_action) for e in episodes if not e.success for t in e.turns if t.expert_action]
@@ -100,8 +111,8 @@ def expert_gradient(model, tokenizer, episodes: list[Episode], bare_replies: boo
 
 
 def update_figures(
-    model,
-    tokenizer,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
     episodes: list[Episode],
     records: list[Annotation],
     *,

@@ -34,16 +34,21 @@ prompts online look like the ones trained on.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.method import feedback as fb
 from serl_cli.method.annotation import expert_trajectories
 from serl_cli.method.teacher import teacher_prompt
 from serl_cli.rollout.prompts import format_reply, reply_ids
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 def examples_for_run(
     episodes: list[Episode],
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     sources: str,
     env_cfg: dict | None,
     bare_replies: bool = False,
@@ -75,7 +80,7 @@ def hindsight_turns(episodes: list[Episode]) -> list[tuple[int, int]]:
 
 def hindsight_examples(
     episodes: list[Episode],
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     sources: str,
     *,
     experts: dict[int, list[dict]] | None = None,
@@ -115,7 +120,14 @@ def hindsight_examples(
     return [example_episode(episodes[e], turns) for e, turns in by_episode.items()]
 
 
-def example_turn(turn: Turn, prompt_ids: list[int], tokenizer, action: str, hindsight: str | None, bare: bool) -> Turn:
+def example_turn(
+    turn: Turn,
+    prompt_ids: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    action: str,
+    hindsight: str | None,
+    bare: bool,
+) -> Turn:
     """An SFT turn record from ``turn``'s state: ``prompt_ids`` (the student's prompt, or a teacher
     prompt holding the block ``hindsight``) with ``action`` as the reply, written as the expert writes it."""
     return Turn(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from serl_cli.artifacts.records import Episode, Turn
 from serl_cli.errors import SerlError
@@ -46,6 +47,12 @@ from serl_cli.method import feedback as fb
 from serl_cli.method.sft.hindsight import example_episode, example_turn
 from serl_cli.method.teacher import teacher_prompt
 from serl_cli.rollout.prompts import format_reply
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from envs.base import Episode as EnvEpisode
+    from envs.base import Step, World
 
 READING = "reading:"  # the prefix of a reading spec in train.hindsight_sft
 NAMED_SOURCES = ("ref", "expert")  # blocks that name a move someone who did well made from here
@@ -79,7 +86,7 @@ def parse_reading(value: str) -> list[tuple[str, list[list[str]]]]:
     return out
 
 
-def episode_at(world, split: str, task_id: int, actions: list[str], max_turns: int | None = None):
+def episode_at(world: World, split: str, task_id: int, actions: list[str], max_turns: int | None = None) -> EnvEpisode:
     """A fresh episode of ``task_id`` replayed through ``actions``: the state a turn acted in."""
     ep = world.new_episode(split, max_turns)
     ep.reset(task_id)
@@ -88,7 +95,7 @@ def episode_at(world, split: str, task_id: int, actions: list[str], max_turns: i
     return ep
 
 
-def state_moves(ep, expert_action: str) -> tuple[list[str], list[str], list[str]]:
+def state_moves(ep: Any, expert_action: str) -> tuple[list[str], list[str], list[str]]:
     """(admissible moves, optimal moves, deadlocking moves) of ``ep``'s current state."""
     moves = list(ep.admissible_actions())
     optimal = list(getattr(ep, "optimal_actions", lambda: [])()) or [expert_action]
@@ -97,7 +104,7 @@ def state_moves(ep, expert_action: str) -> tuple[list[str], list[str], list[str]
     return moves, optimal, deadlocking
 
 
-def played_turn(turn: Turn, step, action: str, bare: bool) -> Turn:
+def played_turn(turn: Turn, step: Step, action: str, bare: bool) -> Turn:
     """``turn`` as it would have been recorded had ``action`` been played (``step``: the environment's answer)."""
     return replace(
         turn,
@@ -122,9 +129,9 @@ def named_context(episode: Episode, t: int, move: str, bare: bool) -> fb.TurnCon
 
 def reading_examples(
     episodes: list[Episode],
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     kinds: list[tuple[str, list[list[str]]]],
-    world,
+    world: World,
     split: str,
     *,
     max_turns: int | None = None,
@@ -177,7 +184,7 @@ def reading_examples(
 
 def reading_examples_for_run(
     episodes: list[Episode],
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     value: str,
     env_cfg: dict | None,
     bare_replies: bool = False,

@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol, get_args
 
 from envs.base import Step
 from serl_cli.config import at_least, setting, within
+from serl_cli.errors import SerlError
 from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import (
     DEFAULT_ACTION_FORMAT,
@@ -29,6 +30,28 @@ from serl_cli.rollout.prompts import (
 )
 
 EngineName = Literal["hf", "vllm"]
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """What a generation engine is, as the plan and the loop need to know it without loading it."""
+
+    own_weights: bool  # holds its own copy of the policy (vLLM): the weights go to it after each update
+    batched_server: bool  # one engine serves every process's groups (vLLM); else each process generates its own
+
+
+ENGINE_TRAITS = {
+    "hf": EngineTraits(own_weights=False, batched_server=False),
+    "vllm": EngineTraits(own_weights=True, batched_server=True),
+}
+
+
+def engine_traits(name: str) -> EngineTraits:
+    if name not in ENGINE_TRAITS:
+        raise SerlError(f"unknown engine {name!r}: choose one of {', '.join(ENGINE_TRAITS)}")
+    return ENGINE_TRAITS[name]
+
+
 ENGINES = get_args(EngineName)
 
 
@@ -234,7 +257,7 @@ def refresh_weights(engine: Engine, checkpoint_dir) -> None:
         reload(checkpoint_dir)
 
 
-def sleep_engine(engine: Engine) -> None:
+def sleep_engine(engine: Engine | None) -> None:
     """Let an engine free its accelerator memory while the trainer updates (vLLM with
     ``sleep: true``); it wakes when the next weights arrive. A no-op for the others."""
     sleep = getattr(engine, "sleep", None)

@@ -188,7 +188,8 @@ def shm_shortfall(free_bytes: int, size: int) -> str | None:
 def shared_block(largest: int, limit: int = SYNC_CHUNK_BYTES, warn=None):
     """A shared-memory block for :func:`shared_chunks`: ``limit`` bytes, or ``largest`` (the
     biggest tensor's); None where the system refuses one, with ``warn(why)`` called where
-    ``/dev/shm`` is too small (Docker's default is 64 MB; issue 39, item 7)."""
+    ``/dev/shm`` is too small (Docker's default is 64 MB, which would otherwise send every sync by slower
+    RPC without a word)."""
     from multiprocessing import shared_memory
 
     size = max(limit, largest)

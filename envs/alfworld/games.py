@@ -125,9 +125,3 @@ def list_games(root: Path, split: str) -> list[Game]:
 
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def task_params(game: Game) -> dict:
-    with open(game.folder / "traj_data.json", encoding="utf-8") as f:
-        traj = json.load(f)
-    return {**traj["pddl_params"], "task_type": traj["task_type"]}

@@ -365,11 +365,6 @@ class Shuffled(Source):
 EXPERT_SOURCES = ("expert", "shuffled")  # the sources that read the environment's expert trajectory in full
 
 
-def check_trajectory(trajectory: str) -> None:
-    if trajectory not in TRAJECTORIES:
-        raise SerlError(f"unknown trajectory rendering {trajectory!r}: choose one of {', '.join(TRAJECTORIES)}")
-
-
 def uses_expert_trajectory(spec: str | list[list[str]], trajectory: str) -> bool:
     """Whether the blocks need the environment's expert trajectories (``expert`` or ``shuffled``, rendered in
     full)."""

@@ -68,17 +68,6 @@ def add_adapters(model: PreTrainedModel, cfg: LoraConfig, base_name: str) -> Pef
     return wrapped
 
 
-def adapter_state(model: PeftModel) -> dict[str, torch.Tensor]:
-    """A detached copy of the adapter weights (peft's names, without the adapter name)."""
-    peft = import_peft()
-    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
-
-
-def load_adapter_state(model: PeftModel, state: dict[str, torch.Tensor]) -> None:
-    peft = import_peft()
-    peft.set_peft_model_state_dict(model, state)
-
-
 @contextmanager
 def reference_view(model: PeftModel) -> Iterator[PeftModel]:
     """The base model: the starting policy, the adapters switched off for the duration."""

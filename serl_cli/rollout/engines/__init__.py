@@ -243,12 +243,6 @@ def make_engine(
     return VLLMEngine(str(source), tokenizer, vllm, seed=seed, gpus=gpus)
 
 
-def holds_own_weights(engine: Engine) -> bool:
-    """Whether ``engine`` keeps a copy of the weights that must follow each update (vLLM);
-    the hf engine generates with the trainer's model itself and is always current."""
-    return hasattr(engine, "update_weights") or hasattr(engine, "load_weights")
-
-
 def refresh_weights(engine: Engine, checkpoint_dir) -> None:
     """After an update: an engine with its own copy of the weights (vLLM) reloads them from
     the checkpoint just saved; the hf engine shares the learner's model and is current."""

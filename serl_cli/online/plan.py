@@ -24,6 +24,8 @@ from serl_cli.training.memory import LORA_TARGETS, REDUCE_BUCKET, GiB, Layout
 from serl_cli.training.plan import Plan, Storage, estimate
 from serl_cli.training.train_config import backend_traits
 
+MIN_CPU_MICRO_BATCH_TOKENS = 512  # fit_micro_batch halves no further: rows are a few hundred tokens
+
 
 @dataclass
 class Machine:
@@ -330,10 +332,35 @@ def preflight(cfg: OnlineConfig, *, online: bool, model: str | None, argv: list[
     if backend_traits(cfg.train.backend).data_parallel:  # the ranks actually started, on however many nodes
         layout = replace(layout, ranks=max(world, 1), ranks_per_node=max(local, 1))
     plan = estimate(shape, layout)
+    if plan.problems and not cuda:
+        plan = fit_micro_batch(cfg, plan)
     if plan.problems:
         raise SerlError(
             f"{describe(shape)}: {plan.problems[0]} (serl plan shows every item; --no-plan-check skips this)"
         )
+    return plan
+
+
+def fit_micro_batch(cfg: OnlineConfig, plan: Plan) -> Plan:
+    """On a CPU, an update whose micro-batch does not fit the host's memory runs in smaller ones:
+    the largest that fits, halving ``train.optim.micro_batch_tokens`` down to
+    :data:`MIN_CPU_MICRO_BATCH_TOKENS` (set in ``cfg``, and said in one line on stderr). The loss is
+    the same (each step is normalised by its reply tokens, not by micro-batch), and a CPU's matrix
+    products are no faster on larger ones. Returns the plan that fits, or ``plan`` where none does."""
+    tokens = plan.layout.micro_batch_tokens // 2
+    while tokens >= MIN_CPU_MICRO_BATCH_TOKENS:
+        smaller = estimate(plan.shape, replace(plan.layout, micro_batch_tokens=tokens))
+        if not smaller.problems:
+            was, need, host = plan.layout.micro_batch_tokens, plan.peak.bytes / GiB, plan.layout.gpu_bytes / GiB
+            print(
+                f"serl: micro-batches of {tokens} tokens (train.optim.micro_batch_tokens was {was}): the "
+                f"{plan.peak.name} phase would need {need:.1f} GiB of this machine's {host:.0f} GiB, and needs "
+                f"{smaller.peak.bytes / GiB:.1f} GiB",
+                file=sys.stderr,
+            )
+            cfg.train.optim.micro_batch_tokens = tokens
+            return smaller
+        tokens //= 2
     return plan
 
 

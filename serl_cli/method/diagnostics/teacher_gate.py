@@ -12,6 +12,10 @@ scored whatever its advantage; a turn whose state appears in the warm start's SF
   and ``expert_prob_gain`` (pi_T(expert | prompt + block) - pi_T(expert | prompt)), with 95 %
   intervals over turns (Wilson; t) -- turns of one rollout are not independent, so the
   intervals are indicative -- and how many distinct states the turns cover.
+  ``expert_logprob_change`` is the same change in log-probability (mean over turns, with a t interval).
+* ``SOURCE_BLOCKS``: each feedback source alone (``error``, ``diff``, ``obs``, ``ref``) beside the aligned
+  oracle and its shuffled control, for a model whose reading is the question (a real pretrained model with
+  no reading SFT: docs/MODELS.md).
 * ``GATE``: the thresholds the aligned oracle must meet (right direction >= 0.9, gain >= +0.3).
 * the ``shuffled`` block (the oracle's block naming a random other move) is measured as the
   others, against the real expert move: a teacher that copies its block moves the wrong way on
@@ -32,7 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
+from envs.base import ActionFormat
 from serl_cli.artifacts.records import Episode
 from serl_cli.method import feedback as fb
 from serl_cli.method import teacher_signal as ts
@@ -52,6 +58,16 @@ BLOCKS = {
     "error,diff (flagged turns)": {"sources": "error,diff", "placement": "feedback"},
     "shuffled (aligned)": {"sources": "shuffled", "trajectory": "aligned", "placement": "all"},
 }
+# each feedback source alone, for a model whose reading is the question (a real pretrained model, no reading
+# SFT): on every turn where the source says something. ``ref`` exists only in a group with a success
+SOURCE_BLOCKS = {
+    "error": {"sources": "error", "placement": "all"},
+    "diff": {"sources": "diff", "placement": "all"},
+    "obs": {"sources": "obs", "placement": "all"},
+    "ref (aligned)": BLOCKS["ref (aligned)"],
+    "expert (aligned)": BLOCKS["expert (aligned)"],
+    "shuffled (aligned)": BLOCKS["shuffled (aligned)"],
+}
 FALSE_BLOCKS = {  # the blind-copy check: a deadlocking move named as good, and its real feedback
     "expert names d": ("named", "expert"),
     "ref names d": ("named", "ref"),
@@ -59,7 +75,7 @@ FALSE_BLOCKS = {  # the blind-copy check: a deadlocking move named as good, and 
 }
 
 
-def block_config(settings: dict, **extra) -> AnnotateConfig:
+def block_config(settings: dict, **extra: Any) -> AnnotateConfig:
     """An online annotation's settings for ``settings``, scoring every turn with a block (the gate's)."""
     return AnnotateConfig(skip_zero_advantage=False, teacher_signal=False, **settings, **extra)
 
@@ -67,13 +83,13 @@ def block_config(settings: dict, **extra) -> AnnotateConfig:
 def signal_of(
     episodes: list[Episode],
     cfg: AnnotateConfig,
-    model,
-    tokenizer,
+    model: Any,
+    tokenizer: Any,
     *,
     env_cfg: dict,
     seen: set[str],
     bare_replies: bool,
-    action_format,
+    action_format: ActionFormat | None,
     micro_batch_tokens: int = 16384,
 ) -> dict:
     """The teacher signal of blocks ``cfg`` over the held-out turns of ``episodes``, with intervals."""
@@ -96,7 +112,18 @@ def with_intervals(rows: list[dict], state_keys: list[str], scored_turns: int) -
         right = sum(r["right"] for r in rows)
         out["right_direction_ci95"] = wilson_interval(right, len(rows))
         out["expert_prob_gain_ci95"] = t_interval([r["p_with"] - r["p_without"] for r in rows])
+        # the same change in log-probability: a model that puts little mass on the expert's reply (an untrained
+        # one) moves it by orders of magnitude that its probability, near 0 either way, does not show
+        changes = [log_change(r["p_with"], r["p_without"]) for r in rows]
+        out["expert_logprob_change"] = sum(changes) / len(changes)
+        out["expert_logprob_change_ci95"] = t_interval(changes)
     return out
+
+
+def log_change(p_with: float, p_without: float) -> float:
+    """log p_with - log p_without, each floored at the smallest positive double (an underflowed probability)."""
+    tiny = 5e-324
+    return math.log(max(p_with, tiny)) - math.log(max(p_without, tiny))
 
 
 def gate_verdict(oracle: dict) -> dict:
@@ -108,7 +135,7 @@ def gate_verdict(oracle: dict) -> dict:
     return {"met": all(checks.values()), "checks": checks, "thresholds": {**GATE, "held_out_states": MIN_STATES}}
 
 
-def deadlock_turns(episodes: list[Episode], world, split: str, seen: set[str]) -> list[tuple[int, int, str]]:
+def deadlock_turns(episodes: list[Episode], world: Any, split: str, seen: set[str]) -> list[tuple[int, int, str]]:
     """(episode, turn, deadlocking move) of every held-out turn with an expert action whose state
     has a move that makes the task unsolvable (the first such, in the environment's move order)."""
     out = []
@@ -124,8 +151,8 @@ def deadlock_turns(episodes: list[Episode], world, split: str, seen: set[str]) -
 
 
 def false_block(
-    episodes: list[Episode], e: int, t: int, move: str, kind: str, spec: str, world, split: str, bare: bool
-):
+    episodes: list[Episode], e: int, t: int, move: str, kind: str, spec: str, world: Any, split: str, bare: bool
+) -> str:
     """The block naming ``move`` at turn ``t`` of episode ``e``: as a good move (``named``), or the
     environment's own feedback on playing it (``taken``)."""
     ep = episodes[e]
@@ -137,19 +164,20 @@ def false_block(
         turns[t] = played_turn(ep.turns[t], step, move, bare)
         ctx = fb.TurnContext(episode=dataclasses.replace(ep, turns=turns), turn=t)
     block, _, _ = fb.hindsight_step(ctx, fb.parse_sources(spec))
+    assert block is not None  # a named move renders, and so does a deadlocking move's feedback (its error)
     return block
 
 
 def blind_copy(
     episodes: list[Episode],
-    model,
-    tokenizer,
-    world,
+    model: Any,
+    tokenizer: Any,
+    world: Any,
     split: str,
     *,
     seen: set[str],
     bare_replies: bool,
-    action_format,
+    action_format: ActionFormat | None,
     max_hindsight_tokens: int = 2048,
     micro_batch_tokens: int = 16384,
 ) -> dict:

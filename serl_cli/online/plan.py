@@ -20,10 +20,12 @@ from serl_cli.online.config import OnlineConfig
 from serl_cli.rollout.engines import engine_traits
 from serl_cli.training.deepspeed_config import resolve_config, uses_bf16, uses_fp16, zero_stage
 from serl_cli.training.launch import check_launch, processes
-from serl_cli.training.memory import LORA_TARGETS, REDUCE_BUCKET, GiB, Layout
+from serl_cli.training.memory import LORA_TARGETS, REDUCE_BUCKET, ZERO3_MAX_LIVE, GiB, Layout
 from serl_cli.training.plan import Plan, Storage, estimate
 from serl_cli.training.train_config import backend_traits
 
+COMM_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}  # communication_data_type
+VLLM_SHARE_ITEMS = ("vLLM (colocated)", "vLLM (colocated, awake)")  # training.plan's names for its share
 MIN_CPU_MICRO_BATCH_TOKENS = 512  # fit_micro_batch halves no further: rows are a few hundred tokens
 
 
@@ -55,12 +57,14 @@ def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, devic
     t = cfg.train
     per_node = trainer_gpus(cfg, machine)
     ranks = per_node * machine.nodes if backend_traits(t.backend).data_parallel else 1
-    stage, offload, bucket = 0, False, REDUCE_BUCKET
+    stage, offload, bucket, live, comm = 0, False, REDUCE_BUCKET, ZERO3_MAX_LIVE, 0
     if backend_traits(t.backend).zero:
         ds = resolve_config(t.deepspeed, t.optim, bf16_available=device == "cuda", dtype=t.dtype)
         zero = ds["zero_optimization"]
         stage, offload = zero_stage(ds), "offload_optimizer" in zero
         bucket = int(zero.get("reduce_bucket_size", REDUCE_BUCKET))
+        live = int(zero.get("stage3_max_live_parameters", ZERO3_MAX_LIVE))
+        comm = COMM_BYTES.get(str(ds.get("communication_data_type", "")).lower(), 0)
         half = uses_bf16(ds) or uses_fp16(ds)
     else:
         half = t.dtype in ("bf16", "fp16") or (t.dtype == "auto" and device == "cuda")
@@ -95,6 +99,8 @@ def layout_of(cfg: OnlineConfig, machine: Machine, *, online: bool = True, devic
         vllm_data_parallel=r.vllm.data_parallel and engine_traits(r.engine).own_weights,
         gpu_bytes=machine.gpu_memory_gb * GiB,
         reduce_bucket=bucket,
+        comm_bytes=comm,
+        max_live_params=live,
     )
 
 
@@ -232,7 +238,7 @@ def largest_share(plan: Plan) -> float | None:
     from serl_cli.training.plan import HEADROOM
 
     peak = plan.peak
-    share = sum(i.bytes for i in peak.items if i.name.startswith("vLLM"))
+    share = sum(i.bytes for i in peak.items if i.name in VLLM_SHARE_ITEMS)  # not its context, nor what sleep keeps
     if not share:
         return None
     most = math.floor(100 * (plan.layout.gpu_bytes * (1 - HEADROOM) - (peak.bytes - share)) / plan.layout.gpu_bytes)

@@ -31,6 +31,7 @@ SLICE_COPIES = 4  # fp32 copies of one slice of logits training.token_logprobs w
 ZERO3_PERSISTENCE = 100_000  # stage3_param_persistence_threshold of serl's ZeRO-3 config
 ZERO3_PREFETCH = 50_000_000  # stage3_prefetch_bucket_size of serl's ZeRO-3 config
 REDUCE_BUCKET = 500_000_000  # reduce_bucket_size of serl's ZeRO-2/3 configs (DeepSpeed's default too)
+ZERO3_MAX_LIVE = 1_000_000_000  # DeepSpeed's default stage3_max_live_parameters (runtime/zero/config.py)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -64,6 +65,8 @@ class Layout:
     vllm_data_parallel: bool = False  # one engine per vllm_tp trainer GPUs (colocated)
     gpu_bytes: float = 80 * GiB
     reduce_bucket: int = REDUCE_BUCKET
+    comm_bytes: int = 0  # DeepSpeed's communication_data_type in bytes (serl's configs: fp32); 0: the module's
+    max_live_params: int = ZERO3_MAX_LIVE  # stage3_max_live_parameters: what ZeRO-3 may hold gathered at once
 
     @property
     def traits(self) -> BackendTraits:
@@ -171,13 +174,21 @@ def model_states(shape: ModelShape, layout: Layout) -> list[Item]:
         Item("gradients", grads, note),
         Item("optimizer", 0 if offload else 12 * pt / n, "in CPU memory" if offload else f"1/{n}: fp32 master + Adam"),
     ]
-    bucket_bytes = 4 if stage == 1 else w
+    # stages 2-3 allocate the bucket in the communication dtype (DeepSpeed 0.19.8 stage3.py:782, the
+    # ipg_buckets keyed by communication_data_type), fp32 in serl's configs
+    bucket_bytes = 4 if stage == 1 else (layout.comm_bytes or w)
     bucket = layout.reduce_bucket if layout.device == "cuda" else min(layout.reduce_bucket, pt)
-    items.append(Item("gradient bucket", bucket * bucket_bytes, "reduce_bucket_size"))
+    items.append(Item("gradient bucket", bucket * bucket_bytes, f"reduce_bucket_size x {bucket_bytes} bytes"))
     if stage == 3:
-        gathered = min(shape.largest_tensor + ZERO3_PREFETCH, shape.params - persistent_params(shape))
-        items.append(Item("gathered layers", w * gathered, "the largest tensor + the prefetch bucket"))
+        items.append(Item("gathered layers", w * zero3_live_params(shape, layout), "up to stage3_max_live_parameters"))
     return items
+
+
+def zero3_live_params(shape: ModelShape, layout: Layout) -> int:
+    """Parameters ZeRO-3 may hold gathered at once: its live-parameter limit (at least the largest
+    tensor and the prefetch bucket), no more than the partitioned model."""
+    floor = shape.largest_tensor + ZERO3_PREFETCH
+    return min(max(layout.max_live_params, floor), shape.params - persistent_params(shape))
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:

@@ -48,6 +48,11 @@ from serl_cli.training.memory import (
 HEADROOM = 0.10  # a layout "fits" when its peak leaves this much of the GPU free
 CUDA_RUNTIME = 1.25 * GiB  # CUDA context (~0.5-0.8 GB) and NCCL's communicator buffers, per GPU
 VLLM_WORKSPACE = 2.0 * GiB  # vLLM's profiled activations, sampler and CUDA graphs, per GPU
+# A colocated engine's worker keeps its CUDA context outside its gpu_memory_utilization share, and through
+# sleep mode (level 2 frees the weights and the KV cache) also its CUDA-graph pool and communication
+# buffers: 1-2 GiB per GPU by a reading of vLLM 0.32's sleep mode, taken at its middle
+VLLM_CONTEXT = 0.75 * GiB
+VLLM_KEPT_ASLEEP = 0.75 * GiB
 
 
 @dataclass
@@ -120,12 +125,16 @@ def phases(shape: ModelShape, layout: Layout) -> list[Phase]:
     resident += runtime(layout) + producer_items(shape, layout)
     # a colocated vLLM starts before the trainer loads (online.loop) and sleeps only later
     awake = [Item("vLLM (colocated, awake)", layout.vllm_utilization * layout.gpu_bytes, "started first")]
+    awake += vllm_context(layout)
     out = [Phase("start", start_items(shape, layout) + (awake if layout.colocated else []) + runtime(layout))]
     if layout.generates and layout.staleness <= 0:  # else the producer generates, beside every phase
         out.append(Phase("generate", resident + generation_items(shape, layout)))
     scoring = [Item("forward pass", forward_bytes(shape, layout), "pi_old, teacher: no gradients")]
     if layout.teacher and layout.lora_rank == 0 and not (layout.sharded):
         scoring.append(Item("teacher on the GPU", 2 * shape.params, "moved in from CPU memory while it scores"))
+    if layout.teacher and layout.lora_rank == 0 and layout.sharded:  # teacher.scoring's clone of the live shard
+        aside = Item("policy set aside", zero3_shard_bytes(shape, layout), "the live shard while the teacher scores")
+        scoring.append(aside)
     out.append(Phase("score", resident + scoring + vllm_asleep(layout)))
     update = [
         Item(
@@ -177,7 +186,8 @@ def generation_items(shape: ModelShape, layout: Layout) -> list[Item]:
     if layout.engine_owns_weights:
         if not layout.colocated:
             return []
-        return [Item("vLLM (colocated)", layout.vllm_utilization * layout.gpu_bytes, "gpu_memory_utilization")]
+        share = Item("vLLM (colocated)", layout.vllm_utilization * layout.gpu_bytes, "gpu_memory_utilization")
+        return [share, *vllm_context(layout)]
     rows, prompt = layout.rollout_rows, layout.prompt_tokens
     items = []
     if layout.sharded:
@@ -189,12 +199,25 @@ def generation_items(shape: ModelShape, layout: Layout) -> list[Item]:
 
 
 def vllm_asleep(layout: Layout) -> list[Item]:
-    """vLLM colocated and awake holds its share through the trainer's phases too."""
-    if layout.colocated and not layout.vllm_sleep:
-        return [
-            Item("vLLM (colocated, awake)", layout.vllm_utilization * layout.gpu_bytes, "rollout.vllm.sleep is off")
-        ]
-    return []
+    """A colocated vLLM through the trainer's phases: awake (``sleep`` off) its share and its context;
+    asleep its context and what sleep mode keeps."""
+    if not layout.colocated:
+        return []
+    if not layout.vllm_sleep:
+        awake = Item("vLLM (colocated, awake)", layout.vllm_utilization * layout.gpu_bytes, "rollout.vllm.sleep is off")
+        return [awake, *vllm_context(layout)]
+    return [Item("vLLM (colocated, asleep)", VLLM_CONTEXT + VLLM_KEPT_ASLEEP, "CUDA context, graph pool, NCCL buffers")]
+
+
+def vllm_context(layout: Layout) -> list[Item]:
+    """A colocated worker's CUDA context, outside the share ``gpu_memory_utilization`` gives it."""
+    return [Item("vLLM's CUDA context", VLLM_CONTEXT, "outside its share")] if layout.colocated else []
+
+
+def zero3_shard_bytes(shape: ModelShape, layout: Layout) -> float:
+    """One rank's 16-bit weights under ZeRO-3: 1/N of the partitioned ones and every persistent one whole."""
+    persistent = persistent_params(shape)
+    return layout.module_bytes * ((shape.params - persistent) / layout.ranks + persistent)
 
 
 def vllm_gpu(shape: ModelShape, layout: Layout) -> list[Item]:

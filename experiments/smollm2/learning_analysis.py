@@ -2,6 +2,7 @@
 
     python experiments/smollm2/learning_analysis.py --start runs/smollm2/start-s --grid runs/smollm2/prestudy \
         --out docs/results/smollm2/prestudy/analysis.json
+    python experiments/smollm2/learning_analysis.py --kept docs/results/smollm2/prestudy/episodes --out FILE
 
 Reads each cell's final evaluation (``GRID/cells/ARM-sSEED/episodes.jsonl``) and the pretrained start's on the
 same panel with the same seed (``START{SEED}/episodes.jsonl``). Per episode (one room of the panel, one
@@ -85,12 +86,18 @@ def level(rooms: dict[int, dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--start", required=True, help="the start's evaluations: START0, START1, START2")
-    ap.add_argument("--grid", required=True)
+    ap.add_argument("--start", help="the start's evaluations: START0, START1, START2")
+    ap.add_argument("--grid", help="the ablation directory")
+    ap.add_argument("--kept", help="instead: the kept episodes, KEPT/start-sS.jsonl and KEPT/ARM-sS.jsonl")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    start = {s: per_room(Path(f"{args.start}{s}") / "episodes.jsonl") for s in SEEDS}
-    arms = {a: {s: per_room(Path(args.grid) / "cells" / f"{a}-s{s}" / "episodes.jsonl") for s in SEEDS} for a in ARMS}
+    if args.kept:
+        start = {s: per_room(Path(args.kept) / f"start-s{s}.jsonl") for s in SEEDS}
+        arms = {a: {s: per_room(Path(args.kept) / f"{a}-s{s}.jsonl") for s in SEEDS} for a in ARMS}
+    else:
+        start = {s: per_room(Path(f"{args.start}{s}") / "episodes.jsonl") for s in SEEDS}
+        cells = Path(args.grid) / "cells"
+        arms = {a: {s: per_room(cells / f"{a}-s{s}" / "episodes.jsonl") for s in SEEDS} for a in ARMS}
     result = {
         "levels": {"start": level(start), **{a: level(arms[a]) for a in ARMS}},
         "gain_over_start": {a: difference(arms[a], start) for a in ARMS},

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import random
 import sys
@@ -370,6 +371,7 @@ def sync_and_verify(engine, learner, model_dir: Path, args) -> dict:
     if hasattr(engine, "update_weights"):
         _sync(learner.backend.device)
         out.update(engine.update_weights(learner.stream_weights(), largest=learner.largest_weight()))
+        out.update(same_weights_by_host(engine, learner))
     tok = engine.tokenizer
     prompts = _prompts(16, 64, len(tok), seed=5)
     gens = engine.generate(prompts, SamplingConfig(1.0, 1.0, 16), seed=9)
@@ -382,31 +384,62 @@ def sync_and_verify(engine, learner, model_dir: Path, args) -> dict:
     out.update(
         mismatch_after_sync_mean=after.get("logp_mismatch_mean"), mismatch_after_sync_max=after.get("logp_mismatch_max")
     )
+    if out.get("sync_paths_bit_equal") is False:
+        raise RuntimeError(f"the {out['weight_sync_path']} sync and the host one left the workers different weights")
     return out
 
 
-def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend: str, shape: str = "") -> dict:
-    """One iteration of the online loop itself (run_online) on the same stack."""
-    from serl_cli.online.config import OnlineConfig
-    from serl_cli.online.loop import run_online
-    from serl_cli.rollout.engines import SamplingConfig
-    from serl_cli.rollout.engines.vllm import VLLMConfig
-    from serl_cli.rollout.worlds import EnvConfig
-    from serl_cli.stages.rollout import RolloutConfig
+def same_weights_by_host(engine, learner) -> dict:
+    """The sync just made (CUDA IPC where the trainer's GPU is the engine's) against the same weights
+    pushed through host memory: every worker's parameters bit for bit equal (issue 53, item 5)."""
+    import dataclasses
 
-    vllm = VLLMConfig(
+    first = engine.rpc("serl_weight_digest")
+    path, engine.cfg, engine._path = engine._path, dataclasses.replace(engine.cfg, sync_path="host"), None
+    try:
+        by_host = engine.update_weights(learner.stream_weights(), largest=learner.largest_weight())
+    finally:
+        engine.cfg, engine._path = dataclasses.replace(engine.cfg, sync_path="auto"), path
+    return {
+        "weight_sync_by_host_s": by_host["weight_sync_s"],
+        "weight_sync_by_host_path": by_host["weight_sync_path"],
+        "sync_paths_bit_equal": engine.rpc("serl_weight_digest") == first,
+    }
+
+
+def check_vllm_config(args):
+    """The check's vLLM settings (its share of the GPU, which the trainer shares)."""
+    from serl_cli.rollout.engines.vllm import VLLMConfig
+
+    return VLLMConfig(
         dtype="bfloat16" if args.dtype == "bf16" else "float32",
         gpu_memory_utilization=args.vllm_memory,
         enforce_eager=args.smoke or args.eager,
         max_model_len=args.max_model_len,
-        sleep=args.sleep and torch.cuda.is_available(),
     )
+
+
+def online_iteration(
+    model_dir: Path, out: Path, args, engine_kind: str, backend: str, shape: str = "", algo: str = "grpo"
+) -> dict:
+    """One iteration of the online loop itself (run_online) on the same stack; with ``algo`` serl the
+    teacher scores every turn (``skip_zero_advantage`` off: the check's rewards are mostly 0, and the
+    paper configs' entropy bonus gives every turn a gradient), so its annotate stage costs what it would."""
+    from serl_cli.method.annotate_config import AnnotateConfig
+    from serl_cli.online.config import OnlineConfig
+    from serl_cli.online.loop import run_online
+    from serl_cli.rollout.engines import SamplingConfig
+    from serl_cli.rollout.worlds import EnvConfig
+    from serl_cli.stages.rollout import RolloutConfig
+
+    vllm = dataclasses.replace(check_vllm_config(args), sleep=args.sleep and torch.cuda.is_available())
     cfg = OnlineConfig(
         env=EnvConfig(name="sokoban", split="train", max_turns=args.max_turns),
         model=str(model_dir),
         iterations=1,
         out=str(out),
-        train=train_config(args, backend),
+        train=dataclasses.replace(train_config(args, backend), algo=algo),
+        annotate=AnnotateConfig(skip_zero_advantage=False),
         rollout=RolloutConfig(
             engine=engine_kind,
             vllm=vllm,
@@ -419,8 +452,11 @@ def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend
     )
     (metrics,) = run_online(cfg, overwrite=True)
     timing = json.loads((out / "timings.jsonl").read_text().splitlines()[-1])
+    annotate = timing["update"].get("annotate") or {}
     return {
         "iteration_s": timing["iteration_s"],
+        "teacher_forward_s": annotate.get("teacher_forward_s"),
+        "annotate_rest_s": annotate.get("rest_s"),
         "update_s": timing["update"]["update_s"],
         "weight_sync_s": timing["update"].get("weight_sync_s"),
         "rollout_tokens_per_s": timing["rollout_tokens_per_s"],
@@ -429,8 +465,23 @@ def online_iteration(model_dir: Path, out: Path, args, engine_kind: str, backend
     }
 
 
-def online_async(model_dir: Path, out: Path, args, backend: str, shape: str = "") -> dict:
-    """Three iterations at max_staleness 1 (the producer beside the trainer, hf engine), and the
+def serl_price(
+    grpo: dict | None, model_dir: Path, work: Path, args, engine_kind: str, backend: str, shape: str
+) -> dict:
+    """The same iteration as SERL (the same seed, so the same rollouts): its time against GRPO's, and its
+    annotate stage outside the teacher's forward against that forward (issue 53's target: under 0.10)."""
+    serl = online_iteration(model_dir, work / f"{shape}-serl", args, engine_kind, backend, shape, algo="serl")
+    forward, rest = serl["teacher_forward_s"], serl["annotate_rest_s"]
+    return {
+        "serl_iteration_s": serl["iteration_s"],
+        "serl_over_grpo": serl["iteration_s"] / grpo["iteration_s"] if grpo and grpo.get("iteration_s") else None,
+        "annotate_rest_over_teacher": rest / forward if forward else None,
+    }
+
+
+def online_async(model_dir: Path, out: Path, args, backend: str, shape: str = "", engine_kind: str = "hf") -> dict:
+    """Three iterations at max_staleness 1 (the producer beside the trainer, on ``engine_kind``: with
+    vllm a vLLM engine of the producer's own, on the trainer's GPU at the check's vLLM share), and the
     overlap of the steady ones: 1 - the trainer's wait for rollouts / the producer's generation."""
     from serl_cli.online.config import OnlineConfig, ProducerConfig
     from serl_cli.online.loop import run_online
@@ -447,6 +498,8 @@ def online_async(model_dir: Path, out: Path, args, backend: str, shape: str = ""
         producer=ProducerConfig(threads=args.threads),
         train=train_config(args, backend),
         rollout=RolloutConfig(
+            engine=engine_kind,
+            vllm=check_vllm_config(args),
             tasks=args.tasks,
             group_size=args.group_size,
             sampling=SamplingConfig(1.0, 1.0, args.max_new_tokens),
@@ -545,9 +598,13 @@ def check_shape(shape: str, work: Path, args, log, first: bool) -> dict:
             "online_iteration", online_iteration, model_dir, work / f"{shape}-online", args, engine_kind, backend, shape
         )
         release_memory()
+        res["serl_price"] = stages.run(
+            "serl_price", serl_price, res["online"], model_dir, work, args, engine_kind, backend, shape
+        )
+        release_memory()
     if first and not args.no_online and not args.no_async:
         res["online_async"] = stages.run(
-            "online_async", online_async, model_dir, work / f"{shape}-async", args, backend, shape
+            "online_async", online_async, model_dir, work / f"{shape}-async", args, backend, shape, engine_kind
         )
         release_memory()
     if precision.device.type == "cuda":
@@ -576,8 +633,10 @@ def table(results: list[dict]) -> list[list]:
                 g(r, "logp_mismatch_mean"),
                 g(r, "logp_mismatch_max"),
                 g(r, "weight_sync_s"),
+                r.get("weight_sync_path") or "-",
                 g(r, "trainer_peak_memory_bytes", 2**-30),
                 (r.get("online_async") or {}).get("async_overlap") or "-",
+                (r.get("serl_price") or {}).get("serl_over_grpo") or "-",
                 " ".join(f"{k}:{v['status']}" for k, v in r.get("stages", {}).items() if v["status"] != "ok") or "ok",
             ]
         )
@@ -594,8 +653,10 @@ COLUMNS = [
     "|dlogp| mean",
     "|dlogp| max",
     "sync s",
+    "sync path",
     "trainer peak GiB",
     "async overlap",
+    "SERL/GRPO iter",
     "failed stages",
 ]
 

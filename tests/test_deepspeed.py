@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -281,8 +282,8 @@ def test_non_finite_loss_skips_the_step(tiny_model_dir):
 
 SOLO_GROUP = """
 import os, subprocess, sys
-from serl_cli.training.distributed import _import_deepspeed, init_distributed
-init_distributed(_import_deepspeed())  # this process's group of one, its store on MASTER_PORT
+from serl_cli.training.distributed import import_deepspeed, init_distributed
+init_distributed(import_deepspeed())  # this process's group of one, its store on MASTER_PORT
 if sys.argv[1:] == ["parent"]:  # a child inherits RANK/MASTER_PORT: it must make its own group, on another port
     child = subprocess.run([sys.executable, __file__], capture_output=True, text=True)
     sys.stderr.write(child.stderr)
@@ -313,8 +314,8 @@ def test_a_child_of_a_group_of_one_makes_its_own_group(tmp_path):
 GROUP_TIMEOUTS = """
 import torch, torch.distributed as dist
 from deepspeed.utils import groups
-from serl_cli.training.distributed import _import_deepspeed, init_distributed
-init_distributed(_import_deepspeed(), timeout_s=77)
+from serl_cli.training.distributed import import_deepspeed, init_distributed
+init_distributed(import_deepspeed(), timeout_s=77)
 cpu = torch.device("cpu")
 made = dist.new_group([0])  # as DeepSpeed makes its groups: comm/torch.py new_group(ranks), no timeout
 print(dist.group.WORLD._get_backend(cpu).options._timeout.total_seconds(),
@@ -350,7 +351,11 @@ def test_a_lock_left_by_a_killed_process_does_not_hold_the_next_one(tmp_path):
 
     from serl_cli.training.distributed import extensions_dir
 
-    extensions = extensions_dir()
+    # a copy of the op's folder (built once, about 1 MB): the shared one is other tests' to use at the
+    # same time, and another process's real baton there would look like the stale one left here
+    extensions = tmp_path / "torch_extensions"
+    if extensions_dir().is_dir():
+        shutil.copytree(extensions_dir(), extensions, ignore=shutil.ignore_patterns("lock", "*.serl-lock"))
     (extensions / "deepspeed_shm_comm").mkdir(parents=True, exist_ok=True)
     stale = extensions / "deepspeed_shm_comm" / "lock"
     with open(extensions / ".deepspeed_shm_comm.serl-lock", "w") as guard:
@@ -385,3 +390,23 @@ def test_the_lr_schedule_runs_in_the_engine_and_resumes_from_its_checkpoint(tiny
     ckpt = learner.save(tmp_path / "ckpt")
     resumed = Learner(str(ckpt), config("deepspeed", 1), state_file=ckpt / "trainer_state.pt")
     assert resumed.update(episodes, 1.0)["lr"] == pytest.approx(1e-3 * (1 + 5 / 6) / 2)  # steps 2, 3
+
+
+@needs_deepspeed
+def test_a_teacher_with_zero_hpz_partitions_is_refused_before_anything_loads(tmp_path):
+    """ZeRO++'s node-local parameter copy would hide the teacher's swapped-in weights from every gather
+    (docs/SCALING.md): a run with a teacher refuses zero_hpz_partition_size > 1; one without takes it."""
+    from serl_cli.online.config import OnlineConfig, check_online_config
+
+    hpz = tmp_path / "zero3_hpz.json"
+    hpz.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}))
+
+    def online(algo: str, config: str | None) -> OnlineConfig:
+        cfg = OnlineConfig(iterations=2)
+        cfg.train.algo, cfg.train.backend, cfg.train.deepspeed.config = algo, "deepspeed", config
+        return cfg
+
+    with pytest.raises(SerlError, match=r"zero_hpz_partition_size is 8 in .*zero3_hpz.json: serl's teacher"):
+        check_online_config(online("serl", str(hpz)))
+    check_online_config(online("grpo", str(hpz)))  # no teacher: the copy is safe
+    check_online_config(online("serl", None))  # serl's own ZeRO configs leave it at 1

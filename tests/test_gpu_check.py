@@ -80,6 +80,7 @@ def test_smoke_runs_every_stage_on_cpu(tmp_path):
             "update",
             "weight_sync",
             "online_iteration",
+            "serl_price",
             "online_async",
         )
     }
@@ -89,6 +90,10 @@ def test_smoke_runs_every_stage_on_cpu(tmp_path):
     assert 0 <= r["logp_mismatch_mean"] <= r["logp_mismatch_max"] < 0.5  # engine vs trainer, both bf16
     assert r["trainer_peak_memory_bytes"] > 0 and r["mfu"] is None  # no bf16 peak for a CPU
     assert r["online"]["iteration_s"] > 0
+    # the same iteration as SERL, its teacher scoring every turn: its time against GRPO's, and the annotate
+    # stage outside the teacher's forward against that forward
+    price = r["serl_price"]
+    assert price["serl_over_grpo"] > 0 and price["annotate_rest_over_teacher"] > 0
     # the producer beside the trainer: the overlap is the share of its generation the trainer did not wait for
     a = r["online_async"]
     assert a["async_iteration_s"] > 0 and a["async_producer_generate_s"] > 0 and a["async_overlap"] <= 1

@@ -126,14 +126,28 @@ ARGS = [
 ]  # fmt: skip
 
 
-def _train(model_dir, out: Path, processes: int) -> subprocess.CompletedProcess:
+def _train(model_dir, out: Path, processes: int, *extra: str) -> subprocess.CompletedProcess:
     launch = [sys.executable, "-m", "serl_cli"]
     if processes > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
         launch += ["-m", "serl_cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SERL_THREADS": "1", "COLUMNS": "200"}
-    cmd = [*launch, "train", "--model", str(model_dir), "--out", str(out), *ARGS]
+    cmd = [*launch, "train", "--model", str(model_dir), "--out", str(out), *ARGS, *extra]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+
+
+def same_metrics(one: Path, two: Path) -> list[dict]:
+    """Both runs' metrics.jsonl: the same two iterations, keys and values (floats within TOL); one's records."""
+    ma = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert len(ma) == len(mb) == 2 and all(a.keys() == b.keys() for a, b in zip(ma, mb, strict=True))
+    for a, b in zip(ma, mb, strict=True):
+        for key, value in a.items():
+            if isinstance(value, float):
+                assert abs(value - b[key]) <= TOL, (key, value, b[key])
+            else:
+                assert value == b[key], key
+    return ma
 
 
 def _weights(directory: Path) -> dict:
@@ -192,15 +206,7 @@ def test_two_processes_share_the_work_and_equal_one(tiny_model_dir, tmp_path):
     assert not (two / "iter_0000" / "eval.json").exists()
 
     # the same update: the metrics and the weights after each iteration
-    ma = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
-    mb = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
-    assert len(ma) == len(mb) == 2 and all(a.keys() == b.keys() for a, b in zip(ma, mb, strict=True))
-    for a, b in zip(ma, mb, strict=True):
-        for key, value in a.items():
-            if isinstance(value, float):
-                assert abs(value - b[key]) <= TOL, (key, value, b[key])
-            else:
-                assert value == b[key], key
+    ma = same_metrics(one, two)
     assert ma[0]["distill_kl"] > 0 and ma[0]["logp_old_recomputed_turns"] == ma[0]["turns"]
     start = _weights(tiny_model_dir)
     for it in ("iter_0000", "iter_0001"):
@@ -208,6 +214,35 @@ def test_two_processes_share_the_work_and_equal_one(tiny_model_dir, tmp_path):
         assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= TOL, it
     moved = max((wa[k] - start[k]).abs().max().item() for k in wa)
     assert moved > TOL  # the updates moved the weights by more than the tolerance
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_two_processes_beside_one_producer_equal_one_process(tiny_model_dir, tmp_path):
+    """max_staleness 1 on two ZeRO-3 processes: rank 0's producer makes every batch and hands it to both,
+    both publish each version (a gathered stream) that rank 0 writes, and each reads its teacher's share
+    back from the version files; rollouts, metrics and weights equal one process's at max_staleness 1."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    p2 = _train(tiny_model_dir, two, 2, "--set", "max_staleness=1")
+    assert p2.returncode == 0, p2.stderr[-4000:]
+    p1 = _train(tiny_model_dir, one, 1, "--set", "max_staleness=1")
+    assert p1.returncode == 0, p1.stderr[-4000:]
+    for rank in (0, 1):  # every rank takes each batch, scores its share of the teacher's items and updates
+        for phase in ("rollout", "teacher", "update"):  # (pi_prox is recomputed inside the update)
+            assert p2.stderr.count(f"serl: rank {rank}/2: {phase} ") >= 2, p2.stderr[-4000:]
+    assert sorted(p.name for p in (two / "policy_versions").iterdir()) == sorted(
+        p.name for p in (one / "policy_versions").iterdir()
+    )
+    for it in ("iter_0000", "iter_0001"):
+        a = [json.loads(x) for x in (one / it / "rollouts.jsonl").read_text().splitlines()]
+        b = [json.loads(x) for x in (two / it / "rollouts.jsonl").read_text().splitlines()]
+        turns = [[(t["action_ids"], t["behaviour_logprobs"]) for t in e["turns"]] for e in a]
+        assert turns == [[(t["action_ids"], t["behaviour_logprobs"]) for t in e["turns"]] for e in b]
+    ma = same_metrics(one, two)
+    assert ma[1]["distill_kl"] > 0  # the teacher, read back from version 0 by each rank, scored
+    for it in ("iter_0000", "iter_0001"):
+        wa, wb = _weights(one / it / "checkpoint"), _weights(two / it / "checkpoint")
+        assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= TOL, it
 
 
 # -- a rank that raises ends the run on every rank -------------------------------------------------

@@ -125,6 +125,21 @@ def test_the_paper_layouts_fit_one_node_with_headroom(path):
     assert chosen.cfg.rollout.vllm.gpu_memory_utilization == paper(path).rollout.vllm.gpu_memory_utilization
 
 
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_a_problem_before_vllm_starts():
+    """Qwen2.5-7B has 28 attention heads: TP 8 (one engine per node) is what vLLM refuses once it starts."""
+    machine = Machine(gpus=8, gpu_memory_gb=80)
+    cfg = paper(PAPER[0])
+    cfg.rollout.vllm.tensor_parallel_size = 8
+    plan = plan_run(cfg, machine)
+    assert plan.shape.heads == 28
+    assert (
+        "vLLM splits the 28 attention heads over rollout.vllm.tensor_parallel_size, which 8 does not divide: "
+        "choose one of 1, 2, 4" in plan.problems
+    )
+    cfg.rollout.vllm.tensor_parallel_size = 4
+    assert not [p for p in plan_run(cfg, machine).problems if "attention heads" in p]
+
+
 def test_a_colocated_7b_layout_fits_or_is_refused_with_its_reason():
     """At the authors' 0.75 vLLM share, WebShop's colocated layout leaves under 10 % free; the plan names the
     largest share that fits, the comparison takes it (the paper config's 0.60), and with no share that fits
@@ -392,6 +407,22 @@ def test_an_asynchronous_run_plans_its_producer_beside_every_phase():
     versions = next(i for i in stale.run_disk if i.name == "policy versions")
     assert versions.bytes == pytest.approx((2 + 1 + 1) * 4 * shape.params) and versions.note == "4 at most"
     assert "policy versions" not in {i.name for i in sync.run_disk}
+
+
+def test_the_vllm_producer_on_the_trainers_gpu_is_awake_through_every_phase():
+    """max_staleness > 0 with --engine vllm on the trainer's GPU: the producer's engine generates beside the
+    trainer's phases and never sleeps, so its whole share and its context sit in every phase; the hf
+    producer's own copy of the policy is not counted (vLLM loads its own, inside that share)."""
+    cfg = OnlineConfig(model="Qwen/Qwen2.5-0.5B-Instruct", iterations=12, max_staleness=1)
+    cfg.rollout.engine = "vllm"
+    cfg.rollout.vllm.sleep = True
+    plan = plan_run(cfg, Machine(gpus=1, gpu_memory_gb=80))
+    assert [p.name for p in plan.phases] == ["start", "score", "update", "save"]
+    for phase in plan.phases[1:]:
+        items = {i.name: i.bytes for i in phase.items}
+        assert items["vLLM (producer, awake)"] == cfg.rollout.vllm.gpu_memory_utilization * 80 * GiB, phase.name
+        assert items["vLLM's CUDA context"] == VLLM_CONTEXT and "vLLM (colocated, asleep)" not in items
+        assert not any(name.startswith("producer's") for name in items)
 
 
 def test_old_rollouts_gzip_or_delete_shrink_the_planned_records():

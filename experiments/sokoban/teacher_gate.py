@@ -18,6 +18,14 @@ each feedback source alone (``teacher_gate.SOURCE_BLOCKS``) instead of study v4'
 
     python experiments/sokoban/teacher_gate.py --model models/smollm2 --config experiments/smollm2/sokoban.yaml \
         --blocks sources --rooms 12 --max-turns 4 --out runs/smollm2/gate
+
+A ``--config`` for WebShop or ALFWorld measures the gate there: the panel is that environment's evaluation split,
+the shuffled control (Sokoban's moves) is left out, and the blind-copy check names an admissible action other than
+the expert's (no deadlocks there). ``--unparsed whole`` scores a reply with no action whole, for a model that never
+acts on that prompt (SmolLM2 on the paper's prompts):
+
+    python experiments/sokoban/teacher_gate.py --model models/smollm2 --config experiments/smollm2/webshop.yaml \
+        --blocks sources --unparsed whole --rooms 4 --max-turns 3 --out runs/smollm2/gate-webshop
 """
 
 from __future__ import annotations
@@ -43,11 +51,15 @@ from serl_cli.stages.rollout import RolloutConfig, run_rollout
 def panel(
     model: str, out: Path, rooms: int, group_size: int, seed: int, how: RolloutConfig, max_turns: int | None
 ) -> Path:
+    """The model's own episodes on ``rooms`` tasks of the environment's evaluation split (Sokoban's test rooms;
+    WebShop's test goals, ALFWorld's ``valid_unseen`` games where ``--config`` names that environment)."""
     run = out / "panel"
+    env = how.env.name if how.env.name in ("webshop", "alfworld") else "sokoban"
+    split = build_world(EnvConfig(name=env, split=None, settings=how.env.settings)).eval_split
     if not (run / "manifest.json").is_file() or io.load_manifest(run)["stages"]["rollout"]["status"] != "done":
         run_rollout(
             RolloutConfig(
-                env=EnvConfig(name="sokoban", split="test", max_turns=max_turns),
+                env=EnvConfig(name=env, split=split, max_turns=max_turns, settings=how.env.settings),
                 model=model,
                 tasks=rooms,
                 group_size=group_size,
@@ -83,6 +95,12 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="a run file whose rollout prompt and sampling the panel uses")
     ap.add_argument("--max-turns", type=int, default=None, help="the panel's turn limit (default: Sokoban's, 15)")
     ap.add_argument("--blocks", choices=("v4", "sources"), default="v4", help="study v4's blocks, or each source")
+    ap.add_argument(
+        "--unparsed",
+        choices=("none", "whole"),
+        default="none",
+        help="a reply with no action: not scored (none, the authors' rule), or scored whole (a model that never acts)",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     how = prompting(args.model, args.config)
@@ -96,6 +114,8 @@ def main() -> None:
     fmt = action_format(env_cfg) if bare else None
     common = {"env_cfg": env_cfg, "seen": seen, "bare_replies": bare, "action_format": fmt}
     blocks = gate.BLOCKS if args.blocks == "v4" else gate.SOURCE_BLOCKS
+    if env_cfg["name"] != "sokoban":  # the shuffled control draws among Sokoban's moves
+        blocks = {name: settings for name, settings in blocks.items() if settings["sources"] != "shuffled"}
     result = {
         "model": args.model,
         "panel": {
@@ -107,13 +127,18 @@ def main() -> None:
             "successes": sum(e.success for e in episodes),
             "max_turns": args.max_turns,
             "config": args.config,
+            "env": env_cfg["name"],
+            "split": env_cfg["split"],
+            "unparsed": args.unparsed,
         },
         "seen_states": len(seen),
         "blocks": {},
     }
     for name, settings in blocks.items():
         t0 = time.perf_counter()
-        result["blocks"][name] = gate.signal_of(episodes, gate.block_config(settings), model, tokenizer, **common)
+        result["blocks"][name] = gate.signal_of(
+            episodes, gate.block_config(settings, unparsed=args.unparsed), model, tokenizer, **common
+        )
         result["blocks"][name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"{name}: {json.dumps(result['blocks'][name])}", file=sys.stderr, flush=True)
     world = build_world(EnvConfig(**env_cfg))

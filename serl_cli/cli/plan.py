@@ -1,10 +1,12 @@
 """``serl plan CONFIG``: memory per GPU item by item and phase by phase, the disk per checkpoint
-and per run, and whether it fits; for a vLLM run its split and colocated layouts compared;
-``--json``: the same as one JSON object on stdout."""
+and per run, and whether it fits; for a vLLM run its split and colocated layouts compared, with
+an estimate of an iteration's time on each (``training.iteration_time``: arithmetic from stated
+assumptions, not a measurement); ``--json``: the same as one JSON object on stdout."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 
 import typer
 from rich.table import Table
@@ -12,6 +14,7 @@ from rich.table import Table
 from serl_cli.cli.common import resolve
 from serl_cli.cli.root import SetOpt, app, console, err_console
 from serl_cli.errors import SerlError
+from serl_cli.training import iteration_time as it
 from serl_cli.training.memory import GiB
 from serl_cli.training.plan import HEADROOM, Plan
 
@@ -50,7 +53,9 @@ def plan_command(
     save: weights, gradients, optimizer, activations, logits, teacher, vLLM), the disk per
     checkpoint and for the whole run (rollouts included), and whether the layout fits, before
     anything is loaded; for a vLLM run also its two layouts (split: vLLM on GPUs of its own;
-    colocated: an engine per tensor-parallel group of trainer GPUs) and the one serl would pick."""
+    colocated: an engine per tensor-parallel group of trainer GPUs) and the one serl would pick,
+    with an estimate of an iteration's time on each and SERL's ratio to GRPO (arithmetic from
+    stated assumptions on H100s, not a measurement)."""
     from serl_cli.online.config import OnlineConfig
     from serl_cli.online.plan import Machine, check_machine, compare_layouts, fit_layout, gpus_named, plan_run
 
@@ -68,12 +73,15 @@ def plan_command(
         err_console.print(f"note: {replanned}", highlight=False, soft_wrap=True)
     plan = plan_run(cfg, machine, turns=turns)
     layouts = compare_layouts(cfg, machine, turns=turns) if cfg.rollout.engine == "vllm" else None
+    times = time_estimate(cfg, layouts[0], machine, turns) if layouts is not None else None
     if as_json:
-        typer.echo(json.dumps(plan_json(plan, replanned, layouts), indent=2))
+        typer.echo(json.dumps(plan_json(plan, replanned, layouts, times), indent=2))
     else:
         print_plan(plan)
         if layouts is not None:
             print_layouts(*layouts)
+        if times is not None:
+            print_times(times, machine)
     for problem in plan.problems:
         err_console.print(f"[red]does not fit:[/] {problem}", highlight=False, soft_wrap=True)
     if plan.problems:
@@ -138,7 +146,7 @@ def total_json(items) -> dict:
     return {"items": items_json(items), "bytes": round(total), "gib": round(total / GiB, 3)}
 
 
-def plan_json(plan: Plan, replanned: str | None = None, layouts=None) -> dict:
+def plan_json(plan: Plan, replanned: str | None = None, layouts=None, times: TimeEstimate | None = None) -> dict:
     """The plan as data: each phase's items per trainer rank, the peak, the verdict, vLLM's own
     GPU, the disk (one checkpoint, the whole run) and a node's CPU memory. Bytes are exact
     counts, GiB rounded."""
@@ -159,6 +167,7 @@ def plan_json(plan: Plan, replanned: str | None = None, layouts=None) -> dict:
         "host": total_json(plan.host),
         "note": replanned,
         "layouts": layouts_json(*layouts) if layouts is not None else None,
+        "time": times_json(times) if times is not None else None,
     }
 
 
@@ -221,3 +230,169 @@ def item_line(what: str, items) -> str:
     total = sum(i.bytes for i in items)
     parts = ", ".join(f"{i.name} {i.bytes / GiB:.1f}" for i in items if i.bytes)
     return f"{what}: {total / GiB:.1f} GiB ({parts})"
+
+
+# -- an iteration's time on each layout (an estimate) ---------------------------------------------
+STALE_SPLIT = "split, k = 1"  # the split layout with the vLLM producer one update ahead
+
+
+@dataclass
+class TimeEstimate:
+    batch: it.Batch
+    rows: list[it.IterationTime]
+    placements: list[it.Placement]
+    teacher: bool  # the config's algorithm scores with a teacher
+    with_teacher: int  # iterations the teacher scores for
+    iterations: int
+
+
+def time_estimate(cfg, options, machine, turns: int | None) -> TimeEstimate:
+    """Each layout's iteration on H100s (``training.iteration_time``), the split layout also with the
+    vLLM producer at max_staleness 1; the config's batch: its episodes, a typical episode's turns
+    (``--turns``, else the turn limit), the turn limit for the longest, ``--prompt-tokens`` and
+    ``max_new_tokens``."""
+    from serl_cli.online.plan import storage_of
+
+    batch = it.Batch(
+        episodes=cfg.rollout.tasks * cfg.rollout.group_size,
+        turns=storage_of(cfg, turns).turns,
+        longest_turns=storage_of(cfg).turns,
+        prompt_tokens=machine.prompt_tokens,
+        reply_tokens=cfg.rollout.sampling.max_new_tokens,
+    )
+    placements = [p for o in options for p in placements_of(o)]
+    layout = options[0].plan.layout
+    rows = [
+        it.estimate_iteration(
+            options[0].plan.shape, batch, p, teacher=layout.teacher, checkpointing=layout.gradient_checkpointing
+        )
+        for p in placements
+    ]
+    a = cfg.annotate
+    with_teacher = it.teacher_iterations(cfg.iterations, a.mixing_lambda, a.lambda_decay_steps, a.skip_zero_advantage)
+    return TimeEstimate(batch, rows, placements, layout.teacher, with_teacher if layout.teacher else 0, cfg.iterations)
+
+
+def placements_of(option) -> list[it.Placement]:
+    """Where a layout option's phases run: colocated, an engine per ``tensor_parallel_size`` trainer
+    GPUs (on every node), asleep during the update; split, one engine on vLLM's own GPUs, and the
+    same with the producer at k = 1."""
+    lay = option.plan.layout
+    generating = lay.ranks if lay.vllm_data_parallel else (lay.vllm_gpus or lay.vllm_tp)
+    here = it.Placement(option.name, generating, lay.vllm_tp, lay.ranks, sleeps=lay.vllm_sleep and lay.colocated)
+    return [here] + ([replace(here, name=STALE_SPLIT, staleness=1)] if option.name == "split" else [])
+
+
+def value_range(pair: tuple[float, float], unit: float = 1.0, digits: int = 0) -> str:
+    """The range, low-high, in ``unit``s; one figure where both ends round the same."""
+    lo, hi = (f"{x / unit:.{digits}f}" for x in sorted(pair))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def run_range(t: it.IterationTime, times: TimeEstimate) -> str:
+    lo, hi = (it.run_ratio(r, times.with_teacher, times.iterations) for r in t.over_grpo)
+    return value_range((lo, hi), 1, 3)
+
+
+def print_times(times: TimeEstimate, machine) -> None:
+    b = times.batch
+    gpus = machine.gpus * machine.nodes
+    title = f"Iteration time, estimated for {gpus} x {it.H100_SXM.name} (arithmetic, not measured)"
+    table = Table(title=title, header_style="bold", title_justify="left")
+    for column in ("layout", "generation s", "pi_old s", "teacher s", "update s", "sync, wake s", "iteration min"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    table.add_column("vs GRPO", justify="right")
+    for t in times.rows:
+        cells = [value_range(t.generation), f"{t.pi_old:.0f}", f"{t.teacher:.0f}", f"{t.update:.0f}"]
+        cells += [f"{t.sync + t.sleep_wake:.0f}", value_range(t.iteration, 60, 1), value_range(t.over_grpo, 1, 2)]
+        table.add_row(t.layout, *cells)
+    console.print(table)
+    print_time_notes(times, b)
+
+
+def say(line: str) -> None:
+    console.print(line, highlight=False, soft_wrap=True)
+
+
+def print_time_notes(times: TimeEstimate, b: it.Batch) -> None:
+    say(
+        "generation: throughput-bound (every token's prefill at the MFU below) to decode-bound (the prompts' "
+        f"prefill, then {b.longest_turns} turns x {b.reply_tokens} decode steps, each reading the weights and "
+        "the KV cache at peak bandwidth)"
+    )
+    if any(p.staleness for p in times.placements):
+        say(
+            f"{STALE_SPLIT}: the split's flags and --set max_staleness=1: the vLLM producer on vLLM's GPUs "
+            "generates iteration j+1 while the trainer updates on j; once steady an iteration is the longer side "
+            "plus the weight sync (rank 0 runs the producer and hands each batch to every trainer process)"
+        )
+    if times.teacher:
+        by = ", ".join(
+            f"{t.layout} {value_range(t.over_grpo, 1, 2)}x ({run_range(t, times)}x over the run)" for t in times.rows
+        )
+        say(
+            f"the teacher's iterations against GRPO's on the same layout: {by}; the teacher scores for "
+            f"{times.with_teacher} of the run's {times.iterations} iterations (lambda > 0), then is dropped"
+        )
+    say(
+        f"assumptions: {it.H100_SXM.flops / 1e12:.0f} TFLOP/s bf16 and {it.H100_SXM.hbm_bytes_per_s / 1e12:.2f} "
+        f"TB/s a GPU; MFU {it.TRAIN_MFU:g} training, {it.PREFILL_MFU:g} prefill; {b.episodes} episodes x {b.turns} "
+        f"turns x ({b.prompt_tokens} + {b.reply_tokens}) tokens, all read by pi_old and the update; the teacher "
+        f"{it.TEACHER_TOKEN_RATIO:g}x the update's tokens (measured on a CPU on Sokoban, where the block doubles a "
+        "short prompt: an upper bound for long prompts); weight sync "
+        f"{it.WEIGHT_SYNC_S:g} s, sleep and wake {it.SLEEP_WAKE_S:g} s; environments' steps, evaluations and "
+        "saves left out. An estimate: none of it has run on a GPU"
+    )
+
+
+def times_json(times: TimeEstimate) -> dict:
+    b, hw = times.batch, it.H100_SXM
+    return {
+        "estimate": "arithmetic from the assumptions below, not a measurement; none of it has run on a GPU",
+        "hardware": {"name": hw.name, "bf16_flops": hw.flops, "hbm_bytes_per_s": hw.hbm_bytes_per_s},
+        "assumptions": {
+            "train_mfu": hw.train_mfu,
+            "prefill_mfu": hw.prefill_mfu,
+            "teacher_token_ratio": it.TEACHER_TOKEN_RATIO,
+            "weight_sync_s": it.WEIGHT_SYNC_S,
+            "sleep_wake_s": it.SLEEP_WAKE_S,
+            "replies": "every reply at max_new_tokens; every prompt prefilled whole",
+            "trained_tokens": "pi_old and the update read every turn's prompt and reply",
+            "left_out": ["environment steps", "evaluations", "checkpoint writes", "vLLM scheduling and sampling"],
+        },
+        "batch": {
+            "episodes": b.episodes,
+            "turns": b.turns,
+            "longest_turns": b.longest_turns,
+            "prompt_tokens": b.prompt_tokens,
+            "reply_tokens": b.reply_tokens,
+            "tokens": b.tokens,
+        },
+        "iterations": times.iterations,
+        "teacher_iterations": times.with_teacher,
+        "layouts": [time_row_json(t, p, times) for t, p in zip(times.rows, times.placements, strict=True)],
+    }
+
+
+def time_row_json(t: it.IterationTime, p: it.Placement, times: TimeEstimate) -> dict:
+    def bounds(pair: tuple[float, float]) -> dict:
+        return {"throughput_bound": round(pair[0], 4), "decode_bound": round(pair[1], 4)}
+
+    run = tuple(it.run_ratio(r, times.with_teacher, times.iterations) for r in t.over_grpo)
+    return {
+        "name": t.layout,
+        "generate_gpus": p.generating_gpus,
+        "engines": p.engines,
+        "tensor_parallel": p.tensor_parallel,
+        "train_gpus": p.training_gpus,
+        "max_staleness": p.staleness,
+        "generation_s": bounds(t.generation),
+        "pi_old_s": round(t.pi_old, 4),
+        "teacher_s": round(t.teacher, 4),
+        "update_s": round(t.update, 4),
+        "sync_s": t.sync,
+        "sleep_wake_s": t.sleep_wake,
+        "iteration_s": bounds(t.iteration),
+        "over_grpo": bounds(t.over_grpo),
+        "over_grpo_run": bounds((run[0], run[1])),
+    }

@@ -307,6 +307,17 @@ class TeacherSnapshot:
             name: self._keep(value.to(self.saved[name].dtype)) for name, value in found.items() if value is not None
         }
 
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The teacher becomes the whole policy ``weights`` names (a published version, in the
+        policy's names): each process keeps its own share, as :meth:`sync` would have kept it."""
+        missing = [name for name, _ in self.params if name not in weights]
+        if missing:
+            raise SerlError(f"the policy version has no {missing[0]}: it was written for another model")
+        self.saved = {
+            name: self._keep(self.backend.local_part(p, weights[name]).to(self.saved[name])) for name, p in self.params
+        }
+
     def state_file(self, directory: Path) -> Path:
         name = f"teacher_state.rank{self.backend.rank}.pt" if self.backend.sharded else TEACHER_STATE
         return Path(directory) / name

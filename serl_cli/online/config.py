@@ -7,7 +7,6 @@ checked -- ``serl config``, ``serl ablate``'s grids, a run file -- without the l
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -151,7 +150,29 @@ def check_online_config(cfg: OnlineConfig) -> None:
     check_train_config(cfg.train)  # the same for the backend, its DeepSpeed config, LoRA, device, dtype
     check_rollout_config(cfg.rollout)  # the rollouts' and the annotation's numbers, before the model loads
     check_annotate_config(cfg.annotate)
+    check_teacher_partitions(cfg)
     check_group_size(cfg.train.algo, cfg.rollout.group_size)  # last: a setting's own error says more
+
+
+def check_teacher_partitions(cfg: OnlineConfig) -> None:
+    """ZeRO++'s hierarchical partitioning (``zero_hpz_partition_size`` > 1) with a teacher is refused:
+    the teacher swaps its weights into each rank's primary partitions, while DeepSpeed gathers from
+    its secondary, node-local copy whenever one exists and drops that copy only at its optimizer
+    step (DeepSpeed 0.19.8's ``partition_parameters``, ``_post_step``) -- so the teacher would score
+    with the policy's weights, silently, and every SERL weight would be about 1."""
+    from serl_cli.algos.objectives import get_objective
+    from serl_cli.training.deepspeed_config import resolve_config
+
+    if cfg.train.backend != "deepspeed" or not get_objective(cfg.train.algo).needs_annotations:
+        return
+    zero = resolve_config(cfg.train.deepspeed, cfg.train.optim, bf16_available=False, dtype=cfg.train.dtype)
+    hpz = zero["zero_optimization"].get("zero_hpz_partition_size", 1)
+    if isinstance(hpz, int) and hpz > 1:
+        raise SerlError(
+            f"zero_optimization.zero_hpz_partition_size is {hpz} in {cfg.train.deepspeed.config}: {cfg.train.algo}'s "
+            "teacher swaps its weights into ZeRO-3's primary partitions, which DeepSpeed's hpZ copy does not see, so "
+            "it would score with the policy's weights; leave it at 1 for a run with a teacher (docs/SCALING.md)"
+        )
 
 
 def check_staleness(cfg: OnlineConfig) -> None:
@@ -166,16 +187,6 @@ def check_staleness(cfg: OnlineConfig) -> None:
         raise SerlError(
             f"max_staleness {k} must be less than the run's {cfg.iterations} iteration(s): at {cfg.iterations} or "
             "more every rollout would use the starting policy"
-        )
-    if cfg.rollout.engine != "hf":
-        raise SerlError(
-            "max_staleness > 0 makes its rollouts in a producer process on the hf engine; with --engine vllm the "
-            "loop is synchronous for now (docs/SCALING.md: asynchronous layouts)"
-        )
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the launcher's processes (online_ranks.world_size)
-        raise SerlError(
-            "max_staleness > 0 runs one trainer process beside its producer: with the hf engine on several "
-            "trainer processes each generates with its own weights and cannot overlap the update"
         )
     if cfg.train.lora.rank > 0:
         raise SerlError("max_staleness > 0 with LoRA: the producer loads whole policy versions; train without LoRA")

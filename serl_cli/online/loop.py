@@ -113,7 +113,7 @@ from serl_cli.rollout.runner import run_episodes
 from serl_cli.rollout.worlds import build_world, built_split
 from serl_cli.stages.annotate import write_annotations
 from serl_cli.stages.evaluate import model_eval_policy, panel_specs, write_eval
-from serl_cli.stages.rollout import RolloutConfig
+from serl_cli.stages.rollout import RolloutConfig, env_pool
 from serl_cli.training.train_config import recompute_enabled
 
 
@@ -142,7 +142,8 @@ class Loop:
         self.rank, self.size, self.main = self.learner.backend.rank, self.learner.backend.world, self.learner.is_main
         # pi_old by the trainer before anything reads it (the teacher's weights and the PPO ratio)
         self.recompute = self.objective.uses_behaviour_logprobs and recompute_enabled(cfg.train, cfg.rollout.engine)
-        vllm = cfg.rollout.vllm if engine_traits(cfg.rollout.engine).own_weights else None
+        # the trainer's own vLLM engine, synced after each update (at max_staleness > 0 the producer holds it)
+        vllm = cfg.rollout.vllm if engine_traits(cfg.rollout.engine).own_weights and cfg.max_staleness == 0 else None
         self.out = PolicyOut(self.learner, self.teacher, self.engine, vllm)
 
     def iterations(self, on_iteration: Callable[..., object] | None) -> list[Metrics]:
@@ -338,6 +339,7 @@ class Loop:
                     max_turns=ecfg.env.max_turns,
                     batch_size=ecfg.batch_size,
                     step_timeout_s=ecfg.env.step_timeout_s,
+                    pool=env_pool(ecfg),
                 )
         log.phase("eval", time.perf_counter() - t0, f"{len(index)} episode(s) of {len(specs)}", episodes=len(index))
         found = dict(kv for part in self.learner.all_gather(list(zip(index, records, strict=True))) for kv in part)

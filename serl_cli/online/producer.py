@@ -17,7 +17,8 @@ signal. A resumed run needs versions ``start - k .. start``; :func:`prune_versio
 of every checkpoint the run keeps.
 
 **The background producer** (:class:`BackgroundProducer`) is a spawned process with its own
-threads (``producer.threads``) and its own copy of the policy on the hf engine, serving
+threads (``producer.threads``) and its own copy of the policy -- on the hf engine, or with
+``--engine vllm`` a vLLM engine of its own, each version pushed into it -- serving
 requests in order: ``(iteration, version, rollout settings)`` in, the episodes out. It works
 on iteration j + 1 (up to j + k) while the trainer updates on iteration j. It never outlives
 the trainer: the kernel ends it when its parent dies (``PR_SET_PDEATHSIG`` on Linux) and it
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # the environment loads in the producer's process, when it st
     from multiprocessing.connection import Connection
 
     from serl_cli.online.stop import StopRequest, StopSignal
+    from serl_cli.rollout.engines.vllm import VLLMConfig
     from serl_cli.rollout.worlds import EnvConfig
     from serl_cli.stages.rollout import RolloutConfig
 
@@ -161,6 +163,10 @@ class ProducerSetup:
     env: EnvConfig
     threads: int | None = None
     parent: int = field(default_factory=os.getpid)
+    engine: str = "hf"  # hf: its own copy of the policy in torch; vllm: a vLLM engine of its own
+    vllm: VLLMConfig | None = None  # engine vllm: its settings (rollout.vllm)
+    gpus: list[int] | None = None  # engine vllm: the GPUs it runs on (rollout.gpus), apart from the trainer's
+    seed: int = 0  # engine vllm: the engine's own seed (each request is seeded as in the synchronous loop)
 
 
 @dataclass
@@ -181,17 +187,37 @@ class VersionedPolicy:
 
     def __init__(self, setup: ProducerSetup, stop: StopRequest):
         from serl_cli.models.loading import load_model, set_torch_threads
-        from serl_cli.rollout.engines import make_engine
+        from serl_cli.rollout.engines import make_engine, model_engine
         from serl_cli.rollout.worlds import build_world
 
         set_torch_threads(setup.threads)
         self.setup, self.stop = setup, stop
-        self.model, self.tokenizer = load_model(setup.model, setup.dtype, device=setup.device)
-        self.model.config.use_cache = False  # as the trainer's model, which the k = 0 loop generates with
-        self.model.eval()
-        self.engine = make_engine("hf", self.model, self.tokenizer)
+        self.model = None
+        if setup.engine == "vllm":  # the engine loads the starting policy itself; versions are pushed into it
+            self.engine = model_engine(setup.model, engine="vllm", vllm=setup.vllm, seed=setup.seed, gpus=setup.gpus)
+        else:
+            self.model, tokenizer = load_model(setup.model, setup.dtype, device=setup.device)
+            self.model.config.use_cache = False  # as the trainer's model, which the k = 0 loop generates with
+            self.model.eval()
+            self.engine = make_engine("hf", self.model, tokenizer)
         self.world = build_world(setup.env)
         self.version: int | None = None
+
+    def load_version(self, version: int) -> None:
+        """The weights of ``version`` into the engine: copied into the hf copy's parameters, or pushed into
+        vLLM's workers as the synchronous loop's weight sync pushes them (its KV cache reset)."""
+        weights = version_weights(Path(self.setup.run), version)
+        if self.model is None:
+            self.engine.update_weights(weights.items())
+        else:
+            load_into(self.model, weights)
+        self.version = version
+
+    def close(self) -> None:
+        """vLLM's engine process goes with the producer; the hf copy needs nothing."""
+        from serl_cli.rollout.engines import close_engine
+
+        close_engine(self.engine)
 
     def produce(self, iteration: int, version: int, rcfg: RolloutConfig) -> Produced:
         from serl_cli.models.loading import set_torch_threads
@@ -202,8 +228,7 @@ class VersionedPolicy:
 
         t0 = time.perf_counter()
         if version != self.version:  # between batches, never during one
-            load_into(self.model, version_weights(Path(self.setup.run), version))
-            self.version = version
+            self.load_version(version)
         set_torch_threads(self.setup.threads)
         policy = ModelPolicy(StoppableEngine(self.engine, self.stop), rcfg.sampling, rcfg.prompt, seed=rcfg.seed)
         try:
@@ -245,6 +270,7 @@ class InlineProducer:
 
     def close(self) -> None:
         self.pending.clear()
+        self.policy.close()
 
 
 class BackgroundProducer:
@@ -373,12 +399,21 @@ def serve(conn: Connection) -> None:
     """The producer process: the setup, then requests, each answered with its rollouts, until
     the trainer goes (its end of the connection closes, or it is no longer this process's parent)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # preemption: the trainer decides what survives
+    held: list[VersionedPolicy] = []
+
+    def quit_now(*_: object) -> None:  # preemption: the trainer decides what survives; a vLLM engine's process goes too
+        for policy in held:
+            with contextlib.suppress(BaseException):
+                policy.close()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, quit_now)
     try:
         setup = conn.recv()
         die_with_parent(setup.parent)  # again: a spawn not made by BackgroundProducer
         gone = ParentGone(setup.parent)
         policy = VersionedPolicy(setup, gone)
+        held.append(policy)
         idle = time.perf_counter()
         while not gone.requested:
             if not conn.poll(1.0):
@@ -389,13 +424,17 @@ def serve(conn: Connection) -> None:
             produced.idle_s = waited
             conn.send(("done", produced))
             idle = time.perf_counter()
+        quit_now()  # the trainer is gone
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the trainer is gone: nothing to tell
-        return
+        quit_now()
     except BaseException as e:  # everything else goes back to the trainer, in one line
         last = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
         where = f" ({Path(last.filename).name}:{last.lineno})" if last and not isinstance(e, SerlError) else ""
         with contextlib.suppress(OSError):
             conn.send(("error", str(e) if isinstance(e, SerlError) else f"{type(e).__name__}: {e}{where}"))
+        for policy in held:
+            with contextlib.suppress(BaseException):
+                policy.close()
         sys.exit(1)
 
 

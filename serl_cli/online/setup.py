@@ -84,18 +84,17 @@ def prepared_run(cfg: OnlineConfig, stop: StopSignal, *, resume: bool, overwrite
     main = is_main_process()
     cfg.model = resolve_model(rollout_config(cfg), world)  # as the manifest records it
     at = starting_point(cfg, run, resume=resume, overwrite=overwrite, main=main)
-    vllm = engine_traits(cfg.rollout.engine).own_weights  # it loads the policy itself
+    # an engine that loads the policy itself (vLLM) serves the trainer's process; at max_staleness > 0 the
+    # producer runs its own and the trainer evaluates on the hf engine over its weights
+    vllm = engine_traits(cfg.rollout.engine).own_weights and cfg.max_staleness == 0
     engine = vllm_engine(cfg, generators, at.policy_dir) if vllm else None
     source: RolloutSource | None = None
     try:
         learner = Learner(
             at.policy_dir, train_config(cfg), state_file=None if at.last is None else at.last / "trainer_state.pt"
         )
-        if cfg.max_staleness > 0 and learner.backend.sharded:  # before the run directory is touched
-            # the stale teacher and the producer read whole weights from the version files
-            raise SerlError("max_staleness > 0 with ZeRO-3: on one trainer process use ZeRO-1/2 or the torch backend")
         if not vllm:  # hf generates with each process's own learner.model
-            engine = make_engine(cfg.rollout.engine, learner.model, learner.tokenizer)
+            engine = make_engine("hf", learner.model, learner.tokenizer)
         learner.barrier()
         if main:
             record_start(cfg, run, world, at, resume=resume)

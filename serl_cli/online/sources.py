@@ -178,19 +178,27 @@ class Synchronous:
 
 class Lagged:
     """``max_staleness: k > 0``: iteration j's rollouts made by a producer with policy version j - k
-    (the module docstring of :mod:`serl_cli.online.producer` has the schedule)."""
+    (the module docstring of :mod:`serl_cli.online.producer` has the schedule).
+
+    On several trainer processes rank 0 runs the one producer and hands each batch to every process
+    (over the host group); every process takes part in publishing each version (under ZeRO-3 each
+    weight is gathered, a collective), which rank 0 writes, and reads the teacher's versions back,
+    each keeping its own share."""
 
     on_policy = False
 
-    def __init__(self, cfg: OnlineConfig, run: Path, learner: Learner, producer: BackgroundProducer | InlineProducer):
+    def __init__(
+        self, cfg: OnlineConfig, run: Path, learner: Learner, producer: BackgroundProducer | InlineProducer | None
+    ):
         self.cfg, self.run, self.learner, self.producer = cfg, run, learner, producer
         self.interval = versions_interval(cfg)
         self.loaded_teacher: int | None = None  # the version the teacher holds
 
     def request(self, j: int) -> None:
         """Ask the producer for iteration ``j``'s rollouts, with the version the schedule names."""
-        rcfg = rollout_config(self.cfg, j, iter_dir(self.run, j))
-        self.producer.submit(j, rollout_version(j, self.cfg.max_staleness), rcfg)
+        if self.producer is not None:
+            rcfg = rollout_config(self.cfg, j, iter_dir(self.run, j))
+            self.producer.submit(j, rollout_version(j, self.cfg.max_staleness), rcfg)
 
     def prime(self, start: int) -> None:
         for j in range(start, min(start + self.cfg.max_staleness + 1, self.cfg.iterations)):
@@ -204,14 +212,15 @@ class Lagged:
             return
         version = teacher_version(rollout_version(k, self.cfg.max_staleness), self.cfg.annotate.teacher_sync_interval)
         if version != self.loaded_teacher:
-            teacher.load_state_dict(version_weights(self.run, version))
+            teacher.load_weights(version_weights(self.run, version))
             self.loaded_teacher = version
 
     def take(self, k: int, rcfg: RolloutConfig, log: PhaseLog) -> RolloutBatch | None:
-        """Iteration ``k``'s rollouts from the producer, written as the synchronous source writes its
-        own; and how long each side waited for the other."""
+        """Iteration ``k``'s rollouts from the producer (rank 0's, handed to every process), written
+        as the synchronous source writes its own; and how long each side waited for the other."""
         t0 = time.perf_counter()
-        made, waited = self.producer.take(k)
+        made, waited = self.producer.take(k) if self.producer is not None else (None, 0.0)
+        made = self.learner.all_gather(made)[0]  # rank 0's batch, on every process
         if made is None or made.abandoned:
             return None
         log.phase("rollout", made.generate_s, f"version {made.version}, {len(made.episodes)} episode(s)")
@@ -227,25 +236,42 @@ class Lagged:
 
     def after_update(self, k: int, episodes: list[Episode]) -> dict:
         """The new version out, and the rollouts that wait for it asked for."""
-        publish_version(self.run, k + 1, self.learner.stream_weights())
+        publish(self.run, k + 1, self.learner)
         if k + 1 + self.cfg.max_staleness < self.cfg.iterations:
             self.request(k + 1 + self.cfg.max_staleness)
         return stale_stats(episodes, k)
 
     def prune(self, run: Path) -> None:
-        prune_versions(run, oldest_resume(run), self.cfg.max_staleness, self.interval)
+        if self.learner.is_main:
+            prune_versions(run, oldest_resume(run), self.cfg.max_staleness, self.interval)
 
     def close(self) -> None:
-        self.producer.close()  # an asynchronous run's producer never outlives its loop
+        if self.producer is not None:
+            self.producer.close()  # an asynchronous run's producer never outlives its loop
+
+
+def publish(run: Path, version: int, learner: Learner) -> None:
+    """The policy as version ``version``: every process streams its weights (under ZeRO-3 each one
+    gathered, a collective), rank 0 writes the file, and every process waits for it, since each
+    reads its teacher's versions back."""
+    stream = learner.stream_weights()
+    if learner.is_main:
+        publish_version(run, version, stream)
+    else:
+        for _ in stream:  # its part of each weight's gather
+            pass
+    learner.barrier()
 
 
 def lagged_source(cfg: OnlineConfig, run: Path, learner: Learner, start: int, stop: StopSignal) -> Lagged:
-    """The producer of ``max_staleness > 0`` (:mod:`serl_cli.online.producer`), started: version 0
-    published on a fresh run, the versions a resume reads checked first."""
+    """The producer of ``max_staleness > 0`` (:mod:`serl_cli.online.producer`), started on rank 0:
+    version 0 published on a fresh run, the versions a resume reads checked first."""
     if start == 0:
-        publish_version(run, 0, learner.stream_weights())
+        publish(run, 0, learner)
     else:
         check_versions(run, start, cfg.max_staleness, versions_interval(cfg))
+    if not learner.is_main:
+        return Lagged(cfg, run, learner, None)
     setup = ProducerSetup(
         run=str(run),
         model=str(cfg.model),
@@ -253,6 +279,10 @@ def lagged_source(cfg: OnlineConfig, run: Path, learner: Learner, start: int, st
         device=str(learner.backend.device),
         env=cfg.env,
         threads=cfg.producer.threads or cfg.train.threads,
+        engine=cfg.rollout.engine,
+        vllm=cfg.rollout.vllm,
+        gpus=cfg.rollout.gpus,
+        seed=cfg.seed,
     )
     return Lagged(cfg, run, learner, make_producer(cfg.producer.mode, setup, stop))
 

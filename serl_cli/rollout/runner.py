@@ -14,55 +14,17 @@ environment's fault, and still stops the run with its one-line message.
 
 from __future__ import annotations
 
-import signal
-import threading
-import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from envs.base import AuthorsPrompted, EnvError, Step, World
 from envs.base import Episode as EnvEpisode
 from serl_cli.artifacts.records import Episode, Turn
+from serl_cli.rollout.env_pool import EnvPool, RemoteEpisode
+from serl_cli.rollout.env_step import start_episode, step_episode
 from serl_cli.rollout.policies import Decision
 from serl_cli.rollout.prompts import action_format_of
-
-
-class StepTimeout(Exception):
-    """An environment call ran past ``step_timeout_s``."""
-
-
-@contextmanager
-def time_limit(seconds: float | None):
-    """Raise :class:`StepTimeout` in the block after ``seconds``. SIGALRM interrupts a hung
-    Python loop or a blocking call; it exists only on the main thread, so elsewhere (a
-    library embedding serl in a worker thread) the block runs without a limit. A timer already
-    set outside (a test runner's own limit) is put back afterwards with the time it has left."""
-    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise StepTimeout(f"no answer within {seconds:g} s (env.step_timeout_s)")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    outer_left, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
-    started = time.monotonic()
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer_left > 0:  # the outer timer fires at once if its time ran out meanwhile
-            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - started), 1e-3))
-
-
-def _describe(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-    return f"environment {'timed out' if isinstance(e, StepTimeout) else 'raised ' + type(e).__name__}" + (
-        f": {text}" if text else ""
-    )
 
 
 class Policy(Protocol):
@@ -90,11 +52,15 @@ def run_episodes(
     batch_size: int = 64,
     on_episode_done: Callable[[Episode], None] | None = None,
     step_timeout_s: float | None = None,
+    pool: EnvPool | None = None,
 ) -> list[Episode]:
-    """Run ``specs`` with at most ``batch_size`` episodes live at once; records in spec order."""
+    """Run ``specs`` with at most ``batch_size`` episodes live at once; records in spec order.
+    ``pool``: the environments live in its worker processes and each round steps them at once
+    (``rollout.env_workers``; ``serl_cli.rollout.env_pool``), with the same episodes as here."""
+    envs = InProcess(world, split, max_turns, step_timeout_s) if pool is None else InWorkers(pool, split, max_turns)
     records: list[Episode | None] = [None] * len(specs)
     pending = list(range(len(specs)))[::-1]
-    live: list[tuple[int, EnvEpisode, Step, Episode]] = []  # (spec index, episode, current step, record)
+    live: list[tuple[int, Any, Step, Episode]] = []  # (spec index, episode, current step, record)
 
     def close(i: int, rec: Episode) -> None:
         records[i] = rec
@@ -103,13 +69,15 @@ def run_episodes(
 
     def start_more():  # a finished episode's place goes to the next spec, in spec order
         while pending and len(live) < batch_size:
-            i = pending.pop()
-            rec, started = _start(world, split, specs[i], max_turns, step_timeout_s)
-            if started is None:
-                close(i, rec)
-            else:
-                ep, step = started
-                live.append((i, ep, step, rec))
+            places = [pending.pop() for _ in range(min(len(pending), batch_size - len(live)))]
+            for i, (ep, first) in zip(places, envs.start(places, [specs[i] for i in places]), strict=True):
+                rec = _record(specs[i])
+                if ep is None:  # the environment failed to start it: closed as a failure
+                    _fail(rec, first)
+                    close(i, rec)
+                else:
+                    rec.instruction, rec.initial_observation = ep.instruction, first.observation
+                    live.append((i, ep, first, rec))
 
     action_format = action_format_of(world)
     authors_prompt = world.authors_prompt if isinstance(world, AuthorsPrompted) else None  # prompt.style authors
@@ -118,25 +86,74 @@ def run_episodes(
         # one round: the policy decides for every live episode at once, then each environment steps
         contexts = [_context(world, ep, rec, action_format, authors_prompt) for _, ep, _, rec in live]
         decisions = policy.act([step for _, _, step, _ in live], contexts)
-        still_live = []
-        for (i, ep, step, rec), d in zip(live, decisions, strict=True):
-            nxt = _advance(ep, step, d, rec, step_timeout_s)
-            if nxt is None or nxt.done:
+        answers = envs.step([(ep, d.action) for (_, ep, _, _), d in zip(live, decisions, strict=True)])
+        still_live, ended = [], []
+        for (i, ep, step, rec), d, nxt in zip(live, decisions, answers, strict=True):
+            if isinstance(nxt, str):  # the environment failed: the episode ends with the error, the run goes on
+                _fail(rec, nxt)
+            else:
+                _record_turn(rec, step, d, nxt)
+            if isinstance(nxt, str) or nxt.done:
                 close(i, rec)
+                ended.append(ep)
             else:
                 still_live.append((i, ep, nxt, rec))
+        envs.drop(ended)
         live = still_live
         start_more()
     return records  # type: ignore[return-value]
 
 
-def _start(
-    world: World, split: str, spec: EpisodeSpec, max_turns: int | None, step_timeout_s: float | None
-) -> tuple[Episode, tuple[EnvEpisode, Step] | None]:
-    """A new episode of ``spec``'s task and its record, with the episode and its first step; no
-    episode (None) where the environment failed to start it, the record then closed as a failure."""
-    # reward and success are set when the episode ends (_finish, _fail)
-    rec = Episode(
+class InProcess:
+    """The environments in this process, stepped one after another."""
+
+    def __init__(self, world: World, split: str, max_turns: int | None, step_timeout_s: float | None):
+        self.world, self.split, self.max_turns, self.timeout = world, split, max_turns, step_timeout_s
+
+    def start(self, places: list[int], specs: list[EpisodeSpec]) -> list[tuple[EnvEpisode | None, Any]]:
+        """(episode, its first step) per spec; (None, why) where the environment failed to start it."""
+        return [start_episode(self.world, self.split, self.max_turns, spec.task_id, self.timeout) for spec in specs]
+
+    def step(self, moves: list[tuple[EnvEpisode, str]]) -> list[Step | str]:
+        """Each episode's next step, or why the environment failed."""
+        return [step_episode(ep, action, self.timeout) for ep, action in moves]
+
+    def drop(self, episodes: list) -> None:
+        pass
+
+
+class InWorkers:
+    """The environments in a pool's worker processes (``serl_cli.rollout.env_pool``), each round's steps at once."""
+
+    def __init__(self, pool: EnvPool, split: str, max_turns: int | None):
+        self.pool, self.split, self.max_turns, self.call = pool, split, max_turns, pool.new_call()
+
+    def start(self, places: list[int], specs: list[EpisodeSpec]) -> list[tuple[RemoteEpisode | None, Any]]:
+        jobs = [
+            ((self.call, i), self.split, self.max_turns, spec.task_id) for i, spec in zip(places, specs, strict=True)
+        ]
+        out: list[tuple[RemoteEpisode | None, Any]] = []
+        for (key, _, _, task_id), (status, answer) in zip(jobs, self.pool.start(jobs), strict=True):
+            if status == "env_error":
+                raise EnvError(answer)
+            if status == "failed":
+                out.append((None, answer))
+            else:
+                instruction, first, methods = answer
+                out.append((RemoteEpisode(self.pool, key, task_id, instruction, methods), first))
+        return out
+
+    def step(self, moves: list[tuple[RemoteEpisode, str]]) -> list[Step | str]:
+        return [answer for _, answer in self.pool.step([(ep._key, action) for ep, action in moves])]
+
+    def drop(self, episodes: list[RemoteEpisode]) -> None:
+        if episodes:
+            self.pool.drop([ep._key for ep in episodes])
+
+
+def _record(spec: EpisodeSpec) -> Episode:
+    """A new episode's record; reward and success are set when it ends (_finish, _fail)."""
+    return Episode(
         task_id=spec.task_id,
         group_id=spec.group_id,
         rollout_index=spec.rollout_index,
@@ -144,17 +161,6 @@ def _start(
         reward=0.0,
         success=False,
     )
-    try:
-        with time_limit(step_timeout_s):
-            ep = world.new_episode(split, max_turns)
-            step = ep.reset(spec.task_id)
-    except EnvError:
-        raise
-    except Exception as e:  # any failure of the environment ends this episode only
-        _fail(rec, _describe(e))
-        return rec, None
-    rec.instruction, rec.initial_observation = ep.instruction, step.observation
-    return rec, (ep, step)
 
 
 def _context(world: World, ep: EnvEpisode, rec: Episode, action_format, authors_prompt) -> dict:
@@ -170,15 +176,9 @@ def _context(world: World, ep: EnvEpisode, rec: Episode, action_format, authors_
     }
 
 
-def _advance(ep: EnvEpisode, step: Step, d: Decision, rec: Episode, step_timeout_s: float | None) -> Step | None:
-    """Step ``ep`` by the decision and record the turn; the record is closed where the episode ends
-    (done: finished; None: the environment failed, and the turn is not recorded)."""
-    try:
-        with time_limit(step_timeout_s):
-            nxt = ep.step(d.action)
-    except Exception as e:  # the episode ends with the error; the run goes on
-        _fail(rec, _describe(e))
-        return None
+def _record_turn(rec: Episode, step: Step, d: Decision, nxt: Step) -> None:
+    """Record the turn ``d`` played from ``step`` (``nxt``: the environment's answer); the record is
+    closed where the episode ends."""
     feedback = nxt.feedback.to_dict()
     if d.parse_error:  # the policy's reply held no well-formed action: say so, not just "invalid"
         feedback["error"] = d.parse_error
@@ -205,7 +205,6 @@ def _advance(ep: EnvEpisode, step: Step, d: Decision, rec: Episode, step_timeout
     )
     if nxt.done:
         _finish(rec, nxt)
-    return nxt
 
 
 def _finish(rec: Episode, last: Step) -> None:

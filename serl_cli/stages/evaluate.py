@@ -51,6 +51,9 @@ class EvalConfig:
     panel: Panel = setting("first", "which tasks: first (the first N) | spread (N evenly spaced)")
     seed: int = setting(0, "sampling (and the random policy)")
     batch_size: int = setting(64, "episodes live at once", limit=at_least(1, whole=True))
+    env_workers: int = setting(
+        1, "processes the environments step in (rollout.env_workers); same episodes", limit=at_least(1, whole=True)
+    )
     temperature: float = setting(
         0.0, "0: greedy decoding for model policies", limit=at_least(0, "0 (greedy) or positive")
     )
@@ -187,12 +190,14 @@ def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=
 
 
 def panel_specs(cfg: EvalConfig, world) -> list[EpisodeSpec]:
-    """The panel's episodes: ``cfg.episodes`` tasks of the split (all by default), one each."""
+    """The panel's episodes: ``cfg.episodes`` tasks of the split (all by default), one each. Each is its own
+    group, keyed by its task, so under coupled sampling every room draws from its own stream (the same in every
+    evaluation with the seed, whatever the panel's order), not all from group 0's."""
     total = world.num_tasks(cfg.env.split)
     n = total if cfg.episodes is None else cfg.episodes
     if not 0 < n <= total:
         raise SerlError(f"--episodes {n} out of range: the {cfg.env.name} {cfg.env.split} panel has {total} tasks")
-    return [EpisodeSpec(task_id=i) for i in PANELS[cfg.panel](n, total)]
+    return [EpisodeSpec(task_id=i, group_id=i) for i in PANELS[cfg.panel](n, total)]
 
 
 def write_eval(cfg: EvalConfig, world, records: list[Episode], wall: float) -> dict:

@@ -82,6 +82,11 @@ class RolloutConfig:
     batch_size: int = setting(
         64, "episodes live at once (one generate call per turn across them)", limit=at_least(1, whole=True)
     )
+    env_workers: int = setting(
+        1,
+        "processes the environments step in, each round's steps at once (1: in this process); same episodes",
+        limit=at_least(1, whole=True),
+    )
     seed: int = setting(0, "task order and sampling")
     threads: int | None = setting(
         None,
@@ -123,8 +128,9 @@ def rollout_specs(cfg: RolloutConfig, world) -> list[EpisodeSpec]:
 
 
 def collect(cfg, world, specs: list[EpisodeSpec], policy, progress=None) -> list[Episode]:
-    """Run ``specs`` with ``policy``, ``cfg.batch_size`` at a time, in ``cfg.env``; one record per spec,
-    in order. ``cfg``: a :class:`RolloutConfig` or an evaluation's config (both name these settings)."""
+    """Run ``specs`` with ``policy``, ``cfg.batch_size`` at a time, in ``cfg.env``, its environments in
+    ``cfg.env_workers`` processes; one record per spec, in order. ``cfg``: a :class:`RolloutConfig` or an
+    evaluation's config (both name these settings)."""
     return run_episodes(
         world,
         cfg.env.split,
@@ -134,7 +140,17 @@ def collect(cfg, world, specs: list[EpisodeSpec], policy, progress=None) -> list
         batch_size=cfg.batch_size,
         on_episode_done=progress,
         step_timeout_s=cfg.env.step_timeout_s,
+        pool=env_pool(cfg),
     )
+
+
+def env_pool(cfg):
+    """The worker processes ``cfg.env``'s environments step in (``cfg.env_workers`` of them), None for 1."""
+    if cfg.env_workers <= 1:
+        return None
+    from serl_cli.rollout.env_pool import pool_for
+
+    return pool_for(cfg.env, cfg.env_workers, cfg.env.step_timeout_s)
 
 
 def rollout_summary(records: list[Episode], wall: float) -> dict:

@@ -116,6 +116,10 @@ class TorchBackend:
         """The tensor holding this process's values of ``param``: here the whole weight."""
         return param.data
 
+    def local_part(self, param: torch.nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
+        """This process's share of ``whole``, a full value of ``param``, shaped as :meth:`local_values`."""
+        return whole
+
     def release_gathered(self) -> None:
         """Drop every gathered copy of a partitioned weight (none here)."""
 
@@ -208,6 +212,8 @@ class Backend(Protocol):
     def gathered(self, params: list[torch.nn.Parameter]) -> AbstractContextManager: ...
 
     def local_values(self, param: torch.nn.Parameter) -> torch.Tensor: ...
+
+    def local_part(self, param: torch.nn.Parameter, whole: torch.Tensor) -> torch.Tensor: ...
 
     def release_gathered(self) -> None: ...
 

@@ -45,7 +45,7 @@ import torch
 from serl_cli.algos.batch import MicroBatch
 from serl_cli.errors import SerlError
 from serl_cli.training.deepspeed_config import resolve_config, uses_bf16, uses_fp16, zero_stage
-from serl_cli.training.distributed import _choose_accelerator, _import_deepspeed, init_distributed
+from serl_cli.training.distributed import choose_accelerator, host_group, import_deepspeed, init_distributed
 from serl_cli.training.step import ADDITIVE_STATS, LossFn, forward, made_by_wrap, make_optimizer, make_scheduler
 from serl_cli.training.train_config import TrainConfig, scheduled
 
@@ -101,8 +101,8 @@ class DeepSpeedBackend:
             half or torch.float32,
             attention_implementation(cfg.attn_implementation, wanted.device, half or torch.float32),
         )
-        _choose_accelerator(wanted.device)
-        self._deepspeed = _import_deepspeed()
+        choose_accelerator(wanted.device)
+        self._deepspeed = import_deepspeed()
         if wanted.device.type == "cuda":
             torch.cuda.set_device(wanted.device)  # before NCCL starts: each process on its own GPU
         init_distributed(self._deepspeed, wanted.device, cfg.dist_timeout_s)
@@ -110,6 +110,7 @@ class DeepSpeedBackend:
 
         self._dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._host = host_group(cfg.dist_timeout_s) if self.world > 1 else None  # waits and object gathers
         self.is_main = self.rank == 0
         # DeepSpeed's engine and optimizer (no annotations of their own), made by wrap()
         self._engine: Any = None
@@ -189,7 +190,7 @@ class DeepSpeedBackend:
         applied = self.engine.was_step_applied()
         if self.world > 1:
             gathered: list[Any] = [None] * self.world
-            self._dist.all_gather_object(gathered, (stats, total_loss, finite))
+            self._dist.all_gather_object(gathered, (stats, total_loss, finite), group=self._host)
             stats, total_loss = {}, 0.0
             for part, part_loss, part_finite in gathered:
                 finite = finite and part_finite
@@ -249,6 +250,18 @@ class DeepSpeedBackend:
         the whole weight."""
         return param.ds_tensor.data if self.stage == 3 else param.data
 
+    def local_part(self, param: Any, whole: torch.Tensor) -> torch.Tensor:
+        """This process's share of ``whole``, a full value of ``param``, shaped as :meth:`local_values`:
+        under ZeRO-3 the slice DeepSpeed partitions to this rank -- the flattened weight cut into
+        ``world`` equal parts, the last padded with zeros (``partition_parameters._partition_param``)."""
+        if self.stage != 3:
+            return whole
+        n = param.ds_tensor.numel()
+        part = whole.reshape(-1)[self.rank * n : (self.rank + 1) * n]
+        if part.numel() < n:
+            part = torch.cat([part, part.new_zeros(n - part.numel())])
+        return part.reshape(param.ds_tensor.shape)
+
     def release_gathered(self) -> None:
         """Under ZeRO-3 drop every gathered copy, the persistent small weights' included
         (DeepSpeed's ``empty_partition_cache``), so the next forward gathers from the
@@ -294,12 +307,12 @@ class DeepSpeedBackend:
         if self.world == 1:
             return [obj]
         out = [None] * self.world
-        self._dist.all_gather_object(out, obj)
+        self._dist.all_gather_object(out, obj, group=self._host)  # on the host (host_group)
         return out
 
     def barrier(self) -> None:
         if self.world > 1:
-            self._dist.barrier()
+            self._dist.barrier(group=self._host)
 
 
 # The types DeepSpeed pickles into its checkpoint beside tensors and plain values (ZeRO 1-3 on

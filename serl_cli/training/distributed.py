@@ -6,6 +6,8 @@ or loaded under a lock that dies with its holder. The engine itself is :mod:`ser
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.util
 import os
 import socket
@@ -13,6 +15,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -20,7 +23,7 @@ from serl_cli.errors import SerlError
 from serl_cli.training.deepspeed_config import MISSING
 
 
-def _import_deepspeed() -> ModuleType:
+def import_deepspeed() -> ModuleType:
     if importlib.util.find_spec("deepspeed") is None:
         raise SerlError(MISSING)
     import deepspeed
@@ -73,6 +76,21 @@ def every_group_times_out_after(timeout_s: float) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+
+
+def host_group(timeout_s: float) -> Any:
+    """The group serl's own waits and object gathers go over: gloo, on the host. Under NCCL a rank
+    that waits while another generates (rank 0's vLLM engine serves every group; an evaluation's
+    share ends early) sat in an NCCL kernel on its GPU for the whole rollout, a GPU a vLLM
+    tensor-parallel worker shares from another process; and ``all_gather_object`` staged every
+    pickled object through GPU memory. A gloo group waits on a CPU thread and moves the bytes on
+    the host. Where the world group is gloo already (a CPU), it is that group (None). Every process
+    calls this once, in the same order (``new_group`` is a collective)."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def extensions_dir() -> Path:
@@ -148,6 +166,7 @@ def init_distributed(deepspeed: ModuleType, device: torch.device | None = None, 
             if options is not None:  # DeepSpeed adopts a group that is already up (comm/comm.py:878-881)
                 dist.init_process_group(**options)
             deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=timeout_s))
+            atexit.register(leave_group)
             return
         except RuntimeError as e:  # DistNetworkError: a free port picked, then taken by another process
             if not alone or "EADDRINUSE" not in str(e) or attempt == 2:
@@ -156,7 +175,18 @@ def init_distributed(deepspeed: ModuleType, device: torch.device | None = None, 
             os.environ[SOLO_MARK] = f"{os.getpid()}:{os.environ['MASTER_PORT']}"
 
 
-def _choose_accelerator(device: torch.device) -> None:
+def leave_group() -> None:
+    """At exit, the process group taken down while the interpreter still runs: left to static destruction,
+    a gloo group's worker threads were destroyed still joinable now and then, and the process aborted
+    (``terminate called without an active exception``, SIGABRT) after its work was done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def choose_accelerator(device: torch.device) -> None:
     """DeepSpeed picks its accelerator when first imported: CUDA wherever torch sees a GPU.
     ``--device cpu`` on a GPU machine asks for its CPU accelerator instead."""
     if device.type == "cpu" and torch.cuda.is_available():

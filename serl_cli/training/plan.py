@@ -199,10 +199,14 @@ def generation_items(shape: ModelShape, layout: Layout) -> list[Item]:
 
 
 def vllm_asleep(layout: Layout) -> list[Item]:
-    """A colocated vLLM through the trainer's phases: awake (``sleep`` off) its share and its context;
-    asleep its context and what sleep mode keeps."""
+    """A colocated vLLM through the trainer's phases: awake (``sleep`` off, or the producer's engine at
+    ``max_staleness > 0``, which generates while the trainer works) its share and its context; asleep its
+    context and what sleep mode keeps."""
     if not layout.colocated:
         return []
+    if layout.staleness > 0:  # the vLLM producer: its engine generates beside every phase and never sleeps
+        awake = Item("vLLM (producer, awake)", layout.vllm_utilization * layout.gpu_bytes, "max_staleness > 0")
+        return [awake, *vllm_context(layout)]
     if not layout.vllm_sleep:
         awake = Item("vLLM (colocated, awake)", layout.vllm_utilization * layout.gpu_bytes, "rollout.vllm.sleep is off")
         return [awake, *vllm_context(layout)]
@@ -380,6 +384,12 @@ def problems(plan: Plan) -> list[str]:
             f"(largest: {worst.name} {worst.bytes / GiB:.1f} GiB){hint}"
         )
     vllm = plan.vllm or ([] if not layout.colocated else vllm_gpu(shape, layout))
+    if layout.engine_owns_weights and shape.heads % layout.vllm_tp:  # vLLM refuses it at start-up, a minute in
+        fits = [tp for tp in (1, 2, 4, 8) if shape.heads % tp == 0]
+        out.append(
+            f"vLLM splits the {shape.heads} attention heads over rollout.vllm.tensor_parallel_size, which "
+            f"{layout.vllm_tp} does not divide: choose one of {', '.join(map(str, fits))}"
+        )
     if layout.engine_owns_weights:
         kv = next(i for i in vllm if i.name == "KV cache").bytes  # negative: not even the weights fit
         seq = (layout.prompt_tokens + layout.reply_tokens) * kv_bytes_per_token(shape) / layout.vllm_tp

@@ -14,8 +14,9 @@ import pytest
 
 import envs
 from envs.base import EnvError, Feedback, Step, state_key
+from serl_cli.rollout.env_step import time_limit
 from serl_cli.rollout.policies import ExpertPolicy
-from serl_cli.rollout.runner import EpisodeSpec, run_episodes, time_limit
+from serl_cli.rollout.runner import EpisodeSpec, run_episodes
 
 
 class ToyEpisode:

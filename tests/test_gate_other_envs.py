@@ -22,3 +22,28 @@ def test_where_no_move_deadlocks_the_wrong_move_is_an_admissible_one_other_than_
     seen = {episodes[e].turns[t].state_key for e, t, _ in found[:2]}
     _, held = gate.wrong_move_turns(episodes, world, "train", seen=seen)
     assert all(episodes[e].turns[t].state_key not in seen for e, t, _ in held) and len(held) < len(found)
+
+
+def gate_script():
+    """experiments/sokoban/teacher_gate.py, imported as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "sokoban" / "teacher_gate.py"
+    spec = importlib.util.spec_from_file_location("teacher_gate_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gate_script_measures_sokoban_unless_its_config_names_another_environment(tmp_path):
+    """Without --config the panel is Sokoban's (the studies' gate), not the rollout settings' default
+    environment; a run file's environment is used as it is."""
+    from pathlib import Path
+
+    script = gate_script()
+    experiments = Path(__file__).resolve().parents[1] / "experiments"
+    assert script.prompting(str(tmp_path), None).env.name == "sokoban"
+    assert script.prompting(str(tmp_path), None).sampling.max_new_tokens == 3
+    assert script.prompting(str(tmp_path), str(experiments / "smollm2" / "webshop.yaml")).env.name == "webshop"
+    assert script.prompting(str(tmp_path), str(experiments / "smollm2" / "sokoban.yaml")).env.name == "sokoban"

@@ -54,7 +54,7 @@ def panel(
     """The model's own episodes on ``rooms`` tasks of the environment's evaluation split (Sokoban's test rooms;
     WebShop's test goals, ALFWorld's ``valid_unseen`` games where ``--config`` names that environment)."""
     run = out / "panel"
-    env = how.env.name if how.env.name in ("webshop", "alfworld") else "sokoban"
+    env = how.env.name
     split = build_world(EnvConfig(name=env, split=None, settings=how.env.settings)).eval_split
     if not (run / "manifest.json").is_file() or io.load_manifest(run)["stages"]["rollout"]["status"] != "done":
         run_rollout(
@@ -74,11 +74,13 @@ def panel(
 
 
 def prompting(model: str, config: str | None) -> RolloutConfig:
-    """How the panel is prompted and sampled: as the model was trained (its ``serl_prompt.json``) at T 1.0
-    with 3 new tokens, as the online loop samples a warm start; or as ``config`` (a run file) says."""
+    """How the panel is prompted and sampled, and in which environment: Sokoban as the model was trained (its
+    ``serl_prompt.json``) at T 1.0 with 3 new tokens, as the online loop samples a warm start; or as ``config``
+    (a run file) says."""
     if config is not None:
         return api.load_config("rollout", [config])
     return RolloutConfig(
+        env=EnvConfig(name="sokoban"),  # not RolloutConfig's own default environment (WebShop)
         sampling=SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=3),
         prompt=trained_prompt(model) or PromptConfig(),
     )

@@ -80,13 +80,13 @@ class RemoteEpisode:
     ``optimal_actions`` and ``solvable_actions``)."""
 
     def __init__(self, pool: EnvPool, key: Key, task_id: int, instruction: str, methods: list[str]):
-        self._pool, self._key, self._methods = pool, key, set(methods)
+        self._pool, self.key, self._methods = pool, key, set(methods)
         self.task_id, self.instruction = task_id, instruction
 
     def __getattr__(self, name: str):
         if name.startswith("_") or name not in self._methods:
             raise AttributeError(name)
-        return lambda *args: self._pool.call(self._key, name, args)
+        return lambda *args: self._pool.call(self.key, name, args)
 
 
 class EnvPool:

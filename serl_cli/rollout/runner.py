@@ -144,11 +144,11 @@ class InWorkers:
         return out
 
     def step(self, moves: list[tuple[RemoteEpisode, str]]) -> list[Step | str]:
-        return [answer for _, answer in self.pool.step([(ep._key, action) for ep, action in moves])]
+        return [answer for _, answer in self.pool.step([(ep.key, action) for ep, action in moves])]
 
     def drop(self, episodes: list[RemoteEpisode]) -> None:
         if episodes:
-            self.pool.drop([ep._key for ep in episodes])
+            self.pool.drop([ep.key for ep in episodes])
 
 
 def _record(spec: EpisodeSpec) -> Episode:

@@ -82,7 +82,8 @@ def test_who_generates_which_groups_by_engine_and_layout():
 
 def test_data_parallel_engines_need_coupled_draws_and_no_gpus_of_their_own(monkeypatch):
     from serl_cli.online.config import OnlineConfig, check_online_config
-    from serl_cli.rollout.engines.vllm import VLLMConfig, replica_gpus
+    from serl_cli.rollout.engines.vllm import VLLMConfig
+    from serl_cli.rollout.engines.vllm_gpus import replica_gpus
 
     with pytest.raises(SerlError, match="2 vLLM engines sample their own task groups: set rollout.sampling.coupled"):
         check_shares("vllm", sampled=True, coupled=False, world=4, replicas=2)

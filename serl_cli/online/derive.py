@@ -113,6 +113,7 @@ def eval_config(run: OnlineConfig, out: str | Path, model: str | None = None) ->
         seed=run.seed,
         batch_size=rollout.batch_size,
         env_workers=rollout.env_workers,
+        dispatch=rollout.dispatch,
         temperature=run.eval.temperature,
         coupled=rollout.sampling.coupled,
         prompt=copy.deepcopy(rollout.prompt),

@@ -340,6 +340,7 @@ class Loop:
                     batch_size=ecfg.batch_size,
                     step_timeout_s=ecfg.env.step_timeout_s,
                     pool=env_pool(ecfg),
+                    dispatch=ecfg.dispatch,
                 )
         log.phase("eval", time.perf_counter() - t0, f"{len(index)} episode(s) of {len(specs)}", episodes=len(index))
         found = dict(kv for part in self.learner.all_gather(list(zip(index, records, strict=True))) for kv in part)

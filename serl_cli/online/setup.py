@@ -38,7 +38,7 @@ from serl_cli.online.run_file import run_settings
 from serl_cli.online.sources import Generation, RolloutSource, Synchronous, lagged_source
 from serl_cli.online.stop import StopSignal
 from serl_cli.rollout.engines import Engine, close_engine, engine_traits, make_engine
-from serl_cli.rollout.engines.vllm import replica_gpus
+from serl_cli.rollout.engines.vllm_gpus import replica_gpus
 from serl_cli.rollout.worlds import build_world, world_info
 from serl_cli.stages.evaluate import panel_specs
 from serl_cli.stages.rollout import resolve_model, rollout_specs, validate

@@ -155,5 +155,11 @@ class StoppableEngine:
             raise Abandon()
         return self.engine.generate(prompts, sampling, seed, row_seeds=row_seeds)
 
+    def submit(self, key: int, prompt: list[int], sampling: SamplingConfig, seed: int) -> None:
+        """dispatch episode: no turn starts once a stop is requested (the runner cancels those under way)."""
+        if self.stop.requested:
+            raise Abandon()
+        self.engine.submit(key, prompt, sampling, seed)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)

@@ -3,7 +3,9 @@
 Each round of :func:`serl_cli.rollout.runner.run_episodes` steps every live environment after the
 policy has answered them all; in one process those steps run one after another. With ``N`` workers
 each live episode lives in one worker process (episode ``i`` of a call in worker ``i mod N``), every
-worker steps its share at once, and the round waits for the slowest worker instead of the sum.
+worker steps its share at once, and the round waits for the slowest worker instead of the sum. Under
+``rollout.dispatch: episode`` each episode's step is posted to its worker alone (:meth:`EnvPool.post_step`)
+and its answer collected as it comes (:meth:`EnvPool.posted_answers`), while the engine decodes the others.
 
 What stays the same: the episodes. A worker builds the world from the same :class:`EnvConfig`
 (``build_world``), resets the same task and is given the same actions, so its steps are the ones the
@@ -22,8 +24,9 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import signal
+from collections import deque
 from collections.abc import Callable
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from envs.base import EnvError
@@ -111,6 +114,10 @@ class EnvPool:
             self._conns.append(parent)
             self._procs.append(proc)
         self._calls = 0
+        # steps posted one by one (dispatch episode): each worker's keys in the order it answers them,
+        # and answers read early (before another request to the same worker) that await collection
+        self._posted: list[deque[Key]] = [deque() for _ in range(workers)]
+        self._early: list[tuple[Key, Any]] = []
 
     def new_call(self) -> int:
         """A fresh key space for one ``run_episodes`` call (its episodes' places start at 0 again)."""
@@ -126,6 +133,7 @@ class EnvPool:
         for j, (key, _) in enumerate(jobs):
             shares.setdefault(self.worker_of(key), []).append(j)
         for w, js in shares.items():
+            self._settle(w)
             self._send(w, (op, [jobs[j][1] for j in js]))
         out: list[tuple[str, Any]] = [("", None)] * len(jobs)
         for w, js in shares.items():
@@ -142,8 +150,36 @@ class EnvPool:
         """Step each (key, action): ("ok", next step) or ("failed", why)."""
         return self._exchange("step", [(key, (key, action)) for key, action in jobs])
 
+    def post_step(self, key: Key, action: str) -> None:
+        """Hand one episode's action to its worker and return at once (:meth:`posted_answers` collects)."""
+        w = self.worker_of(key)
+        self._send(w, ("step", [(key, action)]))
+        self._posted[w].append(key)
+
+    def posted_answers(self, timeout: float | None = None) -> list[tuple[Key, Any]]:
+        """The posted steps answered so far, as (key, next step or why it failed); waits up to ``timeout``
+        seconds (None: until one is) when none is in yet and some are posted."""
+        out, self._early = self._early, []
+        busy = [w for w in range(self.workers) if self._posted[w]]
+        if out or not busy:
+            return out
+        for conn in wait([self._conns[w] for w in busy], timeout):
+            w = self._conns.index(conn)  # type: ignore[arg-type]
+            out.append(self._take_posted(w))
+        return out
+
+    def _take_posted(self, w: int) -> tuple[Key, Any]:
+        ((_, answer),) = self._recv(w)
+        return self._posted[w].popleft(), answer
+
+    def _settle(self, w: int) -> None:
+        """Read worker ``w``'s answers to posted steps before another request to it (it answers in order)."""
+        while self._posted[w]:
+            self._early.append(self._take_posted(w))
+
     def call(self, key: Key, name: str, args: tuple) -> Any:
         w = self.worker_of(key)
+        self._settle(w)
         self._send(w, ("call", (key, name, args)))
         ((status, value),) = self._recv(w)
         if status == "raised":

@@ -22,11 +22,11 @@ from serl_cli.artifacts.records import Episode
 from serl_cli.config import at_least, setting
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Device, Dtype, check_names
-from serl_cli.rollout.engines import EngineName, ModelPolicy, SamplingConfig, check_engine
+from serl_cli.rollout.engines import EngineName, ModelPolicy, SamplingConfig, check_dispatch, check_engine
 from serl_cli.rollout.engines.vllm import VLLMConfig
 from serl_cli.rollout.policies import ExpertPolicy, RandomPolicy
 from serl_cli.rollout.prompts import PromptConfig, trained_prompt
-from serl_cli.rollout.runner import EpisodeSpec
+from serl_cli.rollout.runner import Dispatch, EpisodeSpec
 from serl_cli.rollout.worlds import EnvConfig, build_world, built_split, world_info
 from serl_cli.stages.rollout import collect
 
@@ -54,6 +54,7 @@ class EvalConfig:
     env_workers: int = setting(
         1, "processes the environments step in (rollout.env_workers); same episodes", limit=at_least(1, whole=True)
     )
+    dispatch: Dispatch = setting("round", "round | episode (rollout.dispatch); same episodes")
     temperature: float = setting(
         0.0, "0: greedy decoding for model policies", limit=at_least(0, "0 (greedy) or positive")
     )
@@ -159,6 +160,7 @@ def check_model_settings(cfg: EvalConfig) -> None:
 def check_eval_config(cfg: EvalConfig) -> None:
     """The evaluation's numbers, each a value it can take: refused in one line before anything loads."""
     cfgmod.check_limits(cfg)  # the declared limits (setting(..., limit=...))
+    check_dispatch(cfg.dispatch, cfg.policy, cfg.engine, cfg.temperature, cfg.coupled)
 
 
 def run_eval(cfg: EvalConfig, *, overwrite: bool = False, progress=None, policy=None) -> dict:

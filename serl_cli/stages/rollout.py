@@ -33,11 +33,18 @@ from serl_cli.artifacts.schema import ROLLOUTS_FILE, read_manifest, rollouts_fin
 from serl_cli.config import at_least, setting, within
 from serl_cli.errors import SerlError
 from serl_cli.models.choices import Device, Dtype, check_names
-from serl_cli.rollout.engines import EngineName, ModelPolicy, SamplingConfig, TokenizedExpertPolicy, make_engine
+from serl_cli.rollout.engines import (
+    EngineName,
+    ModelPolicy,
+    SamplingConfig,
+    TokenizedExpertPolicy,
+    check_dispatch,
+    make_engine,
+)
 from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling
 from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import PromptConfig, check_chat_template_kwargs, check_style
-from serl_cli.rollout.runner import EpisodeSpec, run_episodes
+from serl_cli.rollout.runner import Dispatch, EpisodeSpec, run_episodes
 from serl_cli.rollout.worlds import EnvConfig, build_world, world_info
 
 Policy = Literal["model", "expert"]
@@ -87,6 +94,12 @@ class RolloutConfig:
         "processes the environments step in, each round's steps at once (1: in this process); same episodes",
         limit=at_least(1, whole=True),
     )
+    dispatch: Dispatch = setting(
+        "round",
+        "round: every live episode's turn waits for the round's slowest reply and step | episode (engine vllm, "
+        "greedy or sampling.coupled): each episode's next prompt goes to the engine as soon as its environment "
+        "answers; same episodes",
+    )
     seed: int = setting(0, "task order and sampling")
     threads: int | None = setting(
         None,
@@ -105,6 +118,7 @@ def validate(cfg: RolloutConfig) -> None:
     check_style(cfg.prompt)
     if cfg.policy == "model" and cfg.engine == "vllm":
         check_sampling(cfg.sampling)  # before vLLM starts (a minute), not at its first call
+    check_dispatch(cfg.dispatch, cfg.policy, cfg.engine, cfg.sampling.temperature, cfg.sampling.coupled)
     check_names(cfg.device, cfg.dtype)
 
 
@@ -141,6 +155,7 @@ def collect(cfg, world, specs: list[EpisodeSpec], policy, progress=None) -> list
         on_episode_done=progress,
         step_timeout_s=cfg.env.step_timeout_s,
         pool=env_pool(cfg),
+        dispatch=cfg.dispatch,
     )
 
 
@@ -229,6 +244,54 @@ class JournaledPolicy:
         io.append_journal(self.journal, {"round": self.round, "decisions": [dataclasses.asdict(d) for d in decisions]})
         self.round += 1
         return decisions
+
+
+class JournaledEpisodes:
+    """``dispatch: episode``'s journal: each decision journaled as the policy makes it, keyed by its
+    episode (place in the rollout's specs) and turn; on resume a journaled turn is answered from the
+    journal, the others by the policy, each from its own seed (greedy, or coupled sampling)."""
+
+    def __init__(self, policy, journal: Path, replay: dict[tuple[int, int], dict]):
+        self.policy, self.journal, self.replay = policy, journal, replay
+        self.name = policy.name
+        self._replayed: list[tuple[int, Decision]] = []
+        self._turns: dict[int, int] = {}  # the turn each episode the policy is deciding is at
+
+    def submit(self, key: int, step, ctx: dict) -> None:
+        turn = len(ctx["turns"])
+        saved = self.replay.get((key, turn))
+        if saved is not None:
+            self._replayed.append((key, Decision(**saved)))
+        else:
+            self._turns[key] = turn
+            self.policy.submit(key, step, ctx)
+
+    def finished(self) -> list[tuple[int, Decision]]:
+        out, self._replayed = self._replayed, []
+        for key, d in self.policy.finished() if self.policy.busy else []:
+            unit = {"episode": key, "turn": self._turns.pop(key), "decision": dataclasses.asdict(d)}
+            io.append_journal(self.journal, unit)
+            out.append((key, d))
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._replayed) or self.policy.busy
+
+    def cancel(self) -> None:
+        self.policy.cancel()
+
+
+def journal_replay(journal: Path, header: dict, dispatch: str) -> tuple[list[list[dict]], dict]:
+    """A journal's decisions: by round (dispatch round), or by (episode, turn) (dispatch episode)."""
+    units = io.read_journal(journal, header)
+    if dispatch == "episode":
+        if not all(isinstance(u.get("episode"), int) and isinstance(u.get("turn"), int) for u in units):
+            raise SerlError(f"{journal}: a decision without its episode and turn: pass --overwrite to start again")
+        return [], {(u["episode"], u["turn"]): u["decision"] for u in units}
+    if [u.get("round") for u in units] != list(range(len(units))):
+        raise SerlError(f"{journal}: rounds out of order: the journal was edited; pass --overwrite to start again")
+    return [u["decisions"] for u in units], {}
 
 
 def journal_header(cfg: RolloutConfig, episodes: int) -> dict:
@@ -340,12 +403,10 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         cfg.model = resolve_model(cfg, world)
     header = journal_header(cfg, len(specs))
     replay: list[list[dict]] = []
+    turns: dict[tuple[int, int], dict] = {}
     resuming = resume and not overwrite and journal.exists() and (out / "manifest.json").is_file()
     if resuming:  # check the journal before loading anything
-        units = io.read_journal(journal, header)
-        if [u.get("round") for u in units] != list(range(len(units))):
-            raise SerlError(f"{journal}: rounds out of order: the journal was edited; pass --overwrite to start again")
-        replay = [u["decisions"] for u in units]
+        replay, turns = journal_replay(journal, header, cfg.dispatch)
     set_torch_threads(cfg.threads)
     if model is None and engine is None:
         assert cfg.model is not None  # resolved above, before the journal is checked
@@ -364,13 +425,15 @@ def _run_rollout(cfg: RolloutConfig, out: Path, *, overwrite, resume, progress, 
         model.eval()
     policy = make_rollout_policy(cfg, model, tokenizer, engine)
     if resuming:
-        io.mark_stage(out, "rollout", "running", resumed_from_round=len(replay))
+        resumed = {"resumed_turns": len(turns)} if cfg.dispatch == "episode" else {"resumed_from_round": len(replay)}
+        io.mark_stage(out, "rollout", "running", **resumed)
     else:
         io.make_dir(out)
         io.write_json(out / "manifest.json", io.new_manifest("rollout", io.to_plain(cfg), cfg.seed, world_info(world)))
         io.start_journal(journal, header)
     started = time.time()
-    records = collect(cfg, world, specs, JournaledPolicy(policy, journal, replay), progress)
+    journaled = JournaledEpisodes(policy, journal, turns) if cfg.dispatch == "episode" else None
+    records = collect(cfg, world, specs, journaled or JournaledPolicy(policy, journal, replay), progress)
     wall = time.time() - started
     write_rollouts(out, records)
     summary = rollout_summary(records, wall)

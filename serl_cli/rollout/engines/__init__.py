@@ -126,6 +126,7 @@ class ModelPolicy:
     def __init__(self, engine: Engine, sampling: SamplingConfig, prompt: PromptConfig, seed: int = 0):
         self.engine, self.sampling, self.prompt, self.seed = engine, sampling, prompt, seed
         self.calls = 0
+        self._asked: dict[int, tuple[list[int], dict]] = {}  # dispatch episode: the turns being decided
 
     def prompts(self, steps: list[Step], contexts: list[dict]) -> list[list[int]]:
         return prompts_of(self.engine.tokenizer, self.prompt, steps, contexts)
@@ -142,27 +143,52 @@ class ModelPolicy:
         else:
             gens = self.engine.generate(prompt_ids, self.sampling, seed=seed)
         self.calls += 1
-        decisions = []
-        for ids, gen, ctx in zip(prompt_ids, gens, contexts, strict=True):
-            text = self.engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            invalid = None
-            if self.prompt.style == "authors":  # their projection: the action, and whether the reply is invalid
-                action, error = ctx["authors_prompt"].project(text)
-                invalid = error is not None
-            else:
-                action, error = parse_action(text, ctx.get("action_format") or DEFAULT_ACTION_FORMAT)
-            decisions.append(
-                Decision(
-                    action=action,
-                    text=text,
-                    prompt_ids=ids,
-                    action_ids=gen.token_ids,
-                    logprobs=gen.logprobs,
-                    parse_error=error,
-                    invalid=invalid,
-                )
-            )
-        return decisions
+        return [self.decision(ids, gen, ctx) for ids, gen, ctx in zip(prompt_ids, gens, contexts, strict=True)]
+
+    def decision(self, prompt_ids: list[int], gen: Generation, ctx: dict) -> Decision:
+        """One reply, decoded and parsed into the action the environment is given."""
+        text = self.engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        invalid = None
+        if self.prompt.style == "authors":  # their projection: the action, and whether the reply is invalid
+            action, error = ctx["authors_prompt"].project(text)
+            invalid = error is not None
+        else:
+            action, error = parse_action(text, ctx.get("action_format") or DEFAULT_ACTION_FORMAT)
+        return Decision(
+            action=action,
+            text=text,
+            prompt_ids=prompt_ids,
+            action_ids=gen.token_ids,
+            logprobs=gen.logprobs,
+            parse_error=error,
+            invalid=invalid,
+        )
+
+    # dispatch episode (serl_cli.rollout.runner.run_per_episode): one episode's turn at a time, on an
+    # engine that takes requests one by one (vLLM); each turn's draw is its own (greedy, or coupled)
+
+    def submit(self, key: int, step: Step, ctx: dict) -> None:
+        (prompt_ids,) = self.prompts([step], [ctx])
+        seed = row_seed(self.seed, ctx["row"], len(ctx["turns"])) if self.sampling.temperature > 0 else 0
+        self.engine.submit(key, prompt_ids, self.sampling, seed)  # type: ignore[attr-defined]
+        self._asked[key] = (prompt_ids, ctx)
+
+    def finished(self) -> list[tuple[int, Decision]]:
+        out = []
+        for key, gen in self.engine.finished():  # type: ignore[attr-defined]
+            prompt_ids, ctx = self._asked.pop(key)
+            out.append((key, self.decision(prompt_ids, gen, ctx)))
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._asked)
+
+    def cancel(self) -> None:
+        """Drop the turns being decided (the rollout stopped): the engine stops generating them."""
+        if self._asked:
+            self.engine.cancel()  # type: ignore[attr-defined]
+            self._asked.clear()
 
 
 class TokenizedExpertPolicy:
@@ -199,6 +225,28 @@ class TokenizedExpertPolicy:
                 )
             )
         return out
+
+
+def check_dispatch(dispatch: str, policy: str, engine: str, temperature: float, coupled: bool) -> None:
+    """``rollout.dispatch``: ``episode`` runs a model policy on an engine that takes requests one by one
+    (vLLM), and each turn's draw must be its own (greedy, or coupled) for the episodes to be round dispatch's."""
+    from serl_cli.rollout.runner import DISPATCH
+
+    if dispatch not in DISPATCH:
+        raise SerlError(f"unknown rollout.dispatch {dispatch!r}: choose one of {', '.join(DISPATCH)}")
+    if dispatch == "round":
+        return
+    if policy != "model":
+        raise SerlError(f"rollout.dispatch episode is for a model policy; the {policy} policy decides in rounds")
+    if engine != "vllm":
+        raise SerlError(
+            f"rollout.dispatch episode needs --engine vllm: the {engine} engine decodes a round's prompts as one batch"
+        )
+    if temperature > 0 and not coupled:
+        raise SerlError(
+            "rollout.dispatch episode draws each turn from its own seed: set rollout.sampling.coupled true "
+            "(or sample greedily); batch seeding draws a reply from its place in a round"
+        )
 
 
 def check_engine(kind: str) -> None:

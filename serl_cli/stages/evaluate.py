@@ -54,7 +54,7 @@ class EvalConfig:
     env_workers: int = setting(
         1, "processes the environments step in (rollout.env_workers); same episodes", limit=at_least(1, whole=True)
     )
-    dispatch: Dispatch = setting("round", "round | episode (rollout.dispatch); same episodes")
+    dispatch: Dispatch = setting("round", "round | episode (rollout.dispatch): each episode's turns sent on alone")
     temperature: float = setting(
         0.0, "0: greedy decoding for model policies", limit=at_least(0, "0 (greedy) or positive")
     )

@@ -98,7 +98,7 @@ class RolloutConfig:
         "round",
         "round: every live episode's turn waits for the round's slowest reply and step | episode (engine vllm, "
         "greedy or sampling.coupled): each episode's next prompt goes to the engine as soon as its environment "
-        "answers; same episodes",
+        "answers; the same replies, the log-probs to float32 rounding (docs/VLLM.md)",
     )
     seed: int = setting(0, "task order and sampling")
     threads: int | None = setting(

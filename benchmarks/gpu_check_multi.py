@@ -11,6 +11,10 @@ Layouts, on N GPUs (every one ZeRO-3, ``serl train`` under torchrun, one process
 * ``split``: the trainer on GPUs 0..N-t-1, vLLM with tensor parallel t on the last t GPUs, of
   its own (t = 2 where N >= 3; on 2 GPUs t = 1); the update pushed into it in memory, one
   weight gathered at a time.
+* ``split_nccl``: ``split`` with ``rollout.vllm.sync_path: collective``: each sync an NCCL broadcast from
+  the trainer's rank 0 to the engine's workers (docs/VLLM.md). The JSON records each layout's sync path and
+  the second iteration's largest log-prob gap between the engine and the trainer's π_old
+  (``logp_mismatch_max``): weights the sync left wrong show as a gap far above the ``split`` run's.
 * ``colocated``: the trainer on all N GPUs, one vLLM engine with tensor parallel min(2, N) on the
   first ones (rank 0's, serving every group), asleep while the trainer works
   (``rollout.vllm.sleep``): it starts before the trainer's state is on the GPU.
@@ -56,16 +60,18 @@ def layouts(gpus: int, smoke: bool, have_vllm: bool) -> list[dict]:
         return [dict(name="smoke", processes=2, train_gpus=None, rollout_gpus=None, tp=1, sleep=False, engine=engine)]
     tp = 2 if gpus >= 3 else 1
     both = min(2, gpus)
+    split = dict(
+        name="split",
+        processes=gpus - tp,
+        train_gpus=list(range(gpus - tp)),
+        rollout_gpus=list(range(gpus - tp, gpus)),
+        tp=tp,
+        sleep=False,
+        engine="vllm",
+    )
     return [
-        dict(
-            name="split",
-            processes=gpus - tp,
-            train_gpus=list(range(gpus - tp)),
-            rollout_gpus=list(range(gpus - tp, gpus)),
-            tp=tp,
-            sleep=False,
-            engine="vllm",
-        ),
+        split,
+        split | dict(name="split_nccl", sync_path="collective"),
         dict(
             name="colocated",
             processes=gpus,
@@ -114,6 +120,7 @@ def run_config(layout: dict, model_dir: Path, out: Path, args) -> dict:
                 "max_model_len": args.max_model_len,
                 "sleep": layout["sleep"],
                 "data_parallel": layout.get("data_parallel", False),
+                "sync_path": layout.get("sync_path", "auto"),
             },
         },
         "train": {
@@ -166,6 +173,8 @@ def rank_rows(run: Path, estimate=None, cfg: dict | None = None) -> tuple[list[d
     return rows, {
         "iteration_s": last["iteration_s"],
         "weight_sync_s": last["update"].get("weight_sync_s"),
+        "weight_sync_path": last["update"].get("weight_sync_path"),
+        "logp_mismatch_max": json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]).get("logp_mismatch_max"),
         "iterations": iterations,
         "eval_episodes": evaluated["episodes"],
     }

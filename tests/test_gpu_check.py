@@ -101,14 +101,15 @@ def test_smoke_runs_every_stage_on_cpu(tmp_path):
 
 
 def test_multi_gpu_layouts_by_gpu_count():
-    split, colocated, dp = layouts(4, smoke=False, have_vllm=True)
+    split, split_nccl, colocated, dp = layouts(4, smoke=False, have_vllm=True)
     assert (split["processes"], split["train_gpus"], split["rollout_gpus"], split["tp"]) == (2, [0, 1], [2, 3], 2)
+    assert split_nccl == split | {"name": "split_nccl", "sync_path": "collective"}  # the same, synced by NCCL
     assert not split["sleep"] and colocated["sleep"] and (colocated["processes"], colocated["tp"]) == (4, 2)
     assert dp["data_parallel"] and dp["sleep"] and (dp["processes"], dp["tp"], dp["rollout_gpus"]) == (4, 2, None)
-    split, colocated, dp = layouts(3, smoke=False, have_vllm=True)
+    split, _, colocated, dp = layouts(3, smoke=False, have_vllm=True)
     assert (split["processes"], split["rollout_gpus"], split["tp"], colocated["tp"]) == (1, [1, 2], 2, 2)
     assert (dp["processes"], dp["tp"]) == (3, 1)  # three engines of one GPU each
-    split, colocated, dp = layouts(2, smoke=False, have_vllm=True)  # no room for tensor parallel 2 beside a trainer
+    split, _, colocated, dp = layouts(2, smoke=False, have_vllm=True)  # no room for tensor parallel 2 beside a trainer
     assert (split["processes"], split["rollout_gpus"], split["tp"], colocated["processes"]) == (1, [1], 1, 2)
     assert (dp["processes"], dp["tp"]) == (2, 1)
     (smoke,) = layouts(0, smoke=True, have_vllm=False)
@@ -125,6 +126,7 @@ def test_multi_smoke_times_every_phase_on_two_cpu_ranks(tmp_path):
     (res,) = data["results"]
     assert res["layout"]["name"] == "smoke" and [r["rank"] for r in res["ranks"]] == [0, 1]
     assert res["iterations"] == 2 and res["eval_episodes"] == 2  # a second rollout, then the evaluation
+    assert 0 <= res["logp_mismatch_max"] < 1e-3  # the engine's log-probs against the trainer's pi_old
     for r in res["ranks"]:
         assert r["peak_memory_bytes"] > 0 and r["plan_estimate_bytes"] > 0  # serl plan's estimate beside it
         assert all(r[f"{p}_s"] >= 0 for p in ("rollout", "recompute", "teacher", "update"))

@@ -272,6 +272,24 @@ def test_the_sync_goes_device_to_device_only_where_every_worker_sees_the_trainer
     assert choose("auto", None, [["GPU-a"]]) == ("host", "the weights are in host memory, not on a GPU")
     assert choose("auto", "GPU-a", [])[0] == "host"
     assert choose("host", "GPU-a", [["GPU-a"]]) == ("host", "rollout.vllm.sync_path is host")
+    assert choose("collective", "GPU-a", [["GPU-g"]])[0] == "nccl"  # an engine on GPUs of its own, by broadcast
+    assert choose("collective", None, [])[0] == "gloo"
+    assert choose("collective", "GPU-a", [["GPU-a"]])[0] == "cuda_ipc"  # colocated: NCCL takes no two on one GPU
+
+
+def test_collective_chunks_keep_the_order_the_workers_receive_in(tiny_model_dir):
+    from serl_cli.rollout.engines.vllm_sync import collective_chunks
+
+    model, _ = load_model(str(tiny_model_dir))
+    pairs = list(model.state_dict().items())
+    chunks = list(collective_chunks(pairs, torch.bfloat16, "cpu", limit=40_000))
+    assert len(chunks) > 2 and all(len(rows) == len(ts) for rows, ts in chunks)
+    rows = [row for chunk, _ in chunks for row in chunk]
+    tensors = [t for _, ts in chunks for t in ts]
+    assert [name for name, _, _ in rows] == [name for name, _ in pairs]
+    for (_, dtype, shape), t, (_, original) in zip(rows, tensors, pairs, strict=True):
+        assert dtype == "bfloat16" and shape == list(original.shape) and t.is_contiguous()
+        assert torch.equal(t, original.to(torch.bfloat16))
 
 
 def test_visible_devices_narrows_and_restores(monkeypatch):
@@ -538,10 +556,10 @@ def test_in_memory_sync_serves_what_a_fresh_engine_loads_from_the_checkpoint(
 def test_every_sync_path_leaves_the_workers_the_weights_a_fresh_engine_loads(
     engine, tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
-    """The same update pushed through shared memory and through the RPC itself (a tiny /dev/shm), each
-    loaded chunk by chunk (small chunks: each layer split over several), leaves every parameter and buffer
-    of the worker bit for bit what a fresh engine loads from that update's checkpoint; the path is said
-    once and recorded with each sync."""
+    """The same update pushed through shared memory, through the RPC itself (a tiny /dev/shm) and broadcast
+    in a process group of its own (sync_path collective), each loaded chunk by chunk (small chunks: each layer
+    split over several), leaves every parameter and buffer of the worker bit for bit what a fresh engine loads
+    from that update's checkpoint; the path is said once and recorded with each sync."""
     from serl_cli.rollout.engines import vllm as vllm_engine
     from serl_cli.rollout.engines import vllm_sync
 
@@ -573,8 +591,24 @@ def test_every_sync_path_leaves_the_workers_the_weights_a_fresh_engine_loads(
     by_rpc = engine.update_weights(model.state_dict().items())
     assert by_rpc["weight_sync_path"] == "rpc" and engine.rpc("serl_weight_digest") == [want]
     assert by_rpc["weight_sync_bytes"] == shared["weight_sync_bytes"] > 0
+    # sync_path collective: a broadcast in a group of the trainer and the workers (gloo on a CPU), twice (the
+    # group made at the first sync is kept for the next)
+    small = lambda pairs, dtype, device: vllm_sync.collective_chunks(pairs, dtype, device, 40_000)  # noqa: E731
+    monkeypatch.setattr(vllm_engine, "collective_chunks", small)
+    monkeypatch.setattr(engine.cfg, "sync_path", "collective")
+    engine._path = None
+    for _ in range(2):
+        engine.load_weights(tiny_model_dir)
+        collective = engine.update_weights(model.state_dict().items())
+        assert collective["weight_sync_path"] == "gloo" and engine.rpc("serl_weight_digest") == [want]
+        assert collective["weight_sync_bytes"] == shared["weight_sync_bytes"]
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("serl: weight sync into")]
-    assert said == ["serl: weight sync into the vLLM engine: host (the weights are in host memory, not on a GPU)"]
+    assert said == [
+        "serl: weight sync into the vLLM engine: host (the weights are in host memory, not on a GPU)",
+        "serl: weight sync into the vLLM engine: gloo (rollout.vllm.sync_path is collective, the weights in host "
+        "memory: a gloo broadcast)",
+    ]
+    engine._path = None  # the next test's sync decides again, with the default setting
     engine.load_weights(tiny_model_dir)
 
 

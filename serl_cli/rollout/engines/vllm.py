@@ -17,8 +17,9 @@ policy's state dict, in the engine's dtype, to every worker through vLLM's
 layerwise in-place reload -- ``model.load_weights``, the weight-loading hook TRL's and verl's
 integrations call, plus vLLM's post-load processing of kernel formats. The chunks travel
 device to device by CUDA IPC where the trainer's GPU is one of the engine's (the colocated
-layout), and through host memory otherwise (``sync_path``; the log says which ran, once per
-engine). ``weight_sync: disk`` instead reloads the checkpoint the loop saved
+layout), and through host memory otherwise, or with ``sync_path: collective`` by a broadcast in a
+process group of the trainer and the workers (NCCL for an engine on GPUs of its own; the log says which
+ran, once per engine). ``weight_sync: disk`` instead reloads the checkpoint the loop saved
 (:meth:`VLLMEngine.load_weights`). Either way the prefix cache, which holds keys and values
 of the old weights, is dropped. The online loop streams the weights: under ZeRO-3 one
 gathered at a time, under LoRA merged one layer at a time (``largest`` tells the engine the
@@ -35,6 +36,7 @@ vLLM is an optional extra: it is imported here, inside the engine, never by the 
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -50,13 +52,17 @@ from serl_cli.rollout.engines import Generation, SamplingConfig
 from serl_cli.rollout.engines.vllm_gpus import check_gpus, visible_devices
 from serl_cli.rollout.engines.vllm_sync import (
     WorkerReload,
+    broadcast,
     choose_transport,
+    collective_chunks,
+    free_port,
     ipc_bytes,
     ipc_chunks,
     largest_bytes,
     sendable,
     shared_block,
     shared_chunks,
+    sync_group,
     weight_chunks,
 )
 from serl_cli.rollout.prompts import stop_token_ids
@@ -68,7 +74,7 @@ LOGPROBS_MODE = "processed_logprobs"
 
 WeightSync = Literal["memory", "disk"]
 WEIGHT_SYNC = get_args(WeightSync)
-SyncPath = Literal["auto", "host"]
+SyncPath = Literal["auto", "host", "collective"]
 SYNC_PATHS = get_args(SyncPath)
 
 
@@ -89,7 +95,9 @@ class VLLMConfig:
     sync_path: SyncPath = setting(
         "auto",
         "how a memory sync travels: auto (CUDA IPC, device to device, where the trainer's GPU is one of the "
-        "engine's; host memory otherwise) | host (always through host memory)",
+        "engine's; host memory otherwise) | host (always through host memory) | collective (a broadcast from the "
+        "trainer to the engine's workers in a process group of their own: NCCL GPU to GPU, for an engine on GPUs "
+        "of its own; gloo for weights in host memory)",
     )
     sleep: bool = setting(
         False,
@@ -256,6 +264,7 @@ class VLLMEngine:
         self.name = f"the vLLM engine on GPUs {','.join(map(str, gpus))}" if gpus else "the vLLM engine"
         self._stalled: threading.Thread | None = None  # a call that overran rpc_timeout_s and still runs
         self._path: str | None = None  # how weight syncs travel (_sync_path), decided at the first
+        self._group: tuple | None = None  # sync_path collective: (store, process group) with the workers
         self._requests = 0  # dispatch episode: requests made so far,
         self._keys: dict[str, int] = {}  # and each unfinished one's key
 
@@ -349,6 +358,11 @@ class VLLMEngine:
             for rows in ipc_chunks(pairs, self.dtype):
                 self.rpc("serl_load_ipc", rows)
                 sent += ipc_bytes(rows)
+        elif path in ("nccl", "gloo"):  # sync_path collective: broadcast while the workers receive and load
+            group = self._sync_group(path)
+            for rows, tensors in collective_chunks(pairs, self.dtype, first[1].device if path == "nccl" else "cpu"):
+                self.rpc("serl_load_broadcast", rows, during=functools.partial(broadcast, group, tensors))
+                sent += sum(t.numel() * t.element_size() for t in tensors)
         elif (block := shared_block(size, warn=self._warn_once)) is not None:  # one copy through shared memory
             path = "shared_memory"
             try:
@@ -381,6 +395,20 @@ class VLLMEngine:
             print(f"serl: weight sync into {self.name}: {self._path.replace('_', ' ')} ({why})", file=sys.stderr)
         return self._path
 
+    def _sync_group(self, backend: str):
+        """The process group of the trainer (rank 0) and the engine's workers, made at the first collective
+        sync and kept (``vllm_sync.sync_group``): every member joins at once, so the workers join in the RPC
+        while this process joins beside it."""
+        if self._group is None:
+            port, world, timeout = free_port(), 1 + self.cfg.tensor_parallel_size, self.cfg.rpc_timeout_s
+
+            def join() -> None:
+                self._group = sync_group(backend, port, 0, world, timeout)
+
+            self.rpc("serl_join_sync_group", backend, port, world, timeout, during=join)
+        assert self._group is not None  # joined beside the workers
+        return self._group[1]
+
     def _warn_once(self, why: str) -> None:
         """A note on stderr, once per engine (every sync would meet the same small /dev/shm)."""
         if not getattr(self, "_warned", False):
@@ -400,12 +428,14 @@ class VLLMEngine:
             self.bounded(f"wake_up({part})", lambda: self.llm.wake_up(tags=[part]))
             self.asleep = self.asleep - {part}
 
-    def rpc(self, method: str | Callable[..., Any], *args: Any) -> list:
-        """``method`` on every worker of the engine (vLLM's ``collective_rpc``), bounded by ``rpc_timeout_s``."""
+    def rpc(self, method: str | Callable[..., Any], *args: Any, during: Callable[[], Any] | None = None) -> list:
+        """``method`` on every worker of the engine (vLLM's ``collective_rpc``), bounded by ``rpc_timeout_s``;
+        ``during``: what this process does while the workers run it (its side of a collective)."""
         name = method if isinstance(method, str) else getattr(method, "__name__", "a function")
-        return self.bounded(name, lambda: self.llm.collective_rpc(method, timeout=self.cfg.rpc_timeout_s, args=args))
+        call = lambda: self.llm.collective_rpc(method, timeout=self.cfg.rpc_timeout_s, args=args)  # noqa: E731
+        return self.bounded(name, call, during)
 
-    def bounded(self, what: str, call: Callable[[], Any]) -> Any:
+    def bounded(self, what: str, call: Callable[[], Any], during: Callable[[], Any] | None = None) -> Any:
         """``call()``, or one line naming the engine when it has not returned within ``rpc_timeout_s``. vLLM's
         own timeout holds only under its multiprocess executor (its single-process one runs the call unbounded),
         so the call runs in a thread this one waits for; an overrunning call is left to finish, and the engine
@@ -422,6 +452,12 @@ class VLLMEngine:
 
         thread = threading.Thread(target=run, name=f"serl-vllm-{what}", daemon=True)
         thread.start()
+        try:
+            if during is not None:  # bounded too: a collective's own timeout is rpc_timeout_s
+                during()
+        except Exception as e:
+            self._stalled = thread
+            raise SerlError(f"{self.name}: {what} failed on this side: {str(e).strip().splitlines()[0]}") from None
         thread.join(self.cfg.rpc_timeout_s)
         if thread.is_alive() or isinstance(out.get("error"), TimeoutError):
             self._stalled = thread if thread.is_alive() else None

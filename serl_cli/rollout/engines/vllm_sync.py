@@ -195,15 +195,74 @@ def visible_gpus() -> list[str]:
 def choose_transport(setting: str, source_gpu: str | None, worker_gpus: list[list[str]]) -> tuple[str, str]:
     """How a weight sync travels, and why: ``cuda_ipc`` (device to device, no host hop) where the
     weights are on a GPU every worker of the engine sees -- the colocated layout, the trainer's
-    rank on one of the engine's GPUs -- and ``sync_path`` allows it; otherwise ``host``, through
-    host memory (shared memory, or the RPC itself where ``/dev/shm`` is too small)."""
+    rank on one of the engine's GPUs -- and ``sync_path`` allows it; ``nccl`` (GPU to GPU) or
+    ``gloo`` (weights in host memory) with ``sync_path: collective``, a broadcast in a process group
+    of the trainer and the engine's workers; otherwise ``host``, through host memory (shared memory,
+    or the RPC itself where ``/dev/shm`` is too small)."""
     if setting == "host":
         return "host", "rollout.vllm.sync_path is host"
+    colocated = source_gpu is not None and bool(worker_gpus) and all(source_gpu in seen for seen in worker_gpus)
+    if setting == "collective" and not colocated:  # (NCCL takes no two members on one GPU: colocated is IPC's)
+        if source_gpu is None:
+            return "gloo", "rollout.vllm.sync_path is collective, the weights in host memory: a gloo broadcast"
+        return "nccl", "rollout.vllm.sync_path is collective, the weights on a GPU: an NCCL broadcast"
     if source_gpu is None:
         return "host", "the weights are in host memory, not on a GPU"
-    if not worker_gpus or any(source_gpu not in seen for seen in worker_gpus):
+    if not colocated:
         return "host", "the trainer's GPU is not one the engine's workers see (a split layout)"
     return "cuda_ipc", "the trainer's GPU is one of the engine's: CUDA IPC, device to device"
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the weight-sync group's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def sync_group(backend: str, port: int, rank: int, world: int, timeout_s: float) -> tuple:
+    """A process group of its own between the trainer (rank 0) and an engine's workers (ranks 1 ...),
+    apart from any default group either side has (torchrun's, vLLM's): its TCP store on this host, and
+    ``ProcessGroupNCCL`` or ``ProcessGroupGloo`` on it. Every member blocks here until all have joined.
+    Returns (store, group): the store must live as long as the group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return store, dist.ProcessGroupNCCL(store, rank, world, options)
+    return store, dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def broadcast(group, tensors) -> None:
+    """The trainer's side of a chunk of the collective transport: each tensor to every worker, in order."""
+    for t in tensors:
+        group.broadcast(t, 0).wait()
+
+
+def collective_chunks(pairs, dtype, device, limit: int = SYNC_CHUNK_BYTES):
+    """The collective transport: chunks of ``(name, dtype, shape)`` rows, each with the tensors the
+    trainer broadcasts in that order (in ``dtype``, contiguous, on ``device``: its GPU for NCCL, the
+    CPU for gloo); the workers receive each into a tensor of their own."""
+    rows: list[tuple[str, str, list[int]]] = []
+    tensors: list = []
+    size = 0
+    for name, t in pairs:
+        t = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
+        if rows and size + t.numel() * t.element_size() > limit:
+            yield rows, tensors
+            rows, tensors, size = [], [], 0
+        rows.append((name, str(t.dtype).removeprefix("torch."), list(t.shape)))
+        tensors.append(t)
+        size += t.numel() * t.element_size()
+    if rows:
+        yield rows, tensors
 
 
 class WorkerReload:
@@ -215,6 +274,9 @@ class WorkerReload:
     chunk, :meth:`serl_end_load`. Each layer is processed once all its weights are in, so no
     worker holds a second copy of the whole model -- each tensor-parallel worker staged all of it
     before, host RAM the size of the model per worker."""
+
+    _serl_group: tuple  # the weight-sync group (serl_join_sync_group), and where its tensors are received
+    _serl_group_device: str
 
     if TYPE_CHECKING:  # vLLM's worker, which this class is mixed into, has them
         vllm_config: Any
@@ -250,6 +312,23 @@ class WorkerReload:
     def serl_load_ipc(self, rows) -> int:
         """One chunk opened from the trainer's GPU memory (see :func:`ipc_chunks`)."""
         return self._serl_load(open_ipc(rows))
+
+    def serl_join_sync_group(self, backend: str, port: int, world: int, timeout_s: float) -> None:
+        """Join the trainer's weight-sync group (see :func:`sync_group`) as rank 1 + this worker's rank."""
+        self._serl_group = sync_group(backend, port, 1 + int(getattr(self, "rank", 0)), world, timeout_s)
+        self._serl_group_device = "cuda" if backend == "nccl" else "cpu"
+
+    def serl_load_broadcast(self, rows) -> int:
+        """One chunk the trainer broadcasts in the sync group, tensor by tensor (see :func:`collective_chunks`)."""
+        import torch
+
+        group = self._serl_group[1]
+        weights = []
+        for name, dtype, shape in rows:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self._serl_group_device)
+            group.broadcast(t, 0).wait()
+            weights.append((name, t))
+        return self._serl_load(weights)
 
     def _serl_load(self, weights: list) -> int:
         from vllm.config import set_current_vllm_config

@@ -32,8 +32,9 @@ from serl_cli.errors import SerlError
 from serl_cli.models.loading import load_model
 from serl_cli.rollout.engines import SamplingConfig, make_engine
 from serl_cli.rollout.engines.hf import HFEngine
-from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling, request_seeds
+from serl_cli.rollout.engines.vllm import VLLMConfig
 from serl_cli.rollout.engines.vllm_gpus import check_gpus, visible_devices
+from serl_cli.rollout.engines.vllm_requests import check_sampling, request_seeds
 from serl_cli.rollout.engines.vllm_sync import choose_transport, sendable, unpack_chunk, weight_chunks
 from serl_cli.rollout.prompts import PromptConfig, build_messages, render_prompt_ids
 

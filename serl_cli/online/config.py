@@ -18,8 +18,8 @@ from serl_cli.method.annotate_config import AnnotateConfig
 from serl_cli.method.annotate_config import validate as check_annotate_config
 from serl_cli.rollout.engines import check_engine
 from serl_cli.rollout.engines.vllm import check_config as check_vllm_config
-from serl_cli.rollout.engines.vllm import check_sampling
 from serl_cli.rollout.engines.vllm_gpus import check_gpus
+from serl_cli.rollout.engines.vllm_requests import check_sampling
 from serl_cli.rollout.prompts import check_style
 from serl_cli.rollout.worlds import EnvConfig
 from serl_cli.stages.rollout import RolloutConfig

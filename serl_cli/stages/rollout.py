@@ -41,7 +41,8 @@ from serl_cli.rollout.engines import (
     check_dispatch,
     make_engine,
 )
-from serl_cli.rollout.engines.vllm import VLLMConfig, check_sampling
+from serl_cli.rollout.engines.vllm import VLLMConfig
+from serl_cli.rollout.engines.vllm_requests import check_sampling
 from serl_cli.rollout.policies import Decision, ExpertPolicy
 from serl_cli.rollout.prompts import PromptConfig, check_chat_template_kwargs, check_style
 from serl_cli.rollout.runner import Dispatch, EpisodeSpec, run_episodes
